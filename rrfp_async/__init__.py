@@ -1,0 +1,1 @@
+"""rrfp_async: readiness-first pipeline-parallel training steps on asyncio."""

@@ -1,0 +1,136 @@
+"""Admission of forwards under an in-flight activation bound, deadlock-free by construction.
+
+Design note
+-----------
+A readiness-first stage may run a task out of its hint order. Two things can then go wrong
+with memory: (1) it stashes more activations than the fixed order would, and (2) it fills
+its bound with forwards that cannot complete, while the task that would unblock the
+pipeline (say, a later-chunk forward of an earlier microbatch in an interleaved schedule)
+waits for a slot that never frees: a deadlock.
+
+The ledger prevents both with a banker's-algorithm check against the hint. The hint is a
+*safe sequence*: validated to fit the bound when run in order, and, across ranks, free of
+waiting cycles. The ledger keeps the invariant
+
+    inflight + max prefix sum of the remaining hint's deltas  <=  bound
+
+(delta: +1 for a forward, -1 for the backward that frees it, 0 for W). While it holds, the
+remaining hint can still be run strictly from here, on every rank, so the step can always
+finish. A backward never breaks it. A forward at hint position k keeps it exactly when
+
+    inflight + 1 + max prefix sum of the remaining hint strictly before k  <=  bound,
+
+so that is the admission test. The hint's next task always passes it, so strict execution
+is never refused, and a readiness-first dispatcher can never deadlock on a valid hint.
+
+The scan runs from the first unstarted hint position to k; dispatchers mostly pick tasks
+near the head, so it is short.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from ._tasks import Task, activation_delta
+
+__all__ = ["AdmissionLedger", "hint_peak"]
+
+
+def hint_peak(order: Sequence[Task]) -> int:
+    """The most activations in flight when ``order`` runs strictly, start to end."""
+    c = peak = 0
+    for t in order:
+        c += activation_delta(t.kind)
+        peak = max(peak, c)
+    return peak
+
+
+class AdmissionLedger:
+    """In-flight activation accounting of one rank for one step, against a safe order.
+
+    Args:
+        order: The rank's hint (the safe sequence); it must fit ``bound`` when run in order.
+        bound: The admission bound (most activations in flight at once).
+
+    The caller calls ``start(task)`` when a task is dispatched and ``finish(task)`` when it
+    completes; ``admissible(task)`` says whether dispatching it now keeps the step safe.
+    """
+
+    __slots__ = ("_delta", "_done", "_head", "_pos", "bound", "inflight", "peak")
+
+    def __init__(self, order: Sequence[Task], bound: int, pos: dict[Task, int] | None = None):
+        self._pos = pos if pos is not None else {t: i for i, t in enumerate(order)}
+        self._delta = [activation_delta(t.kind) for t in order]
+        self._done = bytearray(len(order))
+        self._head = 0
+        self.bound = bound
+        self.inflight = 0
+        self.peak = 0
+
+    @property
+    def head(self) -> int:
+        """Hint position of the first task not yet started."""
+        return self._head
+
+    def admissible_at(self, k: int) -> bool:
+        """Whether the task at hint position ``k`` may start now."""
+        if self._delta[k] <= 0:
+            return True
+        c = self.inflight + 1
+        if c > self.bound:
+            return False
+        s = 0
+        m = 0
+        done = self._done
+        delta = self._delta
+        for j in range(self._head, k):
+            if not done[j]:
+                s += delta[j]
+                if s > m:
+                    m = s
+        return c + m <= self.bound
+
+    def filter_admissible(self, ready: Sequence[int]) -> list[int]:
+        """The admissible positions among ``ready`` (sorted ascending), in one pass."""
+        out: list[int] = []
+        delta = self._delta
+        bound = self.bound
+        c = self.inflight + 1
+        if c > bound:
+            return [k for k in ready if delta[k] <= 0]
+        done = self._done
+        s = m = 0
+        j = self._head
+        for k in ready:
+            while j < k:
+                if not done[j]:
+                    s += delta[j]
+                    if s > m:
+                        m = s
+                j += 1
+            if delta[k] <= 0 or c + m <= bound:
+                out.append(k)
+        return out
+
+    def admissible(self, task: Task) -> bool:
+        """Whether ``task`` may start now (see the module's design note)."""
+        return self.admissible_at(self._pos[task])
+
+    def start_at(self, k: int) -> None:
+        """Record that the task at hint position ``k`` was dispatched."""
+        self._done[k] = 1
+        if self._delta[k] > 0:
+            self.inflight += 1
+            if self.inflight > self.peak:
+                self.peak = self.inflight
+        if k == self._head:
+            n = len(self._done)
+            h = k + 1
+            while h < n and self._done[h]:
+                h += 1
+            self._head = h
+
+    def finish_at(self, k: int) -> None:
+        """Record that the task at hint position ``k`` completed (frees its activation)."""
+        if self._delta[k] < 0:
+            self.inflight -= 1

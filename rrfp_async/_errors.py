@@ -1,0 +1,132 @@
+"""Every error rrfp_async raises, in one place.
+
+The hierarchy::
+
+    RRFPError                       base of everything raised on purpose
+    ├── HintError (ValueError)      a hint (schedule order) is invalid for the step plan;
+    │                               raised before the step starts
+    ├── PlanError (ValueError)      a topology, step plan, workload or config is invalid
+    ├── PolicyError                 a policy plug-in misbehaved (raised, returned a task
+    │                               that is not ready or not admitted, is no coroutine)
+    ├── DeadlockError               a step cannot finish: nothing ready, nothing running,
+    │                               nothing in flight (carries the rank x task grid)
+    ├── ChannelError                a message could not be moved
+    │   ├── ProtocolError           a corrupt or unexpected header / message
+    │   └── PeerError               a peer died or closed the connection
+    ├── DivergenceError             TP ranks of a stage would run different task sequences
+    └── StepTimeoutError            the watchdog fired: a step ran past its time limit
+
+Every message says which rank, which step and which task, and what was waited for.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "ChannelError",
+    "DeadlockError",
+    "DivergenceError",
+    "HintError",
+    "PeerError",
+    "PlanError",
+    "PolicyError",
+    "ProtocolError",
+    "RRFPError",
+    "StepTimeoutError",
+]
+
+
+class RRFPError(Exception):
+    """Base class of every error rrfp_async raises on purpose.
+
+    Catch this to handle any runtime failure of a step; the subclasses say what went wrong.
+    """
+
+
+class HintError(RRFPError, ValueError):
+    """A hint (a per-rank task order) is invalid for the step plan.
+
+    Raised before a step starts: a task missing or repeated, a task placed on the wrong
+    rank, an order that runs a task before a dependency on the same rank, an order whose
+    ranks wait for each other in a cycle, or an order that needs more in-flight activations
+    than the admission bound allows. The message names the rank and the task.
+    """
+
+
+class PlanError(RRFPError, ValueError):
+    """A topology, step plan, workload, cost model or configuration value is invalid."""
+
+
+class PolicyError(RRFPError):
+    """A policy plug-in misbehaved.
+
+    Raised when a policy is not a coroutine function, raises, or returns a task that is
+    not in the ready view (not ready, not admitted, not of this rank, already run). The
+    message names the policy, the rank, the step and the task.
+
+    Attributes:
+        policy: The policy's name.
+        rank: The pipeline rank whose stage loop called the policy (None at registration).
+        step: The step number (None at registration).
+        task: The task the policy returned, when it returned one.
+    """
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        policy: str,
+        rank: int | None = None,
+        step: int | None = None,
+        task: object | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.policy = policy
+        self.rank = rank
+        self.step = step
+        self.task = task
+
+
+class DeadlockError(RRFPError):
+    """A step cannot finish: no task is ready, none is running and no message is in flight.
+
+    The message carries a grid, one row per rank, that shows the remaining tasks in hint
+    order and, for each blocked one, what it waits for (a message from which rank, a
+    local task, or the admission bound).
+
+    Attributes:
+        step: The step that deadlocked.
+        grid: The rank x task grid as text (also part of the message).
+    """
+
+    def __init__(self, message: str, *, step: int, grid: str) -> None:
+        super().__init__(f"{message}\n{grid}")
+        self.step = step
+        self.grid = grid
+
+
+class ChannelError(RRFPError):
+    """A message could not be moved between stages."""
+
+
+class ProtocolError(ChannelError):
+    """A corrupt or unexpected message: bad header, unknown task, duplicate, wrong step.
+
+    The message names the edge (source and destination rank) and the sequence number.
+    """
+
+
+class PeerError(ChannelError):
+    """A peer process died, closed the connection, or stopped answering."""
+
+
+class DivergenceError(RRFPError):
+    """The TP ranks of a stage would execute different task sequences.
+
+    Raised by a follower that receives a decision with a sequence gap or a task it does
+    not know, and by the optional post-step cross-check. Collectives inside a task would
+    not match, so nothing is computed silently.
+    """
+
+
+class StepTimeoutError(RRFPError):
+    """A step exceeded its watchdog time limit; the message points to the state dump."""

@@ -1,0 +1,93 @@
+"""Executors: what a stage does to run one task.
+
+An executor has one coroutine method, ``execute(task, data, ctx) -> output``. ``data`` is the
+task's input: the microbatch for a first-stage forward, the received activation for a
+forward, the received gradient for a backward (None on the last stage, whose backward starts
+from the loss) and None for ``W``. The output is the tensor sent on (activation or input
+gradient), or None.
+
+``CostModelExecutor`` only lets time pass: it awaits each task's duration on the running
+loop's clock, which is virtual in a simulation and real in a local pipeline.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol, runtime_checkable
+
+from ._costs import CostModel, Durations, Microbatch
+from ._errors import PlanError
+from ._tasks import StepPlan, Task
+
+__all__ = ["CostModelExecutor", "Executor", "TaskContext"]
+
+
+@dataclass(frozen=True, slots=True)
+class TaskContext:
+    """Where a task runs.
+
+    Attributes:
+        rank: The pipeline rank.
+        step: The step number.
+        plan: The step plan.
+        microbatches: The step's microbatches as given to ``run_step``.
+    """
+
+    rank: int
+    step: int
+    plan: StepPlan
+    microbatches: Sequence[Any]
+
+
+@runtime_checkable
+class Executor(Protocol):
+    """Runs the tasks of one stage."""
+
+    async def execute(self, task: Task, data: Any, ctx: TaskContext, /) -> Any:
+        """Run ``task`` on ``data``; return the tensor to send on (or None)."""
+
+
+class CostModelExecutor:
+    """An executor that only lets each task's duration pass on the loop clock.
+
+    Args:
+        durations: Fixed durations for every step, a callable ``(step, microbatches) ->
+            Durations`` evaluated once per step, or a ``CostModel`` whose realized durations
+            (seeded by ``seed`` and the step number) price each step's microbatches (which
+            must then be ``Microbatch`` objects).
+        seed: Seed of the realized jitter when ``durations`` is a ``CostModel``.
+    """
+
+    def __init__(
+        self,
+        durations: Durations | CostModel | Callable[[int, Sequence[Any]], Durations],
+        *,
+        seed: int = 0,
+    ) -> None:
+        self._source = durations
+        self._seed = seed
+        self._cache: tuple[int, Durations] | None = None
+
+    def durations_for(self, step: int, plan: StepPlan, microbatches: Sequence[Any]) -> Durations:
+        """The durations this executor uses in ``step`` (computed once per step)."""
+        if self._cache is not None and self._cache[0] == step:
+            return self._cache[1]
+        src = self._source
+        if isinstance(src, Durations):
+            d = src
+        elif isinstance(src, CostModel):
+            if not all(isinstance(m, Microbatch) for m in microbatches):
+                raise PlanError("a CostModel executor needs Microbatch objects to price")
+            d = src.realize(plan, microbatches, seed=hash((self._seed, step)) & 0xFFFFFFFF)
+        else:
+            d = src(step, microbatches)
+        self._cache = (step, d)
+        return d
+
+    async def execute(self, task: Task, data: Any, ctx: TaskContext, /) -> Any:
+        """Await ``task``'s duration; pass no tensor on."""
+        d = self.durations_for(ctx.step, ctx.plan, ctx.microbatches).of(task)
+        await asyncio.sleep(d)
+        return None

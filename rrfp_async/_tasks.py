@@ -1,0 +1,284 @@
+"""The schedule IR: tasks, the pipeline topology and the dependency graph of one step.
+
+Everything here is plain, immutable data with pure functions; every other layer imports it.
+
+Text form of a task (the same as torch.distributed.pipelining's actions)::
+
+    2F3   virtual stage 2, forward,                microbatch 3
+    0B1   virtual stage 0, full backward,          microbatch 1
+    5I0   virtual stage 5, backward for the input, microbatch 0
+    5W0   virtual stage 5, backward for weights,   microbatch 0
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from functools import cached_property
+from typing import Literal, NamedTuple, TypeAlias
+
+from ._errors import PlanError
+
+__all__ = [
+    "BACKWARD",
+    "BACKWARD_INPUT",
+    "BACKWARD_WEIGHT",
+    "FORWARD",
+    "Kind",
+    "Placement",
+    "StepPlan",
+    "Task",
+    "Topology",
+]
+
+Kind: TypeAlias = Literal["F", "B", "I", "W"]
+"""Task kind: ``F`` forward, ``B`` full backward, ``I`` input-gradient, ``W`` weight-gradient."""
+
+FORWARD: Kind = "F"
+BACKWARD: Kind = "B"
+BACKWARD_INPUT: Kind = "I"
+BACKWARD_WEIGHT: Kind = "W"
+
+Placement: TypeAlias = Literal["interleaved", "vshape"]
+
+_TASK_RE = re.compile(r"^\s*(\d+)\s*([FBIW])\s*(\d+)\s*$")
+
+
+class Task(NamedTuple):
+    """One unit of work of a pipeline step: a kind of pass of one microbatch on one stage.
+
+    A task is a plain, hashable value (a named tuple: hashing and comparison run at C
+    speed, which keeps the simulator fast). Its text form is ``{stage}{kind}{microbatch}``,
+    e.g. ``2F3``; ``Task.parse`` reads it back.
+
+    Attributes:
+        stage: The virtual stage (0 .. stages*chunks - 1).
+        kind: ``"F"``, ``"B"``, ``"I"`` or ``"W"``.
+        mb: The microbatch index.
+    """
+
+    stage: int
+    kind: Kind
+    mb: int
+
+    def __str__(self) -> str:
+        return f"{self.stage}{self.kind}{self.mb}"
+
+    def __repr__(self) -> str:
+        return f"Task({self.stage}{self.kind}{self.mb})"
+
+    @classmethod
+    def parse(cls, text: str) -> Task:
+        """Parse the compact text form, e.g. ``"2F3"``.
+
+        Raises:
+            ValueError: The text is not of the form ``{stage}{F|B|I|W}{microbatch}``.
+        """
+        m = _TASK_RE.match(text)
+        if m is None:
+            raise ValueError(
+                f"cannot parse task {text!r}: expected '{{stage}}{{F|B|I|W}}{{microbatch}}',"
+                " e.g. '2F3'"
+            )
+        kind: Kind = m.group(2)  # type: ignore[assignment]
+        return cls(int(m.group(1)), kind, int(m.group(3)))
+
+
+def format_tasks(tasks: Iterable[Task]) -> str:
+    """The compact text form of a task sequence, space separated (``"0F0 0F1 0B0"``)."""
+    return " ".join(map(str, tasks))
+
+
+def parse_tasks(text: str) -> list[Task]:
+    """Parse a whitespace- or comma-separated sequence of tasks (inverse of ``format_tasks``)."""
+    return [Task.parse(tok) for tok in re.split(r"[\s,]+", text.strip()) if tok]
+
+
+@dataclass(frozen=True, kw_only=True)
+class Topology:
+    """Placement of virtual stages on pipeline ranks: P ranks x V chunks per rank.
+
+    Interleaved placement (Megatron, torch): virtual stage ``v`` lives on rank ``v % P``.
+    V-shape placement (zero-bubble ZB-V): chunk ``c`` goes down the ranks when ``c`` is even
+    and back up when it is odd, so the last stage lands on rank 0.
+
+    Attributes:
+        stages: Number of pipeline ranks P (>= 1).
+        chunks: Number of model chunks per rank V (>= 1).
+        placement: ``"interleaved"`` (default) or ``"vshape"``.
+    """
+
+    stages: int
+    chunks: int = 1
+    placement: Placement = "interleaved"
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.stages, int) or self.stages < 1:
+            raise PlanError(f"stages must be an int >= 1, got {self.stages!r}")
+        if not isinstance(self.chunks, int) or self.chunks < 1:
+            raise PlanError(f"chunks must be an int >= 1, got {self.chunks!r}")
+        if self.placement not in ("interleaved", "vshape"):
+            raise PlanError(
+                f"placement must be 'interleaved' or 'vshape', got {self.placement!r}"
+            )
+
+    @property
+    def num_virtual(self) -> int:
+        """Number of virtual stages, P * V."""
+        return self.stages * self.chunks
+
+    @cached_property
+    def _rank_of(self) -> tuple[int, ...]:
+        p = self.stages
+        out = []
+        for v in range(self.num_virtual):
+            c, r = divmod(v, p)
+            if self.placement == "vshape" and c % 2 == 1:
+                r = p - 1 - r
+            out.append(r)
+        return tuple(out)
+
+    def rank_of(self, stage: int) -> int:
+        """The pipeline rank that runs virtual stage ``stage``."""
+        return self._rank_of[stage]
+
+    def stages_of(self, rank: int) -> tuple[int, ...]:
+        """The virtual stages of ``rank``, in chunk order."""
+        return tuple(v for v, r in enumerate(self._rank_of) if r == rank)
+
+
+_DELTA = {"F": 1, "B": -1, "I": -1, "W": 0}
+
+
+def activation_delta(kind: Kind) -> int:
+    """How a task of ``kind`` changes its rank's in-flight activation count.
+
+    A forward stashes one activation (+1); the backward that consumes it (``B``, or ``I``
+    when the backward is split) frees it (-1); ``W`` holds no extra activation (0). This is
+    the accounting of the admission bound.
+    """
+    return _DELTA[kind]
+
+
+@dataclass(frozen=True, kw_only=True)
+class StepPlan:
+    """The tasks of one step and their dependencies.
+
+    Dependencies: ``F(m,v)`` after ``F(m,v-1)``; ``B(m,v)`` (or ``I(m,v)``) after ``F(m,v)``
+    and after ``B(m,v+1)`` (or ``I(m,v+1)``); ``W(m,v)`` after ``I(m,v)``. A *data*
+    dependency carries a tensor (activation or gradient) and crosses ranks when the two
+    stages live on different ranks; the others are local.
+
+    Attributes:
+        topology: The rank x chunk placement.
+        microbatches: Number of microbatches M (>= 1).
+        split_backward: When true the backward is split into ``I`` and ``W`` tasks.
+    """
+
+    topology: Topology
+    microbatches: int
+    split_backward: bool = False
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.microbatches, int) or self.microbatches < 1:
+            raise PlanError(f"microbatches must be an int >= 1, got {self.microbatches!r}")
+
+    @property
+    def stages(self) -> int:
+        """Number of pipeline ranks P."""
+        return self.topology.stages
+
+    @property
+    def num_virtual(self) -> int:
+        """Number of virtual stages P * V."""
+        return self.topology.num_virtual
+
+    @property
+    def backward_kind(self) -> Kind:
+        """``"I"`` when the backward is split, else ``"B"``."""
+        return BACKWARD_INPUT if self.split_backward else BACKWARD
+
+    @property
+    def kinds(self) -> tuple[Kind, ...]:
+        """The task kinds of this plan."""
+        return ("F", "I", "W") if self.split_backward else ("F", "B")
+
+    def rank_of(self, task: Task) -> int:
+        """The pipeline rank that runs ``task``."""
+        return self.topology.rank_of(task.stage)
+
+    def tasks_of(self, rank: int) -> list[Task]:
+        """Every task of ``rank`` in a canonical order (stage, kind, microbatch)."""
+        return [
+            Task(v, k, m)
+            for v in self.topology.stages_of(rank)
+            for k in self.kinds
+            for m in range(self.microbatches)
+        ]
+
+    def all_tasks(self) -> Iterator[Task]:
+        """Every task of the step, rank by rank."""
+        for r in range(self.stages):
+            yield from self.tasks_of(r)
+
+    def data_producer(self, task: Task) -> Task | None:
+        """The task whose output (activation or gradient) ``task`` consumes, if any.
+
+        The first stage's forward reads the microbatch and the last stage's backward reads
+        the loss, so they have no data producer.
+        """
+        v, k, m = task
+        if k == "F":
+            return Task(v - 1, "F", m) if v > 0 else None
+        if k in ("B", "I"):
+            return Task(v + 1, self.backward_kind, m) if v < self.num_virtual - 1 else None
+        return None
+
+    def local_producer(self, task: Task) -> Task | None:
+        """The same-stage task ``task`` must follow (``F`` before ``B``/``I``, ``I`` before ``W``)."""
+        v, k, m = task
+        if k in ("B", "I"):
+            return Task(v, "F", m)
+        if k == "W":
+            return Task(v, "I", m)
+        return None
+
+    def producers(self, task: Task) -> tuple[Task, ...]:
+        """All tasks ``task`` depends on."""
+        return tuple(p for p in (self.local_producer(task), self.data_producer(task)) if p)
+
+    def data_consumer(self, task: Task) -> Task | None:
+        """The task that consumes ``task``'s output tensor, if any (inverse of data_producer)."""
+        v, k, m = task
+        if k == "F":
+            return Task(v + 1, "F", m) if v < self.num_virtual - 1 else None
+        if k in ("B", "I"):
+            return Task(v - 1, k, m) if v > 0 else None
+        return None
+
+    def consumers(self, task: Task) -> tuple[Task, ...]:
+        """All tasks that depend on ``task``."""
+        v, k, m = task
+        out: list[Task] = []
+        c = self.data_consumer(task)
+        if c is not None:
+            out.append(c)
+        if k == "F":
+            out.append(Task(v, self.backward_kind, m))
+        elif k == "I":
+            out.append(Task(v, "W", m))
+        return tuple(out)
+
+    def contains(self, task: Task) -> bool:
+        """Whether ``task`` belongs to this step."""
+        return (
+            0 <= task.stage < self.num_virtual
+            and task.kind in self.kinds
+            and 0 <= task.mb < self.microbatches
+        )
+
+    @property
+    def num_tasks(self) -> int:
+        """Total number of tasks in the step."""
+        return self.num_virtual * self.microbatches * len(self.kinds)

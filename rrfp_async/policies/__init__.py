@@ -1,0 +1,1 @@
+"""Hints (schedule orders) and policies (coroutines that pick among ready tasks)."""

@@ -1,0 +1,520 @@
+"""Hints: per-rank task orders. A hint ranks tasks; a policy decides how strictly to obey it.
+
+A hint is plain data, ``dict[rank, list[Task]]``, produced by a pure generator from the step
+plan and (for cost-aware hints) the declared durations of the step's microbatches, so a
+hint may be recomputed every step from microbatch metadata. ``validate_hint`` checks a hint
+before a step starts.
+
+Built-in generators (``HINTS``; names are case-insensitive, ``-`` and ``_`` are equal):
+
+=========================  ==============================================================
+``gpipe``                  all forwards, then all backwards, microbatch order (V = 1)
+``1f1b``                   Megatron's one-forward-one-backward order (V = 1)
+``interleaved_1f1b``       torch's ``ScheduleInterleaved1F1B`` order (interleaved placement)
+``looped_bfs``             torch's ``ScheduleLoopedBFS`` order
+``zb_h1``                  zero-bubble ZB-H1 (split backward: ``W`` deferred into bubbles)
+``breadth_first``          "BF", reading 1: all forwards before any backward, chunk by chunk
+``breadth_first_weighted`` "BFW", reading 1: cost-aware list schedule, highest remaining
+                           work first, under the 1F1B admission bound
+``backward_first``         "BF", reading 2: cost-aware list schedule, backwards before
+                           forwards, under the 1F1B admission bound
+``backward_forward_warmup`` "BFW", reading 2: warm-up forwards, then alternate one backward
+                           and one forward; this *is* 1F1B (V = 1) / interleaved 1F1B
+=========================  ==============================================================
+
+Aliases: ``interleaved`` -> ``interleaved_1f1b``, ``zbh1`` -> ``zb_h1``, and, until the
+benchmarks settle what the RRFP preprint means, ``bf`` -> ``breadth_first`` and ``bfw`` ->
+``breadth_first_weighted``.
+
+A split-backward plan (``I``/``W``) gets ``W`` right after its ``I`` from every generator
+except ``zb_h1`` (which defers it) and the list-scheduled ones (which place it by cost).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from typing import TypeAlias
+
+from .._admission import hint_peak
+from .._costs import Durations
+from .._errors import HintError
+from .._tasks import StepPlan, Task, format_tasks
+from ._listsched import list_schedule
+
+__all__ = [
+    "HINTS",
+    "Hint",
+    "HintFn",
+    "default_bound",
+    "make_hint",
+    "resolve_bounds",
+    "validate_hint",
+]
+
+Hint: TypeAlias = Mapping[int, Sequence[Task]]
+"""A hint: for every pipeline rank, the order in which its tasks are ranked."""
+
+HintFn: TypeAlias = Callable[[StepPlan, Durations | None], dict[int, list[Task]]]
+"""A hint generator: ``(plan, declared durations or None) -> {rank: [Task, ...]}``."""
+
+
+def _expand(plan: StepPlan, order: list[Task]) -> list[Task]:
+    """Replace each full backward by ``I`` then ``W`` when the plan splits the backward."""
+    if not plan.split_backward:
+        return order
+    out: list[Task] = []
+    for t in order:
+        if t.kind == "B":
+            out.append(Task(t.stage, "I", t.mb))
+            out.append(Task(t.stage, "W", t.mb))
+        else:
+            out.append(t)
+    return out
+
+
+def _need_single_chunk(plan: StepPlan, name: str) -> None:
+    if plan.topology.chunks != 1:
+        raise HintError(
+            f"hint {name!r} needs one chunk per rank (chunks=1), got chunks="
+            f"{plan.topology.chunks}; use 'interleaved_1f1b', 'looped_bfs' or a list-scheduled"
+            " hint ('backward_first', 'breadth_first_weighted')"
+        )
+
+
+def gpipe(plan: StepPlan, durations: Durations | None = None) -> dict[int, list[Task]]:
+    """GPipe: every forward in microbatch order, then every backward in microbatch order."""
+    _need_single_chunk(plan, "gpipe")
+    m = plan.microbatches
+    return {
+        r: _expand(plan, [Task(r, "F", i) for i in range(m)] + [Task(r, "B", i) for i in range(m)])
+        for r in range(plan.stages)
+    }
+
+
+def one_f_one_b(plan: StepPlan, durations: Durations | None = None) -> dict[int, list[Task]]:
+    """Megatron's 1F1B: ``P-s-1`` warm-up forwards, then (F, B) pairs, then the cool-down Bs."""
+    _need_single_chunk(plan, "1f1b")
+    p, m = plan.stages, plan.microbatches
+    out = {}
+    for s in range(p):
+        warm = min(p - s - 1, m)
+        order = [Task(s, "F", i) for i in range(warm)]
+        for i in range(m - warm):
+            order.append(Task(s, "F", warm + i))
+            order.append(Task(s, "B", i))
+        order += [Task(s, "B", i) for i in range(m - warm, m)]
+        out[s] = _expand(plan, order)
+    return out
+
+
+def _rounds(plan: StepPlan, name: str) -> int:
+    """Microbatches per round, as torch computes it (flexible interleaving)."""
+    p, m = plan.stages, plan.microbatches
+    rounds = max(1, m // p)
+    if m % rounds != 0:
+        raise HintError(
+            f"hint {name!r} needs the number of microbatches ({m}) to be a multiple of the"
+            f" number of rounds max(1, M // P) = {rounds}"
+        )
+    return m // rounds
+
+
+def interleaved_warmup(plan: StepPlan, rank: int, multiply: int = 2) -> int:
+    """Warm-up forwards of torch's interleaved 1F1B on ``rank`` (Megatron's with M % P == 0)."""
+    v, p, m = plan.topology.chunks, plan.stages, plan.microbatches
+    per_round = _rounds(plan, "interleaved_1f1b")
+    return min((v - 1) * per_round + multiply * (p - 1 - rank), m * v)
+
+
+def interleaved_1f1b(plan: StepPlan, durations: Durations | None = None) -> dict[int, list[Task]]:
+    """torch's ``ScheduleInterleaved1F1B`` order ("depth first": the earlier microbatch first).
+
+    Warm-up ``(V-1)*R + 2*(P-1-r)`` forwards (``R`` microbatches per round, ``R = P`` when
+    ``M % P == 0``, which is Megatron's count), then (F, B) pairs, then the cool-down.
+    """
+    if plan.topology.placement != "interleaved":
+        raise HintError("hint 'interleaved_1f1b' needs placement='interleaved'")
+    v, p, m = plan.topology.chunks, plan.stages, plan.microbatches
+    per_round = _rounds(plan, "interleaved_1f1b")
+    out = {}
+    for r in range(p):
+        warm = interleaved_warmup(plan, r)
+        ops = v * m
+        fwd_next = [0] * v
+        bwd_next = [0] * v
+        order: list[Task] = []
+
+        def fwd(op: int, r: int = r) -> Task:
+            local = (op // per_round) % v
+            mb = fwd_next[local]
+            fwd_next[local] += 1
+            return Task(local * p + r, "F", mb)
+
+        def bwd(op: int, warm: int = warm, r: int = r) -> Task:
+            local = v - 1 - ((op - warm) // per_round) % v
+            mb = bwd_next[local]
+            bwd_next[local] += 1
+            return Task(local * p + r, "B", mb)
+
+        for op in range(warm):
+            order.append(fwd(op))
+        for op in range(warm, ops):
+            order.append(fwd(op))
+            order.append(bwd(op))
+        for op in range(ops, ops + warm):
+            order.append(bwd(op))
+        out[r] = _expand(plan, order)
+    return out
+
+
+def looped_bfs(plan: StepPlan, durations: Durations | None = None) -> dict[int, list[Task]]:
+    """torch's ``ScheduleLoopedBFS``: each local stage's forwards in turn, then the backwards
+    stage by stage in reverse, each in reverse microbatch order."""
+    m = plan.microbatches
+    out = {}
+    for r in range(plan.stages):
+        stages = plan.topology.stages_of(r)
+        order = [Task(s, "F", i) for s in stages for i in range(m)]
+        order += [Task(s, "B", i) for s in reversed(stages) for i in reversed(range(m))]
+        out[r] = _expand(plan, order)
+    return out
+
+
+def zb_h1(plan: StepPlan, durations: Durations | None = None) -> dict[int, list[Task]]:
+    """Zero-bubble ZB-H1 (Qi et al., 2024): 1F1B's F/I order with each W deferred.
+
+    Rank ``s`` runs the 1F1B order with the backward split into ``I`` and ``W``, and runs
+    ``W(i)`` only after ``I(i + P-1-s)``: the first ranks keep ``P-1-s`` weight gradients
+    back to fill the cool-down bubbles. Peak activations equal 1F1B's.
+    """
+    _need_single_chunk(plan, "zb_h1")
+    if not plan.split_backward:
+        raise HintError("hint 'zb_h1' needs a split backward (split_backward=True)")
+    p, m = plan.stages, plan.microbatches
+    out = {}
+    for s in range(p):
+        warm = min(p - s - 1, m)
+        lag = p - 1 - s
+        order = [Task(s, "F", i) for i in range(warm)]
+        w_next = 0
+
+        def input_grad(i: int, order: list[Task] = order, lag: int = lag) -> None:
+            nonlocal w_next
+            order.append(Task(s, "I", i))
+            if i - lag >= w_next:
+                order.append(Task(s, "W", w_next))
+                w_next += 1
+
+        for i in range(m - warm):
+            order.append(Task(s, "F", warm + i))
+            input_grad(i)
+        for i in range(m - warm, m):
+            input_grad(i)
+        order += [Task(s, "W", i) for i in range(w_next, m)]
+        out[s] = order
+    return out
+
+
+def breadth_first(plan: StepPlan, durations: Durations | None = None) -> dict[int, list[Task]]:
+    """"BF" read as *breadth-first*: all forwards before any backward.
+
+    Forwards chunk by chunk in microbatch order, then backwards chunk by chunk in reverse
+    chunk order, microbatch order within a chunk (Lamy-Poirier's breadth-first pipeline;
+    GPipe when V = 1; torch's looped BFS differs only in running backwards in reverse
+    microbatch order). As a readiness-first hint under a bound it means "prefer forwards".
+    """
+    m = plan.microbatches
+    out = {}
+    for r in range(plan.stages):
+        stages = plan.topology.stages_of(r)
+        order = [Task(s, "F", i) for s in stages for i in range(m)]
+        order += [Task(s, "B", i) for s in reversed(stages) for i in range(m)]
+        out[r] = _expand(plan, order)
+    return out
+
+
+def _declared(plan: StepPlan, durations: Durations | None) -> Durations:
+    if durations is not None:
+        return durations
+    fw = [[1.0] * plan.microbatches for _ in range(plan.num_virtual)]
+    return Durations.from_arrays(plan, fw)
+
+
+def remaining_work(plan: StepPlan, durations: Durations) -> dict[Task, float]:
+    """For each task, the declared work left on its microbatch's path once it starts:
+    its own duration plus every later forward and every backward still to come."""
+    nv = plan.num_virtual
+    bk = plan.backward_kind
+    out: dict[Task, float] = {}
+    for mb in range(plan.microbatches):
+        # Backward chain from stage 0 upwards: work from B(v) to the end = sum_{u<=v} B(u).
+        acc_b = 0.0
+        b_after: list[float] = []
+        for v in range(nv):
+            acc_b += durations.of(Task(v, bk, mb))
+            if plan.split_backward:
+                acc_b += durations.of(Task(v, "W", mb))
+            b_after.append(acc_b)
+        for v in range(nv):
+            out[Task(v, bk, mb)] = b_after[v]
+            if plan.split_backward:
+                out[Task(v, "W", mb)] = durations.of(Task(v, "W", mb))
+        acc_f = b_after[-1]
+        for v in reversed(range(nv)):
+            acc_f += durations.of(Task(v, "F", mb))
+            out[Task(v, "F", mb)] = acc_f
+    return out
+
+
+def breadth_first_weighted(
+    plan: StepPlan, durations: Durations | None = None
+) -> dict[int, list[Task]]:
+    """"BFW" read as *breadth-first weighted*: a cost-aware list schedule.
+
+    Simulates the step on the declared durations (no jitter); whenever a rank is free it
+    runs, among its ready tasks that the 1F1B admission bound admits, the one with the most
+    *remaining work* (its own declared time plus all forward and backward work still ahead
+    of its microbatch). Forwards therefore go first while memory allows (breadth first),
+    and among microbatches the heavier ones go first (weighted). Each rank's resulting
+    order is the hint.
+    """
+    d = _declared(plan, durations)
+    work = remaining_work(plan, d)
+    return list_schedule(
+        plan, d, key=lambda t: (-work[t], t.mb, t.stage), bounds=_family_bounds(plan)
+    )
+
+
+_KIND_FIRST = {"B": 0, "I": 0, "F": 1, "W": 2}
+
+
+def backward_first(plan: StepPlan, durations: Durations | None = None) -> dict[int, list[Task]]:
+    """"BF" read as *backward-first*: a cost-aware list schedule preferring backwards.
+
+    Simulates the step on the declared durations; a free rank runs a ready backward
+    (``B``/``I``) before a ready forward, a forward before a ``W``, the earlier microbatch
+    first, the deeper stage first, within the 1F1B admission bound. With equal costs and
+    V = 1 this reproduces 1F1B exactly; with unequal costs it adapts 1F1B to them.
+    """
+    d = _declared(plan, durations)
+    return list_schedule(
+        plan,
+        d,
+        key=lambda t: (_KIND_FIRST[t.kind], t.mb, -t.stage if t.kind == "F" else t.stage),
+        bounds=_family_bounds(plan),
+    )
+
+
+def backward_forward_warmup(
+    plan: StepPlan, durations: Durations | None = None
+) -> dict[int, list[Task]]:
+    """"BFW" read as *backward-forward with warm-up*: warm-up forwards, then alternate one
+    backward and one forward. That is exactly 1F1B (``P-s`` warm-up forwards then (B, F)
+    pairs is the same sequence as ``P-s-1`` warm-ups then (F, B) pairs), and interleaved
+    1F1B with chunks; it resolves to those orders."""
+    if plan.topology.chunks == 1:
+        return one_f_one_b(plan, durations)
+    return interleaved_1f1b(plan, durations)
+
+
+HINTS: dict[str, HintFn] = {
+    "gpipe": gpipe,
+    "1f1b": one_f_one_b,
+    "interleaved_1f1b": interleaved_1f1b,
+    "looped_bfs": looped_bfs,
+    "zb_h1": zb_h1,
+    "breadth_first": breadth_first,
+    "breadth_first_weighted": breadth_first_weighted,
+    "backward_first": backward_first,
+    "backward_forward_warmup": backward_forward_warmup,
+}
+"""The built-in hint generators by canonical name."""
+
+_ALIASES = {
+    "interleaved": "interleaved_1f1b",
+    "zbh1": "zb_h1",
+    "bf": "breadth_first",
+    "bfw": "breadth_first_weighted",
+    "one_f_one_b": "1f1b",
+}
+
+
+def canonical_hint_name(name: str) -> str:
+    """The canonical name of a hint (case-insensitive, ``-`` = ``_``, aliases resolved).
+
+    Raises:
+        HintError: Unknown hint.
+    """
+    key = name.strip().lower().replace("-", "_")
+    key = _ALIASES.get(key, key)
+    if key not in HINTS:
+        raise HintError(
+            f"unknown hint {name!r}; choose one of {sorted(HINTS)} or an alias"
+            f" {sorted(_ALIASES)}"
+        )
+    return key
+
+
+def make_hint(
+    name: str | HintFn, plan: StepPlan, durations: Durations | None = None
+) -> dict[int, list[Task]]:
+    """Generate a hint by name (or with a generator function) and validate it.
+
+    Args:
+        name: A name from ``HINTS`` (or an alias), or a generator function.
+        plan: The step plan.
+        durations: Declared durations for cost-aware hints (uniform when None).
+
+    Raises:
+        HintError: Unknown name, a hint not applicable to the plan, or an invalid order.
+    """
+    fn = HINTS[canonical_hint_name(name)] if isinstance(name, str) else name
+    hint = fn(plan, durations)
+    validate_hint(plan, hint)
+    return hint
+
+
+def default_bound(plan: StepPlan, rank: int) -> int:
+    """What 1F1B holds in flight on ``rank``: ``min(P - s, M)`` with one chunk, and torch's /
+    Megatron's interleaved warm-up count plus one with several (capped at ``M * V``)."""
+    p, m, v = plan.stages, plan.microbatches, plan.topology.chunks
+    if v == 1:
+        return min(p - rank, m)
+    rounds = max(1, m // p)
+    per_round = m // rounds if m % rounds == 0 else p
+    return min((v - 1) * per_round + 2 * (p - 1 - rank) + 1, m * v)
+
+
+def _family_bounds(plan: StepPlan) -> list[int]:
+    return [default_bound(plan, r) for r in range(plan.stages)]
+
+
+def resolve_bounds(
+    plan: StepPlan,
+    hint: Hint,
+    *,
+    max_inflight: int | Sequence[int] | None = None,
+    memory_factor: float | None = None,
+) -> list[int]:
+    """The admission bound of every rank.
+
+    Default: ``max(default_bound(rank), peak of the hint on that rank)``, i.e. what 1F1B
+    holds, or what the fixed order of the hint itself holds if it holds more (GPipe), so
+    that readiness-first never stashes more activations than the order it replaces.
+    ``memory_factor`` scales that default (rounded down, at least 1); ``max_inflight`` sets
+    it outright (one int for every rank, or one per rank).
+
+    Raises:
+        HintError: Both options given, a non-positive value, or a bound below the hint's own
+            peak (the hint could not run in order).
+    """
+    if max_inflight is not None and memory_factor is not None:
+        raise HintError("give max_inflight or memory_factor, not both")
+    p = plan.stages
+    peaks = [hint_peak(hint[r]) for r in range(p)]
+    if max_inflight is not None:
+        if isinstance(max_inflight, int):
+            bounds = [max_inflight] * p
+        else:
+            bounds = [int(x) for x in max_inflight]
+            if len(bounds) != p:
+                raise HintError(f"max_inflight needs one bound per rank ({p}), got {len(bounds)}")
+    else:
+        base = [max(default_bound(plan, r), peaks[r]) for r in range(p)]
+        if memory_factor is not None:
+            if not memory_factor > 0:
+                raise HintError(f"memory_factor must be > 0, got {memory_factor!r}")
+            bounds = [max(1, int(memory_factor * b + 1e-9)) for b in base]
+        else:
+            bounds = base
+    for r, (b, pk) in enumerate(zip(bounds, peaks, strict=True)):
+        if b < 1:
+            raise HintError(f"rank {r}: the admission bound must be >= 1, got {b}")
+        if pk > b:
+            raise HintError(
+                f"rank {r}: the hint holds {pk} activations in flight when run in order but"
+                f" the admission bound is {b}; raise max_inflight / memory_factor or choose a"
+                " hint that holds fewer"
+            )
+    return bounds
+
+
+def validate_hint(plan: StepPlan, hint: Hint, bounds: Sequence[int] | None = None) -> None:
+    """Check a hint against the plan before a step starts.
+
+    Checks: one order per rank; every task of the rank exactly once and no task of another
+    rank; every same-rank dependency before its dependent; no waiting cycle across ranks
+    (running every rank's order strictly finishes); and, when ``bounds`` are given, each
+    rank's in-flight peak within its bound.
+
+    Raises:
+        HintError: What is wrong, naming the rank and the task.
+    """
+    p = plan.stages
+    if sorted(hint) != list(range(p)):
+        raise HintError(f"the hint must have one order per rank 0..{p - 1}, got ranks {sorted(hint)}")
+    for r in range(p):
+        order = list(hint[r])
+        seen: set[Task] = set()
+        for i, t in enumerate(order):
+            if not isinstance(t, tuple) or len(t) != 3:
+                raise HintError(f"rank {r}: position {i} is not a Task: {t!r}")
+            if not plan.contains(t):
+                raise HintError(f"rank {r}: task {t} is not part of this step")
+            if plan.rank_of(t) != r:
+                raise HintError(f"rank {r}: task {t} belongs to rank {plan.rank_of(t)}")
+            if t in seen:
+                raise HintError(f"rank {r}: task {t} appears twice (again at position {i})")
+            for dep in plan.producers(t):
+                if plan.rank_of(dep) == r and dep not in seen:
+                    raise HintError(
+                        f"rank {r}: task {t} at position {i} comes before its dependency {dep}"
+                    )
+            seen.add(t)
+        expected = len(plan.tasks_of(r))
+        if len(seen) != expected:
+            missing = sorted(set(plan.tasks_of(r)) - seen)
+            raise HintError(
+                f"rank {r}: the hint misses {len(missing)} task(s): {format_tasks(missing[:8])}"
+                + (" ..." if len(missing) > 8 else "")
+            )
+        if bounds is not None and hint_peak(order) > bounds[r]:
+            raise HintError(
+                f"rank {r}: the hint holds {hint_peak(order)} activations in flight, over the"
+                f" admission bound {bounds[r]}"
+            )
+    _check_no_cycle(plan, hint)
+
+
+def _check_no_cycle(plan: StepPlan, hint: Hint) -> None:
+    """Run every rank's order strictly on a symbolic clock; report the ranks that stall."""
+    p = plan.stages
+    heads = [0] * p
+    done: set[Task] = set()
+    orders = [list(hint[r]) for r in range(p)]
+    progress = True
+    while progress:
+        progress = False
+        for r in range(p):
+            order = orders[r]
+            h = heads[r]
+            while h < len(order) and all(d in done for d in plan.producers(order[h])):
+                done.add(order[h])
+                h += 1
+            if h != heads[r]:
+                heads[r] = h
+                progress = True
+    if all(heads[r] == len(orders[r]) for r in range(p)):
+        return
+    lines = []
+    for r in range(p):
+        if heads[r] == len(orders[r]):
+            lines.append(f"  rank {r}: done")
+            continue
+        t = orders[r][heads[r]]
+        waits = [d for d in plan.producers(t) if d not in done]
+        lines.append(
+            f"  rank {r}: next {t} waits for "
+            + ", ".join(f"{d} (rank {plan.rank_of(d)})" for d in waits)
+        )
+    raise HintError("the hint's ranks wait for each other in a cycle:\n" + "\n".join(lines))

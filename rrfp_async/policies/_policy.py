@@ -1,0 +1,236 @@
+"""Policies: coroutines that choose the next task of a stage from its ready view.
+
+A policy is anything with ``async def __call__(view) -> Task``; a plain ``async def``
+function qualifies. The stage loop calls it whenever the stage's compute is free and at
+least one task is ready and admitted. The policy may return at once (readiness-first) or
+await something first (the strict baseline awaits the next hinted task). It must return
+one of ``view.ready``; anything else is a ``PolicyError`` naming the policy, rank, step
+and task.
+
+Plug-ins are registered by name with ``register_policy`` or through the entry-point group
+``rrfp_async.policies`` (the entry point names a coroutine function or a policy object).
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Mapping, Sequence
+from importlib.metadata import entry_points
+from typing import Protocol, runtime_checkable
+
+from .._errors import PolicyError
+from .._tasks import Task
+
+__all__ = [
+    "ENTRY_POINT_GROUP",
+    "Policy",
+    "PolicyBase",
+    "ReadyView",
+    "available_policies",
+    "get_policy",
+    "policy_name",
+    "readiness_first",
+    "register_policy",
+    "strict",
+]
+
+ENTRY_POINT_GROUP = "rrfp_async.policies"
+
+
+class ReadyView(Protocol):
+    """What a policy sees of its stage when it is asked to decide.
+
+    The view is live: it reflects the stage's state at the moment it is read, and changes
+    while the policy awaits.
+    """
+
+    @property
+    def rank(self) -> int:
+        """The pipeline rank of this stage."""
+
+    @property
+    def step(self) -> int:
+        """The step number."""
+
+    @property
+    def ready(self) -> Sequence[Task]:
+        """Tasks that may start now (inputs present and admitted), best hint rank first."""
+
+    @property
+    def blocked(self) -> Sequence[Task]:
+        """Tasks whose inputs are present but that the admission bound holds back."""
+
+    @property
+    def next_hinted(self) -> Task:
+        """The first task of the hint not yet started (what a fixed order would run next)."""
+
+    @property
+    def hint(self) -> Sequence[Task]:
+        """This rank's hint order for the step."""
+
+    def hint_rank(self, task: Task) -> int:
+        """Position of ``task`` in the hint (lower is more urgent)."""
+
+    def is_ready(self, task: Task) -> bool:
+        """Whether ``task`` may start now."""
+
+    @property
+    def inflight(self) -> int:
+        """Activations currently stashed on this rank."""
+
+    @property
+    def max_inflight(self) -> int:
+        """The admission bound."""
+
+    @property
+    def remaining(self) -> int:
+        """Tasks of this rank not yet started in this step."""
+
+    @property
+    def durations(self) -> Mapping[Task, float]:
+        """Observed durations of the tasks that finished so far in this step."""
+
+    def now(self) -> float:
+        """The stage clock (virtual time in a simulation), seconds."""
+
+    async def wait_until_ready(self, task: Task) -> None:
+        """Return once ``task`` may start (raises ``DeadlockError`` if it never can)."""
+
+    async def wait_for_change(self) -> None:
+        """Return after the next change of the ready set."""
+
+
+@runtime_checkable
+class Policy(Protocol):
+    """A dispatch policy: one coroutine method that picks the next task."""
+
+    async def __call__(self, view: ReadyView, /) -> Task:
+        """Return the task to run next; it must be one of ``view.ready``."""
+
+
+class PolicyBase:
+    """Optional base for stateful policies: lifecycle hooks that do nothing by default.
+
+    Subclass it, override ``__call__`` (a coroutine) and any hook you need.
+    """
+
+    name: str = ""
+
+    async def __call__(self, view: ReadyView, /) -> Task:
+        """Return the task to run next; it must be one of ``view.ready``."""
+        raise NotImplementedError
+
+    def on_step_start(self, rank: int, step: int) -> None:
+        """Called when a stage starts a step, before its first decision."""
+
+    def on_task_end(self, task: Task, duration: float) -> None:
+        """Called when a task of the stage finished, with its measured duration."""
+
+
+async def strict(view: ReadyView, /) -> Task:
+    """The fixed-order baseline: wait for the next hinted task, then run it.
+
+    This is what Megatron-LM, DeepSpeed and torch.distributed.pipelining do: the order is a
+    commitment; a later task that is already runnable waits behind a blocked earlier one.
+    """
+    head = view.next_hinted
+    if not view.is_ready(head):
+        await view.wait_until_ready(head)
+    return head
+
+
+async def readiness_first(view: ReadyView, /) -> Task:
+    """Run the highest-ranked (earliest in the hint) task that is ready now.
+
+    A blocked task is skipped, not waited for; the admission bound still holds, so memory
+    never exceeds the fixed order's and the step cannot deadlock.
+    """
+    return view.ready[0]
+
+
+_REGISTRY: dict[str, Policy] = {"strict": strict, "readiness_first": readiness_first}
+_ALIASES = {"fixed": "strict", "rf": "readiness_first", "readiness": "readiness_first"}
+_entry_points_loaded = False
+
+
+def policy_name(policy: object) -> str:
+    """A readable name for ``policy`` (its registered name, ``name`` attribute or qualname)."""
+    for k, v in _REGISTRY.items():
+        if v is policy:
+            return k
+    name = getattr(policy, "name", "") or getattr(policy, "__qualname__", "")
+    return str(name or type(policy).__qualname__)
+
+
+def _check_coroutine(name: str, policy: object) -> None:
+    fn = policy if inspect.isfunction(policy) or inspect.ismethod(policy) else None
+    if fn is None:
+        call = getattr(type(policy), "__call__", None)  # noqa: B004 - the class attribute
+        fn = call
+    if fn is None or not inspect.iscoroutinefunction(fn):
+        raise PolicyError(
+            f"policy {name!r} must be a coroutine function (async def ...(view) -> Task) or an"
+            f" object with an async __call__; got {policy!r}",
+            policy=name,
+        )
+
+
+def register_policy(name: str, policy: object, *, replace: bool = False) -> None:
+    """Register a policy under ``name``.
+
+    Args:
+        name: The name the stage loop, ``simulate`` and the CLI accept.
+        policy: An ``async def`` function ``(view) -> Task`` or an object with an async
+            ``__call__``.
+        replace: Allow replacing an existing registration.
+
+    Raises:
+        PolicyError: ``policy`` is not a coroutine function (checked now, not at first use),
+            or ``name`` is taken and ``replace`` is false.
+    """
+    _check_coroutine(name, policy)
+    if name in _REGISTRY and not replace and _REGISTRY[name] is not policy:
+        raise PolicyError(f"a policy named {name!r} is already registered", policy=name)
+    _REGISTRY[name] = policy  # type: ignore[assignment]
+
+
+def _load_entry_points() -> None:
+    global _entry_points_loaded
+    if _entry_points_loaded:
+        return
+    _entry_points_loaded = True
+    for ep in entry_points(group=ENTRY_POINT_GROUP):
+        if ep.name in _REGISTRY:
+            continue
+        try:
+            obj = ep.load()
+        except Exception as e:  # a broken plug-in must not break the built-ins
+            raise PolicyError(
+                f"cannot load policy entry point {ep.name!r} ({ep.value}): {e}", policy=ep.name
+            ) from e
+        register_policy(ep.name, obj)
+
+
+def available_policies() -> list[str]:
+    """Names of every registered policy, entry points included."""
+    _load_entry_points()
+    return sorted(_REGISTRY)
+
+
+def get_policy(policy: str | Policy) -> Policy:
+    """Resolve a policy name (or check a policy object).
+
+    Raises:
+        PolicyError: Unknown name, or an object that is not a coroutine function.
+    """
+    if not isinstance(policy, str):
+        _check_coroutine(policy_name(policy), policy)
+        return policy
+    key = _ALIASES.get(policy, policy)
+    if key not in _REGISTRY:
+        _load_entry_points()
+    if key not in _REGISTRY:
+        raise PolicyError(
+            f"unknown policy {policy!r}; registered: {sorted(_REGISTRY)}", policy=policy
+        )
+    return _REGISTRY[key]

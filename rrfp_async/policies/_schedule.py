@@ -1,0 +1,173 @@
+"""A validated step schedule: plan + hint + admission bounds, and each rank's program."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from .._admission import hint_peak
+from .._costs import Durations
+from .._tasks import StepPlan, Task
+from ._hints import Hint, HintFn, canonical_hint_name, make_hint, resolve_bounds, validate_hint
+
+__all__ = ["RankProgram", "StepSchedule"]
+
+
+@dataclass(frozen=True, eq=False)
+class RankProgram:
+    """One rank's tasks as flat arrays indexed by hint position (what the stage loop runs).
+
+    Attributes:
+        rank: The pipeline rank.
+        order: The hint order.
+        pos: Task -> hint position.
+        deps: Number of dependencies of each position.
+        local_next: For each position, the positions on this rank that depend on it.
+        data_local: For each position, the position on this rank that consumes its output
+            tensor, or -1.
+        data_remote: For each position, ``(dst_rank, consumer task)`` for an output that
+            leaves the rank, or None.
+        src_rank: For each position, the rank its input message comes from, or -1 when its
+            input is local or absent.
+        first_forward: Whether the position is a forward of the first virtual stage (its
+            input is the microbatch itself).
+    """
+
+    rank: int
+    order: tuple[Task, ...]
+    pos: dict[Task, int]
+    deps: tuple[int, ...]
+    local_next: tuple[tuple[int, ...], ...]
+    data_local: tuple[int, ...]
+    data_remote: tuple[tuple[int, Task] | None, ...]
+    src_rank: tuple[int, ...]
+    first_forward: tuple[bool, ...]
+
+    @classmethod
+    def build(cls, plan: StepPlan, rank: int, order: Sequence[Task]) -> RankProgram:
+        """Flatten ``order`` (validated) into arrays."""
+        order = tuple(order)
+        pos = {t: i for i, t in enumerate(order)}
+        deps = []
+        local_next: list[list[int]] = [[] for _ in order]
+        data_local = [-1] * len(order)
+        data_remote: list[tuple[int, Task] | None] = [None] * len(order)
+        src_rank = [-1] * len(order)
+        first = [False] * len(order)
+        for i, t in enumerate(order):
+            prods = plan.producers(t)
+            deps.append(len(prods))
+            for pr in prods:
+                if plan.rank_of(pr) == rank:
+                    local_next[pos[pr]].append(i)
+            dp = plan.data_producer(t)
+            if dp is not None and plan.rank_of(dp) != rank:
+                src_rank[i] = plan.rank_of(dp)
+            first[i] = t.kind == "F" and t.stage == 0
+            dc = plan.data_consumer(t)
+            if dc is not None:
+                dst = plan.rank_of(dc)
+                if dst == rank:
+                    data_local[i] = pos[dc]
+                else:
+                    data_remote[i] = (dst, dc)
+        return cls(
+            rank=rank,
+            order=order,
+            pos=pos,
+            deps=tuple(deps),
+            local_next=tuple(tuple(x) for x in local_next),
+            data_local=tuple(data_local),
+            data_remote=tuple(data_remote),
+            src_rank=tuple(src_rank),
+            first_forward=tuple(first),
+        )
+
+
+@dataclass(frozen=True, eq=False)
+class StepSchedule:
+    """The validated schedule of a step: the plan, the hint and each rank's admission bound.
+
+    Build it with ``StepSchedule.build``; every rank of a pipeline must use equal schedules
+    (they are pure functions of the plan and the declared durations, so each process can
+    compute its own).
+
+    Attributes:
+        plan: The step plan.
+        hint: Every rank's hint order.
+        bounds: Every rank's admission bound (most activations in flight).
+        hint_name: The hint's canonical name (or the generator's name).
+    """
+
+    plan: StepPlan
+    hint: dict[int, tuple[Task, ...]]
+    bounds: tuple[int, ...]
+    hint_name: str = "custom"
+    _programs: dict[int, RankProgram] = field(default_factory=dict, repr=False)
+
+    @classmethod
+    def build(
+        cls,
+        plan: StepPlan,
+        hint: str | HintFn | Hint = "1f1b",
+        *,
+        durations: Durations | None = None,
+        max_inflight: int | Sequence[int] | None = None,
+        memory_factor: float | None = None,
+    ) -> StepSchedule:
+        """Generate (or take) a hint, resolve the bounds and validate everything.
+
+        Args:
+            plan: The step plan.
+            hint: A hint name, a generator ``(plan, durations) -> {rank: [Task]}``, or a
+                ready-made ``{rank: [Task]}``.
+            durations: Declared durations for cost-aware hints.
+            max_inflight: Admission bound, one for all ranks or one per rank.
+            memory_factor: Scale of the default admission bound.
+
+        Raises:
+            HintError: An invalid hint or bound.
+        """
+        if isinstance(hint, str):
+            name = canonical_hint_name(hint)
+            orders: Hint = make_hint(name, plan, durations)
+        elif callable(hint):
+            name = getattr(hint, "__name__", "custom")
+            orders = make_hint(hint, plan, durations)
+        else:
+            name = "custom"
+            validate_hint(plan, hint)
+            orders = hint
+        bounds = resolve_bounds(
+            plan, orders, max_inflight=max_inflight, memory_factor=memory_factor
+        )
+        return cls(
+            plan=plan,
+            hint={r: tuple(orders[r]) for r in range(plan.stages)},
+            bounds=tuple(bounds),
+            hint_name=name,
+        )
+
+    def program(self, rank: int) -> RankProgram:
+        """The flattened program of ``rank`` (built once, then cached)."""
+        prog = self._programs.get(rank)
+        if prog is None:
+            prog = RankProgram.build(self.plan, rank, self.hint[rank])
+            self._programs[rank] = prog
+        return prog
+
+    def peaks(self) -> list[int]:
+        """In-flight peak of each rank's hint when run in order."""
+        return [hint_peak(self.hint[r]) for r in range(self.plan.stages)]
+
+    def describe(self) -> dict[str, Any]:
+        """A small JSON-able summary."""
+        return {
+            "hint": self.hint_name,
+            "stages": self.plan.stages,
+            "chunks": self.plan.topology.chunks,
+            "microbatches": self.plan.microbatches,
+            "split_backward": self.plan.split_backward,
+            "bounds": list(self.bounds),
+        }
