@@ -1,1 +1,104 @@
-"""rrfp_async: readiness-first pipeline-parallel training steps on asyncio."""
+"""rrfp_async: readiness-first pipeline-parallel training steps, driven by asyncio.
+
+The friendly public API, pulled together from the private modules and the layers:
+
+* the schedule IR: ``Task``, ``Topology``, ``StepPlan``;
+* costs and workloads: ``Microbatch``, ``CostModel``, ``Durations``, ``make_workload``;
+* deciding (``rrfp_async.policies``): hints, ``StepSchedule``, policies;
+* running (``rrfp_async.loop``): ``StageLoop``, ``LocalPipeline``, ``run``;
+* simulating: ``simulate``, ``compare``, ``SimResult``;
+* errors: ``RRFPError`` and its subclasses.
+"""
+
+from ._admission import AdmissionLedger, hint_peak
+from ._costs import (
+    WORKLOADS,
+    CostModel,
+    Durations,
+    Microbatch,
+    StageProfile,
+    Workload,
+    make_workload,
+)
+from ._errors import (
+    ChannelError,
+    DeadlockError,
+    DivergenceError,
+    HintError,
+    PeerError,
+    PlanError,
+    PolicyError,
+    ProtocolError,
+    RRFPError,
+    StepTimeoutError,
+)
+from ._executors import CostModelExecutor, Executor, TaskContext
+from ._simulate import SimResult, compare, lower_bound, simulate
+from ._tasks import Kind, Placement, StepPlan, Task, Topology, format_tasks, parse_tasks
+from .loop import ExecutedTask, LocalPipeline, StageLoop, StepStats, VirtualEventLoop, run
+from .policies import (
+    HINTS,
+    Policy,
+    PolicyBase,
+    ReadyView,
+    StepSchedule,
+    make_hint,
+    readiness_first,
+    register_policy,
+    strict,
+    validate_hint,
+)
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "HINTS",
+    "WORKLOADS",
+    "AdmissionLedger",
+    "ChannelError",
+    "CostModel",
+    "CostModelExecutor",
+    "DeadlockError",
+    "DivergenceError",
+    "Durations",
+    "ExecutedTask",
+    "Executor",
+    "HintError",
+    "Kind",
+    "LocalPipeline",
+    "Microbatch",
+    "PeerError",
+    "Placement",
+    "PlanError",
+    "Policy",
+    "PolicyBase",
+    "PolicyError",
+    "ProtocolError",
+    "RRFPError",
+    "ReadyView",
+    "SimResult",
+    "StageLoop",
+    "StageProfile",
+    "StepPlan",
+    "StepSchedule",
+    "StepStats",
+    "StepTimeoutError",
+    "Task",
+    "TaskContext",
+    "Topology",
+    "VirtualEventLoop",
+    "Workload",
+    "compare",
+    "format_tasks",
+    "hint_peak",
+    "lower_bound",
+    "make_hint",
+    "make_workload",
+    "parse_tasks",
+    "readiness_first",
+    "register_policy",
+    "run",
+    "simulate",
+    "strict",
+    "validate_hint",
+]

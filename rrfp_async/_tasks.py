@@ -30,6 +30,9 @@ __all__ = [
     "StepPlan",
     "Task",
     "Topology",
+    "activation_delta",
+    "format_tasks",
+    "parse_tasks",
 ]
 
 Kind: TypeAlias = Literal["F", "B", "I", "W"]

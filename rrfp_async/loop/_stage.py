@@ -149,6 +149,11 @@ class StageMonitor(Protocol):
 _NO_DATA = object()
 
 
+def _expire(w: asyncio.Future[bool]) -> None:
+    if not w.done():
+        w.set_result(False)
+
+
 @dataclass(eq=False)
 class _StepState:
     step: int
@@ -171,6 +176,9 @@ class _StepState:
     t_start: float = 0.0
     last_end: float = 0.0
     adm_cache: tuple[int, list[int]] = (-1, [])
+    ends: list[float] = field(default_factory=list)
+    prefix_scan: int = 0
+    prefix_end: float = 0.0
 
 
 class StageLoop:
@@ -215,7 +223,7 @@ class StageLoop:
         self.step_timeout = step_timeout
         self.blocked = False
         self._st: _StepState | None = None
-        self._waiter: asyncio.Future[None] | None = None
+        self._waiter: asyncio.Future[bool] | None = None
         self._failure: BaseException | None = None
         self._early: dict[int, list[tuple[Task, Any, int]]] = {}
         self._next_step = 0
@@ -277,28 +285,39 @@ class StageLoop:
     def _notify(self) -> None:
         w = self._waiter
         if w is not None and not w.done():
-            w.set_result(None)
+            w.set_result(True)
             # Unblock now, not when this coroutine resumes, so that a monitor check in
             # between never sees a stage as blocked that is about to run.
             self.blocked = False
             if self.monitor is not None:
                 self.monitor.unblocked(self)
 
-    async def _wait(self, reason: str) -> None:
+    async def _wait(self, reason: str, timeout: float | None = None) -> bool:
+        """Wait for the next change of the ready set; False if ``timeout`` passed first.
+
+        Only an untimed wait counts as *blocked* for the deadlock monitor: a timed one
+        has a wake-up of its own coming.
+        """
         if self._failure is not None:
             raise self._failure
         loop = asyncio.get_running_loop()
-        w: asyncio.Future[None] = loop.create_future()
+        w: asyncio.Future[bool] = loop.create_future()
         self._waiter = w
-        self.blocked = True
         if self.observer is not None:
             self.observer.stall(self, reason)
-        if self.monitor is not None:
-            self.monitor.blocked(self)
+        timer = None
+        if timeout is None:
+            self.blocked = True
+            if self.monitor is not None:
+                self.monitor.blocked(self)
+        else:
+            timer = loop.call_later(max(0.0, timeout), _expire, w)
         try:
-            await w
+            return await w
         finally:
             self._waiter = None
+            if timer is not None:
+                timer.cancel()
             if self.blocked:
                 self.blocked = False
                 if self.monitor is not None:
@@ -389,7 +408,8 @@ class StageLoop:
             inbox=[_NO_DATA] * n,
             left=n,
         )
-        st.t_start = st.last_end = loop.time()
+        st.t_start = st.last_end = st.prefix_end = loop.time()
+        st.ends = [st.t_start] * n
         for i in range(n):
             if prog.first_forward[i]:
                 st.inbox[i] = microbatches[prog.order[i].mb]
@@ -482,6 +502,7 @@ class StageLoop:
         st.last_end = t1
         st.ledger.finish_at(pos)
         st.finished[pos] = 1
+        st.ends[pos] = t1
         st.version += 1
         st.executed.append(ExecutedTask(task, t0, t1))
         st.observed[task] = t1 - t0
@@ -639,7 +660,38 @@ class _View:
     def now(self) -> float:
         return asyncio.get_running_loop().time()
 
-    async def wait_until_ready(self, task: Task) -> None:
+    @property
+    def idle_since(self) -> float:
+        return self._st().last_end
+
+    @property
+    def hinted_deadline(self) -> float | None:
+        planned = self._s.schedule.planned(self._s.rank)
+        if planned is None:
+            return None
+        starts, gaps = planned
+        st = self._st()
+        head = st.ledger.head
+        # Every task before the head has started; between decisions they have all ended.
+        ends = st.ends
+        j = st.prefix_scan
+        m = st.prefix_end
+        while j < head:
+            if ends[j] > m:
+                m = ends[j]
+            j += 1
+        st.prefix_scan = j
+        st.prefix_end = m
+        if head >= len(gaps):
+            return m
+        # Late means later than the plan both relative to this rank's own progress (its
+        # hint prefix ended at m; the plan foresees a gap) and in absolute terms (a rank
+        # ahead of the plan waits for the planned start). Clocks are exact up to float
+        # rounding of sums taken in different orders, hence the tiny slack.
+        d = max(m + gaps[head], st.t_start + starts[head])
+        return d + 1e-9 * (1.0 + abs(d))
+
+    async def wait_until_ready(self, task: Task, timeout: float | None = None) -> bool:
         st = self._st()
         pos = st.prog.pos.get(task)
         if pos is None or st.started[pos]:
@@ -651,12 +703,22 @@ class _View:
                 step=st.step,
                 task=task,
             )
+        loop = asyncio.get_running_loop()
+        deadline = None if timeout is None else loop.time() + timeout
         while pos not in self._s._admitted(st):
-            await self._s._wait(f"policy waits for {task}: " + self._s._stall_reason(st))
+            left = None if deadline is None else deadline - loop.time()
+            if left is not None and left <= 0:
+                return False
+            await self._s._wait(f"policy waits for {task}: " + self._s._stall_reason(st), left)
+        return True
 
-    async def wait_for_change(self) -> None:
+    def declared_duration(self, task: Task) -> float | None:
+        d = self._s.schedule.declared
+        return None if d is None else d.of(task)
+
+    async def wait_for_change(self, timeout: float | None = None) -> bool:
         st = self._st()
-        await self._s._wait("policy waits for a change: " + self._s._stall_reason(st))
+        return await self._s._wait("policy waits for a change: " + self._s._stall_reason(st), timeout)
 
 
 def deadlock_grid(stages: Sequence[StageLoop], width: int = 8) -> str:

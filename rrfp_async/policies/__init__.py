@@ -1,1 +1,78 @@
-"""Hints (schedule orders) and policies (coroutines that pick among ready tasks)."""
+"""Hints (schedule orders) and policies (coroutines that pick among ready tasks).
+
+Nothing here imports ``channels/``: deciding is independent of how messages move.
+"""
+
+from ._hints import (
+    HINTS,
+    Hint,
+    HintFn,
+    backward_first,
+    backward_forward_warmup,
+    breadth_first,
+    breadth_first_weighted,
+    canonical_hint_name,
+    default_bound,
+    gpipe,
+    interleaved_1f1b,
+    looped_bfs,
+    make_hint,
+    one_f_one_b,
+    remaining_work,
+    resolve_bounds,
+    validate_hint,
+    zb_h1,
+)
+from ._listsched import list_schedule, strict_timeline
+from ._policy import (
+    ENTRY_POINT_GROUP,
+    Policy,
+    PolicyBase,
+    ReadyView,
+    available_policies,
+    backfill,
+    get_policy,
+    greedy,
+    policy_name,
+    readiness_first,
+    register_policy,
+    strict,
+)
+from ._schedule import RankProgram, StepSchedule
+
+__all__ = [
+    "ENTRY_POINT_GROUP",
+    "HINTS",
+    "Hint",
+    "HintFn",
+    "Policy",
+    "PolicyBase",
+    "RankProgram",
+    "ReadyView",
+    "StepSchedule",
+    "available_policies",
+    "backfill",
+    "backward_first",
+    "backward_forward_warmup",
+    "breadth_first",
+    "breadth_first_weighted",
+    "canonical_hint_name",
+    "default_bound",
+    "get_policy",
+    "gpipe",
+    "greedy",
+    "interleaved_1f1b",
+    "list_schedule",
+    "looped_bfs",
+    "make_hint",
+    "one_f_one_b",
+    "policy_name",
+    "readiness_first",
+    "register_policy",
+    "remaining_work",
+    "resolve_bounds",
+    "strict",
+    "strict_timeline",
+    "validate_hint",
+    "zb_h1",
+]

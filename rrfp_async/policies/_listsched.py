@@ -16,12 +16,13 @@ from __future__ import annotations
 
 import heapq
 from collections.abc import Callable, Hashable, Sequence
+from typing import Any
 
 from .._costs import Durations
 from .._errors import HintError
 from .._tasks import StepPlan, Task
 
-__all__ = ["list_schedule"]
+__all__ = ["list_schedule", "strict_timeline"]
 
 
 def list_schedule(
@@ -126,3 +127,49 @@ def list_schedule(
                     seq += 1
                     heapq.heappush(events, (now + durations.latency(c), seq, 1, c))
     return order
+
+
+def strict_timeline(
+    plan: StepPlan, hint: dict[int, Sequence[Task]] | Any, durations: Durations
+) -> dict[Task, tuple[float, float]]:
+    """Start and end of every task when each rank runs its hint strictly on ``durations``.
+
+    This is the *plan* a hint stands for: the readiness-first policy compares a stage's
+    actual idle time with the idle time this timeline foresees before the hinted task.
+
+    Raises:
+        HintError: The hint's ranks wait for each other in a cycle.
+    """
+    p = plan.stages
+    orders = [list(hint[r]) for r in range(p)]
+    heads = [0] * p
+    free = [0.0] * p
+    times: dict[Task, tuple[float, float]] = {}
+    progress = True
+    while progress:
+        progress = False
+        for r in range(p):
+            order = orders[r]
+            h = heads[r]
+            while h < len(order):
+                t = order[h]
+                ready = 0.0
+                for pr in plan.producers(t):
+                    te = times.get(pr)
+                    if te is None:
+                        break
+                    lat = durations.latency(t) if plan.rank_of(pr) != r else 0.0
+                    ready = max(ready, te[1] + lat)
+                else:
+                    start = max(free[r], ready)
+                    free[r] = start + durations.of(t)
+                    times[t] = (start, free[r])
+                    h += 1
+                    continue
+                break
+            if h != heads[r]:
+                heads[r] = h
+                progress = True
+    if len(times) != plan.num_tasks:
+        raise HintError("the hint's ranks wait for each other in a cycle")
+    return times

@@ -27,7 +27,9 @@ __all__ = [
     "PolicyBase",
     "ReadyView",
     "available_policies",
+    "backfill",
     "get_policy",
+    "greedy",
     "policy_name",
     "readiness_first",
     "register_policy",
@@ -93,11 +95,27 @@ class ReadyView(Protocol):
     def now(self) -> float:
         """The stage clock (virtual time in a simulation), seconds."""
 
-    async def wait_until_ready(self, task: Task) -> None:
-        """Return once ``task`` may start (raises ``DeadlockError`` if it never can)."""
+    @property
+    def idle_since(self) -> float:
+        """Clock when the stage's last task ended (or the step started)."""
 
-    async def wait_for_change(self) -> None:
-        """Return after the next change of the ready set."""
+    @property
+    def hinted_deadline(self) -> float | None:
+        """When the hinted task should start by the plan, past which it is *late*: the
+        later of (a) the end of the hint's prefix (every task before it, all done) plus the
+        idle gap the plan foresees before it and (b) its planned start after the step's
+        start. The plan is every rank running its hint strictly on the declared durations.
+        None when the schedule has no declared durations."""
+
+    async def wait_until_ready(self, task: Task, timeout: float | None = None) -> bool:
+        """Wait until ``task`` may start; return True then, or False after ``timeout``
+        seconds (raises ``DeadlockError`` if it can never start)."""
+
+    def declared_duration(self, task: Task) -> float | None:
+        """The declared (planned) duration of ``task``, or None without declared durations."""
+
+    async def wait_for_change(self, timeout: float | None = None) -> bool:
+        """Wait for the next change of the ready set; False if ``timeout`` passed first."""
 
 
 @runtime_checkable
@@ -140,15 +158,68 @@ async def strict(view: ReadyView, /) -> Task:
 
 
 async def readiness_first(view: ReadyView, /) -> Task:
-    """Run the highest-ranked (earliest in the hint) task that is ready now.
+    """Run the hinted task if it is ready; once it is *late*, run the highest-ranked ready one.
 
-    A blocked task is skipped, not waited for; the admission bound still holds, so memory
-    never exceeds the fixed order's and the step cannot deadlock.
+    The hinted task (the first not yet started) is *late* when the stage has been idle
+    longer than the hint's plan foresees before it (``view.planned_gap``): its input is
+    slower than planned. A late task is skipped, not waited for; a planned bubble is kept,
+    so with zero variance this policy runs exactly the hint's order. Without declared
+    durations every not-ready hinted task counts as late (then it is ``greedy``). The
+    admission bound holds either way: memory never exceeds the fixed order's and the step
+    cannot deadlock.
+    """
+    head = view.next_hinted
+    if view.is_ready(head):
+        return head
+    deadline = view.hinted_deadline
+    if deadline is not None:
+        wait = deadline - view.now()
+        if wait > 0 and await view.wait_until_ready(head, timeout=wait):
+            return head
+    return view.ready[0]
+
+
+async def backfill(view: ReadyView, /) -> Task:
+    """Readiness-first that fills the hint's planned bubbles without delaying the hint.
+
+    Runs the hinted task if it is ready. While the stage is inside a bubble the plan
+    foresees, it runs the highest-ranked ready task whose declared duration ends before the
+    hinted task's planned start (conservative backfilling, as in HPC batch schedulers);
+    once the hinted task is late it runs the highest-ranked ready task. Without declared
+    durations it behaves like ``greedy``.
+    """
+    while True:
+        head = view.next_hinted
+        if view.is_ready(head):
+            return head
+        deadline = view.hinted_deadline
+        if deadline is None:
+            return view.ready[0]
+        now = view.now()
+        if now >= deadline:
+            return view.ready[0]
+        for t in view.ready:
+            d = view.declared_duration(t)
+            if d is not None and now + d <= deadline:
+                return t
+        await view.wait_for_change(timeout=deadline - now)
+
+
+async def greedy(view: ReadyView, /) -> Task:
+    """Run the highest-ranked ready task at once, never waiting for the hinted one.
+
+    Pure readiness: it also fills the hint's *planned* bubbles, which can help (ZB-H1's
+    deferred weight gradients) or hurt (a greedy anomaly) even with zero variance.
     """
     return view.ready[0]
 
 
-_REGISTRY: dict[str, Policy] = {"strict": strict, "readiness_first": readiness_first}
+_REGISTRY: dict[str, Policy] = {
+    "strict": strict,
+    "readiness_first": readiness_first,
+    "greedy": greedy,
+    "backfill": backfill,
+}
 _ALIASES = {"fixed": "strict", "rf": "readiness_first", "readiness": "readiness_first"}
 _entry_points_loaded = False
 

@@ -9,6 +9,7 @@ from typing import Any
 from .._admission import hint_peak
 from .._costs import Durations
 from .._tasks import StepPlan, Task
+from ._listsched import strict_timeline
 from ._hints import Hint, HintFn, canonical_hint_name, make_hint, resolve_bounds, validate_hint
 
 __all__ = ["RankProgram", "StepSchedule"]
@@ -104,7 +105,11 @@ class StepSchedule:
     hint: dict[int, tuple[Task, ...]]
     bounds: tuple[int, ...]
     hint_name: str = "custom"
+    declared: Durations | None = field(default=None, repr=False)
     _programs: dict[int, RankProgram] = field(default_factory=dict, repr=False)
+    _plan: dict[int, tuple[tuple[float, ...], tuple[float, ...]]] = field(
+        default_factory=dict, repr=False
+    )
 
     @classmethod
     def build(
@@ -147,6 +152,7 @@ class StepSchedule:
             hint={r: tuple(orders[r]) for r in range(plan.stages)},
             bounds=tuple(bounds),
             hint_name=name,
+            declared=durations,
         )
 
     def program(self, rank: int) -> RankProgram:
@@ -156,6 +162,28 @@ class StepSchedule:
             prog = RankProgram.build(self.plan, rank, self.hint[rank])
             self._programs[rank] = prog
         return prog
+
+    def planned(self, rank: int) -> tuple[tuple[float, ...], tuple[float, ...]] | None:
+        """The plan of ``rank``: for each hint position, the planned start (seconds after
+        the step starts) and the idle gap the plan foresees right before the task (its
+        planned start minus the planned end of the task before it), from the declared
+        durations with every rank running its hint strictly. None without durations."""
+        if self.declared is None:
+            return None
+        out = self._plan.get(rank)
+        if out is None:
+            times = strict_timeline(self.plan, self.hint, self.declared)
+            for r in range(self.plan.stages):
+                prev = 0.0
+                starts, gaps = [], []
+                for t in self.hint[r]:
+                    start, end = times[t]
+                    starts.append(start)
+                    gaps.append(max(0.0, start - prev))
+                    prev = end
+                self._plan[r] = (tuple(starts), tuple(gaps))
+            out = self._plan[rank]
+        return out
 
     def peaks(self) -> list[int]:
         """In-flight peak of each rank's hint when run in order."""

@@ -1,0 +1,12 @@
+from __future__ import annotations
+
+import os
+
+from hypothesis import HealthCheck, settings
+
+# CI runs at least 300 examples per property test; locally HYPOTHESIS_PROFILE=dev is faster.
+settings.register_profile(
+    "ci", max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow]
+)
+settings.register_profile("dev", max_examples=60, deadline=None)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
