@@ -28,6 +28,7 @@ class _Monitor:
     def __init__(self, pipeline: LocalPipeline) -> None:
         self._p = pipeline
         self.active: set[int] = set()
+        self.failed = False
 
     def blocked(self, stage: StageLoop) -> None:
         self.check()
@@ -37,7 +38,7 @@ class _Monitor:
 
     def check(self) -> None:
         p = self._p
-        if p.channel.inflight:
+        if p.channel.inflight or self.failed:
             return
         stages = p.stages
         if not self.active or any(not stages[r].blocked for r in self.active):
@@ -138,12 +139,19 @@ class LocalPipeline:
 
         async def one(stage: StageLoop) -> StepStats:
             try:
-                return await stage.run_step(microbatches, step=step, schedule=schedule)
-            finally:
-                mon.active.discard(stage.rank)
-                mon.check()
+                stats = await stage.run_step(microbatches, step=step, schedule=schedule)
+            except BaseException:
+                # The task group cancels the other stages; a deadlock check now would
+                # only report the stages this failure left waiting.
+                mon.failed = True
+                raise
+            mon.active.discard(stage.rank)
+            mon.check()
+            return stats
 
         mon.active = set(range(len(self.stages)))
+        mon.failed = False
+        root: BaseException | None = None
         try:
             async with asyncio.TaskGroup() as tg:
                 tasks = [tg.create_task(one(s)) for s in self.stages]
@@ -151,5 +159,7 @@ class LocalPipeline:
             root = unwrap_group(eg)
             if root is eg:
                 raise
-            raise root from None
+        if root is not None:
+            # Raised outside the handler so the root keeps its own cause and context.
+            raise root
         return [t.result() for t in tasks]

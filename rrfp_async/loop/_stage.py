@@ -176,6 +176,7 @@ class _StepState:
     t_start: float = 0.0
     last_end: float = 0.0
     adm_cache: tuple[int, list[int]] = (-1, [])
+    awaited: int = -1
     ends: list[float] = field(default_factory=list)
     prefix_scan: int = 0
     prefix_end: float = 0.0
@@ -546,28 +547,35 @@ class StageLoop:
         return "waiting for " + ("; ".join(waits) if waits else "nothing")
 
     def waiting_for(self, limit: int | None = None) -> Iterator[str]:
-        """What the next unstarted tasks (in hint order) wait for, one line each."""
+        """What the next unstarted, not-ready tasks (in hint order) wait for, one line each."""
         st = self._st
         if st is None:
             return
-        plan = self.schedule.plan
         n = 0
         for pos in range(st.ledger.head, len(st.prog.order)):
             if st.started[pos] or st.missing[pos] == 0:
                 continue
-            task = st.prog.order[pos]
-            why = []
-            for dep in plan.producers(task):
-                dpos = st.prog.pos.get(dep)
-                if dpos is None:  # a remote producer: its message has not arrived
-                    if not st.arrived[pos]:
-                        why.append(f"message {dep} from rank {plan.rank_of(dep)}")
-                elif not st.finished[dpos]:
-                    why.append(f"local {dep}" + (" (running)" if st.started[dpos] else ""))
-            yield f"{task} <- " + (", ".join(why) if why else "a running task")
+            yield self._why(st, pos)
             n += 1
             if limit is not None and n >= limit:
                 return
+
+    def _why(self, st: _StepState, pos: int) -> str:
+        plan = self.schedule.plan
+        task = st.prog.order[pos]
+        if st.started[pos]:
+            return f"{task} already started"
+        why = []
+        for dep in plan.producers(task):
+            dpos = st.prog.pos.get(dep)
+            if dpos is None:  # a remote producer: its message has not arrived
+                if not st.arrived[pos]:
+                    why.append(f"message {dep} from rank {plan.rank_of(dep)}")
+            elif not st.finished[dpos]:
+                why.append(f"local {dep}" + (" (running)" if st.started[dpos] else ""))
+        if not why and st.missing[pos] == 0:
+            return f"{task} is ready but not admitted ({st.ledger.inflight}/{st.ledger.bound} in flight)"
+        return f"{task} <- " + (", ".join(why) if why else "a running task")
 
     def dump(self) -> str:
         """A readable snapshot of the stage: ready set, in-flight, what waiting tasks wait for."""
@@ -705,11 +713,15 @@ class _View:
             )
         loop = asyncio.get_running_loop()
         deadline = None if timeout is None else loop.time() + timeout
-        while pos not in self._s._admitted(st):
-            left = None if deadline is None else deadline - loop.time()
-            if left is not None and left <= 0:
-                return False
-            await self._s._wait(f"policy waits for {task}: " + self._s._stall_reason(st), left)
+        st.awaited = pos
+        try:
+            while pos not in self._s._admitted(st):
+                left = None if deadline is None else deadline - loop.time()
+                if left is not None and left <= 0:
+                    return False
+                await self._s._wait(f"policy waits for {task}: " + self._s._stall_reason(st), left)
+        finally:
+            st.awaited = -1
         return True
 
     def declared_duration(self, task: Task) -> float | None:
@@ -739,7 +751,10 @@ def deadlock_grid(stages: Sequence[StageLoop], width: int = 8) -> str:
             cells.append(f"{order[pos]!s:>6}{mark}")
             if len(cells) >= width:
                 break
-        first = next(iter(s.waiting_for(limit=1)), "")
+        if st.awaited >= 0:
+            first = f"policy {s.policy_name} waits for {s._why(st, st.awaited)}"
+        else:
+            first = next(iter(s.waiting_for(limit=1)), "")
         lines.append(
             f"rank {s.rank:>3} | {' '.join(cells)} | in flight {st.ledger.inflight}/"
             f"{st.ledger.bound} | {first}  <-- WAITING"

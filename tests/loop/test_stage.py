@@ -1,0 +1,250 @@
+"""The stage loop: policies, errors, deadlocks, watchdog, embedding, out-of-order inputs."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+from typing import Any
+
+import pytest
+
+from rrfp_async import (
+    HINTS,
+    CostModelExecutor,
+    DeadlockError,
+    Durations,
+    HintError,
+    LocalPipeline,
+    PolicyError,
+    ProtocolError,
+    ReadyView,
+    StageLoop,
+    StepPlan,
+    StepSchedule,
+    StepTimeoutError,
+    Task,
+    TaskContext,
+    Topology,
+    VirtualEventLoop,
+    compare,
+)
+from rrfp_async.channels import LocalChannel
+
+
+def sched(p: int = 2, m: int = 4, v: int = 1, hint: str = "1f1b", **kw: Any) -> StepSchedule:
+    plan = StepPlan(topology=Topology(stages=p, chunks=v), microbatches=m)
+    return StepSchedule.build(plan, hint, **kw)
+
+
+def unit(s: StepSchedule) -> Durations:
+    pl = s.plan
+    return Durations.from_arrays(pl, [[1.0] * pl.microbatches for _ in range(pl.num_virtual)])
+
+
+def run_virtual(coro: Any) -> Any:
+    loop = VirtualEventLoop()
+    try:
+        return loop.run_until_complete(coro)
+    finally:
+        loop.close()
+
+
+@pytest.mark.parametrize("name", sorted(HINTS))
+def test_zero_variance_readiness_first_equals_strict(name: str) -> None:
+    for p, v, m in itertools.product([1, 2, 4, 5], [1, 2, 3], [1, 3, 4, 8, 16]):
+        try:
+            r = compare(stages=p, chunks=v, microbatches=m, hint=name)
+        except HintError:
+            continue
+        assert r["readiness_first"].makespan == pytest.approx(r["strict"].makespan, rel=1e-12)
+        assert r["readiness_first"].executed == r["strict"].executed or all(
+            d == 0 for d in r["readiness_first"].deviations
+        )
+
+
+def test_backfill_is_never_worse_than_strict_with_zero_variance() -> None:
+    for name in ["interleaved", "zb_h1", "bfw", "1f1b"]:
+        for p, v, m in [(2, 2, 4), (4, 2, 8), (3, 3, 6), (4, 1, 8)]:
+            try:
+                r = compare(("strict", "backfill"), stages=p, chunks=v, microbatches=m, hint=name)
+            except HintError:
+                continue
+            assert r["backfill"].makespan <= r["strict"].makespan * (1 + 1e-9)
+
+
+def test_strict_runs_the_hint_order_under_jitter() -> None:
+    r = compare(("strict",), stages=4, microbatches=8, workload="multimodal", jitter=0.5, seed=3)
+    res = r["strict"]
+    assert res.schedule is not None
+    for rank, ex in enumerate(res.executed):
+        assert tuple(e.task for e in ex) == res.schedule.hint[rank]
+    assert res.deviations == (0, 0, 0, 0)
+
+
+def test_readiness_first_skips_a_late_task() -> None:
+    # Microbatch 1 is 20x slower on stage 0 than declared; readiness-first on stage 1 runs
+    # the backward of microbatch 0 instead of waiting for F1 (with 2x memory), strict waits.
+    p, m = 2, 4
+    fw = [[1.0] * m for _ in range(p)]
+    r = compare(("strict", "readiness_first", "greedy"), stages=p, microbatches=m, forward=fw,
+                memory_factor=2.0, jitter=0.0)
+    assert r["strict"].makespan == r["readiness_first"].makespan  # no variance: same
+
+
+class _Recorder:
+    """An executor that passes strings along and records what each task received."""
+
+    def __init__(self, seen: dict[Task, Any]) -> None:
+        self.seen = seen
+
+    async def execute(self, task: Task, data: Any, ctx: TaskContext) -> Any:
+        self.seen[task] = data
+        await asyncio.sleep(0.001)
+        return f"{task.kind}{task.mb}@{task.stage}"
+
+
+def test_out_of_order_messages_reach_their_tasks() -> None:
+    s = sched(p=2, m=4, hint="gpipe")
+    seen: dict[Task, Any] = {}
+
+    def latency(step: int, task: Task) -> float:
+        return 0.5 if (task.kind, task.mb) == ("F", 2) else 0.0  # mb 2 overtaken by mb 3
+
+    pipe = LocalPipeline(s, _Recorder(seen), policy="greedy", latency=latency)
+    stats = run_virtual(pipe.run_step([f"mb{i}" for i in range(4)]))
+    order = [e.task for e in stats[1].executed]
+    assert order.index(Task(1, "F", 3)) < order.index(Task(1, "F", 2))
+    for i in range(4):
+        assert seen[Task(0, "F", i)] == f"mb{i}"
+        assert seen[Task(1, "F", i)] == f"F{i}@0"
+        assert seen[Task(0, "B", i)] == f"B{i}@1"
+        assert seen[Task(1, "B", i)] is None  # the last stage's backward starts from the loss
+
+
+async def test_runs_inside_any_running_loop_in_real_time() -> None:
+    s = sched(p=3, m=6, hint="1f1b")
+    d = Durations.from_arrays(s.plan, [[0.001] * 6 for _ in range(3)])
+    pipe = LocalPipeline(s, CostModelExecutor(d), policy="readiness_first")
+    stats = await pipe.run_step(list(range(6)))
+    assert [len(x.executed) for x in stats] == [12, 12, 12]
+    stats2 = await pipe.run_step(list(range(6)))
+    assert stats2[0].step == 1
+
+
+def test_policy_errors_name_policy_rank_step_task() -> None:
+    async def wrong(view: ReadyView) -> Task:
+        return Task(0, "B", 3)  # never ready at the start
+
+    pipe = LocalPipeline(sched(), CostModelExecutor(unit(sched())), policy=wrong)
+    with pytest.raises(PolicyError, match=r"policy 'test_policy_errors_name.*wrong' on rank 0 step 0 returned Task\(0B3\), which is not ready") as ei:
+        run_virtual(pipe.run_step(range(4)))  # type: ignore[arg-type]
+    assert ei.value.rank == 0 and ei.value.step == 0 and ei.value.task == Task(0, "B", 3)
+
+
+def test_policy_that_raises_is_wrapped() -> None:
+    async def boom(view: ReadyView) -> Task:
+        raise KeyError("x")
+
+    pipe = LocalPipeline(sched(), CostModelExecutor(unit(sched())), policy=boom)
+    with pytest.raises(PolicyError, match="raised on rank") as ei:
+        run_virtual(pipe.run_step(range(4)))  # type: ignore[arg-type]
+    assert isinstance(ei.value.__cause__, KeyError)
+
+
+def test_policy_returning_other_rank_task() -> None:
+    async def other(view: ReadyView) -> Task:
+        return Task(1, "F", 0) if view.rank == 0 else view.ready[0]
+
+    pipe = LocalPipeline(sched(), CostModelExecutor(unit(sched())), policy=other)
+    with pytest.raises(PolicyError, match="is not a task of this rank"):
+        run_virtual(pipe.run_step(range(4)))  # type: ignore[arg-type]
+
+
+def test_non_coroutine_policy_is_refused() -> None:
+    def sync_policy(view: ReadyView) -> Task:
+        return view.ready[0]
+
+    with pytest.raises(PolicyError, match="must be a coroutine function"):
+        LocalPipeline(sched(), CostModelExecutor(unit(sched())), policy=sync_policy)  # type: ignore[arg-type]
+
+
+def test_deadlock_is_detected_with_a_grid() -> None:
+    async def stubborn(view: ReadyView) -> Task:
+        # Waits for its microbatch-1 forward before anything else: on rank 1 that needs
+        # 0F1, which rank 0 (also stubborn: 0B0 first) never sends.
+        want = Task(view.rank, "B", 0) if view.rank == 0 else Task(1, "F", 1)
+        await view.wait_until_ready(want)
+        return want
+
+    s = sched(p=2, m=2, hint="gpipe")
+    pipe = LocalPipeline(s, CostModelExecutor(unit(s)), policy=stubborn)
+    with pytest.raises(DeadlockError) as ei:
+        run_virtual(pipe.run_step(range(2)))  # type: ignore[arg-type]
+    msg = str(ei.value)
+    assert "step 0 cannot finish" in msg
+    assert "rank   0 |" in msg and "rank   1 |" in msg
+    assert "waits for 0B0 <- local 0F0, message 1B0 from rank 1" in msg
+    assert "1F0 <- message 0F0 from rank 0" in msg
+
+
+def test_step_timeout_dumps_state() -> None:
+    async def sleepy(view: ReadyView) -> Task:
+        await asyncio.sleep(100)
+        return view.ready[0]
+
+    s = sched(p=1, m=1)
+    stage = StageLoop(0, schedule=s, executor=CostModelExecutor(unit(s)),
+                      endpoint=LocalChannel(1).endpoint(0), policy=sleepy, step_timeout=5.0)
+    with pytest.raises(StepTimeoutError, match="within 5.0 s") as ei:
+        run_virtual(stage.run_step([0]))
+    assert "ready: 0F0" in str(ei.value)
+
+
+def test_protocol_errors() -> None:
+    s = sched(p=2, m=2)
+    ch = LocalChannel(2)
+    stage = StageLoop(1, schedule=s, executor=CostModelExecutor(unit(s)), endpoint=ch.endpoint(1))
+
+    async def main() -> None:
+        t = asyncio.ensure_future(stage.run_step([0, 1]))
+        await asyncio.sleep(0)
+        with pytest.raises(ProtocolError, match="not a task of this rank"):
+            stage.deliver(0, Task(0, "F", 0), None, 0)
+        with pytest.raises(ProtocolError, match="expected rank 0"):
+            stage.deliver(0, Task(1, "F", 0), None, 1)
+        stage.deliver(0, Task(1, "F", 0), None, 0)
+        with pytest.raises(ProtocolError, match="arrived twice"):
+            stage.deliver(0, Task(1, "F", 0), None, 0)
+        stage.deliver(0, Task(1, "F", 1), None, 0)
+        await t
+        with pytest.raises(ProtocolError, match="after that step ended"):
+            stage.deliver(0, Task(1, "F", 0), None, 0)
+
+    run_virtual(main())
+
+
+def test_early_messages_for_the_next_step_are_kept() -> None:
+    s = sched(p=2, m=1)
+    stage = StageLoop(1, schedule=s, executor=CostModelExecutor(unit(s)),
+                      endpoint=LocalChannel(2).endpoint(1))
+    stage.deliver(0, Task(1, "F", 0), "early", 0)  # before the step starts
+    stats = run_virtual(stage.run_step([0]))
+    assert [str(e.task) for e in stats.executed] == ["1F0", "1B0"]
+
+
+def test_wrong_microbatch_count() -> None:
+    s = sched(p=1, m=2)
+    stage = StageLoop(0, schedule=s, executor=CostModelExecutor(unit(s)),
+                      endpoint=LocalChannel(1).endpoint(0))
+    with pytest.raises(ValueError, match="2 microbatches, got 3"):
+        run_virtual(stage.run_step([0, 1, 2]))
+
+
+def test_stats_account_busy_and_idle() -> None:
+    s = sched(p=2, m=2, hint="1f1b")
+    pipe = LocalPipeline(s, CostModelExecutor(unit(s)))
+    st0, st1 = run_virtual(pipe.run_step([0, 1]))
+    assert st0.busy == pytest.approx(6.0) and st1.busy == pytest.approx(6.0)
+    assert st0.elapsed == pytest.approx(st0.busy + st0.idle)
+    assert st0.peak_inflight == 2 and st0.max_inflight == 2
+    assert st1.policy == "readiness_first" and st1.hint == "1f1b"
