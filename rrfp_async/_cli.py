@@ -57,23 +57,60 @@ def _console() -> Console:
 
 @main.command("simulate")
 @click.option("--stages", "-p", type=click.IntRange(min=1), required=True, help="Pipeline ranks P.")
-@click.option("--microbatches", "-m", type=click.IntRange(min=1), required=True, help="Microbatches M.")
-@click.option("--chunks", "-v", type=click.IntRange(min=1), default=1, show_default=True,
-              help="Model chunks per rank V.")
-@click.option("--hint", default="1f1b", show_default=True,
-              help=f"Hint: {', '.join(sorted(HINTS))} (or an alias: bf, bfw, interleaved).")
-@click.option("--policy", "policies", multiple=True,
-              help="Policy to compare (repeatable). Default: strict and readiness_first.")
-@click.option("--memory-factor", type=click.FloatRange(min=0, min_open=True), default=None,
-              help="Scale of the default admission bound (1F1B's in-flight count).")
-@click.option("--workload", type=click.Choice(["uniform", "text", "multimodal"]), default="uniform",
-              show_default=True)
-@click.option("--jitter", type=click.FloatRange(min=0), default=0.0, show_default=True,
-              help="Sigma of the lognormal compute noise.")
-@click.option("--latency", type=click.FloatRange(min=0), default=0.0, show_default=True,
-              help="Mean message latency, seconds.")
-@click.option("--split-backward/--no-split-backward", default=None,
-              help="Split backwards into I and W (default: only for zb_h1).")
+@click.option(
+    "--microbatches", "-m", type=click.IntRange(min=1), required=True, help="Microbatches M."
+)
+@click.option(
+    "--chunks",
+    "-v",
+    type=click.IntRange(min=1),
+    default=1,
+    show_default=True,
+    help="Model chunks per rank V.",
+)
+@click.option(
+    "--hint",
+    default="1f1b",
+    show_default=True,
+    help=f"Hint: {', '.join(sorted(HINTS))} (or an alias: bf, bfw, interleaved).",
+)
+@click.option(
+    "--policy",
+    "policies",
+    multiple=True,
+    help="Policy to compare (repeatable). Default: strict and readiness_first.",
+)
+@click.option(
+    "--memory-factor",
+    type=click.FloatRange(min=0, min_open=True),
+    default=None,
+    help="Scale of the default admission bound (1F1B's in-flight count).",
+)
+@click.option(
+    "--workload",
+    type=click.Choice(["uniform", "text", "multimodal"]),
+    default="uniform",
+    show_default=True,
+)
+@click.option(
+    "--jitter",
+    type=click.FloatRange(min=0),
+    default=0.0,
+    show_default=True,
+    help="Sigma of the lognormal compute noise.",
+)
+@click.option(
+    "--latency",
+    type=click.FloatRange(min=0),
+    default=0.0,
+    show_default=True,
+    help="Mean message latency, seconds.",
+)
+@click.option(
+    "--split-backward/--no-split-backward",
+    default=None,
+    help="Split backwards into I and W (default: only for zb_h1).",
+)
 @click.option("--seed", type=int, default=0, show_default=True)
 @click.option("--json", "as_json", is_flag=True, help="Print JSON instead of a table.")
 def simulate_cmd(
@@ -99,14 +136,24 @@ def simulate_cmd(
     known = available_policies()
     for n in names:
         if n not in known:
-            raise click.BadParameter(f"unknown policy {n!r}; choose from {known}", param_hint="--policy")
+            raise click.BadParameter(
+                f"unknown policy {n!r}; choose from {known}", param_hint="--policy"
+            )
     results: dict[str, SimResult] = {}
     try:
         for n in names:
             results[n] = simulate(
-                stages=stages, microbatches=microbatches, chunks=chunks, hint=hint, policy=n,
-                memory_factor=memory_factor, workload=workload, jitter=jitter, latency=latency,
-                split_backward=split_backward, seed=seed,
+                stages=stages,
+                microbatches=microbatches,
+                chunks=chunks,
+                hint=hint,
+                policy=n,
+                memory_factor=memory_factor,
+                workload=workload,
+                jitter=jitter,
+                latency=latency,
+                split_backward=split_backward,
+                seed=seed,
             )
     except RRFPError as e:
         raise click.ClickException(str(e)) from e
@@ -114,9 +161,16 @@ def simulate_cmd(
     if as_json:
         out: dict[str, Any] = {
             "config": {
-                "stages": stages, "microbatches": microbatches, "chunks": chunks, "hint": hint,
-                "memory_factor": memory_factor, "workload": workload, "jitter": jitter,
-                "latency": latency, "seed": seed, "time": "virtual (cost model)",
+                "stages": stages,
+                "microbatches": microbatches,
+                "chunks": chunks,
+                "hint": hint,
+                "memory_factor": memory_factor,
+                "workload": workload,
+                "jitter": jitter,
+                "latency": latency,
+                "seed": seed,
+                "time": "virtual (cost model)",
             },
             "results": {n: r.to_dict() for n, r in results.items()},
             "speedup": {n: results[base].makespan / r.makespan for n, r in results.items()},
@@ -124,9 +178,11 @@ def simulate_cmd(
         click.echo(json.dumps(out, indent=2))
         return
     console = _console()
-    title = (f"{stages} stages x {microbatches} microbatches, chunks {chunks}, hint"
-             f" {results[base].hint}, workload {workload}, jitter {jitter}"
-             f" (simulated, virtual time)")
+    title = (
+        f"{stages} stages x {microbatches} microbatches, chunks {chunks}, hint"
+        f" {results[base].hint}, workload {workload}, jitter {jitter}"
+        f" (simulated, virtual time)"
+    )
     console.print(_comparison_table(results, base, title))
     if len(names) >= 2:
         a, b = results[names[0]], results[names[1]]
@@ -145,30 +201,51 @@ def bench() -> None:
 @click.option("--stages", "-p", type=click.IntRange(min=1), default=16, show_default=True)
 @click.option("--microbatches", "-m", type=click.IntRange(min=1), default=128, show_default=True)
 @click.option("--repeats", type=click.IntRange(min=1), default=5, show_default=True)
-@click.option("--policies-table/--no-policies-table", default=True, show_default=True,
-              help="Also print the policy x hint x memory ratio table (8 x 32, 5 seeds).")
+@click.option(
+    "--policies-table/--no-policies-table",
+    default=True,
+    show_default=True,
+    help="Also print the policy x hint x memory ratio table (8 x 32, 5 seeds).",
+)
 def bench_simulator(stages: int, microbatches: int, repeats: int, policies_table: bool) -> None:
     """Wall time of one simulated step, and simulated makespan ratios of the policies."""
     from ._bench import simulator_policy_table, simulator_wall_time
 
     console = _console()
-    t = Table(title=f"simulating one {stages} x {microbatches} step (multimodal, jitter 0.2):"
-                    " real wall time on this machine", title_justify="left")
+    t = Table(
+        title=f"simulating one {stages} x {microbatches} step (multimodal, jitter 0.2):"
+        " real wall time on this machine",
+        title_justify="left",
+    )
     for c in ("policy", "tasks", "median s", "max s", "us/task"):
         t.add_column(c, justify="right" if c != "policy" else "left")
     for r in simulator_wall_time(stages=stages, microbatches=microbatches, repeats=repeats):
-        t.add_row(r["policy"], str(r["tasks"]), f"{r['wall_median_s']:.3f}",
-                  f"{r['wall_max_s']:.3f}", f"{r['us_per_task']:.1f}")
+        t.add_row(
+            r["policy"],
+            str(r["tasks"]),
+            f"{r['wall_median_s']:.3f}",
+            f"{r['wall_max_s']:.3f}",
+            f"{r['us_per_task']:.1f}",
+        )
     console.print(t)
     if not policies_table:
         return
-    t = Table(title="simulated makespan speedup, 8 stages x 32 microbatches, jitter 0.2, mean"
-                    " of 5 seeds (virtual time, declared cost model)", title_justify="left")
+    t = Table(
+        title="simulated makespan speedup, 8 stages x 32 microbatches, jitter 0.2, mean"
+        " of 5 seeds (virtual time, declared cost model)",
+        title_justify="left",
+    )
     for c in ("workload", "hint", "memory", "policy", "vs strict 1f1b 1x", "vs strict same hint"):
         t.add_column(c, justify="left" if c in ("workload", "hint", "policy") else "right")
     for r in simulator_policy_table():
-        t.add_row(r["workload"], r["hint"], f"{r['memory']:g}x", r["policy"],
-                  f"{r['vs_1f1b_strict']:.3f}x", f"{r['vs_same_hint_strict']:.3f}x")
+        t.add_row(
+            r["workload"],
+            r["hint"],
+            f"{r['memory']:g}x",
+            r["policy"],
+            f"{r['vs_1f1b_strict']:.3f}x",
+            f"{r['vs_same_hint_strict']:.3f}x",
+        )
     console.print(t)
 
 

@@ -74,7 +74,12 @@ class StageProfile:
     def forward(self, mb: Microbatch) -> float:
         """Forward seconds of this stage for ``mb``."""
         t = mb.tokens
-        return self.fixed + self.per_token * t + self.per_patch * mb.patches + self.per_token_sq * t * t
+        return (
+            self.fixed
+            + self.per_token * t
+            + self.per_patch * mb.patches
+            + self.per_token_sq * t * t
+        )
 
 
 LLM_STAGE = StageProfile(per_token=1e-5, fixed=2e-4)
@@ -180,7 +185,7 @@ class Durations:
                 k: [[latency * _lognormal_factor(lrng, latency_jitter) for _ in row] for row in t]
                 for k, t in tables.items()
             }
-        return Durations(tables, lat)  # type: ignore[arg-type]
+        return Durations(tables, lat)
 
 
 def _check_table(name: str, t: Sequence[Sequence[float]], plan: StepPlan) -> list[list[float]]:
@@ -286,8 +291,6 @@ class CostModel:
             latency=self.latency,
             latency_jitter=self.latency_jitter,
         )
-
-
 
 
 def _check_mbs(plan: StepPlan, microbatches: Sequence[Microbatch]) -> None:

@@ -202,7 +202,9 @@ def simulate(
         base = Durations.from_arrays(plan, forward, backward)
         mbs = [Microbatch(index=i) for i in range(m)]
         noise = CostModel(
-            jitter=jitter, straggler_prob=straggler_prob, latency=latency,
+            jitter=jitter,
+            straggler_prob=straggler_prob,
+            latency=latency,
             latency_jitter=latency_jitter,
         )
     else:

@@ -122,9 +122,7 @@ class Topology:
         if not isinstance(self.chunks, int) or self.chunks < 1:
             raise PlanError(f"chunks must be an int >= 1, got {self.chunks!r}")
         if self.placement not in ("interleaved", "vshape"):
-            raise PlanError(
-                f"placement must be 'interleaved' or 'vshape', got {self.placement!r}"
-            )
+            raise PlanError(f"placement must be 'interleaved' or 'vshape', got {self.placement!r}")
 
     @property
     def num_virtual(self) -> int:
@@ -239,7 +237,7 @@ class StepPlan:
         return None
 
     def local_producer(self, task: Task) -> Task | None:
-        """The same-stage task ``task`` must follow (``F`` before ``B``/``I``, ``I`` before ``W``)."""
+        """The same-stage task ``task`` follows: ``F`` before ``B``/``I``, ``I`` before ``W``."""
         v, k, m = task
         if k in ("B", "I"):
             return Task(v, "F", m)

@@ -118,9 +118,7 @@ class StageObserver(Protocol):
     def ready(self, stage: StageLoop, task: Task) -> None:
         """``task`` became ready (all inputs present)."""
 
-    def decision(
-        self, stage: StageLoop, task: Task, ready: Sequence[Task], idle: float
-    ) -> None:
+    def decision(self, stage: StageLoop, task: Task, ready: Sequence[Task], idle: float) -> None:
         """The policy chose ``task`` among ``ready``; the stage had been idle ``idle`` s."""
 
     def task_start(self, stage: StageLoop, task: Task) -> None:
@@ -358,7 +356,9 @@ class StageLoop:
             ProtocolError: A message did not fit the step.
         """
         if self._st is not None:
-            raise RuntimeError(f"rank {self.rank}: run_step is already running step {self._st.step}")
+            raise RuntimeError(
+                f"rank {self.rank}: run_step is already running step {self._st.step}"
+            )
         if schedule is not None:
             if schedule.plan != self.schedule.plan:
                 raise ValueError("a per-step schedule must have the stage's plan")
@@ -441,15 +441,16 @@ class StageLoop:
                 raise
             except Exception as e:
                 raise PolicyError(
-                    f"policy {self.policy_name!r} raised on rank {self.rank} step {st.step}:"
-                    f" {e!r}",
+                    f"policy {self.policy_name!r} raised on rank {self.rank} step {st.step}: {e!r}",
                     policy=self.policy_name,
                     rank=self.rank,
                     step=st.step,
                 ) from e
             pos = self._check_choice(st, task)
             if obs is not None:
-                obs.decision(self, task, view.ready, asyncio.get_running_loop().time() - st.last_end)
+                obs.decision(
+                    self, task, view.ready, asyncio.get_running_loop().time() - st.last_end
+                )
             await self._execute(st, pos)
 
     def _admitted(self, st: _StepState) -> list[int]:
@@ -458,7 +459,7 @@ class StageLoop:
         return st.adm_cache[1]
 
     def _check_choice(self, st: _StepState, task: object) -> int:
-        pos = st.prog.pos.get(task) if isinstance(task, tuple) else None  # type: ignore[call-overload]
+        pos: int | None = st.prog.pos.get(task) if isinstance(task, Task) else None
         if pos is None or pos not in self._admitted(st):
             if pos is None:
                 why = "is not a task of this rank"
@@ -574,7 +575,8 @@ class StageLoop:
             elif not st.finished[dpos]:
                 why.append(f"local {dep}" + (" (running)" if st.started[dpos] else ""))
         if not why and st.missing[pos] == 0:
-            return f"{task} is ready but not admitted ({st.ledger.inflight}/{st.ledger.bound} in flight)"
+            led = st.ledger
+            return f"{task} is ready but not admitted ({led.inflight}/{led.bound} in flight)"
         return f"{task} <- " + (", ".join(why) if why else "a running task")
 
     def dump(self) -> str:
@@ -703,9 +705,10 @@ class _View:
         st = self._st()
         pos = st.prog.pos.get(task)
         if pos is None or st.started[pos]:
+            why = "already ran" if pos is not None else "is not a task of this rank"
             raise PolicyError(
                 f"policy {self._s.policy_name!r} on rank {self._s.rank} step {st.step} waits for"
-                f" {task!r}, which {'already ran' if pos is not None else 'is not a task of this rank'}",
+                f" {task!r}, which {why}",
                 policy=self._s.policy_name,
                 rank=self._s.rank,
                 step=st.step,
@@ -730,7 +733,9 @@ class _View:
 
     async def wait_for_change(self, timeout: float | None = None) -> bool:
         st = self._st()
-        return await self._s._wait("policy waits for a change: " + self._s._stall_reason(st), timeout)
+        return await self._s._wait(
+            "policy waits for a change: " + self._s._stall_reason(st), timeout
+        )
 
 
 def deadlock_grid(stages: Sequence[StageLoop], width: int = 8) -> str:

@@ -24,7 +24,7 @@ class VirtualClockStall(RuntimeError):
     """The virtual loop had no timer and no I/O for ``stall_timeout`` real seconds."""
 
 
-class _VirtualSelector(selectors.DefaultSelector):  # type: ignore[misc,valid-type]
+class _VirtualSelector(selectors.DefaultSelector):
     def __init__(self, stall_timeout: float | None) -> None:
         super().__init__()
         self.loop: VirtualEventLoop | None = None
@@ -37,10 +37,10 @@ class _VirtualSelector(selectors.DefaultSelector):  # type: ignore[misc,valid-ty
                 raise VirtualClockStall(
                     f"nothing scheduled and no I/O for {self.stall_timeout} s of real time"
                 )
-            return events  # type: ignore[no-any-return]
+            return events
         events = super().select(0)
         if events or timeout <= 0:
-            return events  # type: ignore[no-any-return]
+            return events
         assert self.loop is not None
         self.loop._advance(timeout)
         return []

@@ -143,26 +143,15 @@ def interleaved_1f1b(plan: StepPlan, durations: Durations | None = None) -> dict
         fwd_next = [0] * v
         bwd_next = [0] * v
         order: list[Task] = []
-
-        def fwd(op: int, r: int = r) -> Task:
-            local = (op // per_round) % v
-            mb = fwd_next[local]
-            fwd_next[local] += 1
-            return Task(local * p + r, "F", mb)
-
-        def bwd(op: int, warm: int = warm, r: int = r) -> Task:
-            local = v - 1 - ((op - warm) // per_round) % v
-            mb = bwd_next[local]
-            bwd_next[local] += 1
-            return Task(local * p + r, "B", mb)
-
-        for op in range(warm):
-            order.append(fwd(op))
-        for op in range(warm, ops):
-            order.append(fwd(op))
-            order.append(bwd(op))
-        for op in range(ops, ops + warm):
-            order.append(bwd(op))
+        for op in range(ops + warm):
+            if op < ops:  # a forward in the warm-up and in every (F, B) pair
+                local = (op // per_round) % v
+                order.append(Task(local * p + r, "F", fwd_next[local]))
+                fwd_next[local] += 1
+            if op >= warm:  # a backward in every pair and in the cool-down
+                local = v - 1 - ((op - warm) // per_round) % v
+                order.append(Task(local * p + r, "B", bwd_next[local]))
+                bwd_next[local] += 1
         out[r] = _expand(plan, order)
     return out
 
@@ -197,26 +186,20 @@ def zb_h1(plan: StepPlan, durations: Durations | None = None) -> dict[int, list[
         lag = p - 1 - s
         order = [Task(s, "F", i) for i in range(warm)]
         w_next = 0
-
-        def input_grad(i: int, order: list[Task] = order, lag: int = lag) -> None:
-            nonlocal w_next
+        for i in range(m):
+            if i < m - warm:
+                order.append(Task(s, "F", warm + i))
             order.append(Task(s, "I", i))
             if i - lag >= w_next:
                 order.append(Task(s, "W", w_next))
                 w_next += 1
-
-        for i in range(m - warm):
-            order.append(Task(s, "F", warm + i))
-            input_grad(i)
-        for i in range(m - warm, m):
-            input_grad(i)
         order += [Task(s, "W", i) for i in range(w_next, m)]
         out[s] = order
     return out
 
 
 def breadth_first(plan: StepPlan, durations: Durations | None = None) -> dict[int, list[Task]]:
-    """"BF" read as *breadth-first*: all forwards before any backward.
+    """ "BF" read as *breadth-first*: all forwards before any backward.
 
     Forwards chunk by chunk in microbatch order, then backwards chunk by chunk in reverse
     chunk order, microbatch order within a chunk (Lamy-Poirier's breadth-first pipeline;
@@ -269,7 +252,7 @@ def remaining_work(plan: StepPlan, durations: Durations) -> dict[Task, float]:
 def breadth_first_weighted(
     plan: StepPlan, durations: Durations | None = None
 ) -> dict[int, list[Task]]:
-    """"BFW" read as *breadth-first weighted*: a cost-aware list schedule.
+    """ "BFW" read as *breadth-first weighted*: a cost-aware list schedule.
 
     Simulates the step on the declared durations (no jitter); whenever a rank is free it
     runs, among its ready tasks that the 1F1B admission bound admits, the one with the most
@@ -289,7 +272,7 @@ _KIND_FIRST = {"B": 0, "I": 0, "F": 1, "W": 2}
 
 
 def backward_first(plan: StepPlan, durations: Durations | None = None) -> dict[int, list[Task]]:
-    """"BF" read as *backward-first*: a cost-aware list schedule preferring backwards.
+    """ "BF" read as *backward-first*: a cost-aware list schedule preferring backwards.
 
     Simulates the step on the declared durations; a free rank runs a ready backward
     (``B``/``I``) before a ready forward, a forward before a ``W``, the earlier microbatch
@@ -308,7 +291,7 @@ def backward_first(plan: StepPlan, durations: Durations | None = None) -> dict[i
 def backward_forward_warmup(
     plan: StepPlan, durations: Durations | None = None
 ) -> dict[int, list[Task]]:
-    """"BFW" read as *backward-forward with warm-up*: warm-up forwards, then alternate one
+    """ "BFW" read as *backward-forward with warm-up*: warm-up forwards, then alternate one
     backward and one forward. That is exactly 1F1B (``P-s`` warm-up forwards then (B, F)
     pairs is the same sequence as ``P-s-1`` warm-ups then (F, B) pairs), and interleaved
     1F1B with chunks; it resolves to those orders."""
@@ -349,8 +332,7 @@ def canonical_hint_name(name: str) -> str:
     key = _ALIASES.get(key, key)
     if key not in HINTS:
         raise HintError(
-            f"unknown hint {name!r}; choose one of {sorted(HINTS)} or an alias"
-            f" {sorted(_ALIASES)}"
+            f"unknown hint {name!r}; choose one of {sorted(HINTS)} or an alias {sorted(_ALIASES)}"
         )
     return key
 
@@ -452,7 +434,9 @@ def validate_hint(plan: StepPlan, hint: Hint, bounds: Sequence[int] | None = Non
     """
     p = plan.stages
     if sorted(hint) != list(range(p)):
-        raise HintError(f"the hint must have one order per rank 0..{p - 1}, got ranks {sorted(hint)}")
+        raise HintError(
+            f"the hint must have one order per rank 0..{p - 1}, got ranks {sorted(hint)}"
+        )
     for r in range(p):
         order = list(hint[r])
         seen: set[Task] = set()

@@ -15,7 +15,7 @@ the schedule always completes, and its in-flight peak never exceeds the bound.
 from __future__ import annotations
 
 import heapq
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from .._costs import Durations
@@ -29,7 +29,7 @@ def list_schedule(
     plan: StepPlan,
     durations: Durations,
     *,
-    key: Callable[[Task], Hashable],
+    key: Callable[[Task], tuple[float | int, ...]],
     bounds: Sequence[int],
 ) -> dict[int, list[Task]]:
     """Greedy list schedule of one step; returns each rank's start order.
@@ -105,7 +105,8 @@ def list_schedule(
                 dispatch(r)
         if not events:
             raise HintError(  # pragma: no cover - the reservation rule makes this unreachable
-                "list scheduling stalled: " + ", ".join(f"rank {r} ready {ready[r]}" for r in range(p))
+                "list scheduling stalled: "
+                + ", ".join(f"rank {r} ready {ready[r]}" for r in range(p))
             )
         # Apply every event of this instant before anyone dispatches, so that a same-time
         # arrival competes with the others on priority, not on event order.

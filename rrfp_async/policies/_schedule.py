@@ -9,8 +9,8 @@ from typing import Any
 from .._admission import hint_peak
 from .._costs import Durations
 from .._tasks import StepPlan, Task
-from ._listsched import strict_timeline
 from ._hints import Hint, HintFn, canonical_hint_name, make_hint, resolve_bounds, validate_hint
+from ._listsched import strict_timeline
 
 __all__ = ["RankProgram", "StepSchedule"]
 

@@ -9,6 +9,7 @@ step starts.
 
 from __future__ import annotations
 
+import itertools
 import random
 
 from hypothesis import given
@@ -28,8 +29,11 @@ def configs(draw: st.DrawFn) -> dict[str, object]:
     m = draw(st.integers(1, 32))
     placement = draw(st.sampled_from(["interleaved", "interleaved", "vshape"]))
     split = draw(st.booleans())
-    plan = StepPlan(topology=Topology(stages=p, chunks=v, placement=placement), microbatches=m,
-                    split_backward=split)
+    plan = StepPlan(
+        topology=Topology(stages=p, chunks=v, placement=placement),
+        microbatches=m,
+        split_backward=split,
+    )
     usable = []
     for name in sorted(HINTS):
         try:
@@ -80,7 +84,7 @@ def test_step_invariants(cfg: dict[str, object]) -> None:
             assert e.end >= e.start
             spans[e.task] = e
         # One task at a time on a stage.
-        for a, b in zip(ex, ex[1:]):
+        for a, b in itertools.pairwise(ex):
             assert b.start >= a.end - 1e-12
         # In-flight activations (recomputed from the execution order) within the bound.
         c = peak = 0
@@ -96,9 +100,7 @@ def test_step_invariants(cfg: dict[str, object]) -> None:
     assert 0 < res.efficiency <= 1 + 1e-9
 
 
-@given(
-    st.integers(1, 4), st.integers(1, 2), st.integers(1, 6), st.randoms(use_true_random=False)
-)
+@given(st.integers(1, 4), st.integers(1, 2), st.integers(1, 6), st.randoms(use_true_random=False))
 def test_shuffled_hints_are_refused_or_run(p: int, v: int, m: int, rnd: random.Random) -> None:
     """A hint with a random local shuffle is either refused before the step or runs fine."""
     plan = StepPlan(topology=Topology(stages=p, chunks=v), microbatches=m)

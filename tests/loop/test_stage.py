@@ -86,8 +86,14 @@ def test_readiness_first_skips_a_late_task() -> None:
     # the backward of microbatch 0 instead of waiting for F1 (with 2x memory), strict waits.
     p, m = 2, 4
     fw = [[1.0] * m for _ in range(p)]
-    r = compare(("strict", "readiness_first", "greedy"), stages=p, microbatches=m, forward=fw,
-                memory_factor=2.0, jitter=0.0)
+    r = compare(
+        ("strict", "readiness_first", "greedy"),
+        stages=p,
+        microbatches=m,
+        forward=fw,
+        memory_factor=2.0,
+        jitter=0.0,
+    )
     assert r["strict"].makespan == r["readiness_first"].makespan  # no variance: same
 
 
@@ -136,7 +142,10 @@ def test_policy_errors_name_policy_rank_step_task() -> None:
         return Task(0, "B", 3)  # never ready at the start
 
     pipe = LocalPipeline(sched(), CostModelExecutor(unit(sched())), policy=wrong)
-    with pytest.raises(PolicyError, match=r"policy 'test_policy_errors_name.*wrong' on rank 0 step 0 returned Task\(0B3\), which is not ready") as ei:
+    with pytest.raises(
+        PolicyError,
+        match=r"policy '.*wrong' on rank 0 step 0 returned Task\(0B3\), which is not ready",
+    ) as ei:
         run_virtual(pipe.run_step(range(4)))  # type: ignore[arg-type]
     assert ei.value.rank == 0 and ei.value.step == 0 and ei.value.task == Task(0, "B", 3)
 
@@ -193,9 +202,15 @@ def test_step_timeout_dumps_state() -> None:
         return view.ready[0]
 
     s = sched(p=1, m=1)
-    stage = StageLoop(0, schedule=s, executor=CostModelExecutor(unit(s)),
-                      endpoint=LocalChannel(1).endpoint(0), policy=sleepy, step_timeout=5.0)
-    with pytest.raises(StepTimeoutError, match="within 5.0 s") as ei:
+    stage = StageLoop(
+        0,
+        schedule=s,
+        executor=CostModelExecutor(unit(s)),
+        endpoint=LocalChannel(1).endpoint(0),
+        policy=sleepy,
+        step_timeout=5.0,
+    )
+    with pytest.raises(StepTimeoutError, match=r"within 5\.0 s") as ei:
         run_virtual(stage.run_step([0]))
     assert "ready: 0F0" in str(ei.value)
 
@@ -225,8 +240,9 @@ def test_protocol_errors() -> None:
 
 def test_early_messages_for_the_next_step_are_kept() -> None:
     s = sched(p=2, m=1)
-    stage = StageLoop(1, schedule=s, executor=CostModelExecutor(unit(s)),
-                      endpoint=LocalChannel(2).endpoint(1))
+    stage = StageLoop(
+        1, schedule=s, executor=CostModelExecutor(unit(s)), endpoint=LocalChannel(2).endpoint(1)
+    )
     stage.deliver(0, Task(1, "F", 0), "early", 0)  # before the step starts
     stats = run_virtual(stage.run_step([0]))
     assert [str(e.task) for e in stats.executed] == ["1F0", "1B0"]
@@ -234,8 +250,9 @@ def test_early_messages_for_the_next_step_are_kept() -> None:
 
 def test_wrong_microbatch_count() -> None:
     s = sched(p=1, m=2)
-    stage = StageLoop(0, schedule=s, executor=CostModelExecutor(unit(s)),
-                      endpoint=LocalChannel(1).endpoint(0))
+    stage = StageLoop(
+        0, schedule=s, executor=CostModelExecutor(unit(s)), endpoint=LocalChannel(1).endpoint(0)
+    )
     with pytest.raises(ValueError, match="2 microbatches, got 3"):
         run_virtual(stage.run_step([0, 1, 2]))
 
