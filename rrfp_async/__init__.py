@@ -30,10 +30,12 @@ from ._errors import (
     PolicyError,
     ProtocolError,
     RRFPError,
+    SpawnError,
     StepTimeoutError,
 )
 from ._executors import CostModelExecutor, Executor, TaskContext
 from ._simulate import SimResult, compare, lower_bound, simulate
+from ._spawn import free_port, spawn
 from ._tasks import Kind, Placement, StepPlan, Task, Topology, format_tasks, parse_tasks
 from .loop import ExecutedTask, LocalPipeline, StageLoop, StepStats, VirtualEventLoop, run
 from .policies import (
@@ -77,6 +79,7 @@ __all__ = [
     "RRFPError",
     "ReadyView",
     "SimResult",
+    "SpawnError",
     "StageLoop",
     "StageProfile",
     "StepPlan",
@@ -90,6 +93,7 @@ __all__ = [
     "Workload",
     "compare",
     "format_tasks",
+    "free_port",
     "hint_peak",
     "lower_bound",
     "make_hint",
@@ -99,6 +103,7 @@ __all__ = [
     "register_policy",
     "run",
     "simulate",
+    "spawn",
     "strict",
     "validate_hint",
 ]

@@ -14,7 +14,8 @@ The hierarchy::
     │   ├── ProtocolError           a corrupt or unexpected header / message
     │   └── PeerError               a peer died or closed the connection
     ├── DivergenceError             TP ranks of a stage would run different task sequences
-    └── StepTimeoutError            the watchdog fired: a step ran past its time limit
+    ├── StepTimeoutError            the watchdog fired: a step ran past its time limit
+    └── SpawnError                  a spawned worker process failed or ran out of time
 
 Every message says which rank, which step and which task, and what was waited for.
 """
@@ -31,6 +32,7 @@ __all__ = [
     "PolicyError",
     "ProtocolError",
     "RRFPError",
+    "SpawnError",
     "StepTimeoutError",
 ]
 
@@ -130,3 +132,17 @@ class DivergenceError(RRFPError):
 
 class StepTimeoutError(RRFPError):
     """A step exceeded its watchdog time limit; the message points to the state dump."""
+
+
+class SpawnError(RRFPError):
+    """A worker process started by ``rrfp_async.spawn`` failed, died or timed out.
+
+    The message names the failing rank(s) and carries their tracebacks.
+
+    Attributes:
+        failures: ``{rank: traceback text or reason}``.
+    """
+
+    def __init__(self, message: str, failures: dict[int, str]) -> None:
+        super().__init__(message)
+        self.failures = failures

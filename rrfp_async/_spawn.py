@@ -1,0 +1,162 @@
+"""Start a local torch.distributed job: one process per rank, gloo on 127.0.0.1.
+
+For tests, benchmarks and the demo. Every rank runs ``fn(rank, world_size, *args)`` with the
+default process group initialised (``env://`` on a free loopback port chosen here); results
+come back to the caller in rank order. A failure on any rank, or the outer timeout, stops
+every process and raises ``SpawnError`` naming the ranks; nothing is left running.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import queue
+import socket
+import time
+import traceback
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+from ._errors import SpawnError
+
+__all__ = ["free_port", "spawn"]
+
+T = TypeVar("T")
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that is free right now."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _worker(
+    rank: int,
+    world_size: int,
+    port: int,
+    backend: str,
+    pg_timeout: float,
+    threads: int,
+    fn: Callable[..., Any],
+    args: tuple[Any, ...],
+    results: Any,
+) -> None:
+    import torch
+    import torch.distributed as dist
+
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+        LOCAL_RANK=str(rank),
+    )
+    torch.set_num_threads(threads)
+    try:
+        dist.init_process_group(
+            backend,
+            rank=rank,
+            world_size=world_size,
+            timeout=datetime.timedelta(seconds=pg_timeout),
+        )
+        out = fn(rank, world_size, *args)
+    except BaseException as e:  # report every failure at once, including KeyboardInterrupt
+        results.put((rank, False, f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
+        return  # the parent stops the other ranks
+    results.put((rank, True, out))
+    # A rank that finished must not tear the group down under ranks still communicating.
+    try:
+        dist.barrier()
+        dist.destroy_process_group()
+    except Exception:
+        pass
+
+
+def spawn(
+    fn: Callable[..., T],
+    world_size: int,
+    *args: Any,
+    backend: str = "gloo",
+    timeout: float = 120.0,
+    pg_timeout: float = 60.0,
+    threads: int = 1,
+) -> list[T]:
+    """Run ``fn(rank, world_size, *args)`` in ``world_size`` processes; return the results.
+
+    Args:
+        fn: A picklable (module-level) function.
+        world_size: Number of processes.
+        *args: Extra picklable arguments.
+        backend: ``"gloo"`` (CPU) or ``"nccl"``.
+        timeout: Seconds for the whole job, start-up included; then every process is killed.
+        pg_timeout: The process group's timeout, seconds (bounds a collective that hangs).
+        threads: ``torch.set_num_threads`` per process.
+
+    Returns:
+        ``fn``'s return values in rank order.
+
+    Raises:
+        SpawnError: A rank raised, died or did not finish within ``timeout``.
+    """
+    import torch.multiprocessing as mp
+
+    if world_size < 1:
+        raise ValueError(f"world_size must be >= 1, got {world_size}")
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    port = free_port()
+    procs = [
+        ctx.Process(
+            target=_worker,
+            args=(r, world_size, port, backend, pg_timeout, threads, fn, args, results),
+            daemon=True,
+        )
+        for r in range(world_size)
+    ]
+    for p in procs:
+        p.start()
+    out: dict[int, Any] = {}
+    failures: dict[int, str] = {}
+    deadline = time.monotonic() + timeout
+    try:
+        while len(out) + len(failures) < world_size:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                missing = [r for r in range(world_size) if r not in out and r not in failures]
+                for r in missing:
+                    failures[r] = f"did not finish within {timeout} s"
+                break
+            try:
+                rank, ok, value = results.get(timeout=min(left, 0.5))
+            except queue.Empty:
+                for r, p in enumerate(procs):
+                    if not p.is_alive() and r not in out and r not in failures:
+                        # Give a just-finished rank's result a moment to arrive.
+                        try:
+                            rank, ok, value = results.get(timeout=1.0)
+                        except queue.Empty:
+                            failures[r] = f"process died with exit code {p.exitcode}"
+                            break
+                        (out if ok else failures)[rank] = value
+                        break
+                continue
+            (out if ok else failures)[rank] = value
+            if not ok:
+                break  # one failure: stop everyone rather than wait for timeouts
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.join(timeout=0.5 if failures else 10.0)
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+                p.join(timeout=5)
+        results.close()
+    if failures:
+        first = min(failures)
+        raise SpawnError(
+            f"{len(failures)} of {world_size} rank(s) failed; rank {first}: {failures[first]}",
+            failures,
+        )
+    return [out[r] for r in range(world_size)]
