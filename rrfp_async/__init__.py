@@ -5,7 +5,9 @@ The friendly public API, pulled together from the private modules and the layers
 * the schedule IR: ``Task``, ``Topology``, ``StepPlan``;
 * costs and workloads: ``Microbatch``, ``CostModel``, ``Durations``, ``make_workload``;
 * deciding (``rrfp_async.policies``): hints, ``StepSchedule``, policies;
-* running (``rrfp_async.loop``): ``StageLoop``, ``LocalPipeline``, ``run``;
+* running (``rrfp_async.loop``): ``StageLoop``, ``LocalPipeline``, ``run``, the bridges;
+* distributed: ``ProcessLayout``, ``build_groups``, ``DistributedStage``,
+  ``TorchStageExecutor``, ``EmulatedCost``, ``spawn``;
 * simulating: ``simulate``, ``compare``, ``SimResult``;
 * errors: ``RRFPError`` and its subclasses.
 """
@@ -20,6 +22,7 @@ from ._costs import (
     Workload,
     make_workload,
 )
+from ._distributed import DistributedStage
 from ._errors import (
     ChannelError,
     DeadlockError,
@@ -34,9 +37,11 @@ from ._errors import (
     StepTimeoutError,
 )
 from ._executors import CostModelExecutor, Executor, TaskContext
+from ._layout import ProcessLayout, StageGroups, build_groups, pipeline_neighbors
 from ._simulate import SimResult, compare, lower_bound, simulate
 from ._spawn import free_port, spawn
 from ._tasks import Kind, Placement, StepPlan, Task, Topology, format_tasks, parse_tasks
+from ._torch_executor import EmulatedCost, TorchStageExecutor
 from .loop import ExecutedTask, LocalPipeline, StageLoop, StepStats, VirtualEventLoop, run
 from .policies import (
     HINTS,
@@ -61,8 +66,10 @@ __all__ = [
     "CostModel",
     "CostModelExecutor",
     "DeadlockError",
+    "DistributedStage",
     "DivergenceError",
     "Durations",
+    "EmulatedCost",
     "ExecutedTask",
     "Executor",
     "HintError",
@@ -75,11 +82,13 @@ __all__ = [
     "Policy",
     "PolicyBase",
     "PolicyError",
+    "ProcessLayout",
     "ProtocolError",
     "RRFPError",
     "ReadyView",
     "SimResult",
     "SpawnError",
+    "StageGroups",
     "StageLoop",
     "StageProfile",
     "StepPlan",
@@ -89,8 +98,10 @@ __all__ = [
     "Task",
     "TaskContext",
     "Topology",
+    "TorchStageExecutor",
     "VirtualEventLoop",
     "Workload",
+    "build_groups",
     "compare",
     "format_tasks",
     "free_port",
@@ -99,6 +110,7 @@ __all__ = [
     "make_hint",
     "make_workload",
     "parse_tasks",
+    "pipeline_neighbors",
     "readiness_first",
     "register_policy",
     "run",

@@ -151,6 +151,7 @@ def simulate(
     jitter: float = 0.0,
     seed: int = 0,
     split_backward: bool | None = None,
+    ordered_weights: bool = False,
     placement: Placement = "interleaved",
     cost_model: CostModel | None = None,
     latency: float = 0.0,
@@ -174,6 +175,7 @@ def simulate(
         jitter: Sigma of the mean-one lognormal compute noise of the realized durations.
         seed: Seed of the workload sizes and of the noise.
         split_backward: Split backwards into I/W (default: only for ``zb_h1``).
+        ordered_weights: Run each stage's W tasks in microbatch order (needs a split).
         placement: ``"interleaved"`` or ``"vshape"``.
         cost_model: Override the workload's cost model (sizes still come from ``workload``).
         latency: Mean one-way message latency, seconds.
@@ -194,7 +196,12 @@ def simulate(
         split_backward = canonical_hint_name(hint) == "zb_h1"
     m = microbatches if isinstance(microbatches, int) else len(microbatches)
     topo = Topology(stages=stages, chunks=chunks, placement=placement)
-    plan = StepPlan(topology=topo, microbatches=m, split_backward=split_backward)
+    plan = StepPlan(
+        topology=topo,
+        microbatches=m,
+        split_backward=split_backward or ordered_weights,
+        ordered_weights=ordered_weights,
+    )
     mbs: Sequence[Microbatch]
     if forward is not None:
         if workload is not None or cost_model is not None:

@@ -9,6 +9,7 @@ every process and raises ``SpawnError`` naming the ranks; nothing is left runnin
 from __future__ import annotations
 
 import datetime
+import io
 import os
 import queue
 import socket
@@ -22,6 +23,12 @@ from ._errors import SpawnError
 __all__ = ["free_port", "spawn"]
 
 T = TypeVar("T")
+
+
+def _loads(data: bytes) -> Any:
+    import torch
+
+    return torch.load(io.BytesIO(data), weights_only=False)
 
 
 def free_port() -> int:
@@ -64,7 +71,9 @@ def _worker(
     except BaseException as e:  # report every failure at once, including KeyboardInterrupt
         results.put((rank, False, f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
         return  # the parent stops the other ranks
-    results.put((rank, True, out))
+    buf = io.BytesIO()
+    torch.save(out, buf)  # tensors travel as bytes: no shared memory outliving this process
+    results.put((rank, True, buf.getvalue()))
     # A rank that finished must not tear the group down under ranks still communicating.
     try:
         dist.barrier()
@@ -136,13 +145,22 @@ def spawn(
                         try:
                             rank, ok, value = results.get(timeout=1.0)
                         except queue.Empty:
-                            failures[r] = f"process died with exit code {p.exitcode}"
+                            failures[r] = (
+                                f"process died with exit code {p.exitcode} (killed, or it"
+                                " failed before running: a script that calls spawn needs"
+                                " an `if __name__ == '__main__':` guard)"
+                            )
                             break
-                        (out if ok else failures)[rank] = value
+                        if ok:
+                            out[rank] = _loads(value)
+                        else:
+                            failures[rank] = value
                         break
                 continue
-            (out if ok else failures)[rank] = value
-            if not ok:
+            if ok:
+                out[rank] = _loads(value)
+            else:
+                failures[rank] = value
                 break  # one failure: stop everyone rather than wait for timeouts
     finally:
         for p in procs:

@@ -171,19 +171,27 @@ class StepPlan:
     dependency carries a tensor (activation or gradient) and crosses ranks when the two
     stages live on different ranks; the others are local.
 
+    With ``ordered_weights`` (split backward only), ``W(m,v)`` also follows ``W(m-1,v)``: the
+    weight gradients of a stage are accumulated in microbatch order whatever order the other
+    tasks run in, so parameter gradients are bitwise independent of the dispatch order.
+
     Attributes:
         topology: The rank x chunk placement.
         microbatches: Number of microbatches M (>= 1).
         split_backward: When true the backward is split into ``I`` and ``W`` tasks.
+        ordered_weights: Run each stage's ``W`` tasks in microbatch order.
     """
 
     topology: Topology
     microbatches: int
     split_backward: bool = False
+    ordered_weights: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.microbatches, int) or self.microbatches < 1:
             raise PlanError(f"microbatches must be an int >= 1, got {self.microbatches!r}")
+        if self.ordered_weights and not self.split_backward:
+            raise PlanError("ordered_weights needs split_backward=True (W tasks to order)")
 
     @property
     def stages(self) -> int:
@@ -247,7 +255,10 @@ class StepPlan:
 
     def producers(self, task: Task) -> tuple[Task, ...]:
         """All tasks ``task`` depends on."""
-        return tuple(p for p in (self.local_producer(task), self.data_producer(task)) if p)
+        deps = tuple(p for p in (self.local_producer(task), self.data_producer(task)) if p)
+        if self.ordered_weights and task.kind == "W" and task.mb > 0:
+            deps += (Task(task.stage, "W", task.mb - 1),)
+        return deps
 
     def data_consumer(self, task: Task) -> Task | None:
         """The task that consumes ``task``'s output tensor, if any (inverse of data_producer)."""
@@ -269,6 +280,8 @@ class StepPlan:
             out.append(Task(v, self.backward_kind, m))
         elif k == "I":
             out.append(Task(v, "W", m))
+        elif k == "W" and self.ordered_weights and m + 1 < self.microbatches:
+            out.append(Task(v, "W", m + 1))
         return tuple(out)
 
     def contains(self, task: Task) -> bool:

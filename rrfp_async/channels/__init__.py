@@ -1,6 +1,21 @@
-"""Channels: how stages exchange activations, gradients and TP decisions."""
+"""Channels: how stages exchange activations, gradients and TP decisions.
+
+Nothing here imports ``policies/``: moving messages is independent of deciding.
+"""
 
 from ._base import Endpoint, Sink
+from ._decisions import DecisionChannel, sequence_digest
 from ._local import LocalChannel, LocalEndpoint
+from ._p2p import HEADER_LEN, P2PChannel, encode_header
 
-__all__ = ["Endpoint", "LocalChannel", "LocalEndpoint", "Sink"]
+__all__ = [
+    "HEADER_LEN",
+    "DecisionChannel",
+    "Endpoint",
+    "LocalChannel",
+    "LocalEndpoint",
+    "P2PChannel",
+    "Sink",
+    "encode_header",
+    "sequence_digest",
+]

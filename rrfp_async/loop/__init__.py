@@ -1,11 +1,21 @@
 """The per-stage event loop: ready set, arbitration, executors' completions, virtual time."""
 
+from ._bridges import ComputeWorker, cuda_event_future, run_blocking, torch_future, work_future
 from ._pipeline import LocalPipeline
 from ._runner import loop_factory, run
-from ._stage import ExecutedTask, StageLoop, StageMonitor, StageObserver, StepStats
+from ._stage import (
+    Coordinator,
+    ExecutedTask,
+    StageLoop,
+    StageMonitor,
+    StageObserver,
+    StepStats,
+)
 from ._virtual import VirtualClockStall, VirtualEventLoop, new_virtual_event_loop
 
 __all__ = [
+    "ComputeWorker",
+    "Coordinator",
     "ExecutedTask",
     "LocalPipeline",
     "StageLoop",
@@ -14,7 +24,11 @@ __all__ = [
     "StepStats",
     "VirtualClockStall",
     "VirtualEventLoop",
+    "cuda_event_future",
     "loop_factory",
     "new_virtual_event_loop",
     "run",
+    "run_blocking",
+    "torch_future",
+    "work_future",
 ]

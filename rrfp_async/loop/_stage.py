@@ -34,6 +34,7 @@ from typing import Any, NamedTuple, Protocol
 from .._admission import AdmissionLedger
 from .._errors import (
     DeadlockError,
+    DivergenceError,
     PolicyError,
     ProtocolError,
     RRFPError,
@@ -45,7 +46,14 @@ from ..channels._base import Endpoint
 from ..policies._policy import Policy, PolicyBase, get_policy, policy_name
 from ..policies._schedule import RankProgram, StepSchedule
 
-__all__ = ["ExecutedTask", "StageLoop", "StageMonitor", "StageObserver", "StepStats"]
+__all__ = [
+    "Coordinator",
+    "ExecutedTask",
+    "StageLoop",
+    "StageMonitor",
+    "StageObserver",
+    "StepStats",
+]
 
 
 class ExecutedTask(NamedTuple):
@@ -134,6 +142,33 @@ class StageObserver(Protocol):
         """The step ended on this stage."""
 
 
+class Coordinator(Protocol):
+    """Makes the TP ranks of a stage run one task sequence (``channels.DecisionChannel``).
+
+    The leader's policy decides and ``publish``es each decision; followers ``receive`` it
+    and run that task once it is ready locally.
+    """
+
+    @property
+    def is_leader(self) -> bool:
+        """Whether this rank's policy decides."""
+
+    def begin_step(self, step: int, decisions: int) -> None:
+        """A step with ``decisions`` dispatches starts."""
+
+    def publish(self, step: int, seq: int, task: Task) -> None:
+        """Leader: announce decision ``seq`` without waiting."""
+
+    async def receive(self, step: int, seq: int) -> Task:
+        """Follower: the leader's decision ``seq``."""
+
+    async def end_step(self) -> None:
+        """Leader: every decision of the step has gone out."""
+
+    async def verify_sequence(self, step: int, executed: Sequence[Task]) -> None:
+        """Every rank: check that all TP ranks executed the same sequence."""
+
+
 class StageMonitor(Protocol):
     """Sees when stages block; raises a deadlock when no stage can ever progress."""
 
@@ -193,6 +228,12 @@ class StageLoop:
         observer: Optional observer of every transition (tracing).
         step_timeout: Seconds after which a step fails with ``StepTimeoutError`` (on the
             loop clock), or None for no watchdog.
+        coordinator: The TP decision channel of this stage (None without TP).
+        coordinate: With a coordinator: followers run the leader's decisions. False lets
+            every TP rank decide alone (for measurement and tests only: their collectives
+            may then not match).
+        verify_sequences: With a coordinator: after each step, check that every TP rank
+            executed the same sequence (``DivergenceError`` otherwise).
 
     Use ``await stage.run_step(microbatches)`` for each step, inside any running loop.
     """
@@ -208,6 +249,9 @@ class StageLoop:
         monitor: StageMonitor | None = None,
         observer: StageObserver | None = None,
         step_timeout: float | None = None,
+        coordinator: Coordinator | None = None,
+        coordinate: bool = True,
+        verify_sequences: bool = True,
     ) -> None:
         if not 0 <= rank < schedule.plan.stages:
             raise ValueError(f"rank {rank} is outside the pipeline (0..{schedule.plan.stages - 1})")
@@ -220,6 +264,9 @@ class StageLoop:
         self.monitor = monitor
         self.observer = observer
         self.step_timeout = step_timeout
+        self.coordinator = coordinator
+        self.coordinate = coordinate
+        self.verify_sequences = verify_sequences
         self.blocked = False
         self._st: _StepState | None = None
         self._waiter: asyncio.Future[bool] | None = None
@@ -426,6 +473,48 @@ class StageLoop:
         return st
 
     async def _loop(self, st: _StepState) -> None:
+        coord = self.coordinator if self.coordinate else None
+        if coord is not None:
+            coord.begin_step(st.step, len(st.prog.order))
+        if coord is not None and not coord.is_leader:
+            await self._follow(st, coord)
+        else:
+            await self._decide_and_run(st, coord)
+            if coord is not None:
+                await coord.end_step()
+        if self.coordinator is not None and self.verify_sequences:
+            await self.coordinator.verify_sequence(st.step, [e.task for e in st.executed])
+
+    async def _follow(self, st: _StepState, coord: Coordinator) -> None:
+        """TP follower: run the leader's decisions in order, each once it is ready here."""
+        obs = self.observer
+        view = self._view
+        while st.left:
+            if self._failure is not None:
+                raise self._failure
+            task = await coord.receive(st.step, st.decisions)
+            pos = st.prog.pos.get(task)
+            if pos is None or st.started[pos]:
+                why = "already ran here" if pos is not None else "is not a task of this rank"
+                raise DivergenceError(
+                    f"rank {self.rank} step {st.step}: the TP leader's decision {st.decisions}"
+                    f" is {task}, which {why}"
+                )
+            while pos not in self._admitted(st):
+                if st.missing[pos] == 0:
+                    raise DivergenceError(
+                        f"rank {self.rank} step {st.step}: the TP leader chose {task}, which is"
+                        f" ready here but not admitted ({st.ledger.inflight}/{st.ledger.bound}"
+                        " in flight): the ranks' states diverged"
+                    )
+                await self._wait(f"TP follower waits for {task}: {self._why(st, pos)}")
+            if obs is not None:
+                obs.decision(
+                    self, task, view.ready, asyncio.get_running_loop().time() - st.last_end
+                )
+            await self._execute(st, pos)
+
+    async def _decide_and_run(self, st: _StepState, coord: Coordinator | None) -> None:
         policy = self.policy
         view = self._view
         obs = self.observer
@@ -447,6 +536,8 @@ class StageLoop:
                     step=st.step,
                 ) from e
             pos = self._check_choice(st, task)
+            if coord is not None:
+                coord.publish(st.step, st.decisions, task)
             if obs is not None:
                 obs.decision(
                     self, task, view.ready, asyncio.get_running_loop().time() - st.last_end

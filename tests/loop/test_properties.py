@@ -29,10 +29,12 @@ def configs(draw: st.DrawFn) -> dict[str, object]:
     m = draw(st.integers(1, 32))
     placement = draw(st.sampled_from(["interleaved", "interleaved", "vshape"]))
     split = draw(st.booleans())
+    ordered = split and draw(st.booleans())
     plan = StepPlan(
         topology=Topology(stages=p, chunks=v, placement=placement),
         microbatches=m,
         split_backward=split,
+        ordered_weights=ordered,
     )
     usable = []
     for name in sorted(HINTS):
@@ -57,6 +59,7 @@ def configs(draw: st.DrawFn) -> dict[str, object]:
         microbatches=m,
         placement=placement,
         split_backward=split,
+        ordered_weights=ordered,
         hint=hint,
         policy=draw(st.sampled_from(POLICIES)),
         workload=draw(st.sampled_from(["uniform", "text", "multimodal"])),

@@ -1,0 +1,202 @@
+"""Where each process sits: the PP x TP (x DP) layout and its process groups.
+
+Default rank order (Megatron's): TP innermost, then PP, then DP::
+
+    global rank = (dp_rank * pp + pp_rank) * tp + tp_rank
+
+A ``DeviceMesh`` with named dimensions ("pp", and optionally "tp" and "dp") may define any
+other order; the layout then reads the ranks off the mesh.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch.distributed as dist
+
+from ._errors import PlanError
+from ._tasks import StepPlan
+
+__all__ = ["ProcessLayout", "StageGroups", "build_groups", "pipeline_neighbors"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class ProcessLayout:
+    """This process's place in a PP x TP x DP job.
+
+    Attributes:
+        pp: Pipeline ranks.
+        tp: Tensor-parallel ranks per stage.
+        dp: Data-parallel replicas.
+        rank: This process's global rank.
+        grid: ``grid[dp][pp][tp]`` = global rank (default: Megatron's order).
+    """
+
+    pp: int
+    tp: int = 1
+    dp: int = 1
+    rank: int
+    grid: tuple[tuple[tuple[int, ...], ...], ...] = field(default=(), repr=False)
+
+    def __post_init__(self) -> None:
+        for name in ("pp", "tp", "dp"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or v < 1:
+                raise PlanError(f"{name} must be an int >= 1, got {v!r}")
+        if not self.grid:
+            grid = tuple(
+                tuple(
+                    tuple((d * self.pp + p) * self.tp + t for t in range(self.tp))
+                    for p in range(self.pp)
+                )
+                for d in range(self.dp)
+            )
+            object.__setattr__(self, "grid", grid)
+        flat = [r for plane in self.grid for row in plane for r in row]
+        if sorted(flat) != list(range(self.world_size)):
+            raise PlanError(f"the layout grid must hold each rank 0..{self.world_size - 1} once")
+        if not 0 <= self.rank < self.world_size:
+            raise PlanError(f"rank {self.rank} is outside the world of {self.world_size}")
+
+    @property
+    def world_size(self) -> int:
+        """pp * tp * dp."""
+        return self.pp * self.tp * self.dp
+
+    def _coords(self) -> tuple[int, int, int]:
+        for d, plane in enumerate(self.grid):
+            for p, row in enumerate(plane):
+                if self.rank in row:
+                    return d, p, row.index(self.rank)
+        raise AssertionError("unreachable: rank checked in __post_init__")
+
+    @property
+    def pp_rank(self) -> int:
+        """This process's pipeline rank (its stage)."""
+        return self._coords()[1]
+
+    @property
+    def tp_rank(self) -> int:
+        """This process's rank inside its stage's TP group."""
+        return self._coords()[2]
+
+    @property
+    def dp_rank(self) -> int:
+        """This process's data-parallel replica."""
+        return self._coords()[0]
+
+    def global_rank(
+        self, pp_rank: int, tp_rank: int | None = None, dp_rank: int | None = None
+    ) -> int:
+        """Global rank of a (pp, tp, dp) position; tp and dp default to this process's."""
+        d, _, t = self._coords()
+        return self.grid[d if dp_rank is None else dp_rank][pp_rank][
+            t if tp_rank is None else tp_rank
+        ]
+
+    def pipeline_peers(self) -> dict[int, int]:
+        """Pipeline rank -> global rank of this process's peers (same TP and DP index)."""
+        return {p: self.global_rank(p) for p in range(self.pp)}
+
+    def tp_ranks(self) -> list[int]:
+        """Global ranks of this process's stage's TP group, TP-rank order (leader first)."""
+        d, p, _ = self._coords()
+        return list(self.grid[d][p])
+
+    def dp_ranks(self) -> list[int]:
+        """Global ranks of the replicas of this process's position."""
+        _, p, t = self._coords()
+        return [self.grid[d][p][t] for d in range(self.dp)]
+
+    @classmethod
+    def from_world(cls, pp: int, tp: int = 1) -> ProcessLayout:
+        """The layout of the initialised default group: dp = world / (pp * tp).
+
+        Raises:
+            PlanError: The world size is not a multiple of pp * tp.
+        """
+        world = dist.get_world_size()
+        if world % (pp * tp):
+            raise PlanError(f"world size {world} is not a multiple of pp * tp = {pp * tp}")
+        return cls(pp=pp, tp=tp, dp=world // (pp * tp), rank=dist.get_rank())
+
+    @classmethod
+    def from_mesh(cls, mesh: Any) -> ProcessLayout:
+        """The layout of a ``torch.distributed.DeviceMesh`` with named dimensions.
+
+        The mesh must name a "pp" dimension and may name "tp" and "dp" (no others).
+
+        Raises:
+            PlanError: Missing or unknown dimension names.
+        """
+        names = tuple(mesh.mesh_dim_names or ())
+        if "pp" not in names or set(names) - {"pp", "tp", "dp"}:
+            raise PlanError(f"the mesh needs dims named 'pp' (+ 'tp', 'dp'), got {names}")
+        t = mesh.mesh
+        for n in ("dp", "pp", "tp"):
+            if n not in names:
+                t = t.unsqueeze(0)
+                names = (n, *names)
+        order = [names.index(n) for n in ("dp", "pp", "tp")]
+        t = t.permute(*order)
+        grid = tuple(tuple(tuple(int(x) for x in row) for row in plane) for plane in t.tolist())
+        dp, pp, tp = len(grid), len(grid[0]), len(grid[0][0])
+        return cls(pp=pp, tp=tp, dp=dp, rank=dist.get_rank(), grid=grid)
+
+
+@dataclass(frozen=True)
+class StageGroups:
+    """The process groups of one process.
+
+    Attributes:
+        tp: This stage's TP group for model collectives (None when tp == 1).
+        decisions: This stage's dedicated gloo group for TP decisions (None when tp == 1).
+        dp: This position's data-parallel group (None when dp == 1).
+    """
+
+    tp: Any = None
+    decisions: Any = None
+    dp: Any = None
+
+
+def build_groups(layout: ProcessLayout, *, tp_group: Any = None) -> StageGroups:
+    """Create the TP, TP-decision and DP groups. Collective: every rank calls it, in the
+    same order relative to other ``new_group`` calls.
+
+    Args:
+        layout: The layout.
+        tp_group: An existing TP group for model collectives (e.g. ``mesh.get_group("tp")``);
+            the decision group is always a new, dedicated gloo group.
+    """
+    tp = decisions = dp = None
+    if layout.tp > 1:
+        for plane in layout.grid:
+            for row in plane:
+                g_model = dist.new_group(list(row)) if tp_group is None else None
+                g_dec = dist.new_group(list(row), backend="gloo")
+                if layout.rank in row:
+                    tp = tp_group if tp_group is not None else g_model
+                    decisions = g_dec
+    if layout.dp > 1:
+        for p in range(layout.pp):
+            for t in range(layout.tp):
+                ranks = [layout.grid[d][p][t] for d in range(layout.dp)]
+                g = dist.new_group(ranks)
+                if layout.rank in ranks:
+                    dp = g
+    return StageGroups(tp=tp, decisions=decisions, dp=dp)
+
+
+def pipeline_neighbors(plan: StepPlan, rank: int) -> tuple[list[int], list[int]]:
+    """The pipeline ranks that send to ``rank`` and that ``rank`` sends to, for ``plan``."""
+    inbound: set[int] = set()
+    outbound: set[int] = set()
+    for t in plan.tasks_of(rank):
+        p = plan.data_producer(t)
+        if p is not None and plan.rank_of(p) != rank:
+            inbound.add(plan.rank_of(p))
+        c = plan.data_consumer(t)
+        if c is not None and plan.rank_of(c) != rank:
+            outbound.add(plan.rank_of(c))
+    return sorted(inbound), sorted(outbound)

@@ -1,0 +1,260 @@
+"""Training the example image-text model through a real multi-process pipeline.
+
+``train_worker`` is the body of every process (under ``rrfp_async.spawn`` or torchrun): it
+builds this rank's model chunks, runs several policies one after the other on the same
+microbatches (same initial weights, same emulated noise), and returns per policy the final
+parameters, the step times and the stage statistics. The demo, the benchmarks and the
+equivalence tests all use it, so what they compare is one code path.
+
+Time on a CPU: real torch compute of a tiny model plus *emulated GPU time* (the compute
+thread sleeps for the declared cost of each task: per token, per image patch, backward 2x,
+seeded jitter). Reports say so.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from ._costs import CostModel, Microbatch, StageProfile
+from ._distributed import DistributedStage
+from ._layout import ProcessLayout, build_groups
+from ._tasks import StepPlan, Topology
+from ._torch_executor import EmulatedCost, TorchStageExecutor
+from .loop._runner import run
+from .loop._stage import StageObserver, StepStats
+from .models.image_text import (
+    ImageTextConfig,
+    TPContext,
+    build_stage_modules,
+    loss_fn,
+    make_microbatches,
+)
+from .policies._schedule import StepSchedule
+
+__all__ = ["TrainConfig", "TrainResult", "emulated_cost", "fixed_microbatches", "train_worker"]
+
+
+def emulated_cost(
+    *,
+    per_token: float = 4e-5,
+    per_patch: float = 4e-5,
+    jitter: float = 0.2,
+    multimodal: bool = True,
+) -> CostModel:
+    """The emulated GPU cost of the example model: LLM stages cost by tokens; with
+    ``multimodal`` virtual stage 0 is a vision encoder that costs by image patches."""
+    llm = StageProfile(per_token=per_token, fixed=2e-4)
+    vision = StageProfile(per_patch=per_patch, per_token=per_token / 10, fixed=2e-4)
+    return CostModel(profiles=(vision,) if multimodal else (), default=llm, jitter=jitter)
+
+
+def fixed_microbatches(
+    n: int, cfg: ImageTextConfig, *, seed: int, text: int = 24
+) -> list[Microbatch]:
+    """``n`` text-only microbatches of equal length ``text`` (equal shapes everywhere)."""
+    g = torch.Generator().manual_seed(seed)
+    return [
+        Microbatch(
+            index=i,
+            tokens=text,
+            data={
+                "images": torch.zeros((0, cfg.channels, cfg.image_size, cfg.image_size)),
+                "text": torch.randint(0, cfg.vocab, (text,), generator=g),
+            },
+        )
+        for i in range(n)
+    ]
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrainConfig:
+    """What ``train_worker`` runs (every process gets the same config).
+
+    Attributes:
+        pp: Pipeline ranks.
+        tp: TP ranks per stage.
+        chunks: Model chunks per rank.
+        microbatches: Microbatches per step.
+        steps: Optimizer steps per policy.
+        warmup_steps: Extra steps run first and not timed (not in the returned params'
+            history either: they are part of training).
+        policies: Policies to run, one after the other, from the same initial weights.
+        hint: Hint name.
+        memory_factor: Scale of the default admission bound.
+        split_backward: Split backwards into I and W.
+        ordered_weights: Run W in microbatch order (bitwise order-independent gradients).
+        model: Model sizes.
+        cost: Emulated GPU cost model (None: no emulated time).
+        per_rank_noise: Emulated jitter drawn per process (TP ranks see different timings).
+        equal_lengths: Use equal-shape text-only microbatches (divergence tests).
+        lr: SGD learning rate.
+        seed: Data seed.
+        coordinate_tp: TP followers run the leader's decisions.
+        verify_tp: Cross-check the TP ranks' sequences after each step.
+        step_timeout: Watchdog per step, seconds.
+        return_params: Return the final parameters (for equivalence checks).
+    """
+
+    pp: int
+    tp: int = 1
+    chunks: int = 1
+    microbatches: int = 8
+    steps: int = 5
+    warmup_steps: int = 0
+    policies: tuple[str, ...] = ("strict", "readiness_first")
+    hint: str = "1f1b"
+    memory_factor: float | None = None
+    split_backward: bool = False
+    ordered_weights: bool = False
+    model: ImageTextConfig = field(default_factory=ImageTextConfig)
+    cost: CostModel | None = None
+    per_rank_noise: bool = False
+    equal_lengths: bool = False
+    lr: float = 0.05
+    seed: int = 0
+    coordinate_tp: bool = True
+    verify_tp: bool = True
+    step_timeout: float | None = 120.0
+    return_params: bool = True
+
+    def batches(self) -> list[list[Microbatch]]:
+        """The microbatches of every step (warm-up steps first), the same in every process."""
+        n = self.warmup_steps + self.steps
+        if self.equal_lengths:
+            return [
+                fixed_microbatches(self.microbatches, self.model, seed=self.seed * 1000 + s)
+                for s in range(n)
+            ]
+        return [
+            make_microbatches(self.microbatches, self.model, seed=self.seed * 1000 + s)
+            for s in range(n)
+        ]
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrainResult:
+    """What one process returns for one policy.
+
+    Attributes:
+        policy: The policy.
+        rank: Global rank; pp_rank, tp_rank: its position.
+        params: ``{virtual_stage: state_dict}`` after training (empty unless asked).
+        step_times: Seconds of each timed step on this process (barrier to last task).
+        stats: The stage's ``StepStats`` of each timed step.
+        losses: ``{step: {microbatch: loss}}`` on the last stage's ranks.
+        compute_seconds: Real torch compute seconds (all steps).
+        emulated_seconds: Emulated GPU seconds slept (all steps).
+    """
+
+    policy: str
+    rank: int
+    pp_rank: int
+    tp_rank: int
+    params: dict[int, dict[str, torch.Tensor]]
+    step_times: list[float]
+    stats: list[StepStats]
+    losses: dict[int, dict[int, float]]
+    compute_seconds: float
+    emulated_seconds: float
+
+
+async def _train_one(
+    cfg: TrainConfig,
+    layout: ProcessLayout,
+    groups: Any,
+    policy: str,
+    batches: list[list[Microbatch]],
+    observer: StageObserver | None,
+) -> TrainResult:
+    nv = cfg.pp * cfg.chunks
+    plan = StepPlan(
+        topology=Topology(stages=cfg.pp, chunks=cfg.chunks),
+        microbatches=cfg.microbatches,
+        split_backward=cfg.split_backward or cfg.ordered_weights,
+        ordered_weights=cfg.ordered_weights,
+    )
+    tp = TPContext(group=groups.tp, size=cfg.tp, rank=layout.tp_rank) if cfg.tp > 1 else None
+    modules = build_stage_modules(cfg.model, nv, plan.topology.stages_of(layout.pp_rank), tp)
+    params = [p for m in modules.values() for p in m.parameters()]
+    opt = torch.optim.SGD(params, lr=cfg.lr, momentum=0.0)
+    emulate = (
+        EmulatedCost(cost=cfg.cost, seed=cfg.seed, per_rank_noise=cfg.per_rank_noise)
+        if cfg.cost is not None
+        else None
+    )
+    executor = TorchStageExecutor(modules, loss_fn, emulate=emulate, rank=layout.rank)
+
+    def schedule_for(mbs: list[Microbatch]) -> StepSchedule:
+        declared = (cfg.cost or emulated_cost()).declared(plan, mbs)
+        return StepSchedule.build(
+            plan, cfg.hint, durations=declared, memory_factor=cfg.memory_factor
+        )
+
+    times: list[float] = []
+    stats: list[StepStats] = []
+    losses: dict[int, dict[int, float]] = {}
+    try:
+        async with DistributedStage(
+            layout,
+            schedule_for(batches[0]),
+            executor,
+            groups=groups,
+            policy=policy,
+            coordinate_tp=cfg.coordinate_tp,
+            verify_tp=cfg.verify_tp,
+            step_timeout=cfg.step_timeout,
+            observer=observer,
+        ) as stage:
+            for s, mbs in enumerate(batches):
+                sched = schedule_for(mbs)
+                dist.barrier()  # synchronized step starts: step times are comparable
+                t0 = time.perf_counter()
+                st = await stage.run_step(mbs, step=s, schedule=sched)
+                dt = time.perf_counter() - t0
+                stage.allreduce_gradients(params)
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+                if executor.losses:
+                    losses[s] = dict(executor.losses)
+                if s >= cfg.warmup_steps:
+                    times.append(dt)
+                    stats.append(st)
+    finally:
+        executor.close()
+    return TrainResult(
+        policy=policy,
+        rank=layout.rank,
+        pp_rank=layout.pp_rank,
+        tp_rank=layout.tp_rank,
+        params={
+            v: {k: t.detach().clone() for k, t in m.state_dict().items()}
+            for v, m in modules.items()
+        }
+        if cfg.return_params
+        else {},
+        step_times=times,
+        stats=stats,
+        losses=losses,
+        compute_seconds=executor.compute_seconds,
+        emulated_seconds=executor.emulated_seconds,
+    )
+
+
+def train_worker(rank: int, world: int, cfg: TrainConfig) -> list[TrainResult]:
+    """Body of one process: train with every policy in ``cfg.policies`` in turn.
+
+    Expects the default process group to be initialised (``rrfp_async.spawn`` or torchrun).
+    """
+    layout = ProcessLayout.from_world(pp=cfg.pp, tp=cfg.tp)
+    groups = build_groups(layout)
+    batches = cfg.batches()
+    out = []
+    for policy in cfg.policies:
+        out.append(run(_train_one(cfg, layout, groups, policy, batches, None)))
+        dist.barrier()
+    return out

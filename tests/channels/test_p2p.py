@@ -1,0 +1,132 @@
+"""The torch.distributed p2p channel: out-of-order delivery, variable shapes, bad headers."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import pytest
+import torch
+
+import rrfp_async as rr
+from rrfp_async.channels._p2p import HEADER_LEN, MAGIC, P2PChannel, encode_header
+
+pytestmark = [pytest.mark.distributed, pytest.mark.timeout(180)]
+
+
+class _Sink:
+    def __init__(self, want: int) -> None:
+        self.got: list[tuple[int, rr.Task, Any, int]] = []
+        self.errors: list[BaseException] = []
+        self.want = want
+        self.done = asyncio.Event()
+
+    def deliver(self, step: int, task: rr.Task, payload: Any, src: int) -> None:
+        self.got.append((step, task, payload, src))
+        if len(self.got) >= self.want:
+            self.done.set()
+
+    def fail(self, exc: BaseException) -> None:
+        self.errors.append(exc)
+        self.done.set()
+
+
+def _channel(rank: int) -> P2PChannel:
+    return P2PChannel(
+        rank,
+        global_ranks={0: 0, 1: 1},
+        inbound=[1 - rank] if rank else [],
+        outbound=[1] if rank == 0 else [],
+    )
+
+
+async def _out_of_order(rank: int) -> list[tuple[int, str, tuple[int, ...], str, float]]:
+    ch = _channel(rank)
+    sink = _Sink(4)
+    ch.bind(sink)
+    async with ch:
+        if rank == 0:
+            ch.send(1, 0, rr.Task(1, "F", 3), torch.full((1, 7, 4), 3.0))  # mb 3 first
+            ch.send(1, 0, rr.Task(1, "F", 2), torch.full((1, 3, 4), 2.0))  # then mb 2
+            ch.send(1, 1, rr.Task(1, "B", 0), torch.arange(5))  # int64, next step
+            ch.send(1, 0, rr.Task(1, "W", 1), None)  # no payload
+            return []
+        await asyncio.wait_for(sink.done.wait(), 60)
+        assert not sink.errors, sink.errors
+        return [
+            (
+                step,
+                str(t),
+                tuple(p.shape) if p is not None else (),
+                str(getattr(p, "dtype", None)),
+                float(p.sum()) if p is not None else 0.0,
+            )
+            for step, t, p, src in sink.got
+        ]
+
+
+async def _forged(rank: int, header: list[int], group: Any) -> str:
+    import torch.distributed as dist
+
+    if rank == 0:  # forge the header by hand, no channel on this side
+        dist.send(torch.tensor(header, dtype=torch.int64), 1, group=group)
+        return ""
+    ch = P2PChannel(1, global_ranks={0: 0, 1: 1}, inbound=[0], outbound=[], group=group)
+    sink = _Sink(1)
+    ch.bind(sink)
+    async with ch:
+        await asyncio.wait_for(sink.done.wait(), 60)
+        return repr(sink.errors[0]) if sink.errors else "no error"
+
+
+def _worker(rank: int, world: int) -> dict[str, Any]:
+    import torch.distributed as dist
+
+    out: dict[str, Any] = {"ordered": rr.run(_out_of_order(rank))}
+    dist.barrier()
+    good = encode_header(0, 0, rr.Task(1, "F", 0), torch.zeros(2, 3))
+    cases = {
+        "magic": [0xBAD, *good[1:]],
+        "gap": [*good[:2], 5, *good[3:]],
+        "huge": [*good[:8], 2, 1 << 20, 1 << 20, *good[11:]],
+        "dtype": [*good[:7], 99, *good[8:]],
+        "ndim": [*good[:8], 12, *good[9:]],
+    }
+    for name, h in cases.items():
+        assert len(h) == HEADER_LEN
+        # A channel that saw a corrupt message is done; each case gets a fresh group so
+        # nothing of the previous case can reach it.
+        group = dist.new_group([0, 1])
+        out[name] = rr.run(_forged(rank, h, group))
+        dist.barrier()
+    return out
+
+
+def test_out_of_order_variable_shapes_and_bad_headers() -> None:
+    res = rr.spawn(_worker, 2, timeout=150)[1]
+    assert res["ordered"] == [
+        (0, "1F3", (1, 7, 4), "torch.float32", 84.0),
+        (0, "1F2", (1, 3, 4), "torch.float32", 24.0),
+        (1, "1B0", (5,), "torch.int64", 10.0),
+        (0, "1W1", (), "None", 0.0),
+    ]
+    for name, why in [
+        ("magic", "bad magic"),
+        ("gap", "sequence number 5, expected 0"),
+        ("huge", "exceeds max_bytes"),
+        ("dtype", "unknown dtype code 99"),
+        ("ndim", "ndim 12 out of range"),
+    ]:
+        msg = res[name]
+        assert "ProtocolError" in msg, (name, msg)
+        assert why in msg, (name, msg)
+        assert "edge rank 0 -> rank 1" in msg and "seq 0" in msg, (name, msg)
+
+
+def test_header_encoding_is_pure_and_checked() -> None:
+    h = encode_header(7, 2, rr.Task(3, "I", 5), torch.zeros(2, 3, dtype=torch.bfloat16))
+    assert h[:9] == [MAGIC, 1, 7, 2, 3, 2, 5, 2, 2] and h[9:11] == [2, 3]
+    with pytest.raises(rr.ProtocolError, match="unsupported dtype"):
+        encode_header(0, 0, rr.Task(0, "F", 0), torch.zeros(1, dtype=torch.complex64))
+    with pytest.raises(rr.ProtocolError, match="dims"):
+        encode_header(0, 0, rr.Task(0, "F", 0), torch.zeros([1] * 8))
