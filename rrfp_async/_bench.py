@@ -9,7 +9,7 @@ from typing import Any
 
 from ._simulate import simulate
 
-__all__ = ["simulator_policy_table", "simulator_wall_time"]
+__all__ = ["pipeline_step_times", "simulator_policy_table", "simulator_wall_time"]
 
 
 def simulator_wall_time(
@@ -126,3 +126,59 @@ def simulator_policy_table(
                         }
                     )
     return rows
+
+
+def pipeline_step_times(
+    *,
+    stages: int = 4,
+    microbatches: int = 16,
+    steps: int = 6,
+    warmup_steps: int = 1,
+    policies: Sequence[str] = ("strict", "readiness_first"),
+    hint: str = "1f1b",
+    memory_factor: float | None = None,
+    jitter: float = 0.3,
+    tp: int = 1,
+    seed: int = 0,
+    timeout: float = 600.0,
+) -> dict[str, Any]:
+    """Step times of a real multi-process pipeline (gloo, 127.0.0.1), per policy, in one run.
+
+    Trains the example image-text model with the multimodal emulated-GPU cost (real CPU
+    compute of a tiny model plus sleeps from the declared cost model) on ``stages * tp``
+    processes. Every policy meets the same microbatches and the same emulated noise. A
+    step's time is the slowest rank's time from a common barrier to its last task.
+    """
+    from ._spawn import spawn
+    from ._train import TrainConfig, emulated_cost, train_worker
+
+    cfg = TrainConfig(
+        pp=stages,
+        tp=tp,
+        microbatches=microbatches,
+        steps=steps,
+        warmup_steps=warmup_steps,
+        policies=tuple(policies),
+        hint=hint,
+        memory_factor=memory_factor,
+        cost=emulated_cost(jitter=jitter),
+        seed=seed,
+        return_params=False,
+    )
+    t = time.perf_counter()
+    results = spawn(train_worker, stages * tp, cfg, timeout=timeout)
+    wall = time.perf_counter() - t
+    out: dict[str, Any] = {"config": cfg, "wall_s": wall, "policies": {}}
+    for i, pol in enumerate(policies):
+        per_rank = [r[i] for r in results]
+        step = [max(r.step_times[s] for r in per_rank) for s in range(steps)]
+        out["policies"][pol] = {
+            "step_s": step,
+            "median_s": statistics.median(step),
+            "mean_s": statistics.mean(step),
+            "deviations": sum(s.deviations for r in per_rank for s in r.stats),
+            "peak_inflight": max(s.peak_inflight for r in per_rank for s in r.stats),
+            "compute_s": sum(r.compute_seconds for r in per_rank),
+            "emulated_s": sum(r.emulated_seconds for r in per_rank),
+        }
+    return out

@@ -249,5 +249,106 @@ def bench_simulator(stages: int, microbatches: int, repeats: int, policies_table
     console.print(t)
 
 
+@bench.command("pipeline")
+@click.option("--stages", "-p", type=click.IntRange(min=1), default=4, show_default=True)
+@click.option("--microbatches", "-m", type=click.IntRange(min=1), default=16, show_default=True)
+@click.option("--steps", type=click.IntRange(min=1), default=6, show_default=True)
+@click.option("--tp", type=click.IntRange(min=1), default=1, show_default=True)
+@click.option("--hint", default="1f1b", show_default=True)
+@click.option(
+    "--policy",
+    "policies",
+    multiple=True,
+    help="Policy to compare (repeatable). Default: strict and readiness_first.",
+)
+@click.option("--memory-factor", type=click.FloatRange(min=0, min_open=True), default=None)
+@click.option("--jitter", type=click.FloatRange(min=0), default=0.3, show_default=True)
+@click.option("--seed", type=int, default=0, show_default=True)
+def bench_pipeline(
+    stages: int,
+    microbatches: int,
+    steps: int,
+    tp: int,
+    hint: str,
+    policies: tuple[str, ...],
+    memory_factor: float | None,
+    jitter: float,
+    seed: int,
+) -> None:
+    """Step times of a real multi-process gloo pipeline training the example model."""
+    from ._bench import pipeline_step_times
+
+    names = list(policies) or ["strict", "readiness_first"]
+    try:
+        res = pipeline_step_times(
+            stages=stages,
+            microbatches=microbatches,
+            steps=steps,
+            tp=tp,
+            hint=hint,
+            policies=names,
+            memory_factor=memory_factor,
+            jitter=jitter,
+            seed=seed,
+        )
+    except RRFPError as e:
+        raise click.ClickException(str(e)) from e
+    console = _console()
+    t = Table(
+        title=f"{stages * tp} processes (PP={stages}, TP={tp}), {microbatches} microbatches,"
+        f" hint {hint}, memory x{memory_factor or 1:g}, multimodal: real CPU compute"
+        " + EMULATED GPU time (declared cost model, jitter"
+        f" {jitter}); gloo on 127.0.0.1",
+        title_justify="left",
+    )
+    for c in (
+        "policy",
+        "median step s",
+        "mean step s",
+        "speedup",
+        "deviations",
+        "peak",
+        "compute s",
+        "emulated s",
+    ):
+        t.add_column(c, justify="left" if c == "policy" else "right")
+    base = res["policies"][names[0]]["median_s"]
+    for n in names:
+        r = res["policies"][n]
+        t.add_row(
+            n,
+            f"{r['median_s']:.4f}",
+            f"{r['mean_s']:.4f}",
+            f"{base / r['median_s']:.3f}x",
+            str(r["deviations"]),
+            str(r["peak_inflight"]),
+            f"{r['compute_s']:.2f}",
+            f"{r['emulated_s']:.2f}",
+        )
+    console.print(t)
+    console.print(f"total wall time {res['wall_s']:.1f} s (spawn included)")
+
+
+@bench.command("bridges")
+@click.option("--repeats", type=click.IntRange(min=10), default=2000, show_default=True)
+def bench_bridges(repeats: int) -> None:
+    """Cost of each awaitable bridge on this machine (µs per awaited operation)."""
+    from ._bench_bridges import bridge_overheads
+
+    t = Table(
+        title="awaitable bridges, µs per op (median of batches), this machine", title_justify="left"
+    )
+    rows = bridge_overheads(repeats)
+    keys = [k for k in rows[0] if k != "name"] if rows else []
+    t.add_column("name")
+    for k in keys:
+        t.add_column(k, justify="right")
+    for r in rows:
+        t.add_row(
+            str(r["name"]), *[f"{r[k]:.1f}" if isinstance(r[k], float) else str(r[k]) for k in keys]
+        )
+    _console().print(t)
+
+
 if __name__ == "__main__":  # pragma: no cover
     sys.exit(main())

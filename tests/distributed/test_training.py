@@ -123,3 +123,30 @@ def test_tp_coordination_keeps_results_equal() -> None:
     ref = _reference(cfg)
     assert _max_diff(_params(results, 0, cfg), ref) <= 1e-5
     assert _deviations(results, 0) > 0
+
+
+def test_data_parallel_replicas_average_gradients() -> None:
+    # PP=2 x DP=2; both replicas see the same microbatches, so the averaged gradient is the
+    # single-replica gradient and every replica must match the reference.
+    cfg = _config(2, 1, policies=("readiness_first",), steps=3)
+    results = rr.spawn(train_worker, 4, cfg, timeout=240)
+    ref = _reference(cfg)
+    for replica in (results[:2], results[2:]):
+        assert _max_diff(_params(replica, 0, cfg), ref) <= 1e-5
+
+
+def _mesh_layout(rank: int, world: int) -> tuple[int, int, int, list[int], dict[int, int]]:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "tp"))
+    layout = rr.ProcessLayout.from_mesh(mesh)
+    groups = rr.build_groups(layout, tp_group=mesh.get_group("tp"))
+    assert groups.tp is mesh.get_group("tp") and groups.decisions is not None
+    return layout.pp_rank, layout.tp_rank, layout.dp, layout.tp_ranks(), layout.pipeline_peers()
+
+
+def test_layout_from_device_mesh() -> None:
+    res = rr.spawn(_mesh_layout, 4, timeout=120)
+    assert [r[:3] for r in res] == [(0, 0, 1), (0, 1, 1), (1, 0, 1), (1, 1, 1)]
+    assert res[3][3] == [2, 3]
+    assert res[1][4] == {0: 1, 1: 3}
