@@ -38,10 +38,22 @@ from ._errors import (
 )
 from ._executors import CostModelExecutor, Executor, TaskContext
 from ._layout import ProcessLayout, StageGroups, build_groups, pipeline_neighbors
+from ._logging import LogObserver, configure_logging
 from ._simulate import SimResult, compare, lower_bound, simulate
 from ._spawn import free_port, spawn
 from ._tasks import Kind, Placement, StepPlan, Task, Topology, format_tasks, parse_tasks
 from ._torch_executor import EmulatedCost, TorchStageExecutor
+from ._trace import (
+    MultiObserver,
+    TraceData,
+    TraceRecorder,
+    chrome_trace,
+    load_trace,
+    render_png,
+    summarize,
+    validate_chrome_trace,
+    write_trace,
+)
 from .loop import ExecutedTask, LocalPipeline, StageLoop, StepStats, VirtualEventLoop, run
 from .policies import (
     HINTS,
@@ -75,7 +87,9 @@ __all__ = [
     "HintError",
     "Kind",
     "LocalPipeline",
+    "LogObserver",
     "Microbatch",
+    "MultiObserver",
     "PeerError",
     "Placement",
     "PlanError",
@@ -99,13 +113,18 @@ __all__ = [
     "TaskContext",
     "Topology",
     "TorchStageExecutor",
+    "TraceData",
+    "TraceRecorder",
     "VirtualEventLoop",
     "Workload",
     "build_groups",
+    "chrome_trace",
     "compare",
+    "configure_logging",
     "format_tasks",
     "free_port",
     "hint_peak",
+    "load_trace",
     "lower_bound",
     "make_hint",
     "make_workload",
@@ -113,9 +132,13 @@ __all__ = [
     "pipeline_neighbors",
     "readiness_first",
     "register_policy",
+    "render_png",
     "run",
     "simulate",
     "spawn",
     "strict",
+    "summarize",
+    "validate_chrome_trace",
     "validate_hint",
+    "write_trace",
 ]

@@ -9,7 +9,12 @@ from typing import Any
 
 from ._simulate import simulate
 
-__all__ = ["pipeline_step_times", "simulator_policy_table", "simulator_wall_time"]
+__all__ = [
+    "logging_overhead",
+    "pipeline_step_times",
+    "simulator_policy_table",
+    "simulator_wall_time",
+]
 
 
 def simulator_wall_time(
@@ -182,3 +187,50 @@ def pipeline_step_times(
             "emulated_s": sum(r.emulated_seconds for r in per_rank),
         }
     return out
+
+
+def logging_overhead(
+    *, stages: int = 16, microbatches: int = 128, repeats: int = 9
+) -> list[dict[str, Any]]:
+    """Wall time of a simulated step without any observer, with a ``LogObserver`` while
+    logging is disabled (level warning), and with every transition logged as JSON to a null
+    stream; runs interleaved, medians compared in one run."""
+    import io
+    import os
+
+    from ._logging import LogObserver, configure_logging
+
+    devnull = open(os.devnull, "w")  # noqa: SIM115 - closed below
+    variants = {
+        "no observer": (None, "warning"),
+        "LogObserver, logging disabled": (LogObserver, "warning"),
+        "LogObserver, debug JSON to /dev/null": (LogObserver, "debug"),
+    }
+    walls: dict[str, list[float]] = {k: [] for k in variants}
+    try:
+        for i in range(repeats):
+            for name, (obs_cls, level) in variants.items():
+                configure_logging(format="json", level=level, stream=devnull)
+                obs = obs_cls() if obs_cls is not None else None
+                t = time.perf_counter()
+                simulate(
+                    stages=stages,
+                    microbatches=microbatches,
+                    workload="multimodal",
+                    jitter=0.2,
+                    seed=i,
+                    observer=obs,
+                )
+                walls[name].append(time.perf_counter() - t)
+    finally:
+        configure_logging(format="console", level="warning", stream=io.StringIO())
+        devnull.close()
+    base = statistics.median(walls["no observer"])
+    return [
+        {
+            "variant": k,
+            "median_s": statistics.median(v),
+            "overhead": statistics.median(v) / base - 1.0,
+        }
+        for k, v in walls.items()
+    ]

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import json
+import statistics
 import sys
+from pathlib import Path
 from typing import Any
 
 import click
@@ -11,15 +13,59 @@ from rich.console import Console
 from rich.table import Table
 
 from ._errors import RRFPError
+from ._logging import LogObserver, configure_logging
 from ._simulate import SimResult, simulate
+from ._trace import load_trace, render_png, summarize, write_trace
 from .policies._hints import HINTS
 from .policies._policy import available_policies
 
 __all__ = ["main"]
 
 
+def _set_logging(ctx: click.Context, param: click.Parameter, value: Any) -> Any:
+    meta = ctx.find_root().meta
+    if value is not None:
+        meta[f"log_{param.name}"] = value
+    fmt = meta.get("log_format", "console")
+    level = meta.get("log_level", "warning")
+    configure_logging(format=fmt, level=level)
+    return value
+
+
+def log_options(f: Any) -> Any:
+    """``--log-format`` and ``--log-level`` (step-traced structlog events) for a command."""
+    f = click.option(
+        "--log-level",
+        "level",
+        default=None,
+        expose_value=False,
+        callback=_set_logging,
+        is_eager=True,
+        type=click.Choice(["debug", "info", "warning", "error"]),
+        help="debug: one event per transition; info: steps (default warning).",
+    )(f)
+    return click.option(
+        "--log-format",
+        "format",
+        default=None,
+        expose_value=False,
+        callback=_set_logging,
+        is_eager=True,
+        type=click.Choice(["json", "console"]),
+        help="Log lines as JSON or as console columns (stderr).",
+    )(f)
+
+
+def _log_choice() -> tuple[str | None, str]:
+    meta = click.get_current_context().find_root().meta
+    level = meta.get("log_level", "warning")
+    fmt = meta.get("log_format", "console")
+    return (fmt if level in ("debug", "info") else None), level
+
+
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(package_name="rrfp-async")
+@log_options
 def main() -> None:
     """Readiness-first pipeline-parallel training steps on asyncio."""
 
@@ -113,6 +159,22 @@ def _console() -> Console:
 )
 @click.option("--seed", type=int, default=0, show_default=True)
 @click.option("--json", "as_json", is_flag=True, help="Print JSON instead of a table.")
+@click.option(
+    "--trace",
+    "trace_path",
+    type=click.Path(dir_okay=False),
+    default=None,
+    help="Write a Chrome/Perfetto trace per policy (FILE, or FILE with .POLICY"
+    " before the extension when several policies run).",
+)
+@click.option(
+    "--png",
+    "png_path",
+    type=click.Path(dir_okay=False),
+    default=None,
+    help="Write a PNG timeline, one panel per policy.",
+)
+@log_options
 def simulate_cmd(
     stages: int,
     microbatches: int,
@@ -126,6 +188,8 @@ def simulate_cmd(
     split_backward: bool | None,
     seed: int,
     as_json: bool,
+    trace_path: str | None,
+    png_path: str | None,
 ) -> None:
     """Simulate one step under several policies (same sizes, same noise) and compare.
 
@@ -140,9 +204,13 @@ def simulate_cmd(
                 f"unknown policy {n!r}; choose from {known}", param_hint="--policy"
             )
     results: dict[str, SimResult] = {}
+    record = trace_path is not None or png_path is not None
+    fmt, _ = _log_choice()
     try:
         for n in names:
             results[n] = simulate(
+                observer=LogObserver() if fmt is not None else None,
+                record=record,
                 stages=stages,
                 microbatches=microbatches,
                 chunks=chunks,
@@ -158,6 +226,9 @@ def simulate_cmd(
     except RRFPError as e:
         raise click.ClickException(str(e)) from e
     base = names[0]
+    written = _write_outputs(
+        results, trace_path, png_path, "simulated step (virtual time, declared cost model)"
+    )
     if as_json:
         out: dict[str, Any] = {
             "config": {
@@ -174,6 +245,7 @@ def simulate_cmd(
             },
             "results": {n: r.to_dict() for n, r in results.items()},
             "speedup": {n: results[base].makespan / r.makespan for n, r in results.items()},
+            "written": written,
         }
         click.echo(json.dumps(out, indent=2))
         return
@@ -190,6 +262,27 @@ def simulate_cmd(
             f"{names[0]} / {names[1]} makespan ratio: [bold]{a.makespan / b.makespan:.3f}x[/bold]"
             f"   efficiency {a.efficiency:.3f} vs {b.efficiency:.3f}"
         )
+    for w in written:
+        console.print(f"wrote {w}")
+
+
+def _policy_path(path: str, policy: str, several: bool) -> Path:
+    p = Path(path)
+    return p.with_name(f"{p.stem}.{policy}{p.suffix}") if several else p
+
+
+def _write_outputs(
+    results: dict[str, SimResult], trace_path: str | None, png_path: str | None, title: str
+) -> list[str]:
+    written: list[str] = []
+    several = len(results) > 1
+    if trace_path is not None:
+        for n, r in results.items():
+            written.append(str(write_trace(_policy_path(trace_path, n, several), r.chrome_trace())))
+    if png_path is not None:
+        panels = [(n, r.trace) for n, r in results.items() if r.trace is not None]
+        written.append(str(render_png(panels, png_path, title=title)))
+    return written
 
 
 @main.group("bench")
@@ -207,6 +300,7 @@ def bench() -> None:
     show_default=True,
     help="Also print the policy x hint x memory ratio table (8 x 32, 5 seeds).",
 )
+@log_options
 def bench_simulator(stages: int, microbatches: int, repeats: int, policies_table: bool) -> None:
     """Wall time of one simulated step, and simulated makespan ratios of the policies."""
     from ._bench import simulator_policy_table, simulator_wall_time
@@ -264,6 +358,7 @@ def bench_simulator(stages: int, microbatches: int, repeats: int, policies_table
 @click.option("--memory-factor", type=click.FloatRange(min=0, min_open=True), default=None)
 @click.option("--jitter", type=click.FloatRange(min=0), default=0.3, show_default=True)
 @click.option("--seed", type=int, default=0, show_default=True)
+@log_options
 def bench_pipeline(
     stages: int,
     microbatches: int,
@@ -331,6 +426,7 @@ def bench_pipeline(
 
 @bench.command("bridges")
 @click.option("--repeats", type=click.IntRange(min=10), default=2000, show_default=True)
+@log_options
 def bench_bridges(repeats: int) -> None:
     """Cost of each awaitable bridge on this machine (µs per awaited operation)."""
     from ._bench_bridges import bridge_overheads
@@ -348,6 +444,278 @@ def bench_bridges(repeats: int) -> None:
             str(r["name"]), *[f"{r[k]:.1f}" if isinstance(r[k], float) else str(r[k]) for k in keys]
         )
     _console().print(t)
+
+
+@bench.command("logging")
+@click.option("--repeats", type=click.IntRange(min=1), default=9, show_default=True)
+@log_options
+def bench_logging(repeats: int) -> None:
+    """Overhead of step-traced logging on a simulated 16 x 128 step (disabled and enabled)."""
+    from ._bench import logging_overhead
+
+    t = Table(
+        title="simulated 16 x 128 step, wall time, median of interleaved runs", title_justify="left"
+    )
+    for c in ("variant", "median s", "overhead vs no observer"):
+        t.add_column(c, justify="left" if c == "variant" else "right")
+    for r in logging_overhead(repeats=repeats):
+        t.add_row(r["variant"], f"{r['median_s']:.4f}", f"{r['overhead']:+.2%}")
+    _console().print(t)
+
+
+@main.command("trace")
+@click.argument("file", type=click.Path(exists=True, dir_okay=False))
+@click.option(
+    "--png",
+    "png_path",
+    type=click.Path(dir_okay=False),
+    default=None,
+    help="Render the trace's timeline to this PNG.",
+)
+@click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON.")
+@log_options
+def trace_cmd(file: str, png_path: str | None, as_json: bool) -> None:
+    """Summarise a trace (per-rank busy / idle, bubble ratio, deviations) and render it."""
+    try:
+        tr = load_trace(file)
+    except (ValueError, OSError) as e:
+        raise click.ClickException(str(e)) from e
+    summ = summarize(tr)
+    meta = tr.get("otherData", {}).get("rrfp", {})
+    if png_path is not None:
+        render_png([(Path(file).name, tr)], png_path, title=_clock_title(meta))
+    if as_json:
+        click.echo(
+            json.dumps(
+                {
+                    "file": file,
+                    "meta": {
+                        k: meta.get(k) for k in ("clock", "emulated_gpu_time", "policy", "hint")
+                    },
+                    "summary": summ,
+                    "png": png_path,
+                },
+                indent=2,
+                default=str,
+            )
+        )
+        return
+    t = Table(
+        title=f"{file}: {_clock_title(meta)}; policy {meta.get('policy', '?')}, hint"
+        f" {meta.get('hint', '?')}; makespan {summ['makespan'] * 1e3:.2f} ms",
+        title_justify="left",
+    )
+    for c in (
+        "rank",
+        "tasks",
+        "busy ms",
+        "idle ms",
+        "bubble",
+        "peak in-flight",
+        "deviations",
+        "idle filled ms",
+    ):
+        t.add_column(c, justify="right")
+    for r, v in summ["ranks"].items():
+        t.add_row(
+            str(r),
+            str(v["tasks"]),
+            f"{v['busy'] * 1e3:.2f}",
+            f"{v['idle'] * 1e3:.2f}",
+            f"{v['bubble_ratio']:.1%}",
+            str(v["peak_inflight"] or "-"),
+            str(v["deviations"]),
+            f"{v['filled'] * 1e3:.2f}",
+        )
+    console = _console()
+    console.print(t)
+    console.print(
+        f"bubble ratio {summ['bubble_ratio']:.1%}, {summ['deviations']} deviations from"
+        f" the hint filled {summ['filled'] * 1e3:.2f} ms of idle time"
+    )
+    if png_path is not None:
+        console.print(f"wrote {png_path}")
+
+
+def _clock_title(meta: dict[str, Any]) -> str:
+    if meta.get("clock") == "virtual":
+        return "simulated (virtual time, declared cost model)"
+    if meta.get("emulated_gpu_time"):
+        return "real run: CPU compute + EMULATED GPU time"
+    return "real run"
+
+
+@main.command("demo")
+@click.option("--stages", "-p", type=click.IntRange(min=2), default=4, show_default=True)
+@click.option("--microbatches", "-m", type=click.IntRange(min=1), default=16, show_default=True)
+@click.option(
+    "--steps",
+    type=click.IntRange(min=1),
+    default=4,
+    show_default=True,
+    help="Timed steps per policy (after one warm-up step).",
+)
+@click.option("--tp", type=click.IntRange(min=1), default=1, show_default=True)
+@click.option("--hint", default="1f1b", show_default=True)
+@click.option(
+    "--policy",
+    "policies",
+    multiple=True,
+    help="Policy to compare (repeatable). Default: strict, readiness_first, backfill.",
+)
+@click.option(
+    "--memory-factor",
+    type=click.FloatRange(min=0, min_open=True),
+    default=2.0,
+    show_default=True,
+    help="Admission room over 1F1B's (strict never uses it).",
+)
+@click.option("--jitter", type=click.FloatRange(min=0), default=0.3, show_default=True)
+@click.option(
+    "--out",
+    "out_dir",
+    type=click.Path(file_okay=False),
+    default="out/demo",
+    show_default=True,
+    help="Where traces and the PNG go.",
+)
+@click.option("--seed", type=int, default=0, show_default=True)
+@log_options
+def demo_cmd(
+    stages: int,
+    microbatches: int,
+    steps: int,
+    tp: int,
+    hint: str,
+    policies: tuple[str, ...],
+    memory_factor: float,
+    jitter: float,
+    out_dir: str,
+    seed: int,
+) -> None:
+    """Train the example image-text model through a local multi-process gloo pipeline, under a
+    fixed order and readiness-first, and compare.
+
+    Real processes (one per rank, gloo on 127.0.0.1) train a small image-text transformer on
+    variable-length microbatches (0-4 images, 8-48 text tokens). Time is real CPU compute
+    plus EMULATED GPU time: each task also sleeps for its declared cost (per token, per
+    image patch, backward 2x, jitter).
+    """
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from ._spawn import spawn
+    from ._trace import TraceData, chrome_trace
+    from ._train import TrainConfig, emulated_cost, train_worker
+
+    names = list(policies) or ["strict", "readiness_first", "backfill"]
+    known = available_policies()
+    for n in names:
+        if n not in known:
+            raise click.BadParameter(
+                f"unknown policy {n!r}; choose from {known}", param_hint="--policy"
+            )
+    fmt, level = _log_choice()
+    warm = 1
+    traced = warm + steps - 1
+    cfg = TrainConfig(
+        pp=stages,
+        tp=tp,
+        microbatches=microbatches,
+        steps=steps,
+        warmup_steps=warm,
+        policies=tuple(names),
+        hint=hint,
+        memory_factor=memory_factor,
+        cost=emulated_cost(jitter=jitter),
+        seed=seed,
+        return_params=False,
+        trace_steps=(traced,),
+        progress=True,
+        log_format=fmt,
+        log_level=level,
+    )
+    console = _console()
+    console.print(
+        f"[bold]rrfp-async demo[/bold]: {stages * tp} processes (PP={stages}, TP={tp}),"
+        f" {microbatches} microbatches/step, hint {hint}, admission x{memory_factor:g};"
+        " time = real CPU compute + EMULATED GPU time"
+    )
+    with Progress(
+        TextColumn("{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        console=console,
+        transient=True,
+    ) as progress:
+        bar = progress.add_task("starting processes", total=len(names) * (warm + steps))
+
+        def on_progress(msg: Any) -> None:
+            policy, step = msg
+            progress.update(bar, advance=1, description=f"{policy}: step {step}")
+
+        try:
+            results = spawn(train_worker, stages * tp, cfg, timeout=600, on_progress=on_progress)
+        except RRFPError as e:
+            raise click.ClickException(str(e)) from e
+    out = Path(out_dir)
+    tokens = statistics.mean(sum(m.tokens for m in b) for b in cfg.batches()[warm:])
+    t = Table(
+        title="one training step, median over timed steps (slowest rank, from a common barrier)",
+        title_justify="left",
+    )
+    for c in (
+        "policy",
+        "step ms",
+        "samples/s",
+        "tokens/s",
+        "bubble",
+        "peak in-flight",
+        "deviations",
+        "speedup",
+    ):
+        t.add_column(c, justify="left" if c == "policy" else "right")
+    panels = []
+    base = None
+    for i, n in enumerate(names):
+        per_rank = [r[i] for r in results]
+        step = statistics.median(max(r.step_times[s] for r in per_rank) for s in range(steps))
+        base = base or step
+        data = TraceData.merge(r.trace for r in per_rank if r.trace is not None)
+        summ = summarize(data)
+        write_trace(
+            out / f"trace_{n}.json",
+            chrome_trace(
+                data,
+                clock="real",
+                emulated=True,
+                policy=n,
+                hint=hint,
+                title=f"demo step {traced}: CPU compute + emulated GPU time",
+            ),
+        )
+        panels.append((n, data))
+        t.add_row(
+            n,
+            f"{step * 1e3:.1f}",
+            f"{microbatches / step:.1f}",
+            f"{tokens / step:.0f}",
+            f"{summ['bubble_ratio']:.1%}",
+            str(max(s.peak_inflight for r in per_rank for s in r.stats)),
+            str(sum(s.deviations for r in per_rank for s in r.stats)),
+            f"{base / step:.3f}x",
+        )
+    png = render_png(
+        panels,
+        out / "timeline.png",
+        title=f"demo step {traced}, {stages * tp} processes: real CPU compute + EMULATED GPU time",
+    )
+    console.print(t)
+    console.print(
+        f"traces: {', '.join(str(out / f'trace_{n}.json') for n in names)}"
+        " (open in ui.perfetto.dev or chrome://tracing)"
+    )
+    console.print(f"timeline: {png}")
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -18,6 +18,7 @@ from ._costs import CostModel, Durations, Microbatch, make_workload
 from ._errors import PlanError
 from ._executors import CostModelExecutor
 from ._tasks import Placement, StepPlan, Task, Topology
+from ._trace import MultiObserver, TraceData, TraceRecorder, chrome_trace
 from .loop._pipeline import LocalPipeline
 from .loop._stage import ExecutedTask, StageObserver, StepStats
 from .loop._virtual import VirtualEventLoop
@@ -46,6 +47,7 @@ class SimResult:
         stats: Per rank, the stage's full ``StepStats``.
         wall_time: Real seconds the simulation took.
         schedule: The schedule that ran.
+        trace: The trace recording, with ``simulate(record=True)``.
     """
 
     makespan: float
@@ -60,6 +62,23 @@ class SimResult:
     stats: tuple[StepStats, ...] = field(repr=False)
     wall_time: float = 0.0
     schedule: StepSchedule | None = field(default=None, repr=False)
+    trace: TraceData | None = field(default=None, repr=False)
+
+    def chrome_trace(self) -> dict[str, Any]:
+        """The Chrome-trace / Perfetto JSON of this step (needs ``simulate(record=True)``).
+
+        Raises:
+            ValueError: The step was simulated without ``record=True``.
+        """
+        if self.trace is None:
+            raise ValueError("simulate(..., record=True) keeps the trace this needs")
+        return chrome_trace(
+            self.trace,
+            clock="virtual",
+            policy=self.policy,
+            hint=self.hint,
+            title="simulated step (virtual time, declared cost model)",
+        )
 
     def to_dict(self) -> dict[str, Any]:
         """A JSON-able summary (without the per-task spans)."""
@@ -158,6 +177,7 @@ def simulate(
     latency_jitter: float = 0.0,
     straggler_prob: float = 0.0,
     observer: StageObserver | None = None,
+    record: bool = False,
 ) -> SimResult:
     """Simulate one pipeline step on a virtual clock with the real stage-loop code.
 
@@ -181,7 +201,8 @@ def simulate(
         latency: Mean one-way message latency, seconds.
         latency_jitter: Sigma of the lognormal noise of each message's latency.
         straggler_prob: Probability that a task runs 3x longer.
-        observer: Optional observer of every stage transition (tracing).
+        observer: Optional observer of every stage transition (logging, tracing).
+        record: Keep a trace recording in ``SimResult.trace`` (spans, messages, decisions).
 
     Returns:
         The ``SimResult``. Hints are computed from the *declared* durations, the run meets
@@ -239,6 +260,9 @@ def simulate(
         latency=noise.latency,
         latency_jitter=noise.latency_jitter,
     )
+    recorder = TraceRecorder() if record else None
+    if recorder is not None:
+        observer = MultiObserver(observer, recorder) if observer is not None else recorder
     schedule = StepSchedule.build(
         plan, hint, durations=declared, max_inflight=max_inflight, memory_factor=memory_factor
     )
@@ -273,6 +297,7 @@ def simulate(
         stats=tuple(stats),
         wall_time=time.perf_counter() - t_wall,
         schedule=schedule,
+        trace=None if recorder is None else recorder.data,
     )
 
 

@@ -20,7 +20,17 @@ from typing import Any, TypeVar
 
 from ._errors import SpawnError
 
-__all__ = ["free_port", "spawn"]
+__all__ = ["free_port", "report_progress", "spawn"]
+
+_progress: Any = None  # the progress queue inside a spawned worker
+
+
+def report_progress(message: Any) -> None:
+    """Inside a worker started by ``spawn``: send ``message`` (picklable) to the parent's
+    ``on_progress`` callback. Does nothing elsewhere."""
+    if _progress is not None:
+        _progress.put(message)
+
 
 T = TypeVar("T")
 
@@ -48,7 +58,10 @@ def _worker(
     fn: Callable[..., Any],
     args: tuple[Any, ...],
     results: Any,
+    progress: Any = None,
 ) -> None:
+    global _progress
+    _progress = progress
     import torch
     import torch.distributed as dist
 
@@ -90,6 +103,8 @@ def spawn(
     timeout: float = 120.0,
     pg_timeout: float = 60.0,
     threads: int = 1,
+    on_progress: Callable[[Any], None] | None = None,
+    grace: float = 3.0,
 ) -> list[T]:
     """Run ``fn(rank, world_size, *args)`` in ``world_size`` processes; return the results.
 
@@ -101,6 +116,9 @@ def spawn(
         timeout: Seconds for the whole job, start-up included; then every process is killed.
         pg_timeout: The process group's timeout, seconds (bounds a collective that hangs).
         threads: ``torch.set_num_threads`` per process.
+        on_progress: Called in this process with each message a worker sends through
+            ``report_progress``.
+        grace: After a first failure, seconds to wait for the other ranks' reports.
 
     Returns:
         ``fn``'s return values in rank order.
@@ -114,11 +132,12 @@ def spawn(
         raise ValueError(f"world_size must be >= 1, got {world_size}")
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
+    progress = ctx.Queue() if on_progress is not None else None
     port = free_port()
     procs = [
         ctx.Process(
             target=_worker,
-            args=(r, world_size, port, backend, pg_timeout, threads, fn, args, results),
+            args=(r, world_size, port, backend, pg_timeout, threads, fn, args, results, progress),
             daemon=True,
         )
         for r in range(world_size)
@@ -134,10 +153,20 @@ def spawn(
             if left <= 0:
                 missing = [r for r in range(world_size) if r not in out and r not in failures]
                 for r in missing:
-                    failures[r] = f"did not finish within {timeout} s"
+                    failures[r] = (
+                        "stopped after another rank failed"
+                        if failures
+                        else f"did not finish within {timeout} s"
+                    )
                 break
+            if progress is not None and on_progress is not None:
+                while True:
+                    try:
+                        on_progress(progress.get_nowait())
+                    except queue.Empty:
+                        break
             try:
-                rank, ok, value = results.get(timeout=min(left, 0.5))
+                rank, ok, value = results.get(timeout=min(left, 0.2))
             except queue.Empty:
                 for r, p in enumerate(procs):
                     if not p.is_alive() and r not in out and r not in failures:
@@ -161,7 +190,9 @@ def spawn(
                 out[rank] = _loads(value)
             else:
                 failures[rank] = value
-                break  # one failure: stop everyone rather than wait for timeouts
+                # One failure: give the other ranks a moment to report theirs (a peer that
+                # notices it is gone fails too, with its own state), then stop everyone.
+                deadline = min(deadline, time.monotonic() + grace)
     finally:
         for p in procs:
             if p.is_alive():
@@ -171,10 +202,18 @@ def spawn(
                 p.kill()
                 p.join(timeout=5)
         results.close()
+        if progress is not None:
+            progress.close()
     if failures:
-        first = min(failures)
+        first = next(iter(failures))  # the first reported: usually the root cause
+        others = "".join(
+            f"\n--- rank {r}: {msg.splitlines()[0] if msg else ''}"
+            for r, msg in failures.items()
+            if r != first
+        )
         raise SpawnError(
-            f"{len(failures)} of {world_size} rank(s) failed; rank {first}: {failures[first]}",
+            f"{len(failures)} of {world_size} rank(s) failed; rank {first}: {failures[first]}"
+            f"{others}",
             failures,
         )
     return [out[r] for r in range(world_size)]

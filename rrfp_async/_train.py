@@ -23,10 +23,13 @@ import torch.distributed as dist
 from ._costs import CostModel, Microbatch, StageProfile
 from ._distributed import DistributedStage
 from ._layout import ProcessLayout, build_groups
+from ._logging import LogObserver, configure_logging
+from ._spawn import report_progress
 from ._tasks import StepPlan, Topology
 from ._torch_executor import EmulatedCost, TorchStageExecutor
+from ._trace import MultiObserver, TraceData, TraceRecorder
 from .loop._runner import run
-from .loop._stage import StageObserver, StepStats
+from .loop._stage import StepStats
 from .models.image_text import (
     ImageTextConfig,
     TPContext,
@@ -98,6 +101,10 @@ class TrainConfig:
         verify_tp: Cross-check the TP ranks' sequences after each step.
         step_timeout: Watchdog per step, seconds.
         return_params: Return the final parameters (for equivalence checks).
+        trace_steps: Steps (counting warm-up) whose trace is recorded and returned.
+        log_format: Configure step-traced logs in every process ("json" / "console").
+        log_level: Their level.
+        progress: Rank 0 reports ``(policy, step)`` after each step (``report_progress``).
     """
 
     pp: int
@@ -121,6 +128,10 @@ class TrainConfig:
     verify_tp: bool = True
     step_timeout: float | None = 120.0
     return_params: bool = True
+    trace_steps: tuple[int, ...] = ()
+    log_format: str | None = None
+    log_level: str = "info"
+    progress: bool = False
 
     def batches(self) -> list[list[Microbatch]]:
         """The microbatches of every step (warm-up steps first), the same in every process."""
@@ -149,6 +160,7 @@ class TrainResult:
         losses: ``{step: {microbatch: loss}}`` on the last stage's ranks.
         compute_seconds: Real torch compute seconds (all steps).
         emulated_seconds: Emulated GPU seconds slept (all steps).
+        trace: The recording of ``trace_steps`` on this process.
     """
 
     policy: str
@@ -161,6 +173,7 @@ class TrainResult:
     losses: dict[int, dict[int, float]]
     compute_seconds: float
     emulated_seconds: float
+    trace: TraceData | None = None
 
 
 async def _train_one(
@@ -169,7 +182,6 @@ async def _train_one(
     groups: Any,
     policy: str,
     batches: list[list[Microbatch]],
-    observer: StageObserver | None,
 ) -> TrainResult:
     nv = cfg.pp * cfg.chunks
     plan = StepPlan(
@@ -195,6 +207,9 @@ async def _train_one(
             plan, cfg.hint, durations=declared, memory_factor=cfg.memory_factor
         )
 
+    recorder = TraceRecorder(layout.pipeline_peers()) if cfg.trace_steps else None
+    logger = LogObserver(rank=layout.rank) if cfg.log_format is not None else None
+    observer = MultiObserver(logger, _StepFilter(recorder, set(cfg.trace_steps)))
     times: list[float] = []
     stats: list[StepStats] = []
     losses: dict[int, dict[int, float]] = {}
@@ -224,6 +239,8 @@ async def _train_one(
                 if s >= cfg.warmup_steps:
                     times.append(dt)
                     stats.append(st)
+                if cfg.progress and layout.rank == 0:
+                    report_progress((policy, s))
     finally:
         executor.close()
     return TrainResult(
@@ -242,6 +259,7 @@ async def _train_one(
         losses=losses,
         compute_seconds=executor.compute_seconds,
         emulated_seconds=executor.emulated_seconds,
+        trace=None if recorder is None else recorder.data,
     )
 
 
@@ -250,11 +268,36 @@ def train_worker(rank: int, world: int, cfg: TrainConfig) -> list[TrainResult]:
 
     Expects the default process group to be initialised (``rrfp_async.spawn`` or torchrun).
     """
+    if cfg.log_format is not None:
+        configure_logging(format=cfg.log_format, level=cfg.log_level)  # type: ignore[arg-type]
     layout = ProcessLayout.from_world(pp=cfg.pp, tp=cfg.tp)
     groups = build_groups(layout)
     batches = cfg.batches()
     out = []
     for policy in cfg.policies:
-        out.append(run(_train_one(cfg, layout, groups, policy, batches, None)))
+        out.append(run(_train_one(cfg, layout, groups, policy, batches)))
         dist.barrier()
     return out
+
+
+class _StepFilter:
+    """Passes a recorder's events through only during the chosen steps."""
+
+    def __init__(self, inner: TraceRecorder | None, steps: set[int]) -> None:
+        self.inner = inner
+        self.steps = steps
+        self._on = False
+
+    @property
+    def active(self) -> bool:
+        return self.inner is not None
+
+    def step_start(self, stage: Any) -> None:
+        self._on = stage.step in self.steps
+
+    def __getattr__(self, name: str) -> Any:
+        def call(*args: Any) -> None:
+            if self._on and self.inner is not None:
+                getattr(self.inner, name)(*args)
+
+        return call

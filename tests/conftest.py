@@ -10,3 +10,15 @@ settings.register_profile(
 )
 settings.register_profile("dev", max_examples=60, deadline=None)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
+
+
+import pytest  # noqa: E402
+import structlog  # noqa: E402
+
+
+@pytest.fixture(autouse=True)
+def _fresh_structlog():  # type: ignore[no-untyped-def]
+    """Every test starts with structlog's defaults (the CLI configures it globally)."""
+    structlog.reset_defaults()
+    yield
+    structlog.reset_defaults()

@@ -23,6 +23,9 @@ class Sink(Protocol):
     def fail(self, exc: BaseException) -> None:
         """The channel broke; the stage must end its step with ``exc``."""
 
+    def peer_closed(self, src: int) -> None:
+        """Rank ``src`` closed its end: no more messages will come from it."""
+
 
 @runtime_checkable
 class Endpoint(Protocol):

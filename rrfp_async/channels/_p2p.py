@@ -243,6 +243,13 @@ class P2PChannel:
         except RRFPError as e:  # raised inside a loop callback: route it to the stage
             self._sink.fail(e)
 
+    def _peer_closed(self, src: int) -> None:
+        if self._closing:
+            return
+        notify = getattr(self._sink, "peer_closed", None)
+        if notify is not None:
+            notify(src)
+
     def _sender(self, dst: int) -> None:
         q = self._queues[dst]
         gdst = self._global[dst]
@@ -299,6 +306,7 @@ class P2PChannel:
                 self._post(self._fail, e)
                 return
             if closing:
+                self._post(self._peer_closed, src)
                 return
             payload = None
             if dtype is not None:

@@ -27,7 +27,9 @@ from __future__ import annotations
 
 import asyncio
 import bisect
-from collections.abc import Iterator, Mapping, Sequence
+import collections
+import time
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple, Protocol
 
@@ -35,6 +37,7 @@ from .._admission import AdmissionLedger
 from .._errors import (
     DeadlockError,
     DivergenceError,
+    PeerError,
     PolicyError,
     ProtocolError,
     RRFPError,
@@ -114,7 +117,8 @@ class StageObserver(Protocol):
     """Receives one call per state transition of a stage (tracing, logging, dumps).
 
     Every method is called on the loop thread; keep them cheap. A stage without an observer
-    pays one ``is None`` test per transition.
+    pays one ``is None`` test per transition. An observer may have an ``active`` attribute:
+    when it is false at the start of a step, the stage does not call it during that step.
     """
 
     def step_start(self, stage: StageLoop) -> None:
@@ -137,6 +141,9 @@ class StageObserver(Protocol):
 
     def stall(self, stage: StageLoop, reason: str) -> None:
         """The stage is idle and waits; ``reason`` says for what."""
+
+    def tp_decision(self, stage: StageLoop, task: Task, seq: int, sent: bool) -> None:
+        """A TP decision was broadcast (leader, ``sent``) or received (follower)."""
 
     def step_end(self, stage: StageLoop, stats: StepStats) -> None:
         """The step ended on this stage."""
@@ -180,6 +187,15 @@ class StageMonitor(Protocol):
 
 
 _NO_DATA = object()
+
+
+def _clock_of(loop: asyncio.AbstractEventLoop) -> Callable[[], float]:
+    """The stage clock: the loop's own when it is virtual, else ``time.monotonic`` (one
+    system-wide clock, so spans of different processes line up; uvloop's ``time()`` is
+    cached per iteration at millisecond resolution)."""
+    if getattr(loop, "virtual_clock", False):
+        return loop.time
+    return time.monotonic
 
 
 def _expire(w: asyncio.Future[bool]) -> None:
@@ -234,6 +250,8 @@ class StageLoop:
             may then not match).
         verify_sequences: With a coordinator: after each step, check that every TP rank
             executed the same sequence (``DivergenceError`` otherwise).
+        flight_recorder: How many recent events (message, start, end) to keep for the
+            state dump of a failed step (0: none).
 
     Use ``await stage.run_step(microbatches)`` for each step, inside any running loop.
     """
@@ -252,6 +270,7 @@ class StageLoop:
         coordinator: Coordinator | None = None,
         coordinate: bool = True,
         verify_sequences: bool = True,
+        flight_recorder: int = 32,
     ) -> None:
         if not 0 <= rank < schedule.plan.stages:
             raise ValueError(f"rank {rank} is outside the pipeline (0..{schedule.plan.stages - 1})")
@@ -263,10 +282,16 @@ class StageLoop:
         self.policy_name = policy_name(self.policy)
         self.monitor = monitor
         self.observer = observer
+        self._obs: StageObserver | None = None
         self.step_timeout = step_timeout
         self.coordinator = coordinator
         self.coordinate = coordinate
         self.verify_sequences = verify_sequences
+        self.recent: collections.deque[tuple[float, str, str]] | None = (
+            collections.deque(maxlen=flight_recorder) if flight_recorder > 0 else None
+        )
+        self._now: Callable[[], float] = time.monotonic
+        self._closed_peers: set[int] = set()
         self.blocked = False
         self._st: _StepState | None = None
         self._waiter: asyncio.Future[bool] | None = None
@@ -306,8 +331,10 @@ class StageLoop:
             )
         st.arrived[pos] = 1
         st.inbox[pos] = payload
-        if self.observer is not None:
-            self.observer.message(self, task, src)
+        if self.recent is not None:
+            self.recent.append((self._now(), "message", f"{task} from rank {src}"))
+        if self._obs is not None:
+            self._obs.message(self, task, src)
         self._satisfy(st, pos)
 
     def fail(self, exc: BaseException) -> None:
@@ -319,13 +346,33 @@ class StageLoop:
             w.set_exception(exc)
             self.blocked = False
 
+    def peer_closed(self, src: int) -> None:
+        """Rank ``src`` closed its channel: no message from it will come any more."""
+        self._closed_peers.add(src)
+        self._check_closed_peers()
+
+    def _check_closed_peers(self) -> None:
+        st = self._st
+        if st is None or not self._closed_peers:
+            return
+        for pos, src in enumerate(st.prog.src_rank):
+            if src in self._closed_peers and not st.arrived[pos]:
+                self.fail(
+                    PeerError(
+                        f"rank {self.rank} step {st.step}: rank {src} closed its channel (it"
+                        f" ended or failed) while {st.prog.order[pos]} still waits for its"
+                        " message"
+                    )
+                )
+                return
+
     def _satisfy(self, st: _StepState, pos: int) -> None:
         st.missing[pos] -= 1
         if st.missing[pos] == 0:
             bisect.insort(st.ready, pos)
             st.version += 1
-            if self.observer is not None:
-                self.observer.ready(self, st.prog.order[pos])
+            if self._obs is not None:
+                self._obs.ready(self, st.prog.order[pos])
             self._notify()
 
     def _notify(self) -> None:
@@ -349,8 +396,8 @@ class StageLoop:
         loop = asyncio.get_running_loop()
         w: asyncio.Future[bool] = loop.create_future()
         self._waiter = w
-        if self.observer is not None:
-            self.observer.stall(self, reason)
+        if self._obs is not None:
+            self._obs.stall(self, reason)
         timer = None
         if timeout is None:
             self.blocked = True
@@ -433,9 +480,13 @@ class StageLoop:
                         f" within {self.step_timeout} s\n{self.dump()}"
                     ) from e
             stats = self._stats(st)
-            if self.observer is not None:
-                self.observer.step_end(self, stats)
+            if self._obs is not None:
+                self._obs.step_end(self, stats)
             return stats
+        except BaseException as e:
+            if not isinstance(e, asyncio.CancelledError):
+                self._dump_on_failure(e)
+            raise
         finally:
             self._st = None
 
@@ -456,7 +507,8 @@ class StageLoop:
             inbox=[_NO_DATA] * n,
             left=n,
         )
-        st.t_start = st.last_end = st.prefix_end = loop.time()
+        self._now = _clock_of(loop)
+        st.t_start = st.last_end = st.prefix_end = self._now()
         st.ends = [st.t_start] * n
         for i in range(n):
             if prog.first_forward[i]:
@@ -466,10 +518,15 @@ class StageLoop:
         self._st = st
         if isinstance(self.policy, PolicyBase):
             self.policy.on_step_start(self.rank, step)
-        if self.observer is not None:
-            self.observer.step_start(self)
+        obs = self.observer
+        # An observer that would write nothing (e.g. logging filtered out) is skipped for
+        # the whole step: disabled logging costs this one check.
+        self._obs = obs if obs is not None and getattr(obs, "active", True) else None
+        if self._obs is not None:
+            self._obs.step_start(self)
         for task, payload, src in self._early.pop(step, ()):
             self.deliver(step, task, payload, src)
+        self._check_closed_peers()
         return st
 
     async def _loop(self, st: _StepState) -> None:
@@ -487,12 +544,14 @@ class StageLoop:
 
     async def _follow(self, st: _StepState, coord: Coordinator) -> None:
         """TP follower: run the leader's decisions in order, each once it is ready here."""
-        obs = self.observer
+        obs = self._obs
         view = self._view
         while st.left:
             if self._failure is not None:
                 raise self._failure
             task = await coord.receive(st.step, st.decisions)
+            if obs is not None:
+                obs.tp_decision(self, task, st.decisions, False)
             pos = st.prog.pos.get(task)
             if pos is None or st.started[pos]:
                 why = "already ran here" if pos is not None else "is not a task of this rank"
@@ -509,15 +568,13 @@ class StageLoop:
                     )
                 await self._wait(f"TP follower waits for {task}: {self._why(st, pos)}")
             if obs is not None:
-                obs.decision(
-                    self, task, view.ready, asyncio.get_running_loop().time() - st.last_end
-                )
+                obs.decision(self, task, view.ready, self._now() - st.last_end)
             await self._execute(st, pos)
 
     async def _decide_and_run(self, st: _StepState, coord: Coordinator | None) -> None:
         policy = self.policy
         view = self._view
-        obs = self.observer
+        obs = self._obs
         while st.left:
             if self._failure is not None:
                 raise self._failure
@@ -538,10 +595,10 @@ class StageLoop:
             pos = self._check_choice(st, task)
             if coord is not None:
                 coord.publish(st.step, st.decisions, task)
+                if obs is not None:
+                    obs.tp_decision(self, task, st.decisions, True)
             if obs is not None:
-                obs.decision(
-                    self, task, view.ready, asyncio.get_running_loop().time() - st.last_end
-                )
+                obs.decision(self, task, view.ready, self._now() - st.last_end)
             await self._execute(st, pos)
 
     def _admitted(self, st: _StepState) -> list[int]:
@@ -573,7 +630,6 @@ class StageLoop:
     async def _execute(self, st: _StepState, pos: int) -> None:
         prog = st.prog
         task = prog.order[pos]
-        loop = asyncio.get_running_loop()
         st.decisions += 1
         if pos != st.ledger.head:
             st.deviations += 1
@@ -586,12 +642,17 @@ class StageLoop:
         st.inbox[pos] = _NO_DATA
         if data is _NO_DATA:
             data = None
-        obs = self.observer
+        obs = self._obs
         if obs is not None:
             obs.task_start(self, task)
-        t0 = loop.time()
+        t0 = self._now()
+        rec = self.recent
+        if rec is not None:
+            rec.append((t0, "start", str(task)))
         out = await self.executor.execute(task, data, st.ctx)
-        t1 = loop.time()
+        t1 = self._now()
+        if rec is not None:
+            rec.append((t1, "end", str(task)))
         st.last_end = t1
         st.ledger.finish_at(pos)
         st.finished[pos] = 1
@@ -670,8 +731,21 @@ class StageLoop:
             return f"{task} is ready but not admitted ({led.inflight}/{led.bound} in flight)"
         return f"{task} <- " + (", ".join(why) if why else "a running task")
 
-    def dump(self) -> str:
-        """A readable snapshot of the stage: ready set, in-flight, what waiting tasks wait for."""
+    def _dump_on_failure(self, exc: BaseException) -> None:
+        """Log this rank's state (event ``stage_dump``) and attach it to the error."""
+        from .._logging import log_stage_dump
+
+        text = self.dump(recent=True)
+        log_stage_dump(self, exc, text)
+        if not isinstance(exc, DeadlockError):  # a deadlock carries every rank's grid
+            exc.add_note(
+                f"state of rank {self.rank} when the step failed (also logged as"
+                f" event 'stage_dump'):\n{text}"
+            )
+
+    def dump(self, recent: bool = False) -> str:
+        """A readable snapshot of the stage: ready set, in-flight, what waiting tasks wait for
+        (and, with ``recent``, the last events of the flight recorder)."""
         st = self._st
         if st is None:
             return f"rank {self.rank}: idle (no step running)"
@@ -688,6 +762,10 @@ class StageLoop:
             f"  admitted: {adm}",
         ]
         lines += [f"  waits: {w}" for w in self.waiting_for(limit=6)]
+        if recent and self.recent:
+            t_end = self.recent[-1][0]
+            lines.append(f"  last {len(self.recent)} events (seconds before the last):")
+            lines += [f"    -{t_end - t:.6f} {what} {detail}" for t, what, detail in self.recent]
         return "\n".join(lines)
 
 
@@ -759,7 +837,7 @@ class _View:
         return self._st().observed
 
     def now(self) -> float:
-        return asyncio.get_running_loop().time()
+        return self._s._now()
 
     @property
     def idle_since(self) -> float:
@@ -805,12 +883,12 @@ class _View:
                 step=st.step,
                 task=task,
             )
-        loop = asyncio.get_running_loop()
-        deadline = None if timeout is None else loop.time() + timeout
+        now = self._s._now
+        deadline = None if timeout is None else now() + timeout
         st.awaited = pos
         try:
             while pos not in self._s._admitted(st):
-                left = None if deadline is None else deadline - loop.time()
+                left = None if deadline is None else deadline - now()
                 if left is not None and left <= 0:
                     return False
                 await self._s._wait(f"policy waits for {task}: " + self._s._stall_reason(st), left)

@@ -55,6 +55,9 @@ class VirtualEventLoop(asyncio.SelectorEventLoop):
             ``VirtualClockStall`` (None: block forever, like a normal loop).
     """
 
+    virtual_clock = True
+    """Marks a loop whose ``time()`` is a simulated clock (stage loops then use it)."""
+
     def __init__(self, *, start: float = 0.0, stall_timeout: float | None = 60.0) -> None:
         sel = _VirtualSelector(stall_timeout)
         super().__init__(selector=sel)

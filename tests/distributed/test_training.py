@@ -8,12 +8,14 @@ parameters with a single-process reference that accumulates in microbatch order.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import pytest
 import torch
 
 import rrfp_async as rr
+from rrfp_async import CostModel
 from rrfp_async._train import TrainConfig, TrainResult, emulated_cost, train_worker
 from rrfp_async.models import reference_train, unshard
 
@@ -108,17 +110,26 @@ def test_ordered_weight_gradients_are_bitwise_order_independent(pp: int, tp: int
         assert _bitwise(strict, ref)
 
 
+def _strong_noise() -> CostModel:
+    # TP all-reduces keep the two TP ranks of a stage in near lockstep; large per-rank
+    # jitter and stragglers make the ranks' views of what has arrived differ for sure.
+    base = emulated_cost(per_token=5e-5, per_patch=5e-5, jitter=1.0)
+    return dataclasses.replace(base, straggler_prob=0.25, straggler_factor=5.0)
+
+
 def test_tp_divergence_is_caught_without_coordination() -> None:
     # Equal-shape microbatches: mismatched TP collectives then mix microbatches silently
     # instead of failing on a size mismatch; the post-step cross-check must catch it.
-    cfg = _config(2, 2, equal_lengths=True, coordinate_tp=False, policies=("greedy",))
+    cfg = _config(
+        2, 2, equal_lengths=True, coordinate_tp=False, policies=("greedy",), cost=_strong_noise()
+    )
     with pytest.raises(rr.SpawnError, match="DivergenceError") as ei:
         rr.spawn(train_worker, 4, cfg, timeout=240)
     assert "executed different task sequences" in str(ei.value)
 
 
 def test_tp_coordination_keeps_results_equal() -> None:
-    cfg = _config(2, 2, equal_lengths=True, policies=("greedy",))
+    cfg = _config(2, 2, equal_lengths=True, policies=("greedy",), cost=_strong_noise())
     results = rr.spawn(train_worker, 4, cfg, timeout=240)
     ref = _reference(cfg)
     assert _max_diff(_params(results, 0, cfg), ref) <= 1e-5

@@ -1,0 +1,103 @@
+"""Traces and failure reports of real multi-process runs (gloo, 127.0.0.1)."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+import rrfp_async as rr
+from rrfp_async._cli import main
+from rrfp_async._trace import TraceData, chrome_trace, summarize, validate_chrome_trace
+from rrfp_async._train import TrainConfig, emulated_cost, train_worker
+
+pytestmark = [pytest.mark.distributed, pytest.mark.timeout(300)]
+
+
+def test_real_run_trace_has_one_span_per_executed_task() -> None:
+    cfg = TrainConfig(
+        pp=3,
+        microbatches=6,
+        steps=2,
+        policies=("readiness_first",),
+        memory_factor=2.0,
+        cost=emulated_cost(per_token=1e-5, jitter=0.3),
+        trace_steps=(1,),
+        return_params=False,
+    )
+    results = rr.spawn(train_worker, 3, cfg, timeout=240)
+    per_rank = [r[0] for r in results]
+    data = TraceData.merge(r.trace for r in per_rank if r.trace is not None)
+    tr = chrome_trace(data, clock="real", emulated=True, policy="readiness_first", hint="1f1b")
+    assert validate_chrome_trace(tr) == []
+    spans = [e for e in tr["traceEvents"] if e["ph"] == "X"]
+    for r in per_rank:
+        executed = [x for x in r.stats[1].executed]  # the traced step
+        lane = sorted((e for e in spans if e["pid"] == r.rank), key=lambda e: e["ts"])
+        assert [e["name"] for e in lane] == [str(x.task) for x in executed]
+        durs = [e["dur"] / 1e6 for e in lane]
+        assert durs == pytest.approx([x.end - x.start for x in executed], abs=1e-6)
+    assert len(spans) == 3 * 6 * 2
+    flows = [e for e in tr["traceEvents"] if e["ph"] in ("s", "f")]
+    assert len(flows) == 2 * 2 * 6 * 2  # 2 edges x 6 mbs x (F, B), both ends
+    assert summarize(tr)["makespan"] > 0
+
+
+async def _explode(view: rr.ReadyView) -> rr.Task:
+    if view.rank == 0 and view.remaining < 4:
+        raise RuntimeError("policy bug on purpose")
+    return view.ready[0]
+
+
+async def _hang(view: rr.ReadyView) -> rr.Task:
+    if view.rank == 0 and view.remaining < 4:
+        await asyncio.Event().wait()
+    return view.ready[0]
+
+
+def _worker(rank: int, world: int, cfg: TrainConfig) -> object:
+    rr.register_policy("explode", _explode, replace=True)
+    rr.register_policy("hang", _hang, replace=True)
+    return train_worker(rank, world, cfg)
+
+
+def test_a_failing_rank_takes_its_peers_down_with_reports() -> None:
+    cfg = TrainConfig(
+        pp=2, microbatches=4, steps=1, policies=("explode",), return_params=False, step_timeout=60
+    )
+    with pytest.raises(rr.SpawnError) as ei:
+        rr.spawn(_worker, 2, cfg, timeout=120)
+    f = ei.value.failures
+    assert "PolicyError" in f[0] and "policy bug on purpose" in f[0]
+    assert "state of rank 0 when the step failed" in f[0]
+    # The peer does not hang: it sees the channel close and reports what it waited for.
+    assert "PeerError" in f[1] and "rank 0 closed its channel" in f[1]
+    assert "still waits for its message" in f[1] and "state of rank 1" in f[1]
+
+
+def test_a_hung_rank_is_stopped_by_the_watchdog() -> None:
+    cfg = TrainConfig(
+        pp=2, microbatches=4, steps=1, policies=("hang",), return_params=False, step_timeout=5
+    )
+    with pytest.raises(rr.SpawnError) as ei:
+        rr.spawn(_worker, 2, cfg, timeout=120)
+    f = ei.value.failures
+    assert "StepTimeoutError" in f[0]
+    assert "within 5 s" in f[0] and "ready:" in f[0]
+    assert "PeerError" in f[1] or "StepTimeoutError" in f[1]
+
+
+def test_demo_command_small(tmp_path: Path) -> None:
+    res = CliRunner().invoke(
+        main,
+        ["demo", "--stages", "2", "--microbatches", "4", "--steps", "1", "--out", str(tmp_path)],
+    )
+    assert res.exit_code == 0, res.output
+    for word in ("strict", "readiness_first", "backfill", "speedup", "bubble", "EMULATED"):
+        assert word in res.output
+    assert (tmp_path / "timeline.png").exists()
+    for p in ("strict", "readiness_first", "backfill"):
+        tr = rr._trace.load_trace(tmp_path / f"trace_{p}.json")
+        assert validate_chrome_trace(tr) == []

@@ -1,0 +1,122 @@
+"""Step-traced logs: decision events, context binding, disabled cost, failure dumps."""
+
+from __future__ import annotations
+
+import asyncio
+import io
+import json
+
+import pytest
+from structlog.testing import capture_logs
+
+import rrfp_async as rr
+from rrfp_async import _events as ev
+from rrfp_async._logging import LogObserver, configure_logging
+
+
+def test_decision_events_name_ready_sets_and_choices() -> None:
+    with capture_logs() as logs:
+        rr.simulate(stages=2, microbatches=2, hint="gpipe", policy="greedy", observer=LogObserver())
+    decisions = [e for e in logs if e["event"] == ev.DECISION]
+    assert len(decisions) == 8  # one per task
+    first = decisions[0]
+    assert first["task"] == "0F0" and first["hinted"] == "0F0"
+    assert first["ready"] == {"0F0": 0, "0F1": 1}
+    assert first["deviation"] is False and first["policy"] == "greedy"
+    # Rank 1's first decision: only 1F0 has arrived.
+    r1 = [e for e in decisions if e["task"].startswith("1")]
+    assert r1[0]["task"] == "1F0" and set(r1[0]["ready"]) == {"1F0"}
+    names = {e["event"] for e in logs}
+    assert {
+        ev.STEP_START,
+        ev.STEP_END,
+        ev.TASK_START,
+        ev.TASK_END,
+        ev.TASK_READY,
+        ev.MESSAGE,
+        ev.STALL,
+    } <= names
+    stalls = [e for e in logs if e["event"] == ev.STALL]
+    assert any("message 0F0 from rank 0" in e["reason"] for e in stalls)
+
+
+def test_deviation_is_logged() -> None:
+    fw = [[1.0, 1.0, 1.0, 1.0], [1.0, 1.0, 1.0, 1.0]]
+    with capture_logs() as logs:
+        rr.simulate(
+            stages=2,
+            microbatches=4,
+            forward=fw,
+            hint="1f1b",
+            policy="greedy",
+            memory_factor=2.0,
+            observer=LogObserver(),
+        )
+    devs = [e for e in logs if e["event"] == ev.DECISION and e["deviation"]]
+    assert devs, "greedy with 2x memory runs forwards ahead of the hint"
+    assert all(e["task"] != e["hinted"] and e["task"] in e["ready"] for e in devs)
+
+
+def test_json_lines_carry_rank_stage_step_task() -> None:
+    buf = io.StringIO()
+    configure_logging(format="json", level="debug", stream=buf)
+    rr.simulate(stages=2, microbatches=1, observer=LogObserver())
+    lines = [json.loads(x) for x in buf.getvalue().splitlines()]
+    assert lines
+    for line in lines:
+        assert {"rank", "stage", "step", "event", "level", "timestamp"} <= set(line)
+    starts = [x for x in lines if x["event"] == ev.TASK_START]
+    assert all(x["task"] == x.get("task") for x in starts)
+    ends = [x for x in lines if x["event"] == ev.TASK_END]
+    assert {x["rank"] for x in ends} == {0, 1}
+
+
+def test_console_format_and_levels() -> None:
+    buf = io.StringIO()
+    configure_logging(format="console", level="info", stream=buf)
+    rr.simulate(stages=2, microbatches=1, observer=LogObserver())
+    out = buf.getvalue()
+    assert ev.STEP_START in out and ev.STEP_END in out and ev.DECISION not in out
+    with pytest.raises(ValueError, match="unknown log level"):
+        configure_logging(level="loud")
+    with pytest.raises(ValueError, match="unknown log format"):
+        configure_logging(format="xml")  # type: ignore[arg-type]
+
+
+def test_disabled_logging_turns_the_observer_off() -> None:
+    configure_logging(format="json", level="warning", stream=io.StringIO())
+    obs = LogObserver()
+    assert obs.active is False
+    configure_logging(format="json", level="info", stream=io.StringIO())
+    assert obs.active is True
+
+
+def test_failure_dump_is_logged_and_attached() -> None:
+    async def sleepy(view: rr.ReadyView) -> rr.Task:
+        await asyncio.sleep(100)
+        return view.ready[0]
+
+    plan = rr.StepPlan(topology=rr.Topology(stages=1), microbatches=1)
+    sched = rr.StepSchedule.build(plan, "1f1b")
+    d = rr.Durations.from_arrays(plan, [[1.0]])
+    from rrfp_async.channels import LocalChannel
+
+    stage = rr.StageLoop(
+        0,
+        schedule=sched,
+        executor=rr.CostModelExecutor(d),
+        endpoint=LocalChannel(1).endpoint(0),
+        policy=sleepy,
+        step_timeout=3.0,
+    )
+    loop = rr.VirtualEventLoop()
+    with capture_logs() as logs:
+        try:
+            with pytest.raises(rr.StepTimeoutError) as ei:
+                loop.run_until_complete(stage.run_step([0]))
+        finally:
+            loop.close()
+    dumps = [e for e in logs if e["event"] == ev.STAGE_DUMP]
+    assert len(dumps) == 1 and dumps[0]["log_level"] == "error"
+    assert "StepTimeoutError" in dumps[0]["error"] and "ready: 0F0" in dumps[0]["dump"]
+    assert any("logged as event 'stage_dump'" in n for n in ei.value.__notes__)

@@ -1,0 +1,137 @@
+"""Traces: Chrome / Perfetto JSON of simulated steps, summaries, PNG timelines."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+import rrfp_async as rr
+from rrfp_async._trace import (
+    TraceData,
+    load_trace,
+    render_png,
+    summarize,
+    validate_chrome_trace,
+    write_trace,
+)
+
+
+def _check_trace_matches(res: rr.SimResult) -> dict:
+    tr = res.chrome_trace()
+    assert validate_chrome_trace(tr) == []
+    spans = [e for e in tr["traceEvents"] if e["ph"] == "X"]
+    executed = [e for ex in res.executed for e in ex]
+    # Exactly one compute span per executed task...
+    assert sorted(e["name"] for e in spans) == sorted(str(e.task) for e in executed)
+    assert len({(e["pid"], e["name"]) for e in spans}) == len(spans)
+    # ... on its rank's lane, in the executed order, with the executed times.
+    for rank, ex in enumerate(res.executed):
+        lane = sorted((e for e in spans if e["pid"] == rank), key=lambda e: e["ts"])
+        assert [e["name"] for e in lane] == [str(x.task) for x in ex]
+        for e, x in zip(lane, ex, strict=True):
+            assert e["cat"] == x.task.kind
+            assert e["ts"] == pytest.approx((x.start) * 1e6, abs=0.01)
+            assert e["dur"] == pytest.approx((x.end - x.start) * 1e6, abs=0.01)
+    return tr
+
+
+def test_simulated_trace_schema_and_spans() -> None:
+    res = rr.simulate(
+        stages=4,
+        microbatches=8,
+        workload="multimodal",
+        jitter=0.3,
+        memory_factor=2.0,
+        policy="greedy",
+        record=True,
+    )
+    tr = _check_trace_matches(res)
+    meta = tr["otherData"]["rrfp"]
+    assert meta["clock"] == "virtual" and meta["policy"] == "greedy"
+    flows = [e for e in tr["traceEvents"] if e["ph"] in ("s", "f")]
+    assert len(flows) == 2 * 3 * 8 * 2  # 3 cross-rank edges x 8 mbs x (F, B), both ends
+    decisions = [e for e in tr["traceEvents"] if e["ph"] == "i"]
+    assert len(decisions) == 4 * 16
+    assert sum(e["args"]["deviation"] for e in decisions) == sum(res.deviations)
+
+
+def test_split_backward_and_chunks_trace() -> None:
+    res = rr.simulate(
+        stages=2, chunks=2, microbatches=4, hint="interleaved", split_backward=True, record=True
+    )
+    tr = _check_trace_matches(res)
+    assert {e["cat"] for e in tr["traceEvents"] if e["ph"] == "X"} == {"F", "I", "W"}
+
+
+def test_summary_matches_the_result() -> None:
+    res = rr.simulate(stages=3, microbatches=6, workload="text", jitter=0.2, record=True)
+    assert res.trace is not None
+    s = summarize(res.trace)
+    assert s["makespan"] == pytest.approx(res.makespan)
+    for r, st in enumerate(res.stats):
+        assert s["ranks"][r]["busy"] == pytest.approx(st.busy)
+        assert s["ranks"][r]["peak_inflight"] == st.peak_inflight
+    # The same summary from the JSON form.
+    s2 = summarize(res.chrome_trace())
+    assert s2["makespan"] == pytest.approx(s["makespan"], rel=1e-6)
+    assert s2["deviations"] == s["deviations"]
+
+
+def test_validator_reports_problems() -> None:
+    bad = {
+        "traceEvents": [
+            {"ph": "X", "name": "0F0", "cat": "F", "ts": 0, "dur": 10, "pid": 0, "tid": 0},
+            {"ph": "X", "name": "0F1", "cat": "F", "ts": 5, "dur": 10, "pid": 0, "tid": 0},
+            {"ph": "X", "name": "oops", "cat": "Z", "ts": 30, "dur": 1, "pid": 0, "tid": 0},
+            {"ph": "s", "id": 1, "ts": 3, "pid": 0},
+            {"ph": "Q"},
+        ]
+    }
+    problems = validate_chrome_trace(bad)
+    assert any("overlap" in p for p in problems)
+    assert any("not a task kind" in p for p in problems)
+    assert any("flow 1 has only" in p for p in problems)
+    assert any("unknown phase" in p for p in problems)
+
+
+def test_png_renders(tmp_path: Path) -> None:
+    a = rr.simulate(
+        stages=3, microbatches=6, workload="multimodal", jitter=0.3, record=True, policy="strict"
+    )
+    b = rr.simulate(
+        stages=3,
+        microbatches=6,
+        workload="multimodal",
+        jitter=0.3,
+        record=True,
+        policy="greedy",
+        memory_factor=2.0,
+    )
+    assert a.trace is not None and b.trace is not None
+    out = render_png(
+        [("strict", a.trace), ("greedy", b.chrome_trace())], tmp_path / "t.png", title="simulated"
+    )
+    data = out.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 10_000
+
+
+def test_write_load_roundtrip(tmp_path: Path) -> None:
+    res = rr.simulate(stages=2, microbatches=2, record=True)
+    p = write_trace(tmp_path / "sub" / "t.json", res.chrome_trace())
+    assert load_trace(p)["otherData"]["rrfp"]["hint"] == "1f1b"
+    (tmp_path / "x.json").write_text('{"a": 1}')
+    with pytest.raises(ValueError, match="not a Trace Event Format"):
+        load_trace(tmp_path / "x.json")
+
+
+def test_trace_needs_record() -> None:
+    with pytest.raises(ValueError, match="record=True"):
+        rr.simulate(stages=2, microbatches=2).chrome_trace()
+
+
+def test_tracedata_merge_and_filter() -> None:
+    a = TraceData(spans=[[0, 0, "0F0", 0.0, 1.0]])
+    b = TraceData(spans=[[1, 1, "1F0", 1.0, 2.0]])
+    m = TraceData.merge([a, b])
+    assert len(m.spans) == 2 and m.only_step(1).spans == [[1, 1, "1F0", 1.0, 2.0]]
