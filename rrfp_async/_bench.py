@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import statistics
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from ._simulate import simulate
@@ -146,6 +146,10 @@ def pipeline_step_times(
     tp: int = 1,
     seed: int = 0,
     timeout: float = 600.0,
+    trace_step: int | None = None,
+    on_progress: Callable[[Any], None] | None = None,
+    log_format: str | None = None,
+    log_level: str = "info",
 ) -> dict[str, Any]:
     """Step times of a real multi-process pipeline (gloo, 127.0.0.1), per policy, in one run.
 
@@ -153,8 +157,17 @@ def pipeline_step_times(
     compute of a tiny model plus sleeps from the declared cost model) on ``stages * tp``
     processes. Every policy meets the same microbatches and the same emulated noise. A
     step's time is the slowest rank's time from a common barrier to its last task.
+
+    Args:
+        trace_step: Record this step (counting warm-up) and return its merged trace per
+            policy under ``"trace"``.
+        on_progress: Called with ``(policy, step)`` after each step (from rank 0).
+        log_format: Configure step-traced logs in the workers.
+        log_level: Their level.
+        (the others: see ``TrainConfig``)
     """
     from ._spawn import spawn
+    from ._trace import TraceData
     from ._train import TrainConfig, emulated_cost, train_worker
 
     cfg = TrainConfig(
@@ -169,14 +182,19 @@ def pipeline_step_times(
         cost=emulated_cost(jitter=jitter),
         seed=seed,
         return_params=False,
+        trace_steps=() if trace_step is None else (trace_step,),
+        progress=on_progress is not None,
+        log_format=log_format,
+        log_level=log_level,
     )
     t = time.perf_counter()
-    results = spawn(train_worker, stages * tp, cfg, timeout=timeout)
+    results = spawn(train_worker, stages * tp, cfg, timeout=timeout, on_progress=on_progress)
     wall = time.perf_counter() - t
     out: dict[str, Any] = {"config": cfg, "wall_s": wall, "policies": {}}
     for i, pol in enumerate(policies):
         per_rank = [r[i] for r in results]
         step = [max(r.step_times[s] for r in per_rank) for s in range(steps)]
+        traces = [r.trace for r in per_rank if r.trace is not None]
         out["policies"][pol] = {
             "step_s": step,
             "median_s": statistics.median(step),
@@ -185,6 +203,7 @@ def pipeline_step_times(
             "peak_inflight": max(s.peak_inflight for r in per_rank for s in r.stats),
             "compute_s": sum(r.compute_seconds for r in per_rank),
             "emulated_s": sum(r.emulated_seconds for r in per_rank),
+            "trace": TraceData.merge(traces) if traces else None,
         }
     return out
 

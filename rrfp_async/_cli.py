@@ -196,13 +196,7 @@ def simulate_cmd(
     Time is virtual: the real stage-loop code runs on a discrete-event clock with a
     declared GPU cost model; nothing here measures this machine.
     """
-    names = list(policies) or ["strict", "readiness_first"]
-    known = available_policies()
-    for n in names:
-        if n not in known:
-            raise click.BadParameter(
-                f"unknown policy {n!r}; choose from {known}", param_hint="--policy"
-            )
+    names = _policy_names(policies, ["strict", "readiness_first"])
     results: dict[str, SimResult] = {}
     record = trace_path is not None or png_path is not None
     fmt, _ = _log_choice()
@@ -373,7 +367,7 @@ def bench_pipeline(
     """Step times of a real multi-process gloo pipeline training the example model."""
     from ._bench import pipeline_step_times
 
-    names = list(policies) or ["strict", "readiness_first"]
+    names = _policy_names(policies, ["strict", "readiness_first"])
     try:
         res = pipeline_step_times(
             stages=stages,
@@ -601,39 +595,21 @@ def demo_cmd(
     plus EMULATED GPU time: each task also sleeps for its declared cost (per token, per
     image patch, backward 2x, jitter).
     """
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+    from rich.progress import (
+        BarColumn,
+        MofNCompleteColumn,
+        Progress,
+        TextColumn,
+        TimeElapsedColumn,
+    )
 
-    from ._spawn import spawn
-    from ._trace import TraceData, chrome_trace
-    from ._train import TrainConfig, emulated_cost, train_worker
+    from ._bench import pipeline_step_times
+    from ._trace import chrome_trace
 
-    names = list(policies) or ["strict", "readiness_first", "backfill"]
-    known = available_policies()
-    for n in names:
-        if n not in known:
-            raise click.BadParameter(
-                f"unknown policy {n!r}; choose from {known}", param_hint="--policy"
-            )
+    names = _policy_names(policies, ["strict", "readiness_first", "backfill"])
     fmt, level = _log_choice()
     warm = 1
     traced = warm + steps - 1
-    cfg = TrainConfig(
-        pp=stages,
-        tp=tp,
-        microbatches=microbatches,
-        steps=steps,
-        warmup_steps=warm,
-        policies=tuple(names),
-        hint=hint,
-        memory_factor=memory_factor,
-        cost=emulated_cost(jitter=jitter),
-        seed=seed,
-        return_params=False,
-        trace_steps=(traced,),
-        progress=True,
-        log_format=fmt,
-        log_level=level,
-    )
     console = _console()
     console.print(
         f"[bold]rrfp-async demo[/bold]: {stages * tp} processes (PP={stages}, TP={tp}),"
@@ -655,10 +631,26 @@ def demo_cmd(
             progress.update(bar, advance=1, description=f"{policy}: step {step}")
 
         try:
-            results = spawn(train_worker, stages * tp, cfg, timeout=600, on_progress=on_progress)
+            res = pipeline_step_times(
+                stages=stages,
+                microbatches=microbatches,
+                steps=steps,
+                warmup_steps=warm,
+                policies=names,
+                hint=hint,
+                memory_factor=memory_factor,
+                jitter=jitter,
+                tp=tp,
+                seed=seed,
+                trace_step=traced,
+                on_progress=on_progress,
+                log_format=fmt,
+                log_level=level,
+            )
         except RRFPError as e:
             raise click.ClickException(str(e)) from e
     out = Path(out_dir)
+    cfg = res["config"]
     tokens = statistics.mean(sum(m.tokens for m in b) for b in cfg.batches()[warm:])
     t = Table(
         title="one training step, median over timed steps (slowest rank, from a common barrier)",
@@ -676,13 +668,10 @@ def demo_cmd(
     ):
         t.add_column(c, justify="left" if c == "policy" else "right")
     panels = []
-    base = None
-    for i, n in enumerate(names):
-        per_rank = [r[i] for r in results]
-        step = statistics.median(max(r.step_times[s] for r in per_rank) for s in range(steps))
-        base = base or step
-        data = TraceData.merge(r.trace for r in per_rank if r.trace is not None)
-        summ = summarize(data)
+    base = res["policies"][names[0]]["median_s"]
+    for n in names:
+        r = res["policies"][n]
+        step, data = r["median_s"], r["trace"]
         write_trace(
             out / f"trace_{n}.json",
             chrome_trace(
@@ -700,9 +689,9 @@ def demo_cmd(
             f"{step * 1e3:.1f}",
             f"{microbatches / step:.1f}",
             f"{tokens / step:.0f}",
-            f"{summ['bubble_ratio']:.1%}",
-            str(max(s.peak_inflight for r in per_rank for s in r.stats)),
-            str(sum(s.deviations for r in per_rank for s in r.stats)),
+            f"{summarize(data)['bubble_ratio']:.1%}",
+            str(r["peak_inflight"]),
+            str(r["deviations"]),
             f"{base / step:.3f}x",
         )
     png = render_png(
@@ -715,7 +704,19 @@ def demo_cmd(
         f"traces: {', '.join(str(out / f'trace_{n}.json') for n in names)}"
         " (open in ui.perfetto.dev or chrome://tracing)"
     )
-    console.print(f"timeline: {png}")
+    console.print(f"timeline: {png}  (total {res['wall_s']:.1f} s, spawn included)")
+
+
+def _policy_names(given: tuple[str, ...], default: list[str]) -> list[str]:
+    """The policies to compare (``default`` when none given); unknown names are refused."""
+    names = list(given) or default
+    known = available_policies()
+    for n in names:
+        if n not in known:
+            raise click.BadParameter(
+                f"unknown policy {n!r}; choose from {known}", param_hint="--policy"
+            )
+    return names
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -6,7 +6,7 @@ import asyncio
 from collections.abc import Callable
 from typing import Any
 
-from .._errors import ProtocolError
+from .._errors import ProtocolError, RRFPError
 from .._tasks import Task
 from ._base import Sink
 
@@ -57,7 +57,10 @@ class LocalChannel:
         sink = self._sinks[dst]
         if sink is None:
             raise ProtocolError(f"rank {dst} has no stage bound; message {task} from {src} lost")
-        sink.deliver(step, task, payload, src)
+        try:
+            sink.deliver(step, task, payload, src)
+        except RRFPError as e:  # raised inside a loop callback: route it to the stage
+            sink.fail(e)
 
 
 class LocalEndpoint:

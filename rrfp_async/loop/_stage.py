@@ -287,7 +287,7 @@ class StageLoop:
         self.coordinator = coordinator
         self.coordinate = coordinate
         self.verify_sequences = verify_sequences
-        self.recent: collections.deque[tuple[float, str, str]] | None = (
+        self.recent: collections.deque[tuple[float, str, Task]] | None = (
             collections.deque(maxlen=flight_recorder) if flight_recorder > 0 else None
         )
         self._now: Callable[[], float] = time.monotonic
@@ -332,7 +332,7 @@ class StageLoop:
         st.arrived[pos] = 1
         st.inbox[pos] = payload
         if self.recent is not None:
-            self.recent.append((self._now(), "message", f"{task} from rank {src}"))
+            self.recent.append((self._now(), f"message from rank {src} for", task))
         if self._obs is not None:
             self._obs.message(self, task, src)
         self._satisfy(st, pos)
@@ -648,11 +648,11 @@ class StageLoop:
         t0 = self._now()
         rec = self.recent
         if rec is not None:
-            rec.append((t0, "start", str(task)))
+            rec.append((t0, "start", task))
         out = await self.executor.execute(task, data, st.ctx)
         t1 = self._now()
         if rec is not None:
-            rec.append((t1, "end", str(task)))
+            rec.append((t1, "end", task))
         st.last_end = t1
         st.ledger.finish_at(pos)
         st.finished[pos] = 1
