@@ -44,7 +44,8 @@ class DistributedStage:
         coordinate_tp: Followers run the TP leader's decisions (switch off only to measure
             or to demonstrate divergence).
         verify_tp: After each step, check that the TP ranks executed the same sequence.
-        step_timeout: Watchdog per step, seconds.
+        step_timeout: Watchdog per step, seconds (a multi-process step must never hang;
+            None disables it).
         observer: Observer of the stage's transitions.
         device: Where received tensors are allocated.
         decision_depth: TP decisions a follower keeps posted ahead.
@@ -60,7 +61,7 @@ class DistributedStage:
         policy: str | Policy = "readiness_first",
         coordinate_tp: bool = True,
         verify_tp: bool = True,
-        step_timeout: float | None = None,
+        step_timeout: float | None = 600.0,
         observer: StageObserver | None = None,
         device: torch.device | str = "cpu",
         decision_depth: int = 4,

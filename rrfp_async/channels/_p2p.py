@@ -30,6 +30,7 @@ import asyncio
 import contextlib
 import queue
 import threading
+import time
 from collections.abc import Iterable, Mapping
 from typing import Any
 
@@ -216,8 +217,9 @@ class P2PChannel:
         self._closing = True
         for q in self._queues.values():
             q.put(None)
+        deadline = time.monotonic() + timeout
         for t in self._threads:
-            t.join(timeout)
+            t.join(max(0.0, deadline - time.monotonic()))
 
     # ------------------------------------------------------------------ threads
 

@@ -35,6 +35,7 @@ from typing import Any, NamedTuple, Protocol
 
 from .._admission import AdmissionLedger
 from .._errors import (
+    ChannelError,
     DeadlockError,
     DivergenceError,
     PeerError,
@@ -448,6 +449,8 @@ class StageLoop:
             DeadlockError: The step can never finish (detected by the monitor).
             StepTimeoutError: The watchdog fired.
             ProtocolError: A message did not fit the step.
+            PeerError: A peer's channel failed or closed while this rank waited for it.
+            DivergenceError: The TP ranks of the stage diverged.
         """
         if self._st is not None:
             raise RuntimeError(
@@ -465,7 +468,10 @@ class StageLoop:
             )
         step = self._next_step if step is None else step
         self._next_step = step + 1
-        self._failure = None
+        if not isinstance(self._failure, ChannelError):
+            self._failure = None  # a broken channel stays broken: every later step fails
+        if self._failure is not None:
+            raise self._failure
         st = self._begin(step, microbatches)
         try:
             if self.step_timeout is None:

@@ -8,6 +8,7 @@ from typing import Any
 
 import pytest
 
+import rrfp_async as rr
 from rrfp_async import (
     HINTS,
     CostModelExecutor,
@@ -265,3 +266,32 @@ def test_stats_account_busy_and_idle() -> None:
     assert st0.elapsed == pytest.approx(st0.busy + st0.idle)
     assert st0.peak_inflight == 2 and st0.max_inflight == 2
     assert st1.policy == "readiness_first" and st1.hint == "1f1b"
+
+
+def test_a_broken_channel_fails_every_later_step() -> None:
+    s = sched(p=2, m=1)
+    stage = StageLoop(
+        1, schedule=s, executor=CostModelExecutor(unit(s)), endpoint=LocalChannel(2).endpoint(1)
+    )
+    stage.fail(rr.PeerError("edge rank 0 -> rank 1: connection reset"))  # between steps
+    with pytest.raises(rr.PeerError, match="connection reset"):
+        run_virtual(stage.run_step([0]))
+    with pytest.raises(rr.PeerError, match="connection reset"):
+        run_virtual(stage.run_step([0]))
+
+
+def test_peer_closed_fails_a_waiting_stage() -> None:
+    s = sched(p=2, m=2)
+    stage = StageLoop(
+        1, schedule=s, executor=CostModelExecutor(unit(s)), endpoint=LocalChannel(2).endpoint(1)
+    )
+
+    async def main() -> None:
+        run = asyncio.ensure_future(stage.run_step([0, 1]))
+        stage.deliver(0, Task(1, "F", 0), None, 0)
+        await asyncio.sleep(0.5)
+        stage.peer_closed(0)
+        with pytest.raises(rr.PeerError, match=r"rank 0 closed its channel .* 1F1 still waits"):
+            await run
+
+    run_virtual(main())
