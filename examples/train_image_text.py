@@ -82,6 +82,9 @@ def main(argv: list[str] | None = None) -> None:
         dist.gather_object(mine, gathered if dist.get_rank() == 0 else None, dst=0)
         if dist.get_rank() == 0:
             report([g for g in gathered if g is not None], cfg)
+        # Nobody tears the group down while a peer still communicates (a rank whose gather
+        # send is still in flight when its group is destroyed can abort).
+        dist.barrier()
     finally:
         dist.destroy_process_group()
 
