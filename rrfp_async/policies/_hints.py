@@ -39,7 +39,7 @@ from .._admission import hint_peak
 from .._costs import Durations
 from .._errors import HintError
 from .._tasks import StepPlan, Task, format_tasks
-from ._listsched import list_schedule
+from ._listsched import list_schedule, strict_sweep
 
 __all__ = [
     "HINTS",
@@ -472,31 +472,17 @@ def validate_hint(plan: StepPlan, hint: Hint, bounds: Sequence[int] | None = Non
 
 def _check_no_cycle(plan: StepPlan, hint: Hint) -> None:
     """Run every rank's order strictly on a symbolic clock; report the ranks that stall."""
-    p = plan.stages
-    heads = [0] * p
-    done: set[Task] = set()
-    orders = [list(hint[r]) for r in range(p)]
-    progress = True
-    while progress:
-        progress = False
-        for r in range(p):
-            order = orders[r]
-            h = heads[r]
-            while h < len(order) and all(d in done for d in plan.producers(order[h])):
-                done.add(order[h])
-                h += 1
-            if h != heads[r]:
-                heads[r] = h
-                progress = True
-    if all(heads[r] == len(orders[r]) for r in range(p)):
+    times, heads = strict_sweep(plan, hint)
+    if len(times) == plan.num_tasks:
         return
     lines = []
-    for r in range(p):
-        if heads[r] == len(orders[r]):
+    for r in range(plan.stages):
+        order = hint[r]
+        if heads[r] == len(order):
             lines.append(f"  rank {r}: done")
             continue
-        t = orders[r][heads[r]]
-        waits = [d for d in plan.producers(t) if d not in done]
+        t = order[heads[r]]
+        waits = [d for d in plan.producers(t) if d not in times]
         lines.append(
             f"  rank {r}: next {t} waits for "
             + ", ".join(f"{d} (rank {plan.rank_of(d)})" for d in waits)

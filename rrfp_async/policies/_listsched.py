@@ -22,7 +22,7 @@ from .._costs import Durations
 from .._errors import HintError
 from .._tasks import StepPlan, Task
 
-__all__ = ["list_schedule", "strict_timeline"]
+__all__ = ["list_schedule", "strict_sweep", "strict_timeline"]
 
 
 def list_schedule(
@@ -130,16 +130,16 @@ def list_schedule(
     return order
 
 
-def strict_timeline(
-    plan: StepPlan, hint: dict[int, Sequence[Task]] | Any, durations: Durations
-) -> dict[Task, tuple[float, float]]:
-    """Start and end of every task when each rank runs its hint strictly on ``durations``.
+def strict_sweep(
+    plan: StepPlan, hint: Any, durations: Durations | None = None
+) -> tuple[dict[Task, tuple[float, float]], list[int]]:
+    """Run every rank's hint strictly (each task as soon as it is next and its dependencies
+    are done), on ``durations`` or on a unit clock.
 
-    This is the *plan* a hint stands for: the readiness-first policy compares a stage's
-    actual idle time with the idle time this timeline foresees before the hinted task.
-
-    Raises:
-        HintError: The hint's ranks wait for each other in a cycle.
+    Returns:
+        ``(times, heads)``: start and end of every task that could run, and for each rank
+        the position of its first task that could not (its order's length when all ran).
+        A rank stuck before its end means the hint's ranks wait for each other in a cycle.
     """
     p = plan.stages
     orders = [list(hint[r]) for r in range(p)]
@@ -159,11 +159,11 @@ def strict_timeline(
                     te = times.get(pr)
                     if te is None:
                         break
-                    lat = durations.latency(t) if plan.rank_of(pr) != r else 0.0
+                    lat = durations.latency(t) if durations and plan.rank_of(pr) != r else 0.0
                     ready = max(ready, te[1] + lat)
                 else:
                     start = max(free[r], ready)
-                    free[r] = start + durations.of(t)
+                    free[r] = start + (durations.of(t) if durations is not None else 1.0)
                     times[t] = (start, free[r])
                     h += 1
                     continue
@@ -171,6 +171,21 @@ def strict_timeline(
             if h != heads[r]:
                 heads[r] = h
                 progress = True
+    return times, heads
+
+
+def strict_timeline(
+    plan: StepPlan, hint: dict[int, Sequence[Task]] | Any, durations: Durations
+) -> dict[Task, tuple[float, float]]:
+    """Start and end of every task when each rank runs its hint strictly on ``durations``.
+
+    This is the *plan* a hint stands for: the readiness-first policy compares a stage's
+    actual idle time with the idle time this timeline foresees before the hinted task.
+
+    Raises:
+        HintError: The hint's ranks wait for each other in a cycle.
+    """
+    times, _ = strict_sweep(plan, hint, durations)
     if len(times) != plan.num_tasks:
         raise HintError("the hint's ranks wait for each other in a cycle")
     return times
