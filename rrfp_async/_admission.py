@@ -74,21 +74,7 @@ class AdmissionLedger:
 
     def admissible_at(self, k: int) -> bool:
         """Whether the task at hint position ``k`` may start now."""
-        if self._delta[k] <= 0:
-            return True
-        c = self.inflight + 1
-        if c > self.bound:
-            return False
-        s = 0
-        m = 0
-        done = self._done
-        delta = self._delta
-        for j in range(self._head, k):
-            if not done[j]:
-                s += delta[j]
-                if s > m:
-                    m = s
-        return c + m <= self.bound
+        return bool(self.filter_admissible((k,)))
 
     def filter_admissible(self, ready: Sequence[int]) -> list[int]:
         """The admissible positions among ``ready`` (sorted ascending), in one pass."""

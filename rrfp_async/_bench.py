@@ -7,6 +7,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from ._logging import LogFormat
 from ._simulate import simulate
 
 __all__ = [
@@ -148,7 +149,7 @@ def pipeline_step_times(
     timeout: float = 600.0,
     trace_step: int | None = None,
     on_progress: Callable[[Any], None] | None = None,
-    log_format: str | None = None,
+    log_format: LogFormat | None = None,
     log_level: str = "info",
 ) -> dict[str, Any]:
     """Step times of a real multi-process pipeline (gloo, 127.0.0.1), per policy, in one run.

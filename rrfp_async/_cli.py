@@ -13,7 +13,7 @@ from rich.console import Console
 from rich.table import Table
 
 from ._errors import RRFPError
-from ._logging import LogObserver, configure_logging
+from ._logging import LogFormat, LogObserver, configure_logging
 from ._simulate import SimResult, simulate
 from ._trace import load_trace, render_png, summarize, write_trace
 from .policies._hints import HINTS
@@ -56,10 +56,11 @@ def log_options(f: Any) -> Any:
     )(f)
 
 
-def _log_choice() -> tuple[str | None, str]:
+def _log_choice() -> tuple[LogFormat | None, str]:
+    """The log format workers should configure (None: nothing would be logged), and the level."""
     meta = click.get_current_context().find_root().meta
-    level = meta.get("log_level", "warning")
-    fmt = meta.get("log_format", "console")
+    level: str = meta.get("log_level", "warning")
+    fmt: LogFormat = meta.get("log_format", "console")
     return (fmt if level in ("debug", "info") else None), level
 
 

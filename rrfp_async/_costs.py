@@ -146,14 +146,6 @@ class Durations:
             return 0.0
         return self._lat[task.kind][task.stage][task.mb]
 
-    def table(self, kind: Kind) -> list[list[float]]:
-        """The ``[virtual_stage][microbatch]`` table of ``kind`` (a copy)."""
-        return [list(r) for r in self._t[kind]]
-
-    def microbatch_cost(self, mb: int) -> float:
-        """Total forward + backward seconds of microbatch ``mb`` over all stages."""
-        return sum(self._t["F"][v][mb] + self._t["B"][v][mb] for v in range(len(self._t["F"])))
-
     def perturbed(
         self,
         *,

@@ -24,7 +24,7 @@ from . import _events as ev
 from ._tasks import Task
 from .loop._stage import StageLoop, StepStats
 
-__all__ = ["LogObserver", "configure_logging", "get_logger", "log_stage_dump"]
+__all__ = ["LogFormat", "LogObserver", "configure_logging", "get_logger", "log_stage_dump"]
 
 LogFormat = Literal["json", "console"]
 _LEVELS = {

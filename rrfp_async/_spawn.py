@@ -147,6 +147,20 @@ def spawn(
     out: dict[int, Any] = {}
     failures: dict[int, str] = {}
     deadline = time.monotonic() + timeout
+
+    def failed(rank: int, why: str) -> None:
+        nonlocal deadline
+        failures[rank] = why
+        # One failure: give the other ranks a moment to report theirs (a peer that notices
+        # it is gone fails too, with its own state), then stop everyone.
+        deadline = min(deadline, time.monotonic() + grace)
+
+    def take(rank: int, ok: bool, value: Any) -> None:
+        if ok:
+            out[rank] = _loads(value)
+        else:
+            failed(rank, value)
+
     try:
         while len(out) + len(failures) < world_size:
             left = deadline - time.monotonic()
@@ -172,27 +186,17 @@ def spawn(
                     if not p.is_alive() and r not in out and r not in failures:
                         # Give a just-finished rank's result a moment to arrive.
                         try:
-                            rank, ok, value = results.get(timeout=1.0)
+                            take(*results.get(timeout=1.0))
                         except queue.Empty:
-                            failures[r] = (
-                                f"process died with exit code {p.exitcode} (killed, or it"
-                                " failed before running: a script that calls spawn needs"
-                                " an `if __name__ == '__main__':` guard)"
+                            failed(
+                                r,
+                                f"process died with exit code {p.exitcode} (killed, or"
+                                " it failed before running: a script that calls spawn"
+                                " needs an `if __name__ == '__main__':` guard)",
                             )
-                            break
-                        if ok:
-                            out[rank] = _loads(value)
-                        else:
-                            failures[rank] = value
                         break
                 continue
-            if ok:
-                out[rank] = _loads(value)
-            else:
-                failures[rank] = value
-                # One failure: give the other ranks a moment to report theirs (a peer that
-                # notices it is gone fails too, with its own state), then stop everyone.
-                deadline = min(deadline, time.monotonic() + grace)
+            take(rank, ok, value)
     finally:
         for p in procs:
             if p.is_alive():

@@ -23,7 +23,7 @@ import torch.distributed as dist
 from ._costs import CostModel, Microbatch, StageProfile
 from ._distributed import DistributedStage
 from ._layout import ProcessLayout, build_groups
-from ._logging import LogObserver, configure_logging
+from ._logging import LogFormat, LogObserver, configure_logging
 from ._spawn import report_progress
 from ._tasks import StepPlan, Topology
 from ._torch_executor import EmulatedCost, TorchStageExecutor
@@ -129,7 +129,7 @@ class TrainConfig:
     step_timeout: float | None = 120.0
     return_params: bool = True
     trace_steps: tuple[int, ...] = ()
-    log_format: str | None = None
+    log_format: LogFormat | None = None
     log_level: str = "info"
     progress: bool = False
 
@@ -269,7 +269,7 @@ def train_worker(rank: int, world: int, cfg: TrainConfig) -> list[TrainResult]:
     Expects the default process group to be initialised (``rrfp_async.spawn`` or torchrun).
     """
     if cfg.log_format is not None:
-        configure_logging(format=cfg.log_format, level=cfg.log_level)  # type: ignore[arg-type]
+        configure_logging(format=cfg.log_format, level=cfg.log_level)
     layout = ProcessLayout.from_world(pp=cfg.pp, tp=cfg.tp)
     groups = build_groups(layout)
     batches = cfg.batches()

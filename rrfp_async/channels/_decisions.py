@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import contextlib
 import hashlib
 from collections.abc import Sequence
 from typing import Any
@@ -36,6 +35,7 @@ import torch.distributed as dist
 
 from .._errors import DivergenceError
 from .._tasks import Kind, Task
+from ..loop._bridges import work_future
 
 __all__ = ["DecisionChannel", "sequence_digest"]
 
@@ -48,30 +48,6 @@ def sequence_digest(tasks: Sequence[Task]) -> int:
     """A 63-bit digest of a task sequence (equal sequences, equal digests)."""
     h = hashlib.blake2b(" ".join(map(str, tasks)).encode(), digest_size=8).digest()
     return int.from_bytes(h, "little") & ((1 << 63) - 1)
-
-
-def _future_of(work: Any) -> asyncio.Future[None]:
-    """The asyncio future of a gloo collective's work (its torch future, bridged)."""
-    loop = asyncio.get_running_loop()
-    out: asyncio.Future[None] = loop.create_future()
-
-    def done(tf: Any) -> None:
-        def settle() -> None:
-            if out.done():
-                return
-            try:
-                tf.value()
-            except Exception as e:
-                out.set_exception(e)
-            else:
-                out.set_result(None)
-
-        if not loop.is_closed():
-            with contextlib.suppress(RuntimeError):
-                loop.call_soon_threadsafe(settle)
-
-    work.get_future().add_done_callback(done)
-    return out
 
 
 class DecisionChannel:
@@ -126,7 +102,7 @@ class DecisionChannel:
         while self._to_post > 0 and len(self._posted) < self.depth:
             buf = torch.zeros(6, dtype=torch.int64)
             work = dist.broadcast(buf, src=self.leader, group=self.group, async_op=True)
-            self._posted.append((buf, _future_of(work)))
+            self._posted.append((buf, work_future(work)))
             self._to_post -= 1
 
     def publish(self, step: int, seq: int, task: Task) -> None:
@@ -169,7 +145,7 @@ class DecisionChannel:
         """Leader: wait until every broadcast of the step went out (errors surface here)."""
         while self._sent:
             _, w = self._sent.popleft()
-            await _future_of(w)
+            await work_future(w)
 
     async def verify_sequence(self, step: int, executed: Sequence[Task]) -> None:
         """Every TP rank: all-gather a digest of the executed sequence and compare.
@@ -180,7 +156,7 @@ class DecisionChannel:
         mine = torch.tensor([sequence_digest(executed), len(executed)], dtype=torch.int64)
         size = dist.get_world_size(self.group)
         outs = [torch.zeros(2, dtype=torch.int64) for _ in range(size)]
-        await _future_of(dist.all_gather(outs, mine, group=self.group, async_op=True))
+        await work_future(dist.all_gather(outs, mine, group=self.group, async_op=True))
         digests = [tuple(o.tolist()) for o in outs]
         if len(set(digests)) != 1:
             differ = [i for i, d in enumerate(digests) if d != digests[0]]

@@ -281,6 +281,7 @@ class StageLoop:
         self.endpoint = endpoint
         self.policy = get_policy(policy)
         self.policy_name = policy_name(self.policy)
+        self._hooks = self.policy if isinstance(self.policy, PolicyBase) else None
         self.monitor = monitor
         self.observer = observer
         self._obs: StageObserver | None = None
@@ -522,8 +523,8 @@ class StageLoop:
             if prog.deps[i] == 0:
                 st.ready.append(i)
         self._st = st
-        if isinstance(self.policy, PolicyBase):
-            self.policy.on_step_start(self.rank, step)
+        if self._hooks is not None:
+            self._hooks.on_step_start(self.rank, step)
         obs = self.observer
         # An observer that would write nothing (e.g. logging filtered out) is skipped for
         # the whole step: disabled logging costs this one check.
@@ -668,8 +669,8 @@ class StageLoop:
         st.observed[task] = t1 - t0
         if obs is not None:
             obs.task_end(self, task, t0, t1)
-        if isinstance(self.policy, PolicyBase):
-            self.policy.on_task_end(task, t1 - t0)
+        if self._hooks is not None:
+            self._hooks.on_task_end(task, t1 - t0)
         dl = prog.data_local[pos]
         if dl >= 0:
             st.inbox[dl] = out

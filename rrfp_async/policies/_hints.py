@@ -107,16 +107,25 @@ def one_f_one_b(plan: StepPlan, durations: Durations | None = None) -> dict[int,
     return out
 
 
+def _per_round(plan: StepPlan) -> int | None:
+    """Microbatches per round, as torch computes it (flexible interleaving), or None when
+    M is not a multiple of the number of rounds max(1, M // P)."""
+    m = plan.microbatches
+    rounds = max(1, m // plan.stages)
+    return m // rounds if m % rounds == 0 else None
+
+
 def _rounds(plan: StepPlan, name: str) -> int:
-    """Microbatches per round, as torch computes it (flexible interleaving)."""
-    p, m = plan.stages, plan.microbatches
-    rounds = max(1, m // p)
-    if m % rounds != 0:
+    """Microbatches per round; ``HintError`` naming ``name`` when there is no such number."""
+    per_round = _per_round(plan)
+    if per_round is None:
+        m = plan.microbatches
+        rounds = max(1, m // plan.stages)
         raise HintError(
             f"hint {name!r} needs the number of microbatches ({m}) to be a multiple of the"
             f" number of rounds max(1, M // P) = {rounds}"
         )
-    return m // rounds
+    return per_round
 
 
 def interleaved_warmup(plan: StepPlan, rank: int, multiply: int = 2) -> int:
@@ -362,8 +371,7 @@ def default_bound(plan: StepPlan, rank: int) -> int:
     p, m, v = plan.stages, plan.microbatches, plan.topology.chunks
     if v == 1:
         return min(p - rank, m)
-    rounds = max(1, m // p)
-    per_round = m // rounds if m % rounds == 0 else p
+    per_round = _per_round(plan) or p  # no torch rounds: Megatron's count, M per round = P
     return min((v - 1) * per_round + 2 * (p - 1 - rank) + 1, m * v)
 
 

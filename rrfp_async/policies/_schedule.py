@@ -4,9 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
 
-from .._admission import hint_peak
 from .._costs import Durations
 from .._tasks import StepPlan, Task
 from ._hints import Hint, HintFn, canonical_hint_name, make_hint, resolve_bounds, validate_hint
@@ -184,18 +182,3 @@ class StepSchedule:
                 self._plan[r] = (tuple(starts), tuple(gaps))
             out = self._plan[rank]
         return out
-
-    def peaks(self) -> list[int]:
-        """In-flight peak of each rank's hint when run in order."""
-        return [hint_peak(self.hint[r]) for r in range(self.plan.stages)]
-
-    def describe(self) -> dict[str, Any]:
-        """A small JSON-able summary."""
-        return {
-            "hint": self.hint_name,
-            "stages": self.plan.stages,
-            "chunks": self.plan.topology.chunks,
-            "microbatches": self.plan.microbatches,
-            "split_backward": self.plan.split_backward,
-            "bounds": list(self.bounds),
-        }

@@ -47,3 +47,19 @@ def test_spawn_times_out_and_kills() -> None:
     with pytest.raises(rr.SpawnError, match="did not finish within 4"):
         rr.spawn(_hang, 2, timeout=4)
     assert time.monotonic() - t < 20
+
+
+def _die_on_1(rank: int, world: int) -> None:
+    import os
+
+    if rank == 1:
+        os._exit(3)  # no report, no traceback: the parent must notice the dead process
+    time.sleep(30)
+
+
+def test_spawn_reports_a_dead_process() -> None:
+    t = time.monotonic()
+    with pytest.raises(rr.SpawnError, match="process died with exit code 3") as ei:
+        rr.spawn(_die_on_1, 2, timeout=60)
+    assert ei.value.failures[0] == "stopped after another rank failed"
+    assert time.monotonic() - t < 30
