@@ -25,7 +25,7 @@ def simulator_wall_time(
     repeats: int = 5,
     workload: str = "multimodal",
     jitter: float = 0.2,
-    policies: Sequence[str] = ("strict", "readiness_first", "backfill", "greedy"),
+    policies: Sequence[str] = ("strict", "readiness_first", "lateness_aware", "backfill"),
 ) -> list[dict[str, Any]]:
     """Real seconds to simulate one step, per policy (median of ``repeats``)."""
     rows = []
@@ -67,7 +67,7 @@ def simulator_policy_table(
     workloads: Sequence[str] = ("text", "multimodal"),
     hints: Sequence[str] = ("1f1b", "breadth_first_weighted", "backward_first"),
     memory: Sequence[float] = (1.0, 2.0),
-    policies: Sequence[str] = ("readiness_first", "backfill", "greedy"),
+    policies: Sequence[str] = ("readiness_first", "lateness_aware", "backfill"),
 ) -> list[dict[str, Any]]:
     """Mean makespan ratio of each (hint, memory, policy) against strict 1F1B at 1x memory,
     over ``seeds`` draws of sizes and noise; also each row's own strict baseline."""

@@ -31,14 +31,14 @@ def test_simulate_json() -> None:
             "--policy",
             "strict",
             "--policy",
-            "greedy",
+            "lateness_aware",
             "--memory-factor",
             "2",
         ],
     )
     assert res.exit_code == 0, res.output
     out = json.loads(res.output)
-    assert set(out["results"]) == {"strict", "greedy"}
+    assert set(out["results"]) == {"strict", "lateness_aware"}
     assert out["speedup"]["strict"] == 1.0
     assert out["config"]["time"].startswith("virtual")
 

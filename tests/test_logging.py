@@ -16,13 +16,13 @@ from rrfp_async._logging import LogObserver, configure_logging
 
 def test_decision_events_name_ready_sets_and_choices() -> None:
     with capture_logs() as logs:
-        rr.simulate(stages=2, microbatches=2, hint="gpipe", policy="greedy", observer=LogObserver())
+        rr.simulate(stages=2, microbatches=2, hint="gpipe", policy="readiness_first", observer=LogObserver())
     decisions = [e for e in logs if e["event"] == ev.DECISION]
     assert len(decisions) == 8  # one per task
     first = decisions[0]
     assert first["task"] == "0F0" and first["hinted"] == "0F0"
     assert first["ready"] == {"0F0": 0, "0F1": 1}
-    assert first["deviation"] is False and first["policy"] == "greedy"
+    assert first["deviation"] is False and first["policy"] == "readiness_first"
     # Rank 1's first decision: only 1F0 has arrived.
     r1 = [e for e in decisions if e["task"].startswith("1")]
     assert r1[0]["task"] == "1F0" and set(r1[0]["ready"]) == {"1F0"}
@@ -48,12 +48,12 @@ def test_deviation_is_logged() -> None:
             microbatches=4,
             forward=fw,
             hint="1f1b",
-            policy="greedy",
+            policy="readiness_first",
             memory_factor=2.0,
             observer=LogObserver(),
         )
     devs = [e for e in logs if e["event"] == ev.DECISION and e["deviation"]]
-    assert devs, "greedy with 2x memory runs forwards ahead of the hint"
+    assert devs, "readiness_first with 2x memory runs forwards ahead of the hint"
     assert all(e["task"] != e["hinted"] and e["task"] in e["ready"] for e in devs)
 
 

@@ -43,12 +43,12 @@ def test_simulated_trace_schema_and_spans() -> None:
         workload="multimodal",
         jitter=0.3,
         memory_factor=2.0,
-        policy="greedy",
+        policy="readiness_first",
         record=True,
     )
     tr = _check_trace_matches(res)
     meta = tr["otherData"]["rrfp"]
-    assert meta["clock"] == "virtual" and meta["policy"] == "greedy"
+    assert meta["clock"] == "virtual" and meta["policy"] == "readiness_first"
     flows = [e for e in tr["traceEvents"] if e["ph"] in ("s", "f")]
     assert len(flows) == 2 * 3 * 8 * 2  # 3 cross-rank edges x 8 mbs x (F, B), both ends
     decisions = [e for e in tr["traceEvents"] if e["ph"] == "i"]
@@ -105,12 +105,12 @@ def test_png_renders(tmp_path: Path) -> None:
         workload="multimodal",
         jitter=0.3,
         record=True,
-        policy="greedy",
+        policy="readiness_first",
         memory_factor=2.0,
     )
     assert a.trace is not None and b.trace is not None
     out = render_png(
-        [("strict", a.trace), ("greedy", b.chrome_trace())], tmp_path / "t.png", title="simulated"
+        [("strict", a.trace), ("readiness_first", b.chrome_trace())], tmp_path / "t.png", title="simulated"
     )
     data = out.read_bytes()
     assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 10_000

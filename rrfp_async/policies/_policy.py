@@ -29,7 +29,7 @@ __all__ = [
     "available_policies",
     "backfill",
     "get_policy",
-    "greedy",
+    "lateness_aware",
     "policy_name",
     "readiness_first",
     "register_policy",
@@ -158,15 +158,29 @@ async def strict(view: ReadyView, /) -> Task:
 
 
 async def readiness_first(view: ReadyView, /) -> Task:
-    """Run the hinted task if it is ready; once it is *late*, run the highest-ranked ready one.
+    """The RRFP rule: run the highest-ranked task that is ready, never wait for a blocked one.
 
-    The hinted task (the first not yet started) is *late* when the stage has been idle
-    longer than the hint's plan foresees before it (``view.planned_gap``): its input is
-    slower than planned. A late task is skipped, not waited for; a planned bubble is kept,
-    so with zero variance this policy runs exactly the hint's order. Without declared
-    durations every not-ready hinted task counts as late (then it is ``greedy``). The
-    admission bound holds either way: memory never exceeds the fixed order's and the step
-    cannot deadlock.
+    The hint only ranks tasks: when the hinted task is ready it runs (it ranks first); when
+    its input is late, the best-ranked ready task runs instead, and the hinted one runs as
+    soon as it is ready and the stage is free. The admission bound holds either way, so
+    memory never exceeds the fixed order's (at the default bound) and the step cannot
+    deadlock. Unlike ``lateness_aware`` it also fills the hint's *planned* bubbles, which
+    can help (ZB-H1's deferred weight gradients, a later microbatch whose input is early)
+    or, rarely, hurt (the task run out of order delays the hinted one when it arrives).
+    Registered also as ``greedy``.
+    """
+    return view.ready[0]
+
+
+async def lateness_aware(view: ReadyView, /) -> Task:
+    """Run the hinted task; once it is *late*, run the highest-ranked ready task instead.
+
+    The hinted task (the first not yet started) is *late* when the stage has idled past
+    ``view.hinted_deadline``: the plan (every rank running the hint strictly on the declared
+    durations) foresees it starting earlier. A late task is skipped, not waited for; a
+    planned bubble is kept, so with zero variance (realized = declared durations) this
+    policy runs exactly the hint's order. Without declared durations every not-ready hinted
+    task counts as late (then it is ``readiness_first``).
     """
     head = view.next_hinted
     if view.is_ready(head):
@@ -185,8 +199,8 @@ async def backfill(view: ReadyView, /) -> Task:
     Runs the hinted task if it is ready. While the stage is inside a bubble the plan
     foresees, it runs the highest-ranked ready task whose declared duration ends before the
     hinted task's planned start (conservative backfilling, as in HPC batch schedulers);
-    once the hinted task is late it runs the highest-ranked ready task. Without declared
-    durations it behaves like ``greedy``.
+    once the hinted task is late it runs the highest-ranked ready task (``lateness_aware``
+    plus backfilling). Without declared durations it behaves like ``readiness_first``.
     """
     while True:
         head = view.next_hinted
@@ -205,22 +219,19 @@ async def backfill(view: ReadyView, /) -> Task:
         await view.wait_for_change(timeout=deadline - now)
 
 
-async def greedy(view: ReadyView, /) -> Task:
-    """Run the highest-ranked ready task at once, never waiting for the hinted one.
-
-    Pure readiness: it also fills the hint's *planned* bubbles, which can help (ZB-H1's
-    deferred weight gradients) or hurt (a greedy anomaly) even with zero variance.
-    """
-    return view.ready[0]
-
-
 _REGISTRY: dict[str, Policy] = {
     "strict": strict,
     "readiness_first": readiness_first,
-    "greedy": greedy,
+    "lateness_aware": lateness_aware,
     "backfill": backfill,
 }
-_ALIASES = {"fixed": "strict", "rf": "readiness_first", "readiness": "readiness_first"}
+_ALIASES = {
+    "fixed": "strict",
+    "rf": "readiness_first",
+    "readiness": "readiness_first",
+    "greedy": "readiness_first",
+    "late": "lateness_aware",
+}
 _entry_points_loaded = False
 
 

@@ -121,7 +121,7 @@ def test_tp_divergence_is_caught_without_coordination() -> None:
     # Equal-shape microbatches: mismatched TP collectives then mix microbatches silently
     # instead of failing on a size mismatch; the post-step cross-check must catch it.
     cfg = _config(
-        2, 2, equal_lengths=True, coordinate_tp=False, policies=("greedy",), cost=_strong_noise()
+        2, 2, equal_lengths=True, coordinate_tp=False, policies=("readiness_first",), cost=_strong_noise()
     )
     with pytest.raises(rr.SpawnError, match="DivergenceError") as ei:
         rr.spawn(train_worker, 4, cfg, timeout=240)
@@ -129,7 +129,7 @@ def test_tp_divergence_is_caught_without_coordination() -> None:
 
 
 def test_tp_coordination_keeps_results_equal() -> None:
-    cfg = _config(2, 2, equal_lengths=True, policies=("greedy",), cost=_strong_noise())
+    cfg = _config(2, 2, equal_lengths=True, policies=("readiness_first",), cost=_strong_noise())
     results = rr.spawn(train_worker, 4, cfg, timeout=240)
     ref = _reference(cfg)
     assert _max_diff(_params(results, 0, cfg), ref) <= 1e-5

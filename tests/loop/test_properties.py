@@ -19,7 +19,7 @@ from rrfp_async import HINTS, HintError, StepPlan, Topology, simulate
 from rrfp_async._tasks import activation_delta
 from rrfp_async.policies import make_hint, validate_hint
 
-POLICIES = ["strict", "readiness_first", "greedy", "backfill"]
+POLICIES = ["strict", "readiness_first", "lateness_aware", "backfill"]
 
 
 @st.composite
