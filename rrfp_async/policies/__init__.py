@@ -39,6 +39,7 @@ from ._policy import (
     strict,
 )
 from ._schedule import RankProgram, StepSchedule
+from ._torch_hints import hint_from_torch
 
 __all__ = [
     "ENTRY_POINT_GROUP",
@@ -60,6 +61,7 @@ __all__ = [
     "default_bound",
     "get_policy",
     "gpipe",
+    "hint_from_torch",
     "interleaved_1f1b",
     "lateness_aware",
     "list_schedule",
