@@ -458,6 +458,281 @@ def bench_logging(repeats: int) -> None:
     _console().print(t)
 
 
+_OVERHEAD_SECTIONS = ("decision", "message", "tp", "split")
+
+
+@bench.command("overhead")
+@click.option(
+    "--section",
+    "sections",
+    multiple=True,
+    type=click.Choice(_OVERHEAD_SECTIONS),
+    help="Section to run (repeatable). Default: all.",
+)
+@click.option(
+    "--ready",
+    "ready_sizes",
+    multiple=True,
+    type=click.IntRange(min=1),
+    help="Ready-set sizes for the decision latency (repeatable). Default: 1 2 4 ... 64.",
+)
+@click.option(
+    "--policy",
+    "policies",
+    multiple=True,
+    help="Policies for the decision latency (repeatable). Default: strict greedy readiness_first.",
+)
+@click.option(
+    "--loop",
+    "loops",
+    multiple=True,
+    type=click.Choice(["uvloop", "asyncio"]),
+    help="Event loops (repeatable). Default: both.",
+)
+@click.option(
+    "--size",
+    "sizes",
+    multiple=True,
+    type=click.IntRange(min=4),
+    help="Message sizes in bytes (repeatable). Default: 64, 16384, 1048576.",
+)
+@click.option(
+    "--tp",
+    "tps",
+    multiple=True,
+    type=click.IntRange(min=2),
+    help="TP sizes (repeatable; one process each). Default: 2 and 4.",
+)
+@click.option(
+    "--repeats",
+    type=click.IntRange(min=1),
+    default=9,
+    show_default=True,
+    help="Timed steps per decision-latency case; repeats of the I+W vs B measurement.",
+)
+@click.option(
+    "--messages", type=click.IntRange(min=5), default=300, show_default=True, help="Round trips."
+)
+@click.option("--decisions", type=click.IntRange(min=5), default=200, show_default=True)
+@click.option(
+    "--compute-ms",
+    type=click.FloatRange(min=0, min_open=True),
+    default=5.0,
+    show_default=True,
+    help="Task compute for the TP share of step time.",
+)
+@click.option(
+    "--microbatches",
+    type=click.IntRange(min=1),
+    default=8,
+    show_default=True,
+    help="Microbatches of the I+W vs B measurement.",
+)
+@click.option("--json", "as_json", is_flag=True, help="Print JSON instead of tables.")
+@log_options
+def bench_overhead(
+    sections: tuple[str, ...],
+    ready_sizes: tuple[int, ...],
+    policies: tuple[str, ...],
+    loops: tuple[str, ...],
+    sizes: tuple[int, ...],
+    tps: tuple[int, ...],
+    repeats: int,
+    messages: int,
+    decisions: int,
+    compute_ms: float,
+    microbatches: int,
+    as_json: bool,
+) -> None:
+    """Overheads in isolation, each against its raw baseline (ratios measured in one run)."""
+    from . import _bench_overhead as ov
+
+    chosen = [s for s in _OVERHEAD_SECTIONS if not sections or s in sections]
+    loop_names = list(loops or ("uvloop", "asyncio"))
+    out: dict[str, list[dict[str, Any]]] = {}
+    try:
+        if "decision" in chosen:
+            out["decision"] = ov.decision_latency(
+                ready_sizes or (1, 2, 4, 8, 16, 32, 64),
+                policies=policies or ("strict", "greedy", "readiness_first"),
+                loops=loop_names,
+                repeats=repeats,
+            )
+        if "message" in chosen:
+            out["message"] = ov.message_cost(
+                sizes or (64, 16 * 1024, 1 << 20), messages=messages, loops=loop_names
+            )
+        if "tp" in chosen:
+            out["tp"] = ov.tp_coordination(
+                tps or (2, 4), decisions=decisions, compute_ms=compute_ms
+            )
+        if "split" in chosen:
+            out["split"] = ov.split_backward_cost_isolated(
+                microbatches=microbatches, repeats=max(3, min(repeats, 9))
+            )
+    except RRFPError as e:
+        raise click.ClickException(str(e)) from e
+    if as_json:
+        click.echo(json.dumps(out, indent=2))
+        return
+    console = _console()
+
+    def verdict(ok: bool) -> str:
+        return "met" if ok else "MISSED"
+
+    if "decision" in out:
+        t = Table(
+            title="decision latency (policy + stage bookkeeping, no compute), µs per decision,"
+            f" median of {repeats} steps; target < {ov.DECISION_TARGET_US:g} µs",
+            title_justify="left",
+        )
+        cols = ["policy", "k", "mean k", *loop_names, "CPU"]
+        cols += [f"{ln} +yield" for ln in loop_names] + ["worst / target", "target"]
+        for c in cols:
+            t.add_column(c, justify="left" if c == "policy" else "right")
+        keys: dict[tuple[str, int], dict[str, dict[str, Any]]] = {}
+        for r in out["decision"]:
+            keys.setdefault((r["policy"], r["ready"]), {})[r["loop"]] = r
+        for (pol, k), by_loop in keys.items():
+            first = next(iter(by_loop.values()))
+            worst = max(r["us_median"] for r in by_loop.values())
+            t.add_row(
+                pol,
+                str(k),
+                f"{first['ready_mean']:.1f}",
+                *[f"{by_loop[ln]['us_median']:.1f}" if ln in by_loop else "-" for ln in loop_names],
+                f"{min(r['cpu_us'] for r in by_loop.values()):.1f}",
+                *[
+                    f"{by_loop[ln]['us_yield_median']:.1f}" if ln in by_loop else "-"
+                    for ln in loop_names
+                ],
+                f"{worst / ov.DECISION_TARGET_US:.2f}x",
+                verdict(worst < ov.DECISION_TARGET_US),
+            )
+        t.caption = (
+            "per decision = step wall time / decisions, one rank, k admitted ready tasks at every"
+            " decision but the last k-1 (mean k: observed); CPU: the loop thread's CPU time per"
+            " decision (no preemption); +yield: the executor yields to the loop once per task"
+        )
+        console.print(t)
+    if "message" in out:
+        t = Table(
+            title="per message, one way (round trip / 2), µs, 2 processes, gloo on 127.0.0.1;"
+            f" target P2PChannel <= {ov.MESSAGE_TARGET_RATIO:g}x raw blocking send",
+            title_justify="left",
+        )
+        for c in (
+            "bytes",
+            "loop",
+            "raw send",
+            "raw hdr+payload",
+            "P2PChannel",
+            "/ raw",
+            "/ raw (best)",
+            "/ hdr+payload",
+            "target",
+        ):
+            t.add_column(c, justify="left" if c == "loop" else "right")
+        for r in out["message"]:
+            t.add_row(
+                str(r["bytes"]),
+                r["loop"],
+                f"{r['raw_us']:.1f}",
+                f"{r['raw_hdr_us']:.1f}",
+                f"{r['channel_us']:.1f}",
+                f"{r['ratio']:.2f}x",
+                f"{r['ratio_best']:.2f}x",
+                f"{r['ratio_hdr']:.2f}x",
+                verdict(r["met"]),
+            )
+        t.caption = (
+            "median of short interleaved batches; best: fastest batch of each; hdr+payload:"
+            " the channel's wire protocol (int64[16] header, then the tensor) sent blocking"
+        )
+        console.print(t)
+    if "tp" in out:
+        t = Table(
+            title="TP coordination per decision, µs, vs raw blocking broadcast of int64[6] on the"
+            f" same group (uvloop); targets <= {ov.TP_TARGET_RATIO:g}x and"
+            f" < {ov.TP_SHARE_TARGET:.0%} of step time with {compute_ms:g} ms tasks",
+            title_justify="left",
+        )
+        for c in (
+            "TP",
+            "raw bcast",
+            "DecisionChannel",
+            "ratio",
+            "ratio (best)",
+            "in stage",
+            "share (formula)",
+            "share (measured)",
+            "ratio target",
+            "share target",
+        ):
+            t.add_column(c, justify="right")
+        for r in out["tp"]:
+            t.add_row(
+                str(r["tp"]),
+                f"{r['raw_us']:.1f}",
+                f"{r['channel_us']:.1f}",
+                f"{r['ratio']:.2f}x",
+                f"{r['ratio_best']:.2f}x",
+                f"{r['stage_us']:.1f}",
+                f"{r['share']:.2%}",
+                f"{r['share_measured']:.2%}",
+                verdict(r["met_ratio"]),
+                verdict(r["met_share"]),
+            )
+        t.caption = (
+            "slowest rank, median of batches; in stage: (coordinated - uncoordinated step time)"
+            " / decisions of a DistributedStage with no-op tasks; share (formula) = channel /"
+            f" (channel + {compute_ms:g} ms); share (measured) = (coordinated - uncoordinated) /"
+            f" coordinated step time with tasks that wait {compute_ms:g} ms"
+        )
+        console.print(t)
+    if "split" in out:
+        t = Table(
+            title="I + W vs B, middle stage of the example model, real CPU compute (1 torch"
+            f" thread, no emulated time), ms per step; target I+W <= {ov.SPLIT_TARGET_RATIO:g}x B",
+            title_justify="left",
+        )
+        for c in (
+            "stage",
+            "mbs",
+            "tokens",
+            "F",
+            "B",
+            "I",
+            "W",
+            "I+W",
+            "(I+W) / B",
+            "clock",
+            "with hand-off",
+            "target",
+        ):
+            t.add_column(c, justify="right")
+        for r in out["split"]:
+            t.add_row(
+                f"{r['stage']} of {r['stages']}",
+                str(r["microbatches"]),
+                str(r["tokens"]),
+                f"{r['f_ms']:.2f}",
+                f"{r['b_ms']:.2f}",
+                f"{r['i_ms']:.2f}",
+                f"{r['w_ms']:.2f}",
+                f"{r['iw_ms']:.2f}",
+                f"{r['ratio']:.2f}x",
+                f"{r['ratio_clock']:.2f}x",
+                f"{r['ratio_wall']:.2f}x",
+                verdict(r["met"]),
+            )
+        t.caption = (
+            "CPU time of the compute thread, sum over the microbatches, median of repeats;"
+            " clock: the executor's compute_seconds; with hand-off: the awaits of execute"
+        )
+        console.print(t)
+
+
 @main.command("trace")
 @click.argument("file", type=click.Path(exists=True, dir_okay=False))
 @click.option(

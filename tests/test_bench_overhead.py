@@ -1,0 +1,100 @@
+"""``bench overhead``: the section functions at tiny sizes (figures live in BENCHMARKS.md)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from click.testing import CliRunner
+
+from rrfp_async import _bench_overhead as ov
+from rrfp_async._cli import main
+
+
+@pytest.mark.parametrize("k", [1, 3, 8])
+def test_decision_schedule_holds_k_ready_tasks(k: int) -> None:
+    s = ov.decision_schedule(k, microbatches=4 * k)
+    assert s.bounds == (k,)
+    assert len(s.hint[0]) == 2 * 4 * k
+
+
+def test_decision_latency_rows() -> None:
+    rows = ov.decision_latency(
+        (1, 4), policies=("strict", "readiness_first"), loops=("asyncio", "uvloop"), repeats=2
+    )
+    assert len(rows) == 2 * 2 * 2
+    assert {r["loop"] for r in rows} == {"asyncio", "uvloop"}
+    for r in rows:
+        for key in ("us_median", "us_min", "us_yield_median", "ready_mean"):
+            assert r[key] > 0, (key, r)
+        # Every task of the step is one decision and one executor call: a stage that
+        # skipped, repeated or batched tasks would be timed per the wrong count.
+        assert r["decisions"] == r["tasks"] == r["executed"]
+        m = max(32, 8 * r["ready"])
+        assert r["tasks"] == 2 * m
+        # The ready set really has k tasks at every decision but the final k - 1 backwards.
+        assert r["ready_at_k"] == pytest.approx((2 * m - (r["ready"] - 1)) / (2 * m))
+        assert r["ready_mean"] <= r["ready"]
+
+
+def test_split_backward_cost_rows() -> None:
+    (row,) = ov.split_backward_cost(microbatches=2, repeats=1, stages=2, stage=1)
+    for key in ("f_ms", "b_ms", "i_ms", "w_ms", "iw_ms", "ratio", "b_clock_ms", "iw_wall_ms"):
+        assert row[key] > 0, key
+    assert row["iw_ms"] == pytest.approx(row["i_ms"] + row["w_ms"])  # one repeat: sums agree
+    # The compute thread's CPU time cannot exceed the wall time of the awaits around it.
+    assert row["b_ms"] <= row["b_wall_ms"] * 1.01 and row["iw_ms"] <= row["iw_wall_ms"] * 1.01
+    assert row["stage"] == 1 and row["tokens"] > 0
+
+
+def test_cli_decision_section_json() -> None:
+    res = CliRunner().invoke(
+        main,
+        [
+            "bench",
+            "overhead",
+            "--section",
+            "decision",
+            "--ready",
+            "2",
+            "--policy",
+            "greedy",
+            "--loop",
+            "asyncio",
+            "--repeats",
+            "1",
+            "--json",
+        ],
+    )
+    assert res.exit_code == 0, res.output
+    out = json.loads(res.output)
+    assert list(out) == ["decision"]
+    assert out["decision"][0]["policy"] == "greedy" and out["decision"][0]["ready"] == 2
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(240)
+def test_message_cost_rows() -> None:
+    rows = ov.message_cost((64, 4096), messages=10, batches=5, loops=("uvloop",), timeout=200)
+    assert [r["bytes"] for r in rows] == [64, 4096]
+    for r in rows:
+        for key in ("raw_us", "raw_hdr_us", "channel_us", "ratio", "ratio_hdr"):
+            assert r[key] > 0, key
+        # Warm-up round trip + batches: every echoed message came back through the sink.
+        assert r["messages"] == 10
+    assert rows[-1]["delivered"] == 2 * (2 + 10)
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(300)
+def test_tp_coordination_rows() -> None:
+    rows = ov.tp_coordination(
+        (2,), decisions=10, batches=5, compute_ms=1.0, microbatches=2, steps=1
+    )
+    (r,) = rows
+    assert r["tp"] == 2
+    for key in ("raw_us", "channel_us", "ratio", "stage_coord_us", "share", "step_coord_ms"):
+        assert r[key] > 0, key
+    assert r["step_decisions"] == 4  # 2 microbatches x (F, B) on the one stage
+    assert r["published"] == 10 + 2  # warm-up batch of 2 decisions + 5 batches of 2
+    assert 0 < r["share"] < 1
