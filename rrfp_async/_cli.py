@@ -419,6 +419,152 @@ def bench_pipeline(
     console.print(f"total wall time {res['wall_s']:.1f} s (spawn included)")
 
 
+@bench.command("peer")
+@click.option("--stages", "-p", type=click.IntRange(min=2), default=4, show_default=True)
+@click.option("--microbatches", "-m", type=click.IntRange(min=1), default=16, show_default=True)
+@click.option("--steps", type=click.IntRange(min=1), default=5, show_default=True)
+@click.option("--warmup", type=click.IntRange(min=0), default=1, show_default=True)
+@click.option(
+    "--us-per-token",
+    "scales",
+    type=click.FloatRange(min=0, min_open=True),
+    multiple=True,
+    help="Emulated forward µs per token (repeatable; one table each). Default: 2 and 8"
+    " (communication about 20 % and 5 % of a task here).",
+)
+@click.option("--hidden", type=click.IntRange(min=1), default=32, show_default=True)
+@click.option("--jitter", type=click.FloatRange(min=0), default=0.3, show_default=True)
+@click.option("--seed", type=int, default=0, show_default=True)
+@click.option(
+    "--torch-schedule",
+    "torch_schedules",
+    multiple=True,
+    help="torch schedule class (repeatable). Default: 1F1B, GPipe, Interleaved1F1B,"
+    " InterleavedZeroBubble, ZBVZeroBubble.",
+)
+@click.option("--hint", "hints", multiple=True, help="rrfp_async hint (repeatable).")
+@click.option("--policy", "policies", multiple=True, help="rrfp_async policy (repeatable).")
+@click.option(
+    "--memory-factor",
+    "memory_factors",
+    type=click.FloatRange(min=0, min_open=True),
+    multiple=True,
+    help="Admission bound as a multiple of 1F1B's (repeatable). Default: 1 and 2.",
+)
+@click.option("--json", "as_json", is_flag=True, help="Print {'runs': [...]} as JSON.")
+@log_options
+def bench_peer(
+    stages: int,
+    microbatches: int,
+    steps: int,
+    warmup: int,
+    scales: tuple[float, ...],
+    hidden: int,
+    jitter: float,
+    seed: int,
+    torch_schedules: tuple[str, ...],
+    hints: tuple[str, ...],
+    policies: tuple[str, ...],
+    memory_factors: tuple[float, ...],
+    as_json: bool,
+) -> None:
+    """Side by side with torch.distributed.pipelining: same modules, same microbatches.
+
+    Real processes on gloo (127.0.0.1), real CPU compute plus EMULATED GPU time (each stage
+    sleeps a declared, seeded duration per token), configurations interleaved step by step.
+    """
+    from ._bench_peer import PeerConfig, peer_benchmark
+
+    base = PeerConfig()
+    try:
+        cfgs = [
+            PeerConfig(
+                stages=stages,
+                microbatches=microbatches,
+                steps=steps,
+                warmup_steps=warmup,
+                us_per_token=us,
+                hidden=hidden,
+                jitter=jitter,
+                seed=seed,
+                torch_schedules=torch_schedules or base.torch_schedules,
+                padded_cost=tuple(
+                    s for s in base.padded_cost if s in (torch_schedules or base.torch_schedules)
+                ),
+                hints=hints or base.hints,
+                policies=tuple(_policy_names(policies, list(base.policies))),
+                memory_factors=memory_factors or base.memory_factors,
+            )
+            for us in (scales or (2.0, 8.0))
+        ]
+    except ValueError as e:
+        raise click.BadParameter(str(e)) from e
+    results = []
+    for cfg in cfgs:
+        try:
+            res = peer_benchmark(cfg)
+        except RRFPError as e:
+            raise click.ClickException(str(e)) from e
+        results.append(res)
+    if as_json:
+        runs = [
+            dict(r, us_per_token=res["config"].us_per_token) for res in results for r in res["runs"]
+        ]
+        click.echo(json.dumps({"runs": runs}, indent=2, default=str))
+        return
+    console = _console()
+    for res in results:
+        cfg = res["config"]
+        t = Table(
+            title=f"{cfg.stages} gloo processes on 127.0.0.1, {cfg.microbatches} multimodal"
+            f" microbatches, {cfg.us_per_token:g} µs/token: real CPU compute + EMULATED GPU"
+            f" time (jitter {cfg.jitter}); median of {cfg.steps} steps after {cfg.warmup_steps}"
+            f" warm-up; comm share {res['comm_share']:.0%} of a mean task",
+            title_justify="left",
+        )
+        for c in (
+            "system",
+            "schedule / hint",
+            "policy",
+            "memory",
+            "step s",
+            "vs torch 1F1B",
+            "efficiency",
+            "peak",
+            "note",
+        ):
+            t.add_column(
+                c,
+                justify="right"
+                if c in ("step s", "vs torch 1F1B", "efficiency", "peak")
+                else "left",
+            )
+        for r in sorted(
+            res["runs"],
+            key=lambda r: (
+                -r["speedup_vs_torch_1f1b"]
+                if r["speedup_vs_torch_1f1b"] == r["speedup_vs_torch_1f1b"]
+                else 0
+            ),
+        ):
+            t.add_row(
+                r["system"],
+                r["schedule"] or r["hint"],
+                r["policy"] or "",
+                f"{r['memory_factor']:g}x" if r["memory_factor"] else "",
+                f"{r['step_s']:.4f}",
+                f"{r['speedup_vs_torch_1f1b']:.2f}x",
+                f"{r['efficiency']:.2f}",
+                str(r["peak_inflight"]),
+                r["note"],
+            )
+        t.caption = (
+            f"efficiency = lower bound (emulated durations only) / step; losses of every"
+            f" configuration equal torch's within {res['loss_max_diff']:.1e}"
+        )
+        console.print(t)
+
+
 @bench.command("bridges")
 @click.option("--repeats", type=click.IntRange(min=10), default=2000, show_default=True)
 @log_options

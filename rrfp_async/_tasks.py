@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Literal, NamedTuple, TypeAlias
 
@@ -186,6 +186,14 @@ class StepPlan:
     microbatches: int
     split_backward: bool = False
     ordered_weights: bool = False
+    # Memo of producers/consumers: hint generators, validation and the stage programs ask
+    # for them thousands of times per step schedule.
+    _producers: dict[Task, tuple[Task, ...]] = field(
+        default_factory=dict, init=False, repr=False, compare=False, hash=False
+    )
+    _consumers: dict[Task, tuple[Task, ...]] = field(
+        default_factory=dict, init=False, repr=False, compare=False, hash=False
+    )
 
     def __post_init__(self) -> None:
         if not isinstance(self.microbatches, int) or self.microbatches < 1:
@@ -255,9 +263,12 @@ class StepPlan:
 
     def producers(self, task: Task) -> tuple[Task, ...]:
         """All tasks ``task`` depends on."""
-        deps = tuple(p for p in (self.local_producer(task), self.data_producer(task)) if p)
-        if self.ordered_weights and task.kind == "W" and task.mb > 0:
-            deps += (Task(task.stage, "W", task.mb - 1),)
+        deps = self._producers.get(task)
+        if deps is None:
+            deps = tuple(p for p in (self.local_producer(task), self.data_producer(task)) if p)
+            if self.ordered_weights and task.kind == "W" and task.mb > 0:
+                deps += (Task(task.stage, "W", task.mb - 1),)
+            self._producers[task] = deps
         return deps
 
     def data_consumer(self, task: Task) -> Task | None:
@@ -271,6 +282,9 @@ class StepPlan:
 
     def consumers(self, task: Task) -> tuple[Task, ...]:
         """All tasks that depend on ``task``."""
+        got = self._consumers.get(task)
+        if got is not None:
+            return got
         v, k, m = task
         out: list[Task] = []
         c = self.data_consumer(task)
@@ -282,7 +296,8 @@ class StepPlan:
             out.append(Task(v, "W", m))
         elif k == "W" and self.ordered_weights and m + 1 < self.microbatches:
             out.append(Task(v, "W", m + 1))
-        return tuple(out)
+        got = self._consumers[task] = tuple(out)
+        return got
 
     def contains(self, task: Task) -> bool:
         """Whether ``task`` belongs to this step."""

@@ -4,30 +4,48 @@ Design note
 -----------
 Every directed edge (this rank -> a neighbour, a neighbour -> this rank) is one FIFO,
 matched by order, so nothing relies on tags (NCCL has none). A message is a fixed-size int64
-*header* followed by its payload tensor:
+*header*, then its payload:
 
     [magic, kind, seq, step, stage, task kind, microbatch, dtype, ndim, d0 .. d6]
 
-The header names the task the payload feeds, so arrival order is free: a listener posts the
-header receive, validates it (magic, sequence number, dtype, rank of the shape, size cap),
-allocates a buffer of exactly the announced shape (an undersized gloo receive aborts the
-process, an oversized one is silently partly filled; so the header comes first and shapes
-may change per microbatch without padding), receives the payload and hands it to the stage
-on the event loop (``call_soon_threadsafe``). Nothing is pickled.
+The header names the task the payload feeds, so arrival order is free, and it announces
+the payload's shape, so shapes may change per microbatch without padding. Nothing is
+pickled; every header is validated (magic, sequence number, dtype, rank of the shape,
+size cap) and a bad one is a ``ProtocolError`` naming the edge and sequence number.
 
-gloo point-to-point work has no future and ``is_completed()`` stays False until ``wait()``;
-a timed wait that expires closes the pair. So each inbound edge has a *listener thread*
-that blocks in ``wait()``, and each outbound edge a *sender thread* fed by a queue: one
-thread per outstanding wait, so a late message never blocks an early one and the loop is
-never blocked. A failure on either side reaches the stage as ``Sink.fail`` with an error that
-names the edge and the sequence number. ``close()`` sends a CLOSE header down every
-outbound edge after the queued messages, so peers' listeners end cleanly.
+The lean path (what a message costs is what a step loses):
+
+* **One gloo message per activation.** A gloo receive must be posted with a buffer at least
+  as large as the message (smaller aborts the process); a larger one is partly filled. So
+  each inbound edge receives into a buffer of the edge's *capacity*, and a payload that fits
+  behind the header travels *inline*, in the same message (kind ``DATA_INLINE``). A larger
+  payload goes as a header (kind ``DATA``) followed by the payload, and then both sides
+  raise the edge's capacity to hold it: the rule reads only the announced size, so sender
+  and receiver agree without talking, and after the first large message of a shape every
+  later one is inline again. The inline payload is a view of the receive buffer (no copy)
+  unless it uses less than half of it (then it is copied out, so a stashed activation
+  does not pin a large buffer). NCCL needs exact sizes: there the capacity stays at the
+  header and every payload is a second message.
+* **Sends start on the loop thread** (``isend``, which only enqueues the transfer), at
+  the moment the output exists: no queue and no thread hop before the bytes move. gloo's
+  send work has no future and reports nothing until ``wait()``, so one *reaper* thread per
+  channel waits for the posted sends in order, only to release their buffers and report a
+  failed send to the stage (``PeerError`` naming the edge and sequence number).
+* **One listener thread per inbound edge** blocks in the receive (``is_completed()`` never
+  turns true without ``wait()``, and a timed wait that expires closes the pair) and hands
+  each message to the loop with ``call_soon_threadsafe``: one thread per outstanding
+  receive, so a late message never blocks an early one, and the loop never blocks.
+
+``close()`` sends a CLOSE header down every outbound edge after the messages already
+posted, so peers' listeners end cleanly; a peer that closes while a task still waits for
+its message fails that task's stage with ``PeerError``.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import math
 import queue
 import threading
 import time
@@ -45,8 +63,11 @@ __all__ = ["HEADER_LEN", "P2PChannel"]
 
 MAGIC = 0x52524650  # "RRFP"
 HEADER_LEN = 16
+HEADER_BYTES = HEADER_LEN * 8
 MAX_NDIM = HEADER_LEN - 9
-_DATA, _CLOSE = 1, 2
+_DATA, _CLOSE, _DATA_INLINE = 1, 2, 3
+DEFAULT_INLINE_BYTES = 1 << 16
+"""Initial payload bytes an edge carries inline, behind the header (it grows as needed)."""
 _KINDS: tuple[Kind, ...] = ("F", "B", "I", "W")
 _KIND_CODE = {k: i for i, k in enumerate(_KINDS)}
 _DTYPES = (
@@ -62,11 +83,17 @@ _DTYPES = (
     torch.bool,
 )
 _DTYPE_CODE = {d: i for i, d in enumerate(_DTYPES)}
+_ITEMSIZE = {d: torch.empty((), dtype=d).element_size() for d in _DTYPES}
 _NO_PAYLOAD = -1
 
 
-def encode_header(seq: int, step: int, task: Task, payload: torch.Tensor | None) -> list[int]:
-    """The int64 header of a data message (pure; used by tests to forge bad ones)."""
+def encode_header(
+    seq: int, step: int, task: Task, payload: torch.Tensor | None, *, inline: bool = False
+) -> list[int]:
+    """The int64 header of a data message (pure; used by tests to forge bad ones).
+
+    ``inline``: the payload follows in the same message (else as a message of its own).
+    """
     shape: tuple[int, ...]
     if payload is None:
         dtype, shape = _NO_PAYLOAD, ()
@@ -76,7 +103,8 @@ def encode_header(seq: int, step: int, task: Task, payload: torch.Tensor | None)
         if payload.dim() > MAX_NDIM:
             raise ProtocolError(f"cannot send {task}: {payload.dim()} dims > {MAX_NDIM}")
         dtype, shape = _DTYPE_CODE[payload.dtype], tuple(payload.shape)
-    h = [MAGIC, _DATA, seq, step, task.stage, _KIND_CODE[task.kind], task.mb, dtype, len(shape)]
+    kind = _DATA_INLINE if inline else _DATA
+    h = [MAGIC, kind, seq, step, task.stage, _KIND_CODE[task.kind], task.mb, dtype, len(shape)]
     h += list(shape) + [0] * (MAX_NDIM - len(shape))
     return h
 
@@ -88,6 +116,12 @@ class _Edge:
         self.text = f"edge rank {src} -> rank {dst} (global {gsrc} -> {gdst})"
 
 
+def _grow(cap: int, nbytes: int, limit: int) -> int:
+    """The edge capacity after a payload of ``nbytes`` did not fit inline (both sides)."""
+    need = HEADER_BYTES + nbytes
+    return min(max(cap, need + need // 4), HEADER_BYTES + limit)
+
+
 class P2PChannel:
     """This rank's end of a message-driven point-to-point channel over torch.distributed.
 
@@ -96,13 +130,16 @@ class P2PChannel:
         global_ranks: Pipeline rank -> global rank of the peer this process talks to (the
             ranks of the same TP and DP index); must include ``rank``.
         inbound: Pipeline ranks that send to this rank (one listener thread each).
-        outbound: Pipeline ranks this rank sends to (one sender thread each).
+        outbound: Pipeline ranks this rank sends to.
         group: Process group for the transfers (default: the default group).
         device: Where received tensors are allocated (``cuda`` for NCCL).
         max_bytes: Largest payload a header may announce; bigger is a protocol error.
+        inline_bytes: Initial payload bytes carried inline with the header (gloo only; it
+            grows to the largest payload seen, up to ``max_bytes``). Every rank must use the
+            same value: it sizes the peer's receive buffers.
 
     Use as ``async with channel:`` (starts the threads on the running loop, then closes),
-    or call ``start()`` / ``close()`` yourself.
+    or call ``start()`` / ``close()`` yourself. ``send`` must be called on the loop thread.
     """
 
     def __init__(
@@ -115,6 +152,7 @@ class P2PChannel:
         group: Any = None,
         device: torch.device | str = "cpu",
         max_bytes: int = 1 << 31,
+        inline_bytes: int = DEFAULT_INLINE_BYTES,
     ) -> None:
         self._rank = rank
         self._global = dict(global_ranks)
@@ -123,23 +161,29 @@ class P2PChannel:
         for r in [rank, *self._inbound, *self._outbound]:
             if r not in self._global:
                 raise ValueError(f"pipeline rank {r} has no global rank in global_ranks")
+        if inline_bytes < 0 or max_bytes < 0:
+            raise ValueError("inline_bytes and max_bytes must be >= 0")
         self._group = group
         self._device = torch.device(device)
         backend = dist.get_backend(group) if dist.is_initialized() else "gloo"
         self._hdr_device = self._device if backend == "nccl" else torch.device("cpu")
+        # NCCL matches sizes exactly: no inline payloads there.
+        self._growing = backend != "nccl"
+        self._inline0 = HEADER_BYTES + min(inline_bytes, max_bytes) if self._growing else 0
         self._max_bytes = max_bytes
         self._sink: Sink | None = None
         self._pending: list[tuple[int, Task, Any, int]] = []
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._queues: dict[
-            int, queue.SimpleQueue[tuple[list[int], torch.Tensor | None] | None]
-        ] = {}
         self._send_seq: dict[int, int] = {}
+        self._send_cap: dict[int, int] = {}
+        self._posted: queue.SimpleQueue[tuple[Any, str] | None] = queue.SimpleQueue()
         self._threads: list[threading.Thread] = []
+        self._started = False
         self._closing = False
         self._failed: BaseException | None = None
         self.sent = 0
         self.received = 0
+        self.inline_sent = 0
 
     # ------------------------------------------------------------------ Endpoint
 
@@ -161,14 +205,17 @@ class P2PChannel:
             self._deliver(step, task, payload, src)
 
     def send(self, dst: int, step: int, task: Task, payload: Any) -> None:
-        """Queue ``payload`` (a tensor or None), the input of ``task``, for rank ``dst``."""
+        """Send ``payload`` (a tensor or None), the input of ``task``, to rank ``dst``.
+
+        The transfer starts now (``isend``); a failure that shows later reaches the stage.
+        """
         if self._failed is not None:
             raise self._failed
-        q = self._queues.get(dst)
-        if q is None:
+        seq = self._send_seq.get(dst)
+        if seq is None or not self._started or self._closing:
             raise ProtocolError(
-                f"rank {self._rank}: no outbound edge to rank {dst} (outbound: {self._outbound});"
-                " is the channel started?"
+                f"rank {self._rank}: no open outbound edge to rank {dst} (outbound:"
+                f" {self._outbound}); is the channel started?"
             )
         if payload is not None and not isinstance(payload, torch.Tensor):
             raise ProtocolError(
@@ -176,24 +223,61 @@ class P2PChannel:
                 f" got {type(payload).__name__}"
             )
         t = None if payload is None else payload.detach().contiguous()
-        seq = self._send_seq[dst]
         self._send_seq[dst] = seq + 1
-        q.put((encode_header(seq, step, task, t), t))
+        cap = self._send_cap[dst]
+        nbytes = 0 if t is None else t.numel() * t.element_size()
+        inline = t is None or (self._growing and HEADER_BYTES + nbytes <= cap)
+        header = encode_header(seq, step, task, t, inline=inline)
+        if t is not None and nbytes > self._max_bytes:
+            raise ProtocolError(
+                f"rank {self._rank}: {task}'s output has {nbytes} bytes > max_bytes="
+                f"{self._max_bytes} (the receiver would refuse it)"
+            )
+        htensor = torch.tensor(header, dtype=torch.int64, device=self._hdr_device)
+        if inline and t is not None:
+            buf = torch.empty(HEADER_BYTES + nbytes, dtype=torch.uint8)
+            buf[:HEADER_BYTES].view(torch.int64).copy_(htensor)
+            buf[HEADER_BYTES:].view(t.dtype).view(t.shape).copy_(t)
+            msgs = [buf]
+            self.inline_sent += 1
+        elif inline:
+            msgs = [htensor]
+            self.inline_sent += 1
+        else:
+            assert t is not None  # only a payload can be too large to go inline
+            msgs = [htensor, t]
+            if self._growing:
+                self._send_cap[dst] = _grow(cap, nbytes, self._max_bytes)
+        edge = self._edge_out(dst)
+        gdst = self._global[dst]
+        for m in msgs:
+            try:
+                work = dist.isend(m, gdst, group=self._group)
+            except Exception as e:
+                err = PeerError(f"{edge}: sending message seq {seq} ({task}) failed: {e}")
+                self._fail(err)
+                raise err from e
+            self._posted.put((work, f"{edge}: sending message seq {seq} ({task})"))
+        self.sent += 1
+
+    def _edge_out(self, dst: int) -> str:
+        return _Edge(self._rank, dst, self._global[self._rank], self._global[dst]).text
 
     # ------------------------------------------------------------------ lifecycle
 
     def start(self, loop: asyncio.AbstractEventLoop | None = None) -> None:
-        """Start the listener and sender threads; completions enter ``loop`` (default: the
+        """Start the listener and reaper threads; completions enter ``loop`` (default: the
         running loop)."""
         if self._loop is not None:
             raise RuntimeError("the channel is already started")
         self._loop = loop or asyncio.get_running_loop()
         for dst in self._outbound:
-            self._queues[dst] = queue.SimpleQueue()
             self._send_seq[dst] = 0
-            self._spawn(self._sender, dst, f"rrfp-send-{self._rank}->{dst}")
+            self._send_cap[dst] = self._inline0
+        self._spawn(self._reaper, -1, f"rrfp-reap-{self._rank}")
         for src in self._inbound:
             self._spawn(self._listener, src, f"rrfp-recv-{src}->{self._rank}")
+        self._started = True
 
     def _spawn(self, fn: Any, peer: int, name: str) -> None:
         t = threading.Thread(target=fn, args=(peer,), name=name, daemon=True)
@@ -207,16 +291,30 @@ class P2PChannel:
     async def __aexit__(self, exc_type: object, *exc: object) -> None:
         # On an error, peers may never send their CLOSE: do not wait for them.
         timeout = 30.0 if exc_type is None else 0.5
+        self._send_close()
         await asyncio.get_running_loop().run_in_executor(None, self.close, timeout)
 
-    def close(self, timeout: float = 30.0) -> None:
-        """Flush queued messages, send CLOSE to every outbound peer, and wait (up to
-        ``timeout`` s) for the peers' CLOSE on every inbound edge."""
-        if self._closing:
+    def _send_close(self) -> None:
+        """Post CLOSE down every outbound edge, behind the messages already posted."""
+        if self._closing or not self._started:
             return
         self._closing = True
-        for q in self._queues.values():
-            q.put(None)
+        hdr = [MAGIC, _CLOSE] + [0] * (HEADER_LEN - 2)
+        for dst in self._outbound:
+            with contextlib.suppress(Exception):  # the peer may be gone already
+                work = dist.isend(
+                    torch.tensor(hdr, dtype=torch.int64, device=self._hdr_device),
+                    self._global[dst],
+                    group=self._group,
+                )
+                self._posted.put((work, ""))
+        self._posted.put(None)
+
+    def close(self, timeout: float = 30.0) -> None:
+        """Send CLOSE to every outbound peer (after the messages already posted), and wait
+        (up to ``timeout`` s) for the posted sends and for the peers' CLOSE on every inbound
+        edge."""
+        self._send_close()
         deadline = time.monotonic() + timeout
         for t in self._threads:
             t.join(max(0.0, deadline - time.monotonic()))
@@ -252,48 +350,33 @@ class P2PChannel:
         if notify is not None:
             notify(src)
 
-    def _sender(self, dst: int) -> None:
-        q = self._queues[dst]
-        gdst = self._global[dst]
-        edge = _Edge(self._rank, dst, self._global[self._rank], gdst).text
+    def _reaper(self, _: int) -> None:
+        """Wait for the posted sends in order: release their buffers, report failures."""
         while True:
-            item = q.get()
+            item = self._posted.get()
             if item is None:
-                hdr = [MAGIC, _CLOSE] + [0] * (HEADER_LEN - 2)
-                with contextlib.suppress(Exception):  # the peer may be gone already
-                    dist.send(
-                        torch.tensor(hdr, dtype=torch.int64, device=self._hdr_device),
-                        gdst,
-                        group=self._group,
-                    )
                 return
-            header, payload = item
+            work, what = item
             try:
-                dist.send(
-                    torch.tensor(header, dtype=torch.int64, device=self._hdr_device),
-                    gdst,
-                    group=self._group,
-                )
-                if payload is not None:
-                    dist.send(payload, gdst, group=self._group)
-                self.sent += 1
+                work.wait()
             except Exception as e:
-                self._post(
-                    self._fail,
-                    PeerError(
-                        f"{edge}: sending message seq {header[2]} ({_task_of(header)}) failed: {e}"
-                    ),
-                )
-                return
+                if what:
+                    self._post(self._fail, PeerError(f"{what} failed: {e}"))
+                    return
 
     def _listener(self, src: int) -> None:
         gsrc = self._global[src]
         edge = _Edge(src, self._rank, gsrc, self._global[self._rank]).text
         expect = 0
+        cap = self._inline0
         while True:
-            hbuf = torch.empty(HEADER_LEN, dtype=torch.int64, device=self._hdr_device)
+            if self._growing:
+                raw = torch.empty(cap, dtype=torch.uint8)
+                hbuf = raw[:HEADER_BYTES].view(torch.int64)
+            else:
+                raw = hbuf = torch.empty(HEADER_LEN, dtype=torch.int64, device=self._hdr_device)
             try:
-                dist.recv(hbuf, gsrc, group=self._group)
+                dist.recv(raw, gsrc, group=self._group)
             except Exception as e:
                 if not self._closing:
                     self._post(
@@ -312,19 +395,41 @@ class P2PChannel:
                 return
             payload = None
             if dtype is not None:
-                payload = torch.empty(shape, dtype=dtype, device=self._device)
-                try:
-                    dist.recv(payload, gsrc, group=self._group)
-                except Exception as e:
-                    if not self._closing:
+                numel = math.prod(shape)
+                nbytes = numel * _ITEMSIZE[dtype]
+                if h[1] == _DATA_INLINE:
+                    if HEADER_BYTES + nbytes > cap:
                         self._post(
                             self._fail,
-                            PeerError(
-                                f"{edge}: receiving the payload of seq {expect} ({task})"
-                                f" failed: {e}"
+                            ProtocolError(
+                                f"{edge}: message seq {expect} ({task}) announces an inline"
+                                f" payload of {nbytes} bytes, more than the edge's capacity"
+                                f" {cap - HEADER_BYTES}: the ranks disagree on inline_bytes"
                             ),
                         )
-                    return
+                        return
+                    body = raw[HEADER_BYTES : HEADER_BYTES + nbytes]
+                    if 2 * (HEADER_BYTES + nbytes) < cap:
+                        body = body.clone()  # do not pin the whole buffer
+                    payload = body.view(dtype).view(shape)
+                else:
+                    payload = torch.empty(shape, dtype=dtype, device=self._device)
+                    try:
+                        dist.recv(payload, gsrc, group=self._group)
+                    except Exception as e:
+                        if not self._closing:
+                            self._post(
+                                self._fail,
+                                PeerError(
+                                    f"{edge}: receiving the payload of seq {expect} ({task})"
+                                    f" failed: {e}"
+                                ),
+                            )
+                        return
+                    if self._growing:
+                        cap = _grow(cap, nbytes, self._max_bytes)
+                if payload.device != self._device:
+                    payload = payload.to(self._device)
             expect += 1
             self.received += 1
             self._post(self._deliver, step, task, payload, src)
@@ -341,7 +446,7 @@ class P2PChannel:
             raise bad(f"bad magic {h[0]:#x}")
         if h[1] == _CLOSE:
             return True, Task(0, "F", 0), 0, None, ()
-        if h[1] != _DATA:
+        if h[1] not in (_DATA, _DATA_INLINE):
             raise bad(f"unknown message kind {h[1]}")
         if h[2] != expect:
             raise bad(f"sequence number {h[2]}, expected {expect}")
@@ -359,17 +464,7 @@ class P2PChannel:
         if any(d < 0 for d in shape):
             raise bad(f"negative dimension in {shape}")
         dtype = _DTYPES[h[7]]
-        numel = 1
-        for d in shape:
-            numel *= d
-        size = numel * torch.empty((), dtype=dtype).element_size()
+        size = math.prod(shape) * _ITEMSIZE[dtype]
         if size > self._max_bytes:
             raise bad(f"payload of {size} bytes exceeds max_bytes={self._max_bytes}")
         return False, task, h[3], dtype, shape
-
-
-def _task_of(h: list[int]) -> str:
-    try:
-        return str(Task(h[4], _KINDS[h[5]], h[6]))
-    except (IndexError, TypeError):
-        return "?"
