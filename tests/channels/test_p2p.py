@@ -130,3 +130,60 @@ def test_header_encoding_is_pure_and_checked() -> None:
         encode_header(0, 0, rr.Task(0, "F", 0), torch.zeros(1, dtype=torch.complex64))
     with pytest.raises(rr.ProtocolError, match="dims"):
         encode_header(0, 0, rr.Task(0, "F", 0), torch.zeros([1] * 8))
+
+
+async def _growing(rank: int) -> dict[str, Any]:
+    # inline_bytes=64: a 1 KiB payload first travels as header + payload, then the edge's
+    # capacity has grown on both sides and the same size goes inline; a tiny one after it is
+    # inline too (and copied out of the large buffer); a larger one grows it again.
+    ch = P2PChannel(
+        rank,
+        global_ranks={0: 0, 1: 1},
+        inbound=[0] if rank else [],
+        outbound=[1] if rank == 0 else [],
+        inline_bytes=64,
+    )
+    sizes = [4, 256, 256, 2, 1024, 1024, 0]
+    sink = _Sink(len(sizes))
+    ch.bind(sink)
+    async with ch:
+        if rank == 0:
+            for i, n in enumerate(sizes):
+                payload = torch.arange(n, dtype=torch.float32) + i if n else None
+                ch.send(1, 0, rr.Task(1, "F", i), payload)
+            return {"inline_sent": ch.inline_sent, "sent": ch.sent}
+        await asyncio.wait_for(sink.done.wait(), 60)
+        assert not sink.errors, sink.errors
+        return {
+            "got": [
+                (
+                    str(t),
+                    None
+                    if p is None
+                    else (p.numel(), float(p.sum()), p.untyped_storage().nbytes()),
+                )
+                for _, t, p, _ in sink.got
+            ]
+        }
+
+
+def _grow_worker(rank: int, world: int) -> dict[str, Any]:
+    return rr.run(_growing(rank))
+
+
+def test_inline_capacity_grows_in_step_on_both_sides() -> None:
+    sender, receiver = rr.spawn(_grow_worker, 2, timeout=120)
+    sizes = [4, 256, 256, 2, 1024, 1024, 0]
+    got = receiver["got"]
+    assert [t for t, _ in got] == [f"1F{i}" for i in range(len(sizes))]
+    for i, (n, (_, p)) in enumerate(zip(sizes, got, strict=True)):
+        if n == 0:
+            assert p is None
+            continue
+        numel, total, storage = p
+        assert numel == n and total == sum(range(n)) + i * n
+        # A small payload never pins a buffer sized for the largest one seen.
+        assert storage < 4 * (128 + 4 * n), (i, storage)
+    # Sizes 256 floats and 1024 floats did not fit the first time; every other message went
+    # inline (the None payload included).
+    assert sender["sent"] == len(sizes) and sender["inline_sent"] == len(sizes) - 2
