@@ -21,7 +21,7 @@ from ._costs import CostModel, Durations, Microbatch
 from ._errors import PlanError
 from ._tasks import StepPlan, Task
 
-__all__ = ["CostModelExecutor", "Executor", "TaskContext"]
+__all__ = ["CostModelExecutor", "Executor", "OutputHook", "TaskContext"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -41,9 +41,22 @@ class TaskContext:
     microbatches: Sequence[Any]
 
 
+OutputHook = Callable[[Task, Any], None]
+"""``(task, output) -> None``: called on an executor's compute thread as soon as ``task``'s
+output exists (see ``Executor``)."""
+
+
 @runtime_checkable
 class Executor(Protocol):
-    """Runs the tasks of one stage."""
+    """Runs the tasks of one stage.
+
+    An executor that computes on a thread of its own may also have an ``output_hook``
+    attribute (``OutputHook | None``). A stage whose endpoint sends thread-safely sets it,
+    and the executor then calls ``output_hook(task, output)`` on its compute thread right
+    after the output exists and before its own completion hand-off: the message leaves
+    without waiting for the event loop to take the completion (one thread hop less on every
+    message's path). ``execute`` still returns the output.
+    """
 
     async def execute(self, task: Task, data: Any, ctx: TaskContext, /) -> Any:
         """Run ``task`` on ``data``; return the tensor to send on (or None)."""

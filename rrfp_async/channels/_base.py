@@ -42,7 +42,9 @@ class Endpoint(Protocol):
         """Send ``payload``, the input of ``task`` in ``step``, to rank ``dst``.
 
         Never blocks the event loop; failures surface through the receiving or the
-        sending stage's ``Sink.fail``.
+        sending stage's ``Sink.fail``. Called on the loop thread, unless the endpoint has a
+        true ``threadsafe_send`` attribute: then the stage may call it from its executor's
+        compute thread (one thread at a time), as soon as the output exists.
         """
 
     @property

@@ -139,8 +139,12 @@ class P2PChannel:
             same value: it sizes the peer's receive buffers.
 
     Use as ``async with channel:`` (starts the threads on the running loop, then closes),
-    or call ``start()`` / ``close()`` yourself. ``send`` must be called on the loop thread.
+    or call ``start()`` / ``close()`` yourself. ``send`` may be called from any thread, one
+    thread at a time (``threadsafe_send``): a stage sends an output from its compute thread
+    the moment it exists.
     """
+
+    threadsafe_send = True
 
     def __init__(
         self,
@@ -254,8 +258,10 @@ class P2PChannel:
             try:
                 work = dist.isend(m, gdst, group=self._group)
             except Exception as e:
+                # Raised to the caller (maybe a compute thread): the stage ends its step.
                 err = PeerError(f"{edge}: sending message seq {seq} ({task}) failed: {e}")
-                self._fail(err)
+                if self._failed is None:
+                    self._failed = err
                 raise err from e
             self._posted.put((work, f"{edge}: sending message seq {seq} ({task})"))
         self.sent += 1

@@ -301,6 +301,12 @@ class StageLoop:
         self._early: dict[int, list[tuple[Task, Any, int]]] = {}
         self._next_step = 0
         self._view = _View(self)
+        # Outputs leave from the compute thread when both sides allow it (see Executor).
+        self._eager = bool(getattr(endpoint, "threadsafe_send", False)) and hasattr(
+            executor, "output_hook"
+        )
+        if self._eager:
+            executor.output_hook = self._send_output  # type: ignore[attr-defined]
         endpoint.bind(self)
 
     # ------------------------------------------------------------------ inbound events
@@ -338,6 +344,18 @@ class StageLoop:
         if self._obs is not None:
             self._obs.message(self, task, src)
         self._satisfy(st, pos)
+
+    def _send_output(self, task: Task, out: Any) -> None:
+        """The executor's output hook, on its compute thread: send a remote output now.
+
+        Reads only data that is fixed while the task runs (the step's program).
+        """
+        st = self._st
+        if st is None:
+            return
+        remote = st.prog.data_remote[st.prog.pos[task]]
+        if remote is not None:
+            self.endpoint.send(remote[0], st.step, remote[1], out)
 
     def fail(self, exc: BaseException) -> None:
         """End the current (or next) step with ``exc`` (a broken channel, a deadlock)."""
@@ -675,7 +693,7 @@ class StageLoop:
         if dl >= 0:
             st.inbox[dl] = out
         remote = prog.data_remote[pos]
-        if remote is not None:
+        if remote is not None and not self._eager:
             self.endpoint.send(remote[0], st.step, remote[1], out)
         for nxt in prog.local_next[pos]:
             self._satisfy(st, nxt)
