@@ -771,29 +771,33 @@ def bench_overhead(
             "bytes",
             "loop",
             "raw send",
-            "raw hdr+payload",
             "P2PChannel",
-            "/ raw",
-            "/ raw (best)",
-            "/ hdr+payload",
+            "ratio",
             "target",
+            "raw median",
+            "channel median",
+            "paired ratio",
+            "machine",
         ):
-            t.add_column(c, justify="left" if c == "loop" else "right")
+            t.add_column(c, justify="left" if c in ("loop", "machine") else "right")
         for r in out["message"]:
             t.add_row(
                 str(r["bytes"]),
                 r["loop"],
                 f"{r['raw_us']:.1f}",
-                f"{r['raw_hdr_us']:.1f}",
                 f"{r['channel_us']:.1f}",
                 f"{r['ratio']:.2f}x",
-                f"{r['ratio_best']:.2f}x",
-                f"{r['ratio_hdr']:.2f}x",
                 verdict(r["met"]),
+                f"{r['raw_median_us']:.1f}",
+                f"{r['channel_median_us']:.1f}",
+                f"{r['ratio_paired']:.2f}x",
+                "CONTENDED" if r["contended"] else "quiet",
             )
         t.caption = (
-            "median of short interleaved batches; best: fastest batch of each; hdr+payload:"
-            " the channel's wire protocol (int64[16] header, then the tensor) sent blocking"
+            "raw send, P2PChannel, ratio: lower decile of short interleaved batches (the"
+            " batches no other process disturbed); paired ratio: median over batches of"
+            " channel / the raw batch before it; CONTENDED: a median is over 3x its lower"
+            " decile (other processes held the cores; rerun on a quiet machine)"
         )
         console.print(t)
     if "tp" in out:
@@ -806,34 +810,38 @@ def bench_overhead(
         for c in (
             "TP",
             "raw bcast",
-            "DecisionChannel",
+            "channel",
             "ratio",
-            "ratio (best)",
+            "target",
+            "paired",
             "in stage",
             "share (formula)",
             "share (measured)",
-            "ratio target",
-            "share target",
+            "target",
+            "machine",
         ):
-            t.add_column(c, justify="right")
+            t.add_column(c, justify="left" if c == "machine" else "right")
         for r in out["tp"]:
             t.add_row(
                 str(r["tp"]),
                 f"{r['raw_us']:.1f}",
                 f"{r['channel_us']:.1f}",
                 f"{r['ratio']:.2f}x",
-                f"{r['ratio_best']:.2f}x",
+                verdict(r["met_ratio"]),
+                f"{r['ratio_paired']:.2f}x",
                 f"{r['stage_us']:.1f}",
                 f"{r['share']:.2%}",
                 f"{r['share_measured']:.2%}",
-                verdict(r["met_ratio"]),
                 verdict(r["met_share"]),
+                "CONTENDED" if r["contended"] else "quiet",
             )
         t.caption = (
-            "slowest rank, median of batches; in stage: (coordinated - uncoordinated step time)"
-            " / decisions of a DistributedStage with no-op tasks; share (formula) = channel /"
-            f" (channel + {compute_ms:g} ms); share (measured) = (coordinated - uncoordinated) /"
-            f" coordinated step time with tasks that wait {compute_ms:g} ms"
+            "channel: DecisionChannel publish -> receive; slowest rank, lower decile of"
+            " interleaved batches (paired: median of adjacent-batch ratios); in stage:"
+            " (coordinated - uncoordinated step time) / decisions of a DistributedStage with"
+            f" no-op tasks; share (formula) = channel / (channel + {compute_ms:g} ms); share"
+            " (measured) = (coordinated - uncoordinated) / coordinated step time with tasks"
+            f" that wait {compute_ms:g} ms"
         )
         console.print(t)
     if "split" in out:

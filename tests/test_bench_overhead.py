@@ -78,7 +78,7 @@ def test_message_cost_rows() -> None:
     rows = ov.message_cost((64, 4096), messages=10, batches=5, loops=("uvloop",), timeout=200)
     assert [r["bytes"] for r in rows] == [64, 4096]
     for r in rows:
-        for key in ("raw_us", "raw_hdr_us", "channel_us", "ratio", "ratio_hdr"):
+        for key in ("raw_us", "channel_us", "ratio", "raw_median_us", "ratio_paired"):
             assert r[key] > 0, key
         # Warm-up round trip + batches: every echoed message came back through the sink.
         assert r["messages"] == 10
@@ -95,6 +95,7 @@ def test_tp_coordination_rows() -> None:
     assert r["tp"] == 2
     for key in ("raw_us", "channel_us", "ratio", "stage_coord_us", "share", "step_coord_ms"):
         assert r[key] > 0, key
+    assert r["raw_us"] <= r["raw_median_us"]  # a lower decile never exceeds the median
     assert r["step_decisions"] == 4  # 2 microbatches x (F, B) on the one stage
     assert r["published"] == 10 + 2  # warm-up batch of 2 decisions + 5 batches of 2
     assert 0 < r["share"] < 1
