@@ -391,17 +391,17 @@ def peer_worker(rank: int, world: int, cfg: PeerConfig) -> dict[str, Any]:
         for mf in cfg.memory_factors:
             for pol in cfg.policies:
                 run = _Run(("rrfp_async", hint, pol, mf), chunks, placement, None)
+                first = StepSchedule.build(plan, hint, memory_factor=mf)
 
                 def run_rr(
                     s: int,
-                    hint: str = hint,
                     pol: str = pol,
-                    mf: float = mf,
                     plan: StepPlan = plan,
                     chunks: int = chunks,
                     executor: TorchStageExecutor = executor,
                     mods: dict[int, PeerStage] = mods,
                     run: _Run = run,
+                    first: StepSchedule = first,
                 ) -> float:
                     st = steps[s]
                     declared = Durations.from_arrays(
@@ -412,22 +412,15 @@ def peer_worker(rank: int, world: int, cfg: PeerConfig) -> dict[str, Any]:
                     xs = _inputs(cfg, s, st.tokens, None)
 
                     async def go() -> tuple[float, Any]:
-                        # The channel opens and closes outside the timed part; a per-step
-                        # hint (cost-aware hints read this step's sizes) is inside it.
-                        first = StepSchedule.build(plan, hint, durations=declared, memory_factor=mf)
+                        # The channel opens and closes outside the timed part; the per-step
+                        # hint (a cost-aware one reads this step's sizes) is inside it.
                         async with DistributedStage(
                             layout, first, executor, groups=groups, policy=pol, step_timeout=120
                         ) as ds:
-
-                            async def timed() -> Any:
-                                sch = StepSchedule.build(
-                                    plan, hint, durations=declared, memory_factor=mf
-                                )
-                                return await ds.run_step(xs, step=s, schedule=sch)
-
                             dist.barrier()
                             t0 = time.perf_counter()
-                            stats = await timed()
+                            sch = first.with_durations(declared)
+                            stats = await ds.run_step(xs, step=s, schedule=sch)
                             return time.perf_counter() - t0, stats
 
                     t, stats = loop.run_until_complete(go())

@@ -104,6 +104,7 @@ class StepSchedule:
     bounds: tuple[int, ...]
     hint_name: str = "custom"
     declared: Durations | None = field(default=None, repr=False)
+    source: str | HintFn | None = field(default=None, repr=False)
     _programs: dict[int, RankProgram] = field(default_factory=dict, repr=False)
     _plan: dict[int, tuple[tuple[float, ...], tuple[float, ...]]] = field(
         default_factory=dict, repr=False
@@ -151,6 +152,27 @@ class StepSchedule:
             bounds=tuple(bounds),
             hint_name=name,
             declared=durations,
+            source=hint if isinstance(hint, str) or callable(hint) else None,
+        )
+
+    def with_durations(self, durations: Durations) -> StepSchedule:
+        """This schedule for a step with other declared durations (this step's sizes).
+
+        A generated hint is generated again from ``durations`` (a cost-aware hint then
+        follows the step's microbatches); the admission bounds stay as they are. A
+        ready-made hint is kept. Every rank computes the same result from the same sizes,
+        so no rank has to send it. A 4 x 16 ``breadth_first_weighted`` schedule takes about
+        2 ms here.
+
+        Raises:
+            HintError: The regenerated hint does not fit the bounds.
+        """
+        if self.source is None:
+            return StepSchedule.build(
+                self.plan, self.hint, durations=durations, max_inflight=list(self.bounds)
+            )
+        return StepSchedule.build(
+            self.plan, self.source, durations=durations, max_inflight=list(self.bounds)
         )
 
     def program(self, rank: int) -> RankProgram:

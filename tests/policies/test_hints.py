@@ -8,6 +8,8 @@ from types import SimpleNamespace
 
 import pytest
 
+import rrfp_async as rr
+
 from rrfp_async import HintError, StepPlan, Task, Topology
 from rrfp_async._admission import hint_peak
 from rrfp_async._tasks import format_tasks, parse_tasks
@@ -208,3 +210,16 @@ def test_interleaved_matches_torch_implementation_exhaustively() -> None:
                 if a is not None
             ]
             assert theirs == ours[r], (p, v, m, r)
+
+
+def test_with_durations_regenerates_a_cost_aware_hint_and_keeps_bounds() -> None:
+    plan = rr.StepPlan(topology=rr.Topology(stages=2), microbatches=4)
+    light_first = rr.Durations.from_arrays(plan, [[1.0, 1.0, 1.0, 9.0]] * 2)
+    heavy_first = rr.Durations.from_arrays(plan, [[9.0, 1.0, 1.0, 1.0]] * 2)
+    s = rr.StepSchedule.build(plan, "bfw", durations=light_first, memory_factor=2.0)
+    t = s.with_durations(heavy_first)
+    assert t.bounds == s.bounds and t.hint_name == s.hint_name and t.declared is heavy_first
+    # The heaviest microbatch enters first under each sizing.
+    assert s.hint[0][0] == rr.Task(0, "F", 3) and t.hint[0][0] == rr.Task(0, "F", 0)
+    fixed = rr.StepSchedule.build(plan, {r: list(s.hint[r]) for r in range(2)})
+    assert fixed.with_durations(heavy_first).hint == fixed.hint
