@@ -887,6 +887,68 @@ def bench_overhead(
         console.print(t)
 
 
+@bench.command("paper")
+@click.option(
+    "--full",
+    is_flag=True,
+    help="The whole grid: PP 4, 8, 16 x M 32, 64, 128, both workloads, mild and heavy"
+    " noise, and the condition search (about 16 minutes on 2 cores).",
+)
+@click.option("--seeds", type=click.IntRange(min=1), default=2, show_default=True)
+@click.option(
+    "--conditions/--no-conditions",
+    default=True,
+    show_default=True,
+    help="Also run the search for the conditions under which the preprint's 2.77x holds.",
+)
+@click.option("--json", "as_json", is_flag=True, help="Print the rows as JSON.")
+@click.option("--markdown", is_flag=True, help="Print the tables as Markdown.")
+@log_options
+def bench_paper(full: bool, seeds: int, conditions: bool, as_json: bool, markdown: bool) -> None:
+    """Paper scale in simulation (PP 4-16 x TP 8, up to 128 GPUs): every hint/policy vs
+    strict 1F1B, next to the RRFP preprint's 1.77x / 2.77x (virtual time, declared cost
+    model)."""
+    from ._bench_paper import (
+        PAPER_FIGURES,
+        condition_configs,
+        condition_scenarios,
+        paper_table,
+        report_tables,
+        to_markdown,
+    )
+
+    def progress(sc: Any, wall: float) -> None:
+        name = sc.label or f"PP{sc.pp} x M{sc.microbatches}"
+        click.echo(f"  {sc.workload}, {sc.noise.name} noise, {name}: {wall:.1f} s", err=True)
+
+    grid = paper_table(full=full, seeds=seeds, on_scenario=progress)
+    cond = (
+        paper_table(
+            seeds=seeds,
+            scenarios=condition_scenarios(),
+            configs=condition_configs(),
+            on_scenario=progress,
+        )
+        if conditions or full
+        else []
+    )
+    if as_json:
+        doc = {"paper": PAPER_FIGURES, "grid": grid, "conditions": cond}
+        click.echo(json.dumps(doc, indent=1))
+        return
+    console = _console()
+    for tt in report_tables(grid, cond):
+        if markdown:
+            click.echo(to_markdown(tt) + "\n")
+            continue
+        t = Table(title=tt.title, title_justify="left")
+        for i, c in enumerate(tt.columns):
+            t.add_column(c, justify="left" if i < 3 else "right")
+        for row in tt.rows:
+            t.add_row(*row)
+        console.print(t)
+
+
 @main.command("trace")
 @click.argument("file", type=click.Path(exists=True, dir_okay=False))
 @click.option(

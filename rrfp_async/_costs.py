@@ -29,7 +29,7 @@ __all__ = [
     "make_workload",
 ]
 
-WorkloadName: TypeAlias = Literal["uniform", "text", "multimodal"]
+WorkloadName: TypeAlias = Literal["uniform", "text", "multimodal", "multimodal_paper"]
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -330,7 +330,39 @@ def _multimodal(n: int, rng: random.Random) -> list[Microbatch]:
     return out
 
 
-WORKLOADS = {"uniform": _uniform, "text": _text, "multimodal": _multimodal}
+PAPER_IMAGE_TOKENS = (4, 1280)
+"""Smallest and largest image of ``multimodal_paper``, in tokens (= patches), log-uniform."""
+
+
+def multimodal_paper_sizes(
+    n: int,
+    rng: random.Random,
+    *,
+    image_tokens: tuple[int, int] = PAPER_IMAGE_TOKENS,
+    text_sigma: float = 0.7,
+) -> list[Microbatch]:
+    """The ``multimodal_paper`` microbatches: 0-4 images per sample, each of
+    ``image_tokens`` tokens (= patches), log-uniform, plus lognormal text (median 250 tokens,
+    sigma ``text_sigma``, clipped to 16-2048). The defaults are the RRFP preprint's range
+    (median ~72, mean ~221 tokens per image: many thumbnails, a few full-resolution images).
+    """
+    lo, hi = image_tokens
+    out = []
+    for i in range(n):
+        images = rng.randint(0, 4)
+        sizes = [int(math.exp(rng.uniform(math.log(lo), math.log(hi)))) for _ in range(images)]
+        text = int(min(2048, max(16, rng.lognormvariate(math.log(250), text_sigma))))
+        patches = sum(sizes)
+        out.append(Microbatch(index=i, tokens=text + patches, patches=patches, images=images))
+    return out
+
+
+WORKLOADS = {
+    "uniform": _uniform,
+    "text": _text,
+    "multimodal": _multimodal,
+    "multimodal_paper": multimodal_paper_sizes,
+}
 """The built-in workload generators by name."""
 
 
@@ -349,7 +381,8 @@ def make_workload(
     ``uniform``: every microbatch 1024 tokens. ``text``: lognormal text lengths.
     ``multimodal``: 0-4 images (576 patches each) plus lognormal text; virtual stage 0 is a
     vision encoder that costs by image patches, the other stages are LLM stages that cost
-    by total tokens.
+    by total tokens. ``multimodal_paper``: as ``multimodal``, but each image has its own
+    size, log-uniform in 4-1280 tokens (patches), the range of the RRFP preprint.
 
     Raises:
         PlanError: Unknown name or invalid sizes.
@@ -362,7 +395,7 @@ def make_workload(
     rng = random.Random(seed)
     mbs = gen(microbatches, rng)
     profiles: tuple[StageProfile, ...] = ()
-    if name == "multimodal" and virtual_stages > 1:
+    if name in ("multimodal", "multimodal_paper") and virtual_stages > 1:
         profiles = (VISION_STAGE,)
     cost = CostModel(
         profiles=profiles, jitter=jitter, latency=latency, latency_jitter=latency_jitter
