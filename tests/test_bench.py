@@ -7,7 +7,12 @@ from rrfp_async import _bench
 
 def test_simulator_benchmarks_small() -> None:
     rows = _bench.simulator_wall_time(stages=2, microbatches=4, repeats=1)
-    assert {r["policy"] for r in rows} == {"strict", "readiness_first", "lateness_aware", "backfill"}
+    assert {r["policy"] for r in rows} == {
+        "strict",
+        "readiness_first",
+        "lateness_aware",
+        "backfill",
+    }
     assert all(r["tasks"] == 16 and r["wall_median_s"] > 0 for r in rows)
     table = _bench.simulator_policy_table(
         stages=2, microbatches=4, seeds=1, workloads=("text",), hints=("1f1b",), memory=(1.0,)

@@ -16,7 +16,9 @@ from rrfp_async._logging import LogObserver, configure_logging
 
 def test_decision_events_name_ready_sets_and_choices() -> None:
     with capture_logs() as logs:
-        rr.simulate(stages=2, microbatches=2, hint="gpipe", policy="readiness_first", observer=LogObserver())
+        rr.simulate(
+            stages=2, microbatches=2, hint="gpipe", policy="readiness_first", observer=LogObserver()
+        )
     decisions = [e for e in logs if e["event"] == ev.DECISION]
     assert len(decisions) == 8  # one per task
     first = decisions[0]

@@ -110,7 +110,9 @@ def test_png_renders(tmp_path: Path) -> None:
     )
     assert a.trace is not None and b.trace is not None
     out = render_png(
-        [("strict", a.trace), ("readiness_first", b.chrome_trace())], tmp_path / "t.png", title="simulated"
+        [("strict", a.trace), ("readiness_first", b.chrome_trace())],
+        tmp_path / "t.png",
+        title="simulated",
     )
     data = out.read_bytes()
     assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 10_000

@@ -121,7 +121,12 @@ def test_tp_divergence_is_caught_without_coordination() -> None:
     # Equal-shape microbatches: mismatched TP collectives then mix microbatches silently
     # instead of failing on a size mismatch; the post-step cross-check must catch it.
     cfg = _config(
-        2, 2, equal_lengths=True, coordinate_tp=False, policies=("readiness_first",), cost=_strong_noise()
+        2,
+        2,
+        equal_lengths=True,
+        coordinate_tp=False,
+        policies=("readiness_first",),
+        cost=_strong_noise(),
     )
     with pytest.raises(rr.SpawnError, match="DivergenceError") as ei:
         rr.spawn(train_worker, 4, cfg, timeout=240)

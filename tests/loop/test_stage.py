@@ -103,7 +103,7 @@ def _end(stats: list[rr.StepStats]) -> float:
 def test_strict_waits_for_a_delayed_input() -> None:
     stats = _delayed_f1("strict")
     order = [e.task for e in stats[1].executed]
-    assert order == [Task.parse(t) for t in "1F0 1B0 1F1 1B1 1F2 1B2 1F3 1B3".split()]
+    assert order == rr.parse_tasks("1F0 1B0 1F1 1B1 1F2 1B2 1F3 1B3")
     assert stats[1].deviations == 0
 
 

@@ -9,7 +9,6 @@ from types import SimpleNamespace
 import pytest
 
 import rrfp_async as rr
-
 from rrfp_async import HintError, StepPlan, Task, Topology
 from rrfp_async._admission import hint_peak
 from rrfp_async._tasks import format_tasks, parse_tasks
