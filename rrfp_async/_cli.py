@@ -654,7 +654,7 @@ _OVERHEAD_SECTIONS = ("decision", "message", "tp", "split")
     type=click.IntRange(min=1),
     default=9,
     show_default=True,
-    help="Timed steps per decision-latency case; repeats of the I+W vs B measurement.",
+    help="Timed steps per decision-latency case (I+W vs B: twice as many rounds).",
 )
 @click.option(
     "--messages", type=click.IntRange(min=5), default=300, show_default=True, help="Round trips."
@@ -714,7 +714,7 @@ def bench_overhead(
             )
         if "split" in chosen:
             out["split"] = ov.split_backward_cost_isolated(
-                microbatches=microbatches, repeats=max(3, min(repeats, 9))
+                microbatches=microbatches, repeats=max(5, 2 * repeats)
             )
     except RRFPError as e:
         raise click.ClickException(str(e)) from e
@@ -860,11 +860,12 @@ def bench_overhead(
             "W",
             "I+W",
             "(I+W) / B",
-            "clock",
-            "with hand-off",
             "target",
+            "tasks",
+            "with hand-off",
+            "source",
         ):
-            t.add_column(c, justify="right")
+            t.add_column(c, justify="left" if c == "source" else "right")
         for r in out["split"]:
             t.add_row(
                 f"{r['stage']} of {r['stages']}",
@@ -876,13 +877,17 @@ def bench_overhead(
                 f"{r['w_ms']:.2f}",
                 f"{r['iw_ms']:.2f}",
                 f"{r['ratio']:.2f}x",
-                f"{r['ratio_clock']:.2f}x",
-                f"{r['ratio_wall']:.2f}x",
                 verdict(r["met"]),
+                f"{r['ratio_tasks']:.2f}x",
+                f"{r['ratio_wall']:.2f}x",
+                ("helper" if r["source"] == "measure_split_backward" else "tasks")
+                + (f", {r['split_mode']}" if "split_mode" in r else ""),
             )
         t.caption = (
-            "CPU time of the compute thread, sum over the microbatches, median of repeats;"
-            " clock: the executor's compute_seconds; with hand-off: the awaits of execute"
+            "F..I+W: CPU time of the executor's compute thread through execute(), sum over the"
+            " microbatches, median of rounds; (I+W) / B: from the executor's own"
+            " measure_split_backward (source: helper) when it has one, else = tasks; tasks, with"
+            " hand-off: median of per-round ratios of the CPU time / of the awaits of execute"
         )
         console.print(t)
 

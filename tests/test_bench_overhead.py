@@ -39,12 +39,14 @@ def test_decision_latency_rows() -> None:
 
 def test_split_backward_cost_rows() -> None:
     (row,) = ov.split_backward_cost(microbatches=2, repeats=1, stages=2, stage=1)
-    for key in ("f_ms", "b_ms", "i_ms", "w_ms", "iw_ms", "ratio", "b_clock_ms", "iw_wall_ms"):
+    for key in ("f_ms", "b_ms", "i_ms", "w_ms", "iw_ms", "ratio", "ratio_tasks", "b_clock_ms"):
         assert row[key] > 0, key
     assert row["iw_ms"] == pytest.approx(row["i_ms"] + row["w_ms"])  # one repeat: sums agree
     # The compute thread's CPU time cannot exceed the wall time of the awaits around it.
     assert row["b_ms"] <= row["b_wall_ms"] * 1.01 and row["iw_ms"] <= row["iw_wall_ms"] * 1.01
     assert row["stage"] == 1 and row["tokens"] > 0
+    assert row["source"] in ("executor tasks", "measure_split_backward")
+    assert "helper_error" not in row, row.get("helper_error")
 
 
 def test_cli_decision_section_json() -> None:
