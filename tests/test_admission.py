@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+from hypothesis import given
+from hypothesis import strategies as st
+
 import rrfp_async as rr
-from rrfp_async._tasks import parse_tasks
+from rrfp_async._tasks import activation_delta, parse_tasks
 
 
 def test_ledger_admits_within_the_hint_safety() -> None:
@@ -36,3 +39,35 @@ def test_head_is_always_admissible_and_bound_holds() -> None:
             led.start_at(k)
             led.finish_at(k)
             assert led.inflight <= led.bound
+
+
+@given(
+    kinds=st.lists(st.sampled_from("FBW"), min_size=1, max_size=40),
+    bound=st.integers(1, 6),
+    started=st.lists(st.integers(0, 39), max_size=20),
+    inflight=st.integers(0, 6),
+)
+def test_filter_admissible_is_the_bankers_test(
+    kinds: list[str], bound: int, started: list[int], inflight: int
+) -> None:
+    # Against the definition: a forward at k is admitted iff inflight + 1 + the largest
+    # prefix sum of the not-started deltas strictly before k stays within the bound.
+    order = [rr.Task(0, k, i) for i, k in enumerate(kinds)]  # type: ignore[arg-type]
+    led = rr.AdmissionLedger(order, bound)
+    for k in sorted({s for s in started if s < len(order)}):
+        led.start_at(k)
+    led.inflight = inflight
+    ready = [k for k in range(len(order)) if not led._done[k]]
+    delta = [activation_delta(t.kind) for t in order]
+
+    def reference(k: int) -> bool:
+        if delta[k] <= 0:
+            return True
+        s = m = 0
+        for j in range(led.head, k):
+            if not led._done[j]:
+                s += delta[j]
+                m = max(m, s)
+        return inflight + 1 + m <= bound
+
+    assert led.filter_admissible(ready) == [k for k in ready if reference(k)]
