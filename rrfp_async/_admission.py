@@ -23,8 +23,9 @@ finish. A backward never breaks it. A forward at hint position k keeps it exactl
 so that is the admission test. The hint's next task always passes it, so strict execution
 is never refused, and a readiness-first dispatcher can never deadlock on a valid hint.
 
-The scan runs from the first unstarted hint position to k; dispatchers mostly pick tasks
-near the head, so it is short.
+The scan runs from the first unstarted hint position to k and stops at the first forward
+that fails (the prefix maximum only grows with k, so no later forward can pass); what is
+left of the ready list then only contributes its backwards.
 """
 
 from __future__ import annotations
@@ -87,15 +88,21 @@ class AdmissionLedger:
         done = self._done
         s = m = 0
         j = self._head
-        for k in ready:
+        for i, k in enumerate(ready):
+            if delta[k] <= 0:
+                out.append(k)
+                continue
             while j < k:
                 if not done[j]:
                     s += delta[j]
                     if s > m:
                         m = s
                 j += 1
-            if delta[k] <= 0 or c + m <= bound:
-                out.append(k)
+            if c + m > bound:
+                # m only grows with k: no later forward is admissible either.
+                out.extend([x for x in ready[i + 1 :] if delta[x] <= 0])
+                break
+            out.append(k)
         return out
 
     def admissible(self, task: Task) -> bool:
