@@ -82,7 +82,7 @@ from torch.autograd.graph import Node
 
 from ._costs import CostModel, Durations, Microbatch
 from ._errors import PlanError
-from ._executors import TaskContext
+from ._executors import OutputHook, TaskContext
 from ._tasks import StepPlan, Task
 from .loop._bridges import ComputeWorker
 
@@ -424,6 +424,8 @@ class TorchStageExecutor:
 
     Attributes:
         losses: ``{microbatch: loss value}`` of the last step (on the last stage's rank).
+        output_hook: Set by a stage whose endpoint sends thread-safely: called on the
+            compute thread with each task's output as soon as it exists (see ``Executor``).
     """
 
     def __init__(
@@ -444,6 +446,7 @@ class TorchStageExecutor:
         self.worker = worker if worker is not None else ComputeWorker(name=f"rrfp-compute-{rank}")
         self.rank = rank
         self.input_fn = input_fn
+        self.output_hook: OutputHook | None = None
         self.losses: dict[int, float] = {}
         self.compute_seconds = 0.0
         self.emulated_seconds = 0.0
@@ -476,6 +479,9 @@ class TorchStageExecutor:
             d = self._durations.of(task) * self.emulate.scale
             self.emulated_seconds += d
             time.sleep(d)
+        hook = self.output_hook
+        if hook is not None:  # the stage sends the output from here (see Executor)
+            hook(task, out)
         return out
 
     def _begin_step(self, ctx: TaskContext) -> None:

@@ -596,13 +596,43 @@ class StageLoop:
                 obs.decision(self, task, view.ready, self._now() - st.last_end)
             await self._execute(st, pos)
 
+    # TP look-ahead. A follower can only start a task once the leader's decision for it has
+    # arrived; a decision taken when the leader's compute frees up reaches the followers one
+    # broadcast later, and inside TP collectives the leader then waits for them: one
+    # broadcast per task on the critical path. But a policy that always runs the next
+    # hinted task when it is ready (every built-in one: ``chooses_ready_head``) would choose
+    # exactly that task at the end of the current one if it is ready already now, since
+    # nothing can outrank it and the head is always admitted. So the leader publishes it as
+    # the next decision the moment the current task starts, and the broadcast travels while
+    # everybody computes.
+
     async def _decide_and_run(self, st: _StepState, coord: Coordinator | None) -> None:
         policy = self.policy
         view = self._view
         obs = self._obs
+        order = st.prog.order
+        pre = -1  # a look-ahead decision already published for the next dispatch
+        look = None
+        if coord is not None and getattr(policy, "chooses_ready_head", False):
+
+            def look() -> None:
+                nonlocal pre
+                h = st.ledger.head
+                if h < len(order) and st.missing[h] == 0:
+                    coord.publish(st.step, st.decisions, order[h])
+                    if obs is not None:
+                        obs.tp_decision(self, order[h], st.decisions, True)
+                    pre = h
+
         while st.left:
             if self._failure is not None:
                 raise self._failure
+            if pre >= 0:
+                pos, pre = pre, -1
+                if obs is not None:
+                    obs.decision(self, order[pos], view.ready, self._now() - st.last_end)
+                await self._execute(st, pos, look)
+                continue
             if not self._admitted(st):
                 await self._wait(self._stall_reason(st))
                 continue
@@ -624,7 +654,7 @@ class StageLoop:
                     obs.tp_decision(self, task, st.decisions, True)
             if obs is not None:
                 obs.decision(self, task, view.ready, self._now() - st.last_end)
-            await self._execute(st, pos)
+            await self._execute(st, pos, look)
 
     def _admitted(self, st: _StepState) -> list[int]:
         if st.adm_cache[0] != st.version:
@@ -652,7 +682,9 @@ class StageLoop:
             )
         return pos
 
-    async def _execute(self, st: _StepState, pos: int) -> None:
+    async def _execute(
+        self, st: _StepState, pos: int, started: Callable[[], None] | None = None
+    ) -> None:
         prog = st.prog
         task = prog.order[pos]
         st.decisions += 1
@@ -674,6 +706,8 @@ class StageLoop:
         rec = self.recent
         if rec is not None:
             rec.append((t0, "start", task))
+        if started is not None:
+            started()
         out = await self.executor.execute(task, data, st.ctx)
         t1 = self._now()
         if rec is not None:

@@ -129,10 +129,13 @@ class Policy(Protocol):
 class PolicyBase:
     """Optional base for stateful policies: lifecycle hooks that do nothing by default.
 
-    Subclass it, override ``__call__`` (a coroutine) and any hook you need.
+    Subclass it, override ``__call__`` (a coroutine) and any hook you need. Set
+    ``chooses_ready_head = True`` only if the policy always returns ``view.next_hinted``
+    when that task is ready: a TP leader then publishes such a choice one task ahead.
     """
 
     name: str = ""
+    chooses_ready_head: bool = False
 
     async def __call__(self, view: ReadyView, /) -> Task:
         """Return the task to run next; it must be one of ``view.ready``."""
@@ -218,6 +221,11 @@ async def backfill(view: ReadyView, /) -> Task:
                 return t
         await view.wait_for_change(timeout=deadline - now)
 
+
+# Each of these runs the next hinted task whenever it is ready, whatever else is: a TP leader
+# may then publish that choice ahead (see the stage loop's TP look-ahead).
+for _p in (strict, readiness_first, lateness_aware, backfill):
+    _p.chooses_ready_head = True  # type: ignore[attr-defined]
 
 _REGISTRY: dict[str, Policy] = {
     "strict": strict,

@@ -342,3 +342,82 @@ def test_peer_closed_fails_a_waiting_stage() -> None:
             await run
 
     run_virtual(main())
+
+
+class _LeaderLog:
+    """A TP coordinator stand-in for a leader: records each publish and what had ended."""
+
+    is_leader = True
+
+    def __init__(self, ended: list[Task]) -> None:
+        self.ended = ended
+        self.published: list[tuple[int, Task, int]] = []
+
+    def begin_step(self, step: int, decisions: int) -> None:
+        pass
+
+    def publish(self, step: int, seq: int, task: Task) -> None:
+        self.published.append((seq, task, len(self.ended)))
+
+    async def receive(self, step: int, seq: int) -> Task:
+        raise AssertionError("a leader does not receive")
+
+    async def end_step(self) -> None:
+        pass
+
+    async def verify_sequence(self, step: int, executed: Any) -> None:
+        pass
+
+
+class _Ending:
+    def __init__(self, ended: list[Task]) -> None:
+        self.ended = ended
+
+    async def execute(self, task: Task, data: Any, ctx: TaskContext) -> Any:
+        await asyncio.sleep(1.0)
+        self.ended.append(task)
+        return None
+
+
+@pytest.mark.parametrize("policy", ["strict", "readiness_first", "lateness_aware", "backfill"])
+def test_tp_leader_publishes_a_ready_hinted_task_one_task_ahead(policy: str) -> None:
+    # One rank, GPipe: every forward is ready from the start and each backward as soon as
+    # its forward ended (the last stage's backward starts from the loss), so every task but
+    # the first is published while the task before it still runs.
+    s = sched(p=1, m=4, hint="gpipe")
+    ended: list[Task] = []
+    coord = _LeaderLog(ended)
+    stage = StageLoop(
+        0,
+        schedule=s,
+        executor=_Ending(ended),
+        endpoint=LocalChannel(1).endpoint(0),
+        policy=policy,
+        coordinator=coord,
+    )
+    run_virtual(stage.run_step(list(range(4))))
+    assert [t for _, t, _ in coord.published] == ended == list(s.hint[0])
+    assert [seq for seq, _, _ in coord.published] == list(range(8))
+    # (seq, tasks ended when it was published): seq k ahead means k - 1 tasks had ended.
+    ahead = [seq for seq, _, n in coord.published if n == seq - 1]
+    assert ahead == list(range(1, 8))
+
+
+def test_a_policy_without_the_mark_is_asked_at_every_dispatch() -> None:
+    async def mine(view: ReadyView) -> Task:
+        return view.ready[-1]  # the lowest-ranked ready task: no look-ahead may be taken
+
+    s = sched(p=1, m=4, hint="gpipe", memory_factor=4.0)
+    ended: list[Task] = []
+    coord = _LeaderLog(ended)
+    stage = StageLoop(
+        0,
+        schedule=s,
+        executor=_Ending(ended),
+        endpoint=LocalChannel(1).endpoint(0),
+        policy=mine,
+        coordinator=coord,
+    )
+    run_virtual(stage.run_step(list(range(4))))
+    assert all(n == seq for seq, _, n in coord.published)
+    assert [t for _, t, _ in coord.published] == ended
