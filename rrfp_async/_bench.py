@@ -141,7 +141,7 @@ def pipeline_step_times(
     steps: int = 6,
     warmup_steps: int = 1,
     policies: Sequence[str] = ("strict", "readiness_first"),
-    hint: str = "1f1b",
+    hint: str = "breadth_first_weighted",
     memory_factor: float | None = None,
     jitter: float = 0.3,
     tp: int = 1,

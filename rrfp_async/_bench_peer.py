@@ -90,7 +90,7 @@ class PeerConfig:
 
     stages: int = 4
     microbatches: int = 16
-    steps: int = 5
+    steps: int = 7
     warmup_steps: int = 1
     us_per_token: float = 2.0
     hidden: int = 32
@@ -104,7 +104,7 @@ class PeerConfig:
         "ScheduleZBVZeroBubble",
     )
     padded_cost: tuple[str, ...] = ("Schedule1F1B",)
-    hints: tuple[str, ...] = ("1f1b", "breadth_first_weighted", "zb_h1")
+    hints: tuple[str, ...] = ("1f1b", "breadth_first_weighted")
     policies: tuple[str, ...] = ("strict", "readiness_first", "lateness_aware", "backfill")
     memory_factors: tuple[float, ...] = (1.0, 2.0)
     timeout: float = 1200.0
@@ -513,8 +513,10 @@ def peer_benchmark(
 
     Returns:
         ``{"config": ..., "runs": [PeerRun.to_dict(), ...], "loss_max_diff": float,
-        "comm_share": ...}``; ``speedup_vs_torch_1f1b`` is against torch ``Schedule1F1B``
-        with the real-token cost (1.0 there), or NaN when it was not run.
+        "comm_share": ...}``; ``speedup_vs_torch_1f1b`` is the median over the timed steps
+        of torch ``Schedule1F1B``'s step time (real-token cost) / the configuration's in the
+        same step (1.0 there; NaN when it was not run); ``efficiency`` the median of
+        lower bound / step time.
     """
     from ._spawn import spawn
 
@@ -523,7 +525,14 @@ def peer_benchmark(
     w = cfg.warmup_steps
     keys = [tuple(k) for k in r0["keys"]]
     med = {k: statistics.median(r0["times"][i][w:]) for i, k in enumerate(keys)}
-    base = med.get(("torch", "Schedule1F1B", False), float("nan"))
+    # Every step has its own microbatches: compare configurations step by step (paired),
+    # then take the median of those ratios; a ratio of medians would compare different steps.
+    bi = (
+        keys.index(("torch", "Schedule1F1B", False))
+        if ("torch", "Schedule1F1B", False) in keys
+        else -1
+    )
+    base_steps = r0["times"][bi][w:] if bi >= 0 else None
     ref: list[float] = next((ls for ls in last["losses"] if ls), [])
     diff = 0.0
     rows: list[PeerRun] = []
@@ -551,7 +560,11 @@ def peer_benchmark(
                 policy=None if torch_row else key[2],
                 memory_factor=None if torch_row else key[3],
                 step_s=med[key] if ok else math.nan,
-                speedup_vs_torch_1f1b=base / med[key] if ok else math.nan,
+                speedup_vs_torch_1f1b=(
+                    statistics.median(b / t for b, t in zip(base_steps, steps_s, strict=True))
+                    if ok and base_steps is not None
+                    else math.nan
+                ),
                 efficiency=eff,
                 peak_inflight=int(r0["peaks"][i]),
                 steps_s=steps_s if ok else (),

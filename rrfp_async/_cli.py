@@ -117,7 +117,7 @@ def _console() -> Console:
 )
 @click.option(
     "--hint",
-    default="1f1b",
+    default="breadth_first_weighted",
     show_default=True,
     help=f"Hint: {', '.join(sorted(HINTS))} (or an alias: bf, bfw, interleaved).",
 )
@@ -343,7 +343,7 @@ def bench_simulator(stages: int, microbatches: int, repeats: int, policies_table
 @click.option("--microbatches", "-m", type=click.IntRange(min=1), default=16, show_default=True)
 @click.option("--steps", type=click.IntRange(min=1), default=6, show_default=True)
 @click.option("--tp", type=click.IntRange(min=1), default=1, show_default=True)
-@click.option("--hint", default="1f1b", show_default=True)
+@click.option("--hint", default="breadth_first_weighted", show_default=True)
 @click.option(
     "--policy",
     "policies",
@@ -422,7 +422,7 @@ def bench_pipeline(
 @bench.command("peer")
 @click.option("--stages", "-p", type=click.IntRange(min=2), default=4, show_default=True)
 @click.option("--microbatches", "-m", type=click.IntRange(min=1), default=16, show_default=True)
-@click.option("--steps", type=click.IntRange(min=1), default=5, show_default=True)
+@click.option("--steps", type=click.IntRange(min=1), default=7, show_default=True)
 @click.option("--warmup", type=click.IntRange(min=0), default=1, show_default=True)
 @click.option(
     "--us-per-token",
@@ -1047,7 +1047,7 @@ def _clock_title(meta: dict[str, Any]) -> str:
     help="Timed steps per policy (after one warm-up step).",
 )
 @click.option("--tp", type=click.IntRange(min=1), default=1, show_default=True)
-@click.option("--hint", default="1f1b", show_default=True)
+@click.option("--hint", default="breadth_first_weighted", show_default=True)
 @click.option(
     "--policy",
     "policies",

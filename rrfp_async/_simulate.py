@@ -160,7 +160,7 @@ def simulate(
     stages: int,
     microbatches: int | Sequence[Microbatch],
     chunks: int = 1,
-    hint: str = "1f1b",
+    hint: str = "breadth_first_weighted",
     policy: str | Policy = "readiness_first",
     max_inflight: int | Sequence[int] | None = None,
     memory_factor: float | None = None,

@@ -114,7 +114,7 @@ class TrainConfig:
     steps: int = 5
     warmup_steps: int = 0
     policies: tuple[str, ...] = ("strict", "readiness_first")
-    hint: str = "1f1b"
+    hint: str = "breadth_first_weighted"
     memory_factor: float | None = None
     split_backward: bool = False
     ordered_weights: bool = False

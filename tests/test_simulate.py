@@ -9,7 +9,8 @@ import rrfp_async as rr
 
 def test_result_fields() -> None:
     r = rr.simulate(stages=4, microbatches=8)
-    # Uniform 1F1B: (M + P - 1) * (f + b), f = 10.44 ms for 1024 tokens, b = 2f.
+    # The default hint is the cost-aware breadth_first_weighted; on uniform sizes it is 1F1B:
+    # (M + P - 1) * (f + b), f = 10.44 ms for 1024 tokens, b = 2f.
     f = 1024 * 1e-5 + 2e-4
     assert r.makespan == pytest.approx((8 + 4 - 1) * 3 * f)
     assert r.lower_bound == pytest.approx(r.makespan)
@@ -17,7 +18,9 @@ def test_result_fields() -> None:
     assert r.peak_inflight == (4, 3, 2, 1) == r.max_inflight
     assert [len(e) for e in r.executed] == [16] * 4
     assert r.executed[0][0].task == rr.Task(0, "F", 0) and r.executed[0][0].start == 0.0
-    assert r.to_dict()["hint"] == "1f1b"
+    assert r.to_dict()["hint"] == "breadth_first_weighted"
+    assert r.schedule is not None
+    assert r.schedule.hint == rr.StepSchedule.build(r.schedule.plan, "1f1b").hint
 
 
 def test_explicit_durations_replay() -> None:

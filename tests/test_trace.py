@@ -121,7 +121,7 @@ def test_png_renders(tmp_path: Path) -> None:
 def test_write_load_roundtrip(tmp_path: Path) -> None:
     res = rr.simulate(stages=2, microbatches=2, record=True)
     p = write_trace(tmp_path / "sub" / "t.json", res.chrome_trace())
-    assert load_trace(p)["otherData"]["rrfp"]["hint"] == "1f1b"
+    assert load_trace(p)["otherData"]["rrfp"]["hint"] == "breadth_first_weighted"
     (tmp_path / "x.json").write_text('{"a": 1}')
     with pytest.raises(ValueError, match="not a Trace Event Format"):
         load_trace(tmp_path / "x.json")

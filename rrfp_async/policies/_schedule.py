@@ -114,7 +114,7 @@ class StepSchedule:
     def build(
         cls,
         plan: StepPlan,
-        hint: str | HintFn | Hint = "1f1b",
+        hint: str | HintFn | Hint = "breadth_first_weighted",
         *,
         durations: Durations | None = None,
         max_inflight: int | Sequence[int] | None = None,
