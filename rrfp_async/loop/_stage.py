@@ -603,8 +603,8 @@ class StageLoop:
     # hinted task when it is ready (every built-in one: ``chooses_ready_head``) would choose
     # exactly that task at the end of the current one if it is ready already now, since
     # nothing can outrank it and the head is always admitted. So the leader publishes it as
-    # the next decision the moment the current task starts, and the broadcast travels while
-    # everybody computes.
+    # the next decision as soon as the current task is on its compute thread, and the
+    # broadcast travels while everybody computes.
 
     async def _decide_and_run(self, st: _StepState, coord: Coordinator | None) -> None:
         policy = self.policy
@@ -615,8 +615,10 @@ class StageLoop:
         look = None
         if coord is not None and getattr(policy, "chooses_ready_head", False):
 
-            def look() -> None:
+            def look(seq: int) -> None:
                 nonlocal pre
+                if self._st is not st or st.decisions != seq or pre >= 0:
+                    return  # the next decision was taken already (an executor that never yielded)
                 h = st.ledger.head
                 if h < len(order) and st.missing[h] == 0:
                     coord.publish(st.step, st.decisions, order[h])
@@ -683,7 +685,7 @@ class StageLoop:
         return pos
 
     async def _execute(
-        self, st: _StepState, pos: int, started: Callable[[], None] | None = None
+        self, st: _StepState, pos: int, started: Callable[[int], None] | None = None
     ) -> None:
         prog = st.prog
         task = prog.order[pos]
@@ -707,7 +709,9 @@ class StageLoop:
         if rec is not None:
             rec.append((t0, "start", task))
         if started is not None:
-            started()
+            # Runs once the executor has handed the task to its compute thread and yields:
+            # a look-ahead broadcast must not delay the task's own start.
+            asyncio.get_running_loop().call_soon(started, st.decisions)
         out = await self.executor.execute(task, data, st.ctx)
         t1 = self._now()
         if rec is not None:

@@ -421,3 +421,26 @@ def test_a_policy_without_the_mark_is_asked_at_every_dispatch() -> None:
     run_virtual(stage.run_step(list(range(4))))
     assert all(n == seq for seq, _, n in coord.published)
     assert [t for _, t, _ in coord.published] == ended
+
+
+class _Instant:
+    async def execute(self, task: Task, data: Any, ctx: TaskContext) -> Any:
+        if task.mb % 3 == 2:
+            await asyncio.sleep(0)  # the look-aheads scheduled meanwhile run only now
+        return None  # else it never yields to the loop
+
+
+def test_look_ahead_never_publishes_twice_with_an_executor_that_rarely_yields() -> None:
+    s = sched(p=1, m=6, hint="gpipe")
+    coord = _LeaderLog([])
+    stage = StageLoop(
+        0,
+        schedule=s,
+        executor=_Instant(),
+        endpoint=LocalChannel(1).endpoint(0),
+        policy="readiness_first",
+        coordinator=coord,
+    )
+    stats = run_virtual(stage.run_step(list(range(6))))
+    assert [seq for seq, _, _ in coord.published] == list(range(12))
+    assert [t for _, t, _ in coord.published] == [e.task for e in stats.executed]
