@@ -535,6 +535,7 @@ def peer_benchmark(
     base_steps = r0["times"][bi][w:] if bi >= 0 else None
     ref: list[float] = next((ls for ls in last["losses"] if ls), [])
     diff = 0.0
+    checked = 0
     rows: list[PeerRun] = []
     for i, key in enumerate(keys):
         err = r0["errors"][i]
@@ -551,6 +552,7 @@ def peer_benchmark(
         ls = last["losses"][i]
         if ls and ref:
             diff = max(diff, max(abs(a - b) for a, b in zip(ls, ref, strict=True)))
+            checked += 1
         torch_row = key[0] == "torch"
         rows.append(
             PeerRun(
@@ -581,6 +583,7 @@ def peer_benchmark(
         "config": cfg,
         "runs": [r.to_dict() for r in rows],
         "loss_max_diff": diff,
+        "losses_checked": checked,
         "one_way_s": r0["one_way_s"],
         "mean_task_s": mean_task,
         "comm_share": r0["one_way_s"] / mean_task,
@@ -592,3 +595,75 @@ def _rr_chunks(hint: str) -> tuple[int, str]:
 
 
 _TWO_CHUNK_HINTS = ("interleaved_1f1b", "interleaved", "looped_bfs")
+
+
+SIMULATED: tuple[tuple[str, str, float, bool], ...] = (
+    ("1f1b", "strict", 1.0, False),
+    ("gpipe", "strict", 1.0, False),
+    ("breadth_first_weighted", "strict", 1.0, False),
+    ("breadth_first_weighted", "readiness_first", 1.0, False),
+    ("breadth_first_weighted", "readiness_first", 2.0, False),
+    ("breadth_first_weighted", "readiness_first", 1.0, True),
+    ("breadth_first_weighted", "readiness_first", 2.0, True),
+)
+"""(hint, policy, memory factor, split backward) rows of ``peer_simulated``."""
+
+_GUIDED = ("breadth_first_weighted", "backward_first", "1f1b", "zb_h1")
+
+
+def peer_simulated(
+    cfg: PeerConfig, *, latency: float = 0.0, guided: bool = True
+) -> list[dict[str, Any]]:
+    """The same steps in the simulator (virtual time, no host cost): each configuration's
+    median ratio to strict 1F1B and median efficiency, step by step as in the real run.
+
+    With ``guided``, two more rows per memory factor: a *simulation-guided* hint (each step,
+    simulate every hint of ``_GUIDED`` under ``readiness_first`` on the declared durations,
+    keep the fastest) and the *oracle* (the fastest on the realized durations).
+    """
+    from ._simulate import simulate
+
+    steps = _make_steps(cfg)[cfg.warmup_steps :]
+    p, m = cfg.stages, cfg.microbatches
+
+    def run(st: _Step, i: int, hint: str, pol: str, mf: float, split: bool, jitter: float) -> Any:
+        fw = [[cfg.us_per_token * 1e-6 * t for t in st.tokens]] * p
+        return simulate(
+            stages=p,
+            microbatches=m,
+            forward=fw,
+            hint=hint,
+            policy=pol,
+            memory_factor=mf,
+            jitter=jitter,
+            seed=cfg.seed * 1000 + i,
+            latency=latency,
+            split_backward=split,
+        )
+
+    base = [run(st, i, "1f1b", "strict", 1.0, False, cfg.jitter) for i, st in enumerate(steps)]
+    rows = []
+    for hint, pol, mf, split in SIMULATED:
+        res = [run(st, i, hint, pol, mf, split, cfg.jitter) for i, st in enumerate(steps)]
+        rows.append(_sim_row(f"{hint} {pol} {mf:g}x" + (" split" if split else ""), base, res))
+    if guided:
+        for mf in (1.0, 2.0):
+            picked, best = [], []
+            for i, st in enumerate(steps):
+                cands = {h: run(st, i, h, "readiness_first", mf, True, cfg.jitter) for h in _GUIDED}
+                plan = {h: run(st, i, h, "readiness_first", mf, True, 0.0) for h in _GUIDED}
+                picked.append(cands[min(plan, key=lambda h: plan[h].makespan)])
+                best.append(min(cands.values(), key=lambda r: r.makespan))
+            rows.append(_sim_row(f"simulation-guided readiness_first {mf:g}x split", base, picked))
+            rows.append(_sim_row(f"oracle readiness_first {mf:g}x split", base, best))
+    return rows
+
+
+def _sim_row(name: str, base: Sequence[Any], res: Sequence[Any]) -> dict[str, Any]:
+    return {
+        "configuration": name,
+        "vs_strict_1f1b": statistics.median(
+            b.makespan / r.makespan for b, r in zip(base, res, strict=True)
+        ),
+        "efficiency": statistics.median(r.lower_bound / r.makespan for r in res),
+    }

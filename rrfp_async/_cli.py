@@ -451,6 +451,13 @@ def bench_pipeline(
     multiple=True,
     help="Admission bound as a multiple of 1F1B's (repeatable). Default: 1 and 2.",
 )
+@click.option(
+    "--simulated",
+    is_flag=True,
+    help="Instead: the same steps in the simulator (virtual time, no host cost), with a"
+    " simulation-guided hint and an oracle; --latency sets the message latency.",
+)
+@click.option("--latency", type=click.FloatRange(min=0), default=0.0007, show_default=True)
 @click.option("--json", "as_json", is_flag=True, help="Print {'runs': [...]} as JSON.")
 @log_options
 def bench_peer(
@@ -466,6 +473,8 @@ def bench_peer(
     hints: tuple[str, ...],
     policies: tuple[str, ...],
     memory_factors: tuple[float, ...],
+    simulated: bool,
+    latency: float,
     as_json: bool,
 ) -> None:
     """Side by side with torch.distributed.pipelining: same modules, same microbatches.
@@ -499,6 +508,9 @@ def bench_peer(
         ]
     except ValueError as e:
         raise click.BadParameter(str(e)) from e
+    if simulated:
+        _peer_simulated(cfgs, latency, as_json)
+        return
     results = []
     for cfg in cfgs:
         try:
@@ -563,6 +575,34 @@ def bench_peer(
             f" configuration equal torch's within {res['loss_max_diff']:.1e}"
         )
         console.print(t)
+
+
+def _peer_simulated(cfgs: list[Any], latency: float, as_json: bool) -> None:
+    from ._bench_peer import peer_simulated
+
+    out = [
+        {"us_per_token": cfg.us_per_token, **row}
+        for cfg in cfgs
+        for row in peer_simulated(cfg, latency=latency)
+    ]
+    if as_json:
+        click.echo(json.dumps({"simulated": out}, indent=2))
+        return
+    t = Table(
+        title=f"the peer benchmark's steps simulated (virtual time, declared cost model, no"
+        f" host cost, message latency {latency * 1e3:g} ms): median over the steps",
+        title_justify="left",
+    )
+    for c in ("µs/token", "configuration", "vs strict 1F1B", "efficiency"):
+        t.add_column(c, justify="left" if c == "configuration" else "right")
+    for r in out:
+        t.add_row(
+            f"{r['us_per_token']:g}",
+            r["configuration"],
+            f"{r['vs_strict_1f1b']:.2f}x",
+            f"{r['efficiency']:.2f}",
+        )
+    _console().print(t)
 
 
 @bench.command("bridges")
