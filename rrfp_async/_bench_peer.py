@@ -15,6 +15,13 @@ kind) in a table every process computes from the same seed: per token of the mic
 carries its microbatch's metadata (real tokens, index, step) in three trailing columns, so a
 module knows what it is costing under either runtime.
 
+torch's runtime can only be charged inside its modules. rrfp_async's rows run the same
+modules with the sleeps switched off and the executor sleeping the same table per task
+(``TableCost``): the weight-gradient sleep inside a module has to be a custom autograd op
+on the weight, for which the executor's real I/W split falls back to recomputing, so a
+split would be charged W = I + W there; charged by the executor, I and W pay exactly their
+share. The forward sleeps after the module instead of inside it; nothing else differs.
+
 torch freezes shapes at its first step: it gets microbatches padded to the longest of the
 run, with the emulated cost of the real tokens (this isolates scheduling); a second row per
 torch schedule (``padded_cost``) charges the padded length, which is what torch really pays
@@ -43,8 +50,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ._costs import Durations, make_workload
+from ._costs import CostModel, Durations, make_workload
 from ._tasks import StepPlan, Topology
+from ._torch_executor import EmulatedCost
 
 __all__ = [
     "TORCH_SCHEDULES",
@@ -64,6 +72,7 @@ TORCH_SCHEDULES: dict[str, tuple[int, str]] = {
 }
 """torch schedule class name -> (model chunks per rank, placement of virtual stages)."""
 
+_TORCH_SPLIT = ("ScheduleInterleavedZeroBubble", "ScheduleZBVZeroBubble", "ScheduleDualPipeV")
 _META = 3  # trailing columns: real tokens, microbatch index, step
 
 
@@ -82,7 +91,8 @@ class PeerConfig:
         seed: Seed of the microbatch sizes and of the noise.
         torch_schedules: torch schedule class names (``TORCH_SCHEDULES``).
         padded_cost: torch schedules that get a second row charged at the padded length.
-        hints: rrfp_async hints; ``interleaved_1f1b`` runs on 2 chunks per rank.
+        hints: rrfp_async hints; ``interleaved_1f1b`` runs on 2 chunks per rank; ``name:split``
+            runs the hint on a split backward (I/W), as ``zb_h1`` always does.
         policies: rrfp_async policies.
         memory_factors: Admission bounds as multiples of 1F1B's.
         timeout: Seconds for the whole run.
@@ -104,8 +114,13 @@ class PeerConfig:
         "ScheduleZBVZeroBubble",
     )
     padded_cost: tuple[str, ...] = ("Schedule1F1B",)
-    hints: tuple[str, ...] = ("1f1b", "breadth_first_weighted")
-    policies: tuple[str, ...] = ("strict", "readiness_first", "lateness_aware", "backfill")
+    hints: tuple[str, ...] = (
+        "1f1b",
+        "breadth_first_weighted",
+        "breadth_first_weighted:split",
+        "zb_h1",
+    )
+    policies: tuple[str, ...] = ("strict", "readiness_first", "backfill")
     memory_factors: tuple[float, ...] = (1.0, 2.0)
     timeout: float = 1200.0
 
@@ -181,17 +196,25 @@ class PeerStage(nn.Module):
     """One virtual stage: ``Linear`` + emulated GPU time (see the module's design note).
 
     The input is ``[1, rows, hidden + 3]``: features, then real tokens, microbatch index and
-    step in every row (rows past the real tokens are padding).
+    step in every row (rows past the real tokens are padding). With ``sleeps=False`` the
+    module computes the same but sleeps nothing: the caller's executor then sleeps each
+    task's emulated time (``TableCost``).
     """
 
-    def __init__(self, hidden: int, vstage: int, *, padded_cost: bool = False) -> None:
+    def __init__(
+        self, hidden: int, vstage: int, *, padded_cost: bool = False, sleeps: bool = True
+    ) -> None:
         super().__init__()
         self.lin = nn.Linear(hidden, hidden)
         self.vstage = vstage
         self.padded_cost = padded_cost
+        self.sleeps = sleeps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         feats, meta = x[..., :-_META], x[..., -_META:].detach()
+        if not self.sleeps:
+            h = torch.tanh(self.lin(feats))
+            return torch.cat([h, meta], dim=-1)
         tokens, mb, step = (int(v) for v in meta[0, 0].tolist())
         key = (step, self.vstage, mb)
         # torch's shape inference runs the module on placeholder data: no cost then.
@@ -272,10 +295,10 @@ def _plan(cfg: PeerConfig, chunks: int, placement: str, split: bool) -> StepPlan
     return StepPlan(topology=topo, microbatches=cfg.microbatches, split_backward=split)
 
 
-def _lower_bound(cfg: PeerConfig, st: _Step, chunks: int, placement: str) -> float:
+def _lower_bound(cfg: PeerConfig, st: _Step, chunks: int, placement: str, split: bool) -> float:
     from ._simulate import lower_bound
 
-    plan = _plan(cfg, chunks, placement, False)
+    plan = _plan(cfg, chunks, placement, split)
     return lower_bound(plan, Durations.from_arrays(plan, st.forward[chunks], st.backward[chunks]))
 
 
@@ -283,14 +306,38 @@ def _lower_bound(cfg: PeerConfig, st: _Step, chunks: int, placement: str) -> flo
 
 
 def _modules(
-    cfg: PeerConfig, rank: int, chunks: int, placement: str, padded: bool
+    cfg: PeerConfig, rank: int, chunks: int, placement: str, padded: bool, sleeps: bool = True
 ) -> dict[int, PeerStage]:
     topo = Topology(stages=cfg.stages, chunks=chunks, placement=placement)  # type: ignore[arg-type]
     mods = {}
     for v in topo.stages_of(rank):
         torch.manual_seed(10_000 + v)
-        mods[v] = PeerStage(cfg.hidden, v, padded_cost=padded)
+        mods[v] = PeerStage(cfg.hidden, v, padded_cost=padded, sleeps=sleeps)
     return mods
+
+
+class TableCost(EmulatedCost):
+    """The benchmark's emulated time as a ``TorchStageExecutor`` emulation: the executor
+    sleeps each task's duration from the same per-step table the modules read (F, I = W =
+    half of B), after the task's real compute.
+
+    rrfp_async's rows use it with sleep-free modules: torch's runtime can only be charged
+    inside the module, but there the weight-gradient sleep has to be a custom autograd op
+    on the weight, and the executor's I/W split falls back to recomputing for custom ops (it
+    would charge W = I + W). Charged by the executor, a split pays exactly I and W.
+    """
+
+    def __init__(self, cfg: PeerConfig, steps: Sequence[_Step], chunks: int) -> None:
+        super().__init__(cost=CostModel())
+        object.__setattr__(self, "_tables", (cfg, steps, chunks))
+
+    def durations(
+        self, plan: StepPlan, microbatches: Sequence[Any], step: int, rank: int
+    ) -> Durations:
+        """The step's table (seconds) for ``plan``."""
+        _cfg, steps, chunks = self._tables  # type: ignore[attr-defined]
+        st = steps[step]
+        return Durations.from_arrays(plan, st.forward[chunks], st.backward[chunks])
 
 
 def _torch_peak(order: Sequence[Any]) -> int:
@@ -354,7 +401,7 @@ def peer_worker(rank: int, world: int, cfg: PeerConfig) -> dict[str, Any]:
                 runs.append(_Run(("torch", name, padded), chunks, placement, None, error=str(e)))
                 continue
             order = getattr(sched, "pipeline_order", None)
-            run = _Run(("torch", name, padded), chunks, placement, None)
+            run = _Run(("torch", name, padded), chunks, placement, None, split=name in _TORCH_SPLIT)
             run.peak = (
                 _torch_peak(order.get(rank, []))
                 if isinstance(order, dict)
@@ -382,16 +429,16 @@ def peer_worker(rank: int, world: int, cfg: PeerConfig) -> dict[str, Any]:
     factory = loop_factory()
     loop = factory() if factory is not None else asyncio.new_event_loop()
     for hint in cfg.hints:
-        chunks, placement = _rr_chunks(hint)
-        split = hint in ("zb_h1", "zbh1")
+        name, split = _rr_split(hint)
+        chunks, placement = _rr_chunks(name)
         plan = _plan(cfg, chunks, placement, split)
-        mods = _modules(cfg, rank, chunks, placement, False)
-        executor = TorchStageExecutor(mods, _loss, rank=rank)
+        mods = _modules(cfg, rank, chunks, placement, False, sleeps=False)
+        executor = TorchStageExecutor(mods, _loss, rank=rank, emulate=TableCost(cfg, steps, chunks))
         closers.append(executor.close)
         for mf in cfg.memory_factors:
             for pol in cfg.policies:
-                run = _Run(("rrfp_async", hint, pol, mf), chunks, placement, None)
-                first = StepSchedule.build(plan, hint, memory_factor=mf)
+                run = _Run(("rrfp_async", hint, pol, mf), chunks, placement, None, split=split)
+                first = StepSchedule.build(plan, name, memory_factor=mf)
 
                 def run_rr(
                     s: int,
@@ -453,6 +500,10 @@ def peer_worker(rank: int, world: int, cfg: PeerConfig) -> dict[str, Any]:
         for c in closers:
             c()
         loop.close()
+    lbs = {
+        (c, p, sp): [_lower_bound(cfg, st, c, p, sp) for st in steps]
+        for c, p, sp in {(r.chunks, r.placement, r.split) for r in runs}
+    }
     # The step time is the slowest rank's; the peak the largest of any rank.
     local = torch.tensor([r.times[i] if r.times else 0.0 for r in runs for i in range(total)])
     dist.all_reduce(local, op=dist.ReduceOp.MAX)
@@ -466,10 +517,7 @@ def peer_worker(rank: int, world: int, cfg: PeerConfig) -> dict[str, Any]:
         "times": local.view(len(runs), total).tolist(),
         "peaks": peaks.tolist(),
         "losses": [r.losses for r in runs],
-        "lower_bounds": {
-            (c, p): [_lower_bound(cfg, st, c, p) for st in steps]
-            for c, p in {(r.chunks, r.placement) for r in runs}
-        },
+        "lower_bounds": [lbs[(r.chunks, r.placement, r.split)] for r in runs],
     }
 
 
@@ -497,6 +545,7 @@ class _Run:
     chunks: int
     placement: str
     fn: Callable[[int], float] | None
+    split: bool = False
     error: str = ""
     peak: int = 0
     times: list[float] = field(default_factory=list)
@@ -539,9 +588,7 @@ def peer_benchmark(
     rows: list[PeerRun] = []
     for i, key in enumerate(keys):
         err = r0["errors"][i]
-        lbs = r0["lower_bounds"][
-            ((TORCH_SCHEDULES[key[1]]) if key[0] == "torch" else _rr_chunks(key[1]))
-        ]
+        lbs = r0["lower_bounds"][i]
         steps_s = tuple(r0["times"][i][w:])
         ok = not err
         eff = (
@@ -588,6 +635,12 @@ def peer_benchmark(
         "mean_task_s": mean_task,
         "comm_share": r0["one_way_s"] / mean_task,
     }
+
+
+def _rr_split(hint: str) -> tuple[str, bool]:
+    """``"name:split"`` runs the hint on a split backward (I/W); ``zb_h1`` always splits."""
+    name, _, flag = hint.partition(":")
+    return name, flag == "split" or name in ("zb_h1", "zbh1")
 
 
 def _rr_chunks(hint: str) -> tuple[int, str]:

@@ -561,7 +561,7 @@ def bench_peer(
         ):
             t.add_row(
                 r["system"],
-                r["schedule"] or r["hint"],
+                (r["schedule"] or r["hint"]).replace("breadth_first_weighted", "bfw"),
                 r["policy"] or "",
                 f"{r['memory_factor']:g}x" if r["memory_factor"] else "",
                 f"{r['step_s']:.4f}",
@@ -572,7 +572,8 @@ def bench_peer(
             )
         t.caption = (
             f"efficiency = lower bound (emulated durations only) / step; losses of every"
-            f" configuration equal torch's within {res['loss_max_diff']:.1e}"
+            f" configuration equal torch's within {res['loss_max_diff']:.1e}; bfw ="
+            " breadth_first_weighted; ':split' = split backward (I/W)"
         )
         console.print(t)
 
