@@ -15,12 +15,13 @@ kind) in a table every process computes from the same seed: per token of the mic
 carries its microbatch's metadata (real tokens, index, step) in three trailing columns, so a
 module knows what it is costing under either runtime.
 
-torch's runtime can only be charged inside its modules. rrfp_async's rows run the same
-modules with the sleeps switched off and the executor sleeping the same table per task
-(``TableCost``): the weight-gradient sleep inside a module has to be a custom autograd op
-on the weight, for which the executor's real I/W split falls back to recomputing, so a
-split would be charged W = I + W there; charged by the executor, I and W pay exactly their
-share. The forward sleeps after the module instead of inside it; nothing else differs.
+torch's runtime can only be charged inside its modules, where the weight-gradient sleep
+has to be a custom autograd op on the weight; the executor's real I/W split falls back to
+recomputing for such ops (it would charge W = I + W). So rrfp_async's rows run the same
+modules without that one op, and the executor sleeps the weight-gradient share after the
+task's real compute (``TableCost``: 0 for F and I, W's share for B and W). Every task
+sleeps as many times as under torch (F once, I once, W once, B twice: I in the module, W
+after it), so sleep overshoot and cold caches after a sleep cost both systems alike.
 
 torch freezes shapes at its first step: it gets microbatches padded to the longest of the
 run, with the emulated cost of the real tokens (this isolates scheduling); a second row per
@@ -196,31 +197,30 @@ class PeerStage(nn.Module):
     """One virtual stage: ``Linear`` + emulated GPU time (see the module's design note).
 
     The input is ``[1, rows, hidden + 3]``: features, then real tokens, microbatch index and
-    step in every row (rows past the real tokens are padding). With ``sleeps=False`` the
-    module computes the same but sleeps nothing: the caller's executor then sleeps each
-    task's emulated time (``TableCost``).
+    step in every row (rows past the real tokens are padding). With ``weight_sleep=False``
+    the weight-gradient share is not slept here: the caller's executor sleeps it
+    (``TableCost``).
     """
 
     def __init__(
-        self, hidden: int, vstage: int, *, padded_cost: bool = False, sleeps: bool = True
+        self, hidden: int, vstage: int, *, padded_cost: bool = False, weight_sleep: bool = True
     ) -> None:
         super().__init__()
         self.lin = nn.Linear(hidden, hidden)
         self.vstage = vstage
         self.padded_cost = padded_cost
-        self.sleeps = sleeps
+        self.weight_sleep = weight_sleep
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         feats, meta = x[..., :-_META], x[..., -_META:].detach()
-        if not self.sleeps:
-            h = torch.tanh(self.lin(feats))
-            return torch.cat([h, meta], dim=-1)
         tokens, mb, step = (int(v) for v in meta[0, 0].tolist())
         key = (step, self.vstage, mb)
         # torch's shape inference runs the module on placeholder data: no cost then.
         scale = x.shape[1] / tokens if self.padded_cost and tokens > 0 else 1.0
         f, i, w = (_TABLE.get((*key, k), 0.0) * scale for k in ("F", "I", "W"))
-        weight = _Sleep.apply(self.lin.weight, 0.0, w)  # type: ignore[no-untyped-call]
+        weight = self.lin.weight
+        if self.weight_sleep:
+            weight = _Sleep.apply(weight, 0.0, w)  # type: ignore[no-untyped-call]
         h = torch.nn.functional.linear(feats, weight, self.lin.bias)
         h = _Sleep.apply(torch.tanh(h), f, i)  # type: ignore[no-untyped-call]
         return torch.cat([h, meta], dim=-1)
@@ -306,38 +306,35 @@ def _lower_bound(cfg: PeerConfig, st: _Step, chunks: int, placement: str, split:
 
 
 def _modules(
-    cfg: PeerConfig, rank: int, chunks: int, placement: str, padded: bool, sleeps: bool = True
+    cfg: PeerConfig, rank: int, chunks: int, placement: str, padded: bool, weight_sleep: bool = True
 ) -> dict[int, PeerStage]:
     topo = Topology(stages=cfg.stages, chunks=chunks, placement=placement)  # type: ignore[arg-type]
     mods = {}
     for v in topo.stages_of(rank):
         torch.manual_seed(10_000 + v)
-        mods[v] = PeerStage(cfg.hidden, v, padded_cost=padded, sleeps=sleeps)
+        mods[v] = PeerStage(cfg.hidden, v, padded_cost=padded, weight_sleep=weight_sleep)
     return mods
 
 
 class TableCost(EmulatedCost):
-    """The benchmark's emulated time as a ``TorchStageExecutor`` emulation: the executor
-    sleeps each task's duration from the same per-step table the modules read (F, I = W =
-    half of B), after the task's real compute.
-
-    rrfp_async's rows use it with sleep-free modules: torch's runtime can only be charged
-    inside the module, but there the weight-gradient sleep has to be a custom autograd op
-    on the weight, and the executor's I/W split falls back to recomputing for custom ops (it
-    would charge W = I + W). Charged by the executor, a split pays exactly I and W.
+    """The weight-gradient share of the benchmark's emulated time, slept by a
+    ``TorchStageExecutor`` after a task's real compute: W's share of the step's table for B
+    and W tasks, nothing for F and I (the module sleeps those). See the module's note.
     """
 
-    def __init__(self, cfg: PeerConfig, steps: Sequence[_Step], chunks: int) -> None:
+    def __init__(self, steps: Sequence[_Step], chunks: int) -> None:
         super().__init__(cost=CostModel())
-        object.__setattr__(self, "_tables", (cfg, steps, chunks))
+        object.__setattr__(self, "_tables", (steps, chunks))
 
     def durations(
         self, plan: StepPlan, microbatches: Sequence[Any], step: int, rank: int
     ) -> Durations:
-        """The step's table (seconds) for ``plan``."""
-        _cfg, steps, chunks = self._tables  # type: ignore[attr-defined]
+        """Seconds per task of ``step``: B and W get W's share, F and I nothing."""
+        steps, chunks = self._tables  # type: ignore[attr-defined]
         st = steps[step]
-        return Durations.from_arrays(plan, st.forward[chunks], st.backward[chunks])
+        zeros = [[0.0] * len(row) for row in st.forward[chunks]]
+        w = [[b / 2 for b in row] for row in st.backward[chunks]]
+        return Durations.from_arrays(plan, zeros, w, input_grad_share=0.0)
 
 
 def _torch_peak(order: Sequence[Any]) -> int:
@@ -432,8 +429,8 @@ def peer_worker(rank: int, world: int, cfg: PeerConfig) -> dict[str, Any]:
         name, split = _rr_split(hint)
         chunks, placement = _rr_chunks(name)
         plan = _plan(cfg, chunks, placement, split)
-        mods = _modules(cfg, rank, chunks, placement, False, sleeps=False)
-        executor = TorchStageExecutor(mods, _loss, rank=rank, emulate=TableCost(cfg, steps, chunks))
+        mods = _modules(cfg, rank, chunks, placement, False, weight_sleep=False)
+        executor = TorchStageExecutor(mods, _loss, rank=rank, emulate=TableCost(steps, chunks))
         closers.append(executor.close)
         for mf in cfg.memory_factors:
             for pol in cfg.policies:
