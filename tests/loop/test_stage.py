@@ -379,6 +379,18 @@ class _Ending:
         return None
 
 
+def _leader(s: StepSchedule, executor: Any, policy: Any, coord: _LeaderLog) -> StageLoop:
+    """A one-rank stage whose TP coordinator is the recording leader stand-in."""
+    return StageLoop(
+        0,
+        schedule=s,
+        executor=executor,
+        endpoint=LocalChannel(1).endpoint(0),
+        policy=policy,
+        coordinator=coord,
+    )
+
+
 @pytest.mark.parametrize("policy", ["strict", "readiness_first", "lateness_aware", "backfill"])
 def test_tp_leader_publishes_a_ready_hinted_task_one_task_ahead(policy: str) -> None:
     # One rank, GPipe: every forward is ready from the start and each backward as soon as
@@ -387,15 +399,7 @@ def test_tp_leader_publishes_a_ready_hinted_task_one_task_ahead(policy: str) -> 
     s = sched(p=1, m=4, hint="gpipe")
     ended: list[Task] = []
     coord = _LeaderLog(ended)
-    stage = StageLoop(
-        0,
-        schedule=s,
-        executor=_Ending(ended),
-        endpoint=LocalChannel(1).endpoint(0),
-        policy=policy,
-        coordinator=coord,
-    )
-    run_virtual(stage.run_step(list(range(4))))
+    run_virtual(_leader(s, _Ending(ended), policy, coord).run_step(list(range(4))))
     assert [t for _, t, _ in coord.published] == ended == list(s.hint[0])
     assert [seq for seq, _, _ in coord.published] == list(range(8))
     # (seq, tasks ended when it was published): seq k ahead means k - 1 tasks had ended.
@@ -410,15 +414,7 @@ def test_a_policy_without_the_mark_is_asked_at_every_dispatch() -> None:
     s = sched(p=1, m=4, hint="gpipe", memory_factor=4.0)
     ended: list[Task] = []
     coord = _LeaderLog(ended)
-    stage = StageLoop(
-        0,
-        schedule=s,
-        executor=_Ending(ended),
-        endpoint=LocalChannel(1).endpoint(0),
-        policy=mine,
-        coordinator=coord,
-    )
-    run_virtual(stage.run_step(list(range(4))))
+    run_virtual(_leader(s, _Ending(ended), mine, coord).run_step(list(range(4))))
     assert all(n == seq for seq, _, n in coord.published)
     assert [t for _, t, _ in coord.published] == ended
 
@@ -433,14 +429,6 @@ class _Instant:
 def test_look_ahead_never_publishes_twice_with_an_executor_that_rarely_yields() -> None:
     s = sched(p=1, m=6, hint="gpipe")
     coord = _LeaderLog([])
-    stage = StageLoop(
-        0,
-        schedule=s,
-        executor=_Instant(),
-        endpoint=LocalChannel(1).endpoint(0),
-        policy="readiness_first",
-        coordinator=coord,
-    )
-    stats = run_virtual(stage.run_step(list(range(6))))
+    stats = run_virtual(_leader(s, _Instant(), "readiness_first", coord).run_step(list(range(6))))
     assert [seq for seq, _, _ in coord.published] == list(range(12))
     assert [t for _, t, _ in coord.published] == [e.task for e in stats.executed]
