@@ -601,8 +601,9 @@ class StageLoop:
     # broadcast later, and inside TP collectives the leader then waits for them: one
     # broadcast per task on the critical path. But a policy that always runs the next
     # hinted task when it is ready (every built-in one: ``chooses_ready_head``) would choose
-    # exactly that task at the end of the current one if it is ready already now, since
-    # nothing can outrank it and the head is always admitted. So the leader publishes it as
+    # exactly that task at the end of the current one if it is ready already now (or will be
+    # by then: its only missing input is the running task's output), since nothing can
+    # outrank it and the head is always admitted. So the leader publishes it as
     # the next decision as soon as the current task is on its compute thread, and the
     # broadcast travels while everybody computes.
 
@@ -615,12 +616,16 @@ class StageLoop:
         look = None
         if coord is not None and getattr(policy, "chooses_ready_head", False):
 
-            def look(seq: int) -> None:
+            def look(seq: int, running: int) -> None:
                 nonlocal pre
                 if self._st is not st or st.decisions != seq or pre >= 0:
                     return  # the next decision was taken already (an executor that never yielded)
                 h = st.ledger.head
-                if h < len(order) and st.missing[h] == 0:
+                # Ready now, or ready the moment the running task ends (its only missing input
+                # is that task's output: a last stage's B after its F, a W after its I).
+                if h < len(order) and (
+                    st.missing[h] == 0 or (st.missing[h] == 1 and h in st.prog.local_next[running])
+                ):
                     coord.publish(st.step, st.decisions, order[h])
                     if obs is not None:
                         obs.tp_decision(self, order[h], st.decisions, True)
@@ -685,7 +690,7 @@ class StageLoop:
         return pos
 
     async def _execute(
-        self, st: _StepState, pos: int, started: Callable[[int], None] | None = None
+        self, st: _StepState, pos: int, started: Callable[[int, int], None] | None = None
     ) -> None:
         prog = st.prog
         task = prog.order[pos]
@@ -711,7 +716,7 @@ class StageLoop:
         if started is not None:
             # Runs once the executor has handed the task to its compute thread and yields:
             # a look-ahead broadcast must not delay the task's own start.
-            asyncio.get_running_loop().call_soon(started, st.decisions)
+            asyncio.get_running_loop().call_soon(started, st.decisions, pos)
         out = await self.executor.execute(task, data, st.ctx)
         t1 = self._now()
         if rec is not None:

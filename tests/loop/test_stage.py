@@ -432,3 +432,14 @@ def test_look_ahead_never_publishes_twice_with_an_executor_that_rarely_yields() 
     stats = run_virtual(_leader(s, _Instant(), "readiness_first", coord).run_step(list(range(6))))
     assert [seq for seq, _, _ in coord.published] == list(range(12))
     assert [t for _, t, _ in coord.published] == [e.task for e in stats.executed]
+
+
+def test_tp_leader_looks_ahead_to_a_task_the_running_one_makes_ready() -> None:
+    # One rank, 1F1B: F0 B0 F1 B1 ... Each B only waits for its own F (the running task), each
+    # F is ready from the start: every decision but the first goes out one task ahead.
+    s = sched(p=1, m=4, hint="1f1b")
+    ended: list[Task] = []
+    coord = _LeaderLog(ended)
+    run_virtual(_leader(s, _Ending(ended), "readiness_first", coord).run_step(list(range(4))))
+    assert [t for _, t, _ in coord.published] == ended == list(s.hint[0])
+    assert [seq for seq, _, n in coord.published if n == seq - 1] == list(range(1, 8))
