@@ -741,11 +741,10 @@ def split_backward_cost(
         ``repeats``; ``ratio_tasks``: median over rounds of the round's I + W / B (CPU time
         of the executor tasks).
     """
-    import torch
 
     from ._executors import TaskContext
     from ._tasks import StepPlan, Task, Topology
-    from ._torch_executor import TorchStageExecutor
+    from ._torch_executor import TorchStageExecutor, stage_inputs
     from .models.image_text import ImageTextConfig, build_stage_modules, loss_fn, make_microbatches
 
     v = stages // 2 if stage is None else stage
@@ -754,20 +753,7 @@ def split_backward_cost(
     cfg = ImageTextConfig()
     modules = build_stage_modules(cfg, stages, list(range(stages)), None)
     mbs = make_microbatches(microbatches, cfg, seed=seed)
-    g = torch.Generator().manual_seed(seed)
-    inputs: list[Any] = []
-    grads: list[torch.Tensor | None] = []
-    with torch.no_grad():
-        for mb in mbs:
-            x: Any = mb.data
-            for s in range(v):
-                x = modules[s](x)
-            inputs.append(x if v == 0 else x.detach())
-            if v == stages - 1:
-                grads.append(None)
-            else:
-                out = modules[v](x)
-                grads.append(torch.randn(out.shape, generator=g, dtype=out.dtype) * 1e-2)
+    inputs, grads = stage_inputs(modules, mbs, v, seed=seed)
     top = Topology(stages=stages)
     plain = StepPlan(topology=top, microbatches=microbatches)
     split = StepPlan(topology=top, microbatches=microbatches, split_backward=True)

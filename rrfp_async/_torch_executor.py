@@ -564,6 +564,31 @@ class TorchStageExecutor:
         self.worker.close()
 
 
+def stage_inputs(
+    modules: Mapping[int, nn.Module], microbatches: Sequence[Any], stage: int, *, seed: int = 0
+) -> tuple[list[Any], list[torch.Tensor | None]]:
+    """Inputs of virtual stage ``stage`` (the earlier stages run on each microbatch's
+    ``data``, no grad) and a small seeded random gradient of its output (None on the last
+    stage, whose backward starts from the loss): what a stage-level measurement feeds F and
+    B."""
+    g = torch.Generator().manual_seed(seed)
+    inputs: list[Any] = []
+    grads: list[torch.Tensor | None] = []
+    last = max(modules)
+    with torch.no_grad():
+        for mb in microbatches:
+            x: Any = mb.data
+            for s in range(stage):
+                x = modules[s](x)
+            inputs.append(x if stage == 0 else x.detach())
+            if stage == last:
+                grads.append(None)
+            else:
+                out = modules[stage](x)
+                grads.append(torch.randn(out.shape, generator=g, dtype=out.dtype) * 1e-2)
+    return inputs, grads
+
+
 def measure_split_backward(
     *,
     stages: int = 4,
@@ -621,20 +646,7 @@ def measure_split_backward(
     try:
         modules = build_stage_modules(cfg, stages, list(range(stages)))
         mbs = make_microbatches(microbatches, cfg, seed=seed)
-        g = torch.Generator().manual_seed(seed)
-        inputs: list[Any] = []
-        grads: list[torch.Tensor | None] = []
-        with torch.no_grad():
-            for mb in mbs:
-                x: Any = mb.data
-                for s in range(v):
-                    x = modules[s](x)
-                inputs.append(x)
-                if v == stages - 1:
-                    grads.append(None)
-                else:
-                    out = modules[v](x)
-                    grads.append(torch.randn(out.shape, generator=g, dtype=out.dtype) * 1e-2)
+        inputs, grads = stage_inputs(modules, mbs, v, seed=seed)
         top = Topology(stages=stages)
         plain = StepPlan(topology=top, microbatches=microbatches)
         split = StepPlan(topology=top, microbatches=microbatches, split_backward=True)
