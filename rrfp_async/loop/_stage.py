@@ -305,8 +305,8 @@ class StageLoop:
         self._eager = bool(getattr(endpoint, "threadsafe_send", False)) and hasattr(
             executor, "output_hook"
         )
-        if self._eager:
-            executor.output_hook = self._send_output  # type: ignore[attr-defined]
+        if hasattr(executor, "output_hook"):  # this stage's hook, or none (not a stale one)
+            executor.output_hook = self._send_output if self._eager else None
         endpoint.bind(self)
 
     # ------------------------------------------------------------------ inbound events

@@ -443,3 +443,71 @@ def test_tp_leader_looks_ahead_to_a_task_the_running_one_makes_ready() -> None:
     run_virtual(_leader(s, _Ending(ended), "readiness_first", coord).run_step(list(range(4))))
     assert [t for _, t, _ in coord.published] == ended == list(s.hint[0])
     assert [seq for seq, _, n in coord.published if n == seq - 1] == list(range(1, 8))
+
+
+class _ThreadEndpoint:
+    """An endpoint that may be called from any thread (``threadsafe_send``): records the
+    sending thread and delivers on the loop."""
+
+    threadsafe_send = True
+
+    def __init__(self, rank: int, stages: dict[int, StageLoop], log: list[tuple[int, Task]]):
+        self._rank = rank
+        self.stages = stages
+        self.log = log
+        self.loop: asyncio.AbstractEventLoop | None = None
+
+    @property
+    def rank(self) -> int:
+        return self._rank
+
+    @property
+    def inflight(self) -> int:
+        return -1
+
+    def bind(self, sink: Any) -> None:
+        pass
+
+    def send(self, dst: int, step: int, task: Task, payload: Any) -> None:
+        import threading
+
+        self.log.append((threading.get_ident(), task))
+        assert self.loop is not None
+        self.loop.call_soon_threadsafe(self.stages[dst].deliver, step, task, payload, self._rank)
+
+
+class _ThreadExecutor:
+    """Computes on a worker thread and hands each output to ``output_hook`` there."""
+
+    def __init__(self) -> None:
+        self.output_hook: Any = None
+
+    async def execute(self, task: Task, data: Any, ctx: TaskContext) -> Any:
+        def work() -> str:
+            out = f"{task}"
+            if self.output_hook is not None:
+                self.output_hook(task, out)
+            return out
+
+        return await asyncio.to_thread(work)
+
+
+async def test_outputs_leave_from_the_compute_thread_once() -> None:
+    import threading
+
+    s = sched(p=2, m=3, hint="1f1b")
+    log: list[tuple[int, Task]] = []
+    stages: dict[int, StageLoop] = {}
+    endpoints = [_ThreadEndpoint(r, stages, log) for r in range(2)]
+    for r in range(2):
+        stages[r] = StageLoop(r, schedule=s, executor=_ThreadExecutor(), endpoint=endpoints[r])
+    for e in endpoints:
+        e.loop = asyncio.get_running_loop()
+    await asyncio.wait_for(asyncio.gather(*(st.run_step([0, 1, 2]) for st in stages.values())), 10)
+    sent = [t for _, t in log]
+    # Every cross-rank input was sent exactly once (rank 0's F outputs, rank 1's B outputs)...
+    assert sorted(sent) == sorted(
+        [Task(1, "F", m) for m in range(3)] + [Task(0, "B", m) for m in range(3)]
+    )
+    # ... and none of them from the loop's thread.
+    assert all(ident != threading.get_ident() for ident, _ in log)
