@@ -119,3 +119,14 @@ def test_log_options_on_every_command() -> None:
     ):
         res = CliRunner().invoke(main, [*cmd, "--help"])
         assert "--log-format" in res.output and "--log-level" in res.output, cmd
+
+
+def test_bench_peer_simulated_and_bad_input() -> None:
+    args = ["bench", "peer", "--simulated", "-p", "2", "-m", "4", "--steps", "2"]
+    res = CliRunner().invoke(main, [*args, "--us-per-token", "2", "--json"])
+    assert res.exit_code == 0, res.output
+    rows = json.loads(res.output)["simulated"]
+    assert {r["us_per_token"] for r in rows} == {2.0}
+    assert any(r["configuration"] == "1f1b strict 1x" and r["vs_strict_1f1b"] == 1.0 for r in rows)
+    bad = CliRunner().invoke(main, ["bench", "peer", "--torch-schedule", "ScheduleNope"])
+    assert bad.exit_code != 0 and "unknown torch schedule" in bad.output
