@@ -316,24 +316,28 @@ def _modules(
     return mods
 
 
+@dataclass(frozen=True, kw_only=True)
 class TableCost(EmulatedCost):
     """The weight-gradient share of the benchmark's emulated time, slept by a
     ``TorchStageExecutor`` after a task's real compute: W's share of the step's table for B
     and W tasks, nothing for F and I (the module sleeps those). See the module's note.
+
+    Attributes:
+        steps: The run's steps (their duration tables).
+        chunks: Model chunks per rank (which table).
     """
 
-    def __init__(self, steps: Sequence[_Step], chunks: int) -> None:
-        super().__init__(cost=CostModel())
-        object.__setattr__(self, "_tables", (steps, chunks))
+    cost: CostModel = field(default_factory=CostModel)
+    steps: tuple[_Step, ...] = ()
+    chunks: int = 1
 
     def durations(
         self, plan: StepPlan, microbatches: Sequence[Any], step: int, rank: int
     ) -> Durations:
         """Seconds per task of ``step``: B and W get W's share, F and I nothing."""
-        steps, chunks = self._tables  # type: ignore[attr-defined]
-        st = steps[step]
-        zeros = [[0.0] * len(row) for row in st.forward[chunks]]
-        w = [[b / 2 for b in row] for row in st.backward[chunks]]
+        st = self.steps[step]
+        zeros = [[0.0] * len(row) for row in st.forward[self.chunks]]
+        w = [[b / 2 for b in row] for row in st.backward[self.chunks]]
         return Durations.from_arrays(plan, zeros, w, input_grad_share=0.0)
 
 
@@ -430,7 +434,9 @@ def peer_worker(rank: int, world: int, cfg: PeerConfig) -> dict[str, Any]:
         chunks, placement = _rr_chunks(name)
         plan = _plan(cfg, chunks, placement, split)
         mods = _modules(cfg, rank, chunks, placement, False, weight_sleep=False)
-        executor = TorchStageExecutor(mods, _loss, rank=rank, emulate=TableCost(steps, chunks))
+        executor = TorchStageExecutor(
+            mods, _loss, rank=rank, emulate=TableCost(steps=tuple(steps), chunks=chunks)
+        )
         closers.append(executor.close)
         for mf in cfg.memory_factors:
             for pol in cfg.policies:
@@ -716,4 +722,65 @@ def _sim_row(name: str, base: Sequence[Any], res: Sequence[Any]) -> dict[str, An
             b.makespan / r.makespan for b, r in zip(base, res, strict=True)
         ),
         "efficiency": statistics.median(r.lower_bound / r.makespan for r in res),
+    }
+
+
+def module_host_time(cfg: PeerConfig, *, repeats: int = 2) -> dict[str, float]:
+    """Host time of one ``PeerStage`` task beyond its emulated duration, in this process
+    (one torch thread): what the efficiency's lower bound does not count, for either system.
+
+    Runs the first timed step's microbatches through a middle stage, forward then full
+    backward, ``repeats`` rounds after one warm-up round, with the emulated sleeps and
+    without them (real compute only).
+
+    Returns:
+        Medians in seconds: ``f_over`` / ``b_over`` (wall time minus emulated time, sleeps on),
+        ``f_compute`` / ``b_compute`` (sleeps off), and ``cap``: the efficiency any runtime is
+        held to by this alone (mean emulated task / mean emulated task + its overshoot).
+    """
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    saved = dict(_TABLE)
+    try:
+        steps = _make_steps(cfg)
+        s = cfg.warmup_steps
+        mod = PeerStage(cfg.hidden, 1)
+        xs = _inputs(cfg, s, steps[s].tokens, None)
+
+        def rounds(sleeps: bool) -> tuple[list[float], list[float], list[float], list[float]]:
+            _TABLE.clear()
+            if sleeps:
+                _fill_table(steps, 1)
+            f_over, b_over, f_emu, b_emu = [], [], [], []
+            for rep in range(repeats + 1):
+                for mb, x0 in enumerate(xs):
+                    x = x0.detach().requires_grad_()
+                    t0 = time.perf_counter()
+                    out = mod(x)
+                    t1 = time.perf_counter()
+                    torch.autograd.backward(out, torch.ones_like(out))
+                    t2 = time.perf_counter()
+                    f = _TABLE.get((s, 1, mb, "F"), 0.0)
+                    b = _TABLE.get((s, 1, mb, "I"), 0.0) + _TABLE.get((s, 1, mb, "W"), 0.0)
+                    if rep:  # the first round warms up (autograd's first backward is slow)
+                        f_over.append(t1 - t0 - f)
+                        b_over.append(t2 - t1 - b)
+                        f_emu.append(f)
+                        b_emu.append(b)
+            return f_over, b_over, f_emu, b_emu
+
+        f_over, b_over, f_emu, b_emu = rounds(True)
+        f_cpu, b_cpu, _, _ = rounds(False)
+    finally:
+        _TABLE.clear()
+        _TABLE.update(saved)
+        torch.set_num_threads(threads)
+    emu = statistics.mean(f_emu + b_emu)
+    over = statistics.mean(f_over + b_over)
+    return {
+        "f_over": statistics.median(f_over),
+        "b_over": statistics.median(b_over),
+        "f_compute": statistics.median(f_cpu),
+        "b_compute": statistics.median(b_cpu),
+        "cap": emu / (emu + over),
     }

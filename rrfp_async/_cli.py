@@ -458,6 +458,12 @@ def bench_pipeline(
     " simulation-guided hint and an oracle; --latency sets the message latency.",
 )
 @click.option("--latency", type=click.FloatRange(min=0), default=0.0007, show_default=True)
+@click.option(
+    "--host-time",
+    is_flag=True,
+    help="Instead: the stage module's host time per task beyond its emulated time (one"
+    " process), and the efficiency it alone caps any runtime at.",
+)
 @click.option("--json", "as_json", is_flag=True, help="Print {'runs': [...]} as JSON.")
 @log_options
 def bench_peer(
@@ -475,6 +481,7 @@ def bench_peer(
     memory_factors: tuple[float, ...],
     simulated: bool,
     latency: float,
+    host_time: bool,
     as_json: bool,
 ) -> None:
     """Side by side with torch.distributed.pipelining: same modules, same microbatches.
@@ -510,6 +517,21 @@ def bench_peer(
         raise click.BadParameter(str(e)) from e
     if simulated:
         _peer_simulated(cfgs, latency, as_json)
+        return
+    if host_time:
+        from ._bench_peer import module_host_time
+
+        rows = [{"us_per_token": c.us_per_token, **module_host_time(c)} for c in cfgs]
+        if as_json:
+            click.echo(json.dumps({"host_time": rows}, indent=2))
+            return
+        for r in rows:
+            click.echo(
+                f"{r['us_per_token']:g} µs/token: forward +{r['f_over'] * 1e3:.2f} ms, backward"
+                f" +{r['b_over'] * 1e3:.2f} ms over the emulated time (real compute alone"
+                f" {r['f_compute'] * 1e3:.2f} / {r['b_compute'] * 1e3:.2f} ms); efficiency"
+                f" cap {r['cap']:.2f}"
+            )
         return
     results = []
     for cfg in cfgs:

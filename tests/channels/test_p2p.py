@@ -142,16 +142,23 @@ async def _growing(rank: int) -> dict[str, Any]:
         inbound=[0] if rank else [],
         outbound=[1] if rank == 0 else [],
         inline_bytes=64,
+        max_bytes=8192,
     )
     sizes = [4, 256, 256, 2, 1024, 1024, 0]
     sink = _Sink(len(sizes))
     ch.bind(sink)
     async with ch:
         if rank == 0:
+            refused = ""
             for i, n in enumerate(sizes):
+                if i == 3:  # too large for max_bytes: refused here, and it takes no seq
+                    try:
+                        ch.send(1, 0, rr.Task(1, "F", 99), torch.zeros(4096))
+                    except rr.ProtocolError as e:
+                        refused = str(e)
                 payload = torch.arange(n, dtype=torch.float32) + i if n else None
                 ch.send(1, 0, rr.Task(1, "F", i), payload)
-            return {"inline_sent": ch.inline_sent, "sent": ch.sent}
+            return {"inline_sent": ch.inline_sent, "sent": ch.sent, "refused": refused}
         await asyncio.wait_for(sink.done.wait(), 60)
         assert not sink.errors, sink.errors
         return {
@@ -187,3 +194,5 @@ def test_inline_capacity_grows_in_step_on_both_sides() -> None:
     # Sizes 256 floats and 1024 floats did not fit the first time; every other message went
     # inline (the None payload included).
     assert sender["sent"] == len(sizes) and sender["inline_sent"] == len(sizes) - 2
+    # The refused payload named its size; the receiver saw no gap in the sequence numbers.
+    assert "16384 bytes > max_bytes=8192" in sender["refused"]

@@ -26,10 +26,10 @@ from rrfp_async import (
     Task,
     TaskContext,
     Topology,
-    VirtualEventLoop,
     compare,
 )
 from rrfp_async.channels import LocalChannel
+from tests._virtual import run_virtual
 
 
 def sched(p: int = 2, m: int = 4, v: int = 1, hint: str = "1f1b", **kw: Any) -> StepSchedule:
@@ -40,14 +40,6 @@ def sched(p: int = 2, m: int = 4, v: int = 1, hint: str = "1f1b", **kw: Any) -> 
 def unit(s: StepSchedule) -> Durations:
     pl = s.plan
     return Durations.from_arrays(pl, [[1.0] * pl.microbatches for _ in range(pl.num_virtual)])
-
-
-def run_virtual(coro: Any) -> Any:
-    loop = VirtualEventLoop()
-    try:
-        return loop.run_until_complete(coro)
-    finally:
-        loop.close()
 
 
 @pytest.mark.parametrize("name", sorted(HINTS))

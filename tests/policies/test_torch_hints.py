@@ -32,6 +32,7 @@ from rrfp_async import (  # noqa: E402
     hint_from_torch,
 )
 from rrfp_async.policies import validate_hint  # noqa: E402
+from tests._virtual import run_virtual  # noqa: E402
 
 MULTI_CASES: dict[str, list[tuple[int, int, int]]] = {
     "ScheduleInterleaved1F1B": [(2, 4, 2), (4, 8, 2), (3, 6, 3), (4, 6, 2), (2, 3, 1)],
@@ -149,14 +150,6 @@ def torch_executes(cls: type, p: int, m: int) -> dict[int, list[Task]]:
         sch._step_microbatches()
         out[r] = stage.done
     return out
-
-
-def run_virtual(coro: Any) -> Any:
-    loop = VirtualEventLoop()
-    try:
-        return loop.run_until_complete(coro)
-    finally:
-        loop.close()
 
 
 def check_runs(plan: rr.StepPlan, hint: dict[int, list[Task]]) -> None:
