@@ -22,7 +22,7 @@ import statistics
 import torch.distributed as dist
 
 import rrfp_async as rr
-from rrfp_async._train import TrainConfig, TrainResult, emulated_cost, train_worker
+from rrfp_async.distributed._train import TrainConfig, TrainResult, emulated_cost, train_worker
 
 
 def parse(argv: list[str] | None = None) -> tuple[argparse.Namespace, TrainConfig]:

@@ -22,7 +22,6 @@ from ._costs import (
     Workload,
     make_workload,
 )
-from ._distributed import DistributedStage
 from ._errors import (
     ChannelError,
     DeadlockError,
@@ -36,14 +35,15 @@ from ._errors import (
     SpawnError,
     StepTimeoutError,
 )
-from ._executors import CostModelExecutor, Executor, TaskContext
-from ._layout import ProcessLayout, StageGroups, build_groups, pipeline_neighbors
-from ._logging import LogObserver, configure_logging
-from ._simulate import SimResult, compare, lower_bound, simulate
-from ._spawn import free_port, spawn
 from ._tasks import Kind, Placement, StepPlan, Task, Topology, format_tasks, parse_tasks
-from ._torch_executor import EmulatedCost, TorchStageExecutor
-from ._trace import (
+from .distributed._layout import ProcessLayout, StageGroups, build_groups, pipeline_neighbors
+from .distributed._spawn import free_port, spawn
+from .distributed._stage import DistributedStage
+from .distributed._torch_executor import EmulatedCost, TorchStageExecutor
+from .loop import ExecutedTask, LocalPipeline, StageLoop, StepStats, VirtualEventLoop, run
+from .loop._executors import CostModelExecutor, Executor, TaskContext
+from .observability._logging import LogObserver, configure_logging
+from .observability._trace import (
     MultiObserver,
     TraceData,
     TraceRecorder,
@@ -54,7 +54,6 @@ from ._trace import (
     validate_chrome_trace,
     write_trace,
 )
-from .loop import ExecutedTask, LocalPipeline, StageLoop, StepStats, VirtualEventLoop, run
 from .policies import (
     HINTS,
     Policy,
@@ -68,6 +67,7 @@ from .policies import (
     strict,
     validate_hint,
 )
+from .sim._simulate import SimResult, compare, lower_bound, simulate
 
 __version__ = "0.1.0"
 

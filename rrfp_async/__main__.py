@@ -1,5 +1,5 @@
 """``python -m rrfp_async`` runs the ``rrfp-async`` command line."""
 
-from ._cli import main
+from .cli import main
 
 main()

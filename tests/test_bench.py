@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from rrfp_async import _bench
+from rrfp_async.cli import _bench
 
 
 def test_simulator_benchmarks_small() -> None:

@@ -7,8 +7,8 @@ import json
 import pytest
 from click.testing import CliRunner
 
-from rrfp_async import _bench_overhead as ov
-from rrfp_async._cli import main
+from rrfp_async.cli import _bench_overhead as ov
+from rrfp_async.cli._main import main
 
 
 @pytest.mark.parametrize("k", [1, 3, 8])

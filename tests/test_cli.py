@@ -6,7 +6,7 @@ import json
 
 from click.testing import CliRunner
 
-from rrfp_async._cli import main
+from rrfp_async.cli._main import main
 
 
 def test_simulate_prints_the_comparison() -> None:

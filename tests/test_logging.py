@@ -10,8 +10,8 @@ import pytest
 from structlog.testing import capture_logs
 
 import rrfp_async as rr
-from rrfp_async import _events as ev
-from rrfp_async._logging import LogObserver, configure_logging
+from rrfp_async.observability import _events as ev
+from rrfp_async.observability._logging import LogObserver, configure_logging
 
 
 def test_decision_events_name_ready_sets_and_choices() -> None:
@@ -110,6 +110,7 @@ def test_failure_dump_is_logged_and_attached() -> None:
         endpoint=LocalChannel(1).endpoint(0),
         policy=sleepy,
         step_timeout=3.0,
+        observer=rr.MultiObserver(rr.TraceRecorder(), rr.LogObserver()),
     )
     loop = rr.VirtualEventLoop()
     with capture_logs() as logs:
@@ -121,4 +122,4 @@ def test_failure_dump_is_logged_and_attached() -> None:
     dumps = [e for e in logs if e["event"] == ev.STAGE_DUMP]
     assert len(dumps) == 1 and dumps[0]["log_level"] == "error"
     assert "StepTimeoutError" in dumps[0]["error"] and "ready: 0F0" in dumps[0]["dump"]
-    assert any("logged as event 'stage_dump'" in n for n in ei.value.__notes__)
+    assert any("state of rank 0 when the step failed" in n for n in ei.value.__notes__)

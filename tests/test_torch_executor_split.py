@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import rrfp_async as rr
-from rrfp_async import _torch_executor as te
+from rrfp_async.distributed import _torch_executor as te
 from rrfp_async.models import ImageTextConfig, build_stage_modules, loss_fn, make_microbatches
 
 CFG = ImageTextConfig()

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 import rrfp_async as rr
-from rrfp_async._trace import (
+from rrfp_async.observability._trace import (
     TraceData,
     load_trace,
     render_png,

@@ -33,9 +33,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from .._bridges import work_future
 from .._errors import DivergenceError
 from .._tasks import Kind, Task
-from ..loop._bridges import work_future
 
 __all__ = ["DecisionChannel", "sequence_digest"]
 

@@ -1,6 +1,6 @@
 """The per-stage event loop: ready set, arbitration, executors' completions, virtual time."""
 
-from ._bridges import ComputeWorker, cuda_event_future, run_blocking, torch_future, work_future
+from .._bridges import ComputeWorker, cuda_event_future, run_blocking, torch_future, work_future
 from ._pipeline import LocalPipeline
 from ._runner import loop_factory, run
 from ._stage import (

@@ -7,10 +7,10 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from .._errors import DeadlockError
-from .._executors import Executor
 from ..channels._local import LatencyFn, LocalChannel
 from ..policies._policy import Policy
 from ..policies._schedule import StepSchedule
+from ._executors import Executor
 from ._stage import StageLoop, StageObserver, StepStats, make_deadlock
 
 __all__ = ["LocalPipeline", "unwrap_group"]

@@ -44,11 +44,11 @@ from .._errors import (
     RRFPError,
     StepTimeoutError,
 )
-from .._executors import Executor, TaskContext
 from .._tasks import StepPlan, Task
 from ..channels._base import Endpoint
 from ..policies._policy import Policy, PolicyBase, get_policy, policy_name
 from ..policies._schedule import RankProgram, StepSchedule
+from ._executors import Executor, TaskContext
 
 __all__ = [
     "Coordinator",
@@ -148,6 +148,10 @@ class StageObserver(Protocol):
 
     def step_end(self, stage: StageLoop, stats: StepStats) -> None:
         """The step ended on this stage."""
+
+    def failed(self, stage: StageLoop, exc: BaseException, dump: str) -> None:
+        """The step failed with ``exc``; ``dump`` is the stage's state (see
+        :meth:`StageLoop.dump`). Called even when the observer is not ``active``."""
 
 
 class Coordinator(Protocol):
@@ -800,16 +804,14 @@ class StageLoop:
         return f"{task} <- " + (", ".join(why) if why else "a running task")
 
     def _dump_on_failure(self, exc: BaseException) -> None:
-        """Log this rank's state (event ``stage_dump``) and attach it to the error."""
-        from .._logging import log_stage_dump
-
+        """Attach this rank's state to the error and hand it to the observer's ``failed``
+        (:class:`~rrfp_async.LogObserver` logs it as event ``stage_dump``)."""
         text = self.dump(recent=True)
-        log_stage_dump(self, exc, text)
+        failed = getattr(self.observer, "failed", None)
+        if failed is not None:
+            failed(self, exc, text)
         if not isinstance(exc, DeadlockError):  # a deadlock carries every rank's grid
-            exc.add_note(
-                f"state of rank {self.rank} when the step failed (also logged as"
-                f" event 'stage_dump'):\n{text}"
-            )
+            exc.add_note(f"state of rank {self.rank} when the step failed:\n{text}")
 
     def dump(self, recent: bool = False) -> str:
         """A readable snapshot of the stage: ready set, in-flight, what waiting tasks wait for

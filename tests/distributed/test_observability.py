@@ -9,9 +9,14 @@ import pytest
 from click.testing import CliRunner
 
 import rrfp_async as rr
-from rrfp_async._cli import main
-from rrfp_async._trace import TraceData, chrome_trace, summarize, validate_chrome_trace
-from rrfp_async._train import TrainConfig, emulated_cost, train_worker
+from rrfp_async.cli._main import main
+from rrfp_async.distributed._train import TrainConfig, emulated_cost, train_worker
+from rrfp_async.observability._trace import (
+    TraceData,
+    chrome_trace,
+    summarize,
+    validate_chrome_trace,
+)
 
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(300)]
 
@@ -99,5 +104,5 @@ def test_demo_command_small(tmp_path: Path) -> None:
         assert word in res.output
     assert (tmp_path / "timeline.png").exists()
     for p in ("strict", "readiness_first", "backfill"):
-        tr = rr._trace.load_trace(tmp_path / f"trace_{p}.json")
+        tr = rr.load_trace(tmp_path / f"trace_{p}.json")
         assert validate_chrome_trace(tr) == []

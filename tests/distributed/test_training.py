@@ -16,7 +16,7 @@ import torch
 
 import rrfp_async as rr
 from rrfp_async import CostModel
-from rrfp_async._train import TrainConfig, TrainResult, emulated_cost, train_worker
+from rrfp_async.distributed._train import TrainConfig, TrainResult, emulated_cost, train_worker
 from rrfp_async.models import reference_train, unshard
 
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(300)]

@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 
 import rrfp_async as rr
-from rrfp_async.loop._bridges import (
+from rrfp_async._bridges import (
     ComputeWorker,
     cuda_event_future,
     run_blocking,

@@ -7,8 +7,8 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from ._logging import LogFormat
-from ._simulate import simulate
+from ..observability._logging import LogFormat
+from ..sim._simulate import simulate
 
 __all__ = [
     "logging_overhead",
@@ -167,9 +167,9 @@ def pipeline_step_times(
         log_level: Their level.
         (the others: see ``TrainConfig``)
     """
-    from ._spawn import spawn
-    from ._trace import TraceData
-    from ._train import TrainConfig, emulated_cost, train_worker
+    from ..distributed._spawn import spawn
+    from ..distributed._train import TrainConfig, emulated_cost, train_worker
+    from ..observability._trace import TraceData
 
     cfg = TrainConfig(
         pp=stages,
@@ -218,7 +218,7 @@ def logging_overhead(
     import io
     import os
 
-    from ._logging import LogObserver, configure_logging
+    from ..observability._logging import LogObserver, configure_logging
 
     devnull = open(os.devnull, "w")  # noqa: SIM115 - closed below
     variants = {

@@ -1,4 +1,4 @@
-"""Micro-benchmark of the awaitable bridges (``rrfp_async.loop._bridges``) on this machine.
+"""Micro-benchmark of the awaitable bridges (``rrfp_async._bridges``) on this machine.
 
 Design: every figure is microseconds per awaited operation, the median over a few batches
 (each batch times ``n`` back-to-back awaits, so timer overhead is amortised and one noisy
@@ -78,7 +78,7 @@ class _Completer:
 async def _loop_overheads(repeats: int) -> list[Row]:
     import torch
 
-    from .loop._bridges import ComputeWorker, run_blocking, torch_future
+    from .._bridges import ComputeWorker, run_blocking, torch_future
 
     loop = asyncio.get_running_loop()
     name = _loop_name(loop)
@@ -129,7 +129,7 @@ def run_bridge_bench(use_uvloop: bool, repeats: int = 2000) -> list[Row]:
     Returns:
         Rows ``{"name", "loop", "us_per_op"}``; ``loop`` names the loop actually used.
     """
-    from .loop._runner import loop_factory
+    from ..loop._runner import loop_factory
 
     with asyncio.Runner(loop_factory=loop_factory(use_uvloop)) as runner:
         return runner.run(_loop_overheads(repeats))
@@ -140,8 +140,8 @@ def _gloo_rank(rank: int, world: int, n: int) -> list[Row]:
     import torch
     import torch.distributed as dist
 
-    from .loop._bridges import work_future
-    from .loop._runner import loop_factory
+    from .._bridges import work_future
+    from ..loop._runner import loop_factory
 
     peer = 1 - rank
     buf = torch.zeros(16, dtype=torch.float32)  # 64 bytes
@@ -218,7 +218,7 @@ def gloo_bridge_bench(repeats: int = 500) -> list[Row]:
     Returns:
         Rows ``{"name", "loop", "us_per_op"}`` (``loop`` is ``"-"`` for blocking calls).
     """
-    from ._spawn import spawn
+    from ..distributed._spawn import spawn
 
     n = max(1, repeats // _BATCHES)
     return spawn(_gloo_rank, 2, n, timeout=120.0)[0]

@@ -41,7 +41,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from ._costs import (
+from .._costs import (
     LLM_STAGE,
     PAPER_IMAGE_TOKENS,
     VISION_STAGE,
@@ -51,10 +51,10 @@ from ._costs import (
     make_workload,
     multimodal_paper_sizes,
 )
-from ._simulate import lower_bound, simulate
-from ._tasks import StepPlan, Topology
-from .policies._hints import default_bound, remaining_work
-from .policies._listsched import list_schedule, strict_timeline
+from .._tasks import StepPlan, Topology
+from ..policies._hints import default_bound, remaining_work
+from ..policies._listsched import list_schedule, strict_timeline
+from ..sim._simulate import lower_bound, simulate
 
 __all__ = [
     "BASELINE",

@@ -17,9 +17,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
-from ._costs import CostModel, Durations, Microbatch
-from ._errors import PlanError
-from ._tasks import StepPlan, Task
+from .._costs import CostModel, Durations, Microbatch
+from .._errors import PlanError
+from .._tasks import StepPlan, Task
 
 __all__ = ["CostModelExecutor", "Executor", "OutputHook", "TaskContext"]
 

@@ -15,8 +15,8 @@ from typing import Any
 
 import torch.distributed as dist
 
-from ._errors import PlanError
-from ._tasks import StepPlan
+from .._errors import PlanError
+from .._tasks import StepPlan
 
 __all__ = ["ProcessLayout", "StageGroups", "build_groups", "pipeline_neighbors"]
 

@@ -3,7 +3,7 @@
 ``rank``, ``stage`` and ``step`` are bound through ``structlog.contextvars`` when a step
 starts, ``task`` while a task runs; asyncio tasks inherit them, so log lines of user code
 running inside a stage's step carry them too. Event names are the constants of
-``rrfp_async._events``.
+``rrfp_async.observability._events``.
 
 Cost: the stage calls an observer only while it is *active*; ``LogObserver.active`` is
 false when the logger filters out INFO, so disabled logging costs one check per step.
@@ -20,9 +20,9 @@ from typing import Any, Literal, TextIO
 import structlog
 from structlog.contextvars import bind_contextvars, unbind_contextvars
 
+from .._tasks import Task
+from ..loop._stage import StageLoop, StepStats
 from . import _events as ev
-from ._tasks import Task
-from .loop._stage import StageLoop, StepStats
 
 __all__ = ["LogFormat", "LogObserver", "configure_logging", "get_logger", "log_stage_dump"]
 
@@ -170,6 +170,9 @@ class LogObserver:
             self.log.debug(
                 ev.TP_DECISION_SENT if sent else ev.TP_DECISION_RECEIVED, task=str(task), seq=seq
             )
+
+    def failed(self, stage: StageLoop, exc: BaseException, dump: str) -> None:
+        log_stage_dump(stage, exc, dump)
 
 
 def log_stage_dump(stage: StageLoop, exc: BaseException, text: str) -> None:

@@ -29,8 +29,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ._tasks import Task
-from .loop._stage import StageLoop, StepStats
+from .._tasks import Task
+from ..loop._stage import StageLoop, StepStats
 
 __all__ = [
     "MultiObserver",
@@ -194,6 +194,13 @@ class MultiObserver:
         """True when any observer is active (the inactive ones are skipped this step)."""
         self._live = [o for o in self.observers if getattr(o, "active", True)]
         return bool(self._live)
+
+    def failed(self, stage: StageLoop, exc: BaseException, dump: str) -> None:
+        """Every observer that has ``failed`` gets it, active or not."""
+        for o in self.observers:
+            fn = getattr(o, "failed", None)
+            if fn is not None:
+                fn(stage, exc, dump)
 
     def __getattr__(self, name: str) -> Any:
         def fan(*args: Any) -> None:

@@ -14,17 +14,17 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from ._costs import CostModel, Durations, Microbatch, make_workload
-from ._errors import PlanError
-from ._executors import CostModelExecutor
-from ._tasks import Placement, StepPlan, Task, Topology
-from ._trace import MultiObserver, TraceData, TraceRecorder, chrome_trace
-from .loop._pipeline import LocalPipeline
-from .loop._stage import ExecutedTask, StageObserver, StepStats
-from .loop._virtual import VirtualEventLoop
-from .policies._hints import canonical_hint_name
-from .policies._policy import Policy
-from .policies._schedule import StepSchedule
+from .._costs import CostModel, Durations, Microbatch, make_workload
+from .._errors import PlanError
+from .._tasks import Placement, StepPlan, Task, Topology
+from ..loop._executors import CostModelExecutor
+from ..loop._pipeline import LocalPipeline
+from ..loop._stage import ExecutedTask, StageObserver, StepStats
+from ..loop._virtual import VirtualEventLoop
+from ..observability._trace import MultiObserver, TraceData, TraceRecorder, chrome_trace
+from ..policies._hints import canonical_hint_name
+from ..policies._policy import Policy
+from ..policies._schedule import StepSchedule
 
 __all__ = ["SimResult", "compare", "lower_bound", "simulate"]
 

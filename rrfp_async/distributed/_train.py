@@ -20,24 +20,24 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ._costs import CostModel, Microbatch, StageProfile
-from ._distributed import DistributedStage
-from ._layout import ProcessLayout, build_groups
-from ._logging import LogFormat, LogObserver, configure_logging
-from ._spawn import report_progress
-from ._tasks import StepPlan, Topology
-from ._torch_executor import EmulatedCost, TorchStageExecutor
-from ._trace import MultiObserver, TraceData, TraceRecorder
-from .loop._runner import run
-from .loop._stage import StepStats
-from .models.image_text import (
+from .._costs import CostModel, Microbatch, StageProfile
+from .._tasks import StepPlan, Topology
+from ..loop._runner import run
+from ..loop._stage import StepStats
+from ..models.image_text import (
     ImageTextConfig,
     TPContext,
     build_stage_modules,
     loss_fn,
     make_microbatches,
 )
-from .policies._schedule import StepSchedule
+from ..observability._logging import LogFormat, LogObserver, configure_logging
+from ..observability._trace import MultiObserver, TraceData, TraceRecorder
+from ..policies._schedule import StepSchedule
+from ._layout import ProcessLayout, build_groups
+from ._spawn import report_progress
+from ._stage import DistributedStage
+from ._torch_executor import EmulatedCost, TorchStageExecutor
 
 __all__ = ["TrainConfig", "TrainResult", "emulated_cost", "fixed_microbatches", "train_worker"]
 

@@ -12,12 +12,12 @@ import click
 from rich.console import Console
 from rich.table import Table
 
-from ._errors import RRFPError
-from ._logging import LogFormat, LogObserver, configure_logging
-from ._simulate import SimResult, simulate
-from ._trace import load_trace, render_png, summarize, write_trace
-from .policies._hints import HINTS
-from .policies._policy import available_policies
+from .._errors import RRFPError
+from ..observability._logging import LogFormat, LogObserver, configure_logging
+from ..observability._trace import load_trace, render_png, summarize, write_trace
+from ..policies._hints import HINTS
+from ..policies._policy import available_policies
+from ..sim._simulate import SimResult, simulate
 
 __all__ = ["main"]
 
@@ -1163,8 +1163,8 @@ def demo_cmd(
         TimeElapsedColumn,
     )
 
+    from ..observability._trace import chrome_trace
     from ._bench import pipeline_step_times
-    from ._trace import chrome_trace
 
     names = _policy_names(policies, ["strict", "readiness_first", "backfill"])
     fmt, level = _log_choice()

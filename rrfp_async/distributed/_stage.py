@@ -20,13 +20,13 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ._executors import Executor
+from ..channels._decisions import DecisionChannel
+from ..channels._p2p import P2PChannel
+from ..loop._executors import Executor
+from ..loop._stage import StageLoop, StageObserver, StepStats
+from ..policies._policy import Policy
+from ..policies._schedule import StepSchedule
 from ._layout import ProcessLayout, StageGroups, build_groups, pipeline_neighbors
-from .channels._decisions import DecisionChannel
-from .channels._p2p import P2PChannel
-from .loop._stage import StageLoop, StageObserver, StepStats
-from .policies._policy import Policy
-from .policies._schedule import StepSchedule
 
 __all__ = ["DistributedStage"]
 

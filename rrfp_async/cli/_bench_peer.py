@@ -51,9 +51,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ._costs import CostModel, Durations, make_workload
-from ._tasks import StepPlan, Topology
-from ._torch_executor import EmulatedCost
+from .._costs import CostModel, Durations, make_workload
+from .._tasks import StepPlan, Topology
+from ..distributed._torch_executor import EmulatedCost
 
 __all__ = [
     "TORCH_SCHEDULES",
@@ -296,7 +296,7 @@ def _plan(cfg: PeerConfig, chunks: int, placement: str, split: bool) -> StepPlan
 
 
 def _lower_bound(cfg: PeerConfig, st: _Step, chunks: int, placement: str, split: bool) -> float:
-    from ._simulate import lower_bound
+    from ..sim._simulate import lower_bound
 
     plan = _plan(cfg, chunks, placement, split)
     return lower_bound(plan, Durations.from_arrays(plan, st.forward[chunks], st.backward[chunks]))
@@ -367,11 +367,11 @@ def peer_worker(rank: int, world: int, cfg: PeerConfig) -> dict[str, Any]:
     """One process of ``peer_benchmark`` (module-level, so that ``spawn`` can pickle it)."""
     import torch.distributed.pipelining as tpp
 
-    from ._distributed import DistributedStage
-    from ._layout import ProcessLayout, build_groups
-    from ._torch_executor import TorchStageExecutor
-    from .loop._runner import loop_factory
-    from .policies._schedule import StepSchedule
+    from ..distributed._layout import ProcessLayout, build_groups
+    from ..distributed._stage import DistributedStage
+    from ..distributed._torch_executor import TorchStageExecutor
+    from ..loop._runner import loop_factory
+    from ..policies._schedule import StepSchedule
 
     steps = _make_steps(cfg)
     total = len(steps)
@@ -496,7 +496,7 @@ def peer_worker(rank: int, world: int, cfg: PeerConfig) -> dict[str, Any]:
                     current = run.chunks
                 run.times.append(run.fn(s))
             if rank == 0:
-                from ._spawn import report_progress
+                from ..distributed._spawn import report_progress
 
                 report_progress(s)
     finally:
@@ -570,7 +570,7 @@ def peer_benchmark(
         same step (1.0 there; NaN when it was not run); ``efficiency`` the median of
         lower bound / step time.
     """
-    from ._spawn import spawn
+    from ..distributed._spawn import spawn
 
     res = spawn(peer_worker, cfg.stages, cfg, timeout=cfg.timeout, on_progress=on_progress)
     r0, last = res[0], res[-1]
@@ -677,7 +677,7 @@ def peer_simulated(
     simulate every hint of ``_GUIDED`` under ``readiness_first`` on the declared durations,
     keep the fastest) and the *oracle* (the fastest on the realized durations).
     """
-    from ._simulate import simulate
+    from ..sim._simulate import simulate
 
     steps = _make_steps(cfg)[cfg.warmup_steps :]
     p, m = cfg.stages, cfg.microbatches

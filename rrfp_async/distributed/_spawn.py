@@ -18,7 +18,7 @@ import traceback
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-from ._errors import SpawnError
+from .._errors import SpawnError
 
 __all__ = ["free_port", "report_progress", "spawn"]
 

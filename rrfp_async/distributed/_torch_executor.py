@@ -80,11 +80,11 @@ import torch
 from torch import nn
 from torch.autograd.graph import Node
 
-from ._costs import CostModel, Durations, Microbatch
-from ._errors import PlanError
-from ._executors import OutputHook, TaskContext
-from ._tasks import StepPlan, Task
-from .loop._bridges import ComputeWorker
+from .._bridges import ComputeWorker
+from .._costs import CostModel, Durations, Microbatch
+from .._errors import PlanError
+from .._tasks import StepPlan, Task
+from ..loop._executors import OutputHook, TaskContext
 
 try:  # autograd.grad on GradientEdges: torch >= 2.4 (the declared support)
     from torch.autograd.graph import GradientEdge as _GradientEdge
@@ -630,9 +630,9 @@ def measure_split_backward(
     """
     import statistics
 
-    from ._executors import TaskContext
-    from ._tasks import Topology
-    from .models.image_text import ImageTextConfig, build_stage_modules, loss_fn, make_microbatches
+    from .._tasks import Topology
+    from ..loop._executors import TaskContext
+    from ..models.image_text import ImageTextConfig, build_stage_modules, loss_fn, make_microbatches
 
     cfg = ImageTextConfig() if config is None else config
     v = stages // 2 if stage is None else stage

@@ -158,8 +158,8 @@ def decision_schedule(ready: int, microbatches: int | None = None) -> Any:
     decisions (the final backwards) see fewer. Default ``microbatches``: ``max(32, 8k)``, so
     that tail is at most 1/16 of the decisions.
     """
-    from ._tasks import StepPlan, Task, Topology
-    from .policies._schedule import StepSchedule
+    from .._tasks import StepPlan, Task, Topology
+    from ..policies._schedule import StepSchedule
 
     k = ready
     if k < 1:
@@ -184,8 +184,8 @@ async def _decision_cases(
     ready_sizes: Sequence[int], policies: Sequence[str], microbatches: int | None
 ) -> list[dict[str, Any]]:
     """Build (and warm up) one stage per case on the running loop."""
-    from .channels._local import LocalChannel
-    from .loop._stage import StageLoop
+    from ..channels._local import LocalChannel
+    from ..loop._stage import StageLoop
 
     loop_name = _loop_name(asyncio.get_running_loop())
     cases: list[dict[str, Any]] = []
@@ -289,7 +289,7 @@ def decision_latency(
     """
     import contextlib
 
-    from .loop._runner import loop_factory
+    from ..loop._runner import loop_factory
 
     for name in loops:
         if name not in ("uvloop", "asyncio"):
@@ -379,9 +379,9 @@ def _message_rank(
     import torch
     import torch.distributed as dist
 
-    from ._tasks import Task
-    from .channels._p2p import P2PChannel
-    from .loop._runner import loop_factory
+    from .._tasks import Task
+    from ..channels._p2p import P2PChannel
+    from ..loop._runner import loop_factory
 
     peer = 1 - rank
     # The channel gets its own group: its listener thread keeps a receive posted, which on
@@ -486,7 +486,7 @@ def message_cost(
         is disturbed more often than the raw path: rerun on a quiet machine);
         ``delivered``: messages rank 0's sink received, warm-up included.
     """
-    from ._spawn import spawn
+    from ..distributed._spawn import spawn
 
     n = max(1, messages // batches)
     res = spawn(_message_rank, 2, list(sizes), n, batches, list(loops), timeout=timeout)
@@ -520,12 +520,12 @@ def _tp_rank(
     import torch
     import torch.distributed as dist
 
-    from ._distributed import DistributedStage
-    from ._layout import ProcessLayout, build_groups
-    from ._tasks import StepPlan, Task, Topology
-    from .channels._decisions import DecisionChannel
-    from .loop._runner import loop_factory
-    from .policies._schedule import StepSchedule
+    from .._tasks import StepPlan, Task, Topology
+    from ..channels._decisions import DecisionChannel
+    from ..distributed._layout import ProcessLayout, build_groups
+    from ..distributed._stage import DistributedStage
+    from ..loop._runner import loop_factory
+    from ..policies._schedule import StepSchedule
 
     layout = ProcessLayout.from_world(pp=1, tp=world)
     groups = build_groups(layout)
@@ -661,7 +661,7 @@ def tp_coordination(
         stage_uncoord_us, compute_ms, share, step_coord_ms, step_uncoord_ms,
         share_measured, step_decisions, published, target_ratio, met_ratio, met_share}``.
     """
-    from ._spawn import spawn
+    from ..distributed._spawn import spawn
 
     n = max(1, decisions // batches)
     rows: list[Row] = []
@@ -742,10 +742,10 @@ def split_backward_cost(
         of the executor tasks).
     """
 
-    from ._executors import TaskContext
-    from ._tasks import StepPlan, Task, Topology
-    from ._torch_executor import TorchStageExecutor, stage_inputs
-    from .models.image_text import ImageTextConfig, build_stage_modules, loss_fn, make_microbatches
+    from .._tasks import StepPlan, Task, Topology
+    from ..distributed._torch_executor import TorchStageExecutor, stage_inputs
+    from ..loop._executors import TaskContext
+    from ..models.image_text import ImageTextConfig, build_stage_modules, loss_fn, make_microbatches
 
     v = stages // 2 if stage is None else stage
     if not 0 <= v < stages:
@@ -807,7 +807,7 @@ def split_backward_cost(
                     acc[key].append(tot[key])
         return acc
 
-    from .loop._runner import run
+    from ..loop._runner import run
 
     try:
         acc = run(main())
@@ -861,7 +861,7 @@ def split_backward_cost(
 def _split_helper(**kwargs: Any) -> dict[str, Any]:
     """The executor's own ``measure_split_backward`` when it has one (CPU-time ratio, and
     whether the graph split or the recompute fallback ran), else nothing."""
-    from . import _torch_executor
+    from ..distributed import _torch_executor
 
     helper = getattr(_torch_executor, "measure_split_backward", None)
     if not callable(helper):
@@ -884,6 +884,6 @@ def _split_rank(rank: int, world: int, kwargs: dict[str, Any]) -> list[Row]:
 def split_backward_cost_isolated(timeout: float = 180.0, **kwargs: Any) -> list[Row]:
     """:func:`split_backward_cost` in a fresh process with one torch thread (like the
     pipeline ranks), so the CLI process's thread pool and heap do not bias it."""
-    from ._spawn import spawn
+    from ..distributed._spawn import spawn
 
     return spawn(_split_rank, 1, kwargs, timeout=timeout)[0]

@@ -1,0 +1,26 @@
+"""The distributed wiring: process layout and groups, :class:`DistributedStage` (a
+:class:`~rrfp_async.loop.StageLoop` on gloo/NCCL channels), the torch stage executor, the
+local process spawner and the example training harness."""
+
+from ._layout import ProcessLayout, StageGroups, build_groups, pipeline_neighbors
+from ._spawn import free_port, spawn
+from ._stage import DistributedStage
+from ._torch_executor import EmulatedCost, TorchStageExecutor
+from ._train import TrainConfig, TrainResult, emulated_cost, fixed_microbatches, train_worker
+
+__all__ = [
+    "DistributedStage",
+    "EmulatedCost",
+    "ProcessLayout",
+    "StageGroups",
+    "TorchStageExecutor",
+    "TrainConfig",
+    "TrainResult",
+    "build_groups",
+    "emulated_cost",
+    "fixed_microbatches",
+    "free_port",
+    "pipeline_neighbors",
+    "spawn",
+    "train_worker",
+]
