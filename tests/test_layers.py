@@ -112,7 +112,7 @@ def find_cycle(g: dict[str, set[str]]) -> list[str] | None:
         stack.append(n)
         for m in sorted(g.get(n, ())):
             if state.get(m) == 1:
-                return stack[stack.index(m) :] + [m]
+                return [*stack[stack.index(m) :], m]
             if m not in state:
                 found = visit(m)
                 if found:

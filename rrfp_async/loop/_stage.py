@@ -46,7 +46,7 @@ from .._errors import (
 )
 from .._tasks import StepPlan, Task
 from ..channels._base import Endpoint
-from ..policies._policy import Policy, PolicyBase, get_policy, policy_name
+from ..policies._policy import Policy, PolicyBase, ReadyView, get_policy, policy_name
 from ..policies._schedule import RankProgram, StepSchedule
 from ._executors import Executor, TaskContext
 
@@ -441,6 +441,15 @@ class StageLoop:
                     self.monitor.unblocked(self)
 
     # ------------------------------------------------------------------ the step
+
+    def now(self) -> float:
+        """The loop's clock (virtual time under a :class:`VirtualEventLoop`, else monotonic)."""
+        return self._now()
+
+    @property
+    def view(self) -> ReadyView:
+        """The policy's view of this stage (what observers and policies may read)."""
+        return self._view
 
     @property
     def plan(self) -> StepPlan:
