@@ -120,6 +120,10 @@ class StageObserver(Protocol):
     Every method is called on the loop thread; keep them cheap. A stage without an observer
     pays one ``is None`` test per transition. An observer may have an ``active`` attribute:
     when it is false at the start of a step, the stage does not call it during that step.
+
+    An observer may also define ``failed(stage, exc, dump)``: called (active or not) when a
+    step fails, with the stage's state as text (see :meth:`StageLoop.dump`);
+    :class:`~rrfp_async.LogObserver` logs it as event ``stage_dump``.
     """
 
     def step_start(self, stage: StageLoop) -> None:
@@ -148,10 +152,6 @@ class StageObserver(Protocol):
 
     def step_end(self, stage: StageLoop, stats: StepStats) -> None:
         """The step ended on this stage."""
-
-    def failed(self, stage: StageLoop, exc: BaseException, dump: str) -> None:
-        """The step failed with ``exc``; ``dump`` is the stage's state (see
-        :meth:`StageLoop.dump`). Called even when the observer is not ``active``."""
 
 
 class Coordinator(Protocol):
