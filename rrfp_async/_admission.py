@@ -2,7 +2,7 @@
 
 Design note
 -----------
-A readiness-first stage may run a task out of its hint order. Two things can then go wrong
+A readiness-first rank may run a task out of its hint order. Two things can then go wrong
 with memory: (1) it stashes more activations than the fixed order would, and (2) it fills
 its bound with forwards that cannot complete, while the task that would unblock the
 pipeline (say, a later-chunk forward of an earlier microbatch in an interleaved schedule)
@@ -49,20 +49,23 @@ def hint_peak(order: Sequence[Task]) -> int:
 class AdmissionLedger:
     """In-flight activation accounting of one rank for one step, against a safe order.
 
+    Tasks are named by their position in the hint. The caller calls ``start_at(k)`` when the
+    task at position ``k`` is dispatched and ``finish_at(k)`` when it completes;
+    ``admissible_at(k)`` (or ``admissible(task)``, or ``filter_admissible`` for a whole ready
+    list) says whether dispatching it now keeps the step safe.
+
     Args:
         order: The rank's hint (the safe sequence); it must fit ``bound`` when run in order.
         bound: The admission bound (most activations in flight at once).
-
-    The caller calls ``start(task)`` when a task is dispatched and ``finish(task)`` when it
-    completes; ``admissible(task)`` says whether dispatching it now keeps the step safe.
+        pos: Task -> position in ``order``, when the caller has it already.
     """
 
-    __slots__ = ("_delta", "_done", "_head", "_pos", "bound", "inflight", "peak")
+    __slots__ = ("_delta", "_head", "_pos", "_started", "bound", "inflight", "peak")
 
     def __init__(self, order: Sequence[Task], bound: int, pos: dict[Task, int] | None = None):
         self._pos = pos if pos is not None else {t: i for i, t in enumerate(order)}
         self._delta = [activation_delta(t.kind) for t in order]
-        self._done = bytearray(len(order))
+        self._started = bytearray(len(order))  # 1 once dispatched
         self._head = 0
         self.bound = bound
         self.inflight = 0
@@ -85,7 +88,7 @@ class AdmissionLedger:
         c = self.inflight + 1
         if c > bound:
             return [k for k in ready if delta[k] <= 0]
-        done = self._done
+        started = self._started
         s = m = 0
         j = self._head
         for i, k in enumerate(ready):
@@ -93,7 +96,7 @@ class AdmissionLedger:
                 out.append(k)
                 continue
             while j < k:
-                if not done[j]:
+                if not started[j]:
                     s += delta[j]
                     if s > m:
                         m = s
@@ -111,15 +114,15 @@ class AdmissionLedger:
 
     def start_at(self, k: int) -> None:
         """Record that the task at hint position ``k`` was dispatched."""
-        self._done[k] = 1
+        self._started[k] = 1
         if self._delta[k] > 0:
             self.inflight += 1
             if self.inflight > self.peak:
                 self.peak = self.inflight
         if k == self._head:
-            n = len(self._done)
+            n = len(self._started)
             h = k + 1
-            while h < n and self._done[h]:
+            while h < n and self._started[h]:
                 h += 1
             self._head = h
 

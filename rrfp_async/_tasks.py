@@ -49,14 +49,16 @@ _TASK_RE = re.compile(r"^\s*(\d+)\s*([FBIW])\s*(\d+)\s*$")
 
 
 class Task(NamedTuple):
-    """One unit of work of a pipeline step: a kind of pass of one microbatch on one stage.
+    """One unit of work of a pipeline step: one pass of one microbatch on one virtual stage.
 
     A task is a plain, hashable value (a named tuple: hashing and comparison run at C
     speed, which keeps the simulator fast). Its text form is ``{stage}{kind}{microbatch}``,
     e.g. ``2F3``; ``Task.parse`` reads it back.
 
     Attributes:
-        stage: The virtual stage (0 .. stages*chunks - 1).
+        stage: The *virtual* stage, ``0 .. P*V - 1``: one model chunk on one pipeline rank
+            (rank x chunk), not a pipeline rank. ``Topology.rank_of(stage)`` is the rank that
+            runs it; stage and rank coincide only with one chunk per rank (V = 1).
         kind: ``"F"``, ``"B"``, ``"I"`` or ``"W"``.
         mb: The microbatch index.
     """
@@ -102,13 +104,20 @@ def parse_tasks(text: str) -> list[Task]:
 class Topology:
     """Placement of virtual stages on pipeline ranks: P ranks x V chunks per rank.
 
+    Two words, two things. A *pipeline rank* (``0 .. P-1``) is one position along the
+    pipeline, run by one process (or one TP group); ``stages`` counts them (the
+    pipeline-parallel size). A *virtual stage* (``0 .. P*V - 1``) is one model chunk on one
+    rank (rank x chunk); it is what ``Task.stage`` names and ``num_virtual`` counts. Rank
+    ``r`` runs the V virtual stages ``stages_of(r)``; virtual stage ``v`` runs on rank
+    ``rank_of(v)``.
+
     Interleaved placement (Megatron, torch): virtual stage ``v`` lives on rank ``v % P``.
     V-shape placement (zero-bubble ZB-V): chunk ``c`` goes down the ranks when ``c`` is even
-    and back up when it is odd, so the last stage lands on rank 0.
+    and back up when it is odd, so the last virtual stage lands on rank 0.
 
     Attributes:
-        stages: Number of pipeline ranks P (>= 1).
-        chunks: Number of model chunks per rank V (>= 1).
+        stages: Number of pipeline ranks P (>= 1), not of virtual stages (``num_virtual``).
+        chunks: Number of model chunks (virtual stages) per rank V (>= 1).
         placement: ``"interleaved"`` (default) or ``"vshape"``.
     """
 
@@ -203,7 +212,7 @@ class StepPlan:
 
     @property
     def stages(self) -> int:
-        """Number of pipeline ranks P."""
+        """Number of pipeline ranks P, not of virtual stages (that is ``num_virtual``)."""
         return self.topology.stages
 
     @property

@@ -57,7 +57,7 @@ def test_filter_admissible_is_the_bankers_test(
     for k in sorted({s for s in started if s < len(order)}):
         led.start_at(k)
     led.inflight = inflight
-    ready = [k for k in range(len(order)) if not led._done[k]]
+    ready = [k for k in range(len(order)) if not led._started[k]]
     delta = [activation_delta(t.kind) for t in order]
 
     def reference(k: int) -> bool:
@@ -65,7 +65,7 @@ def test_filter_admissible_is_the_bankers_test(
             return True
         s = m = 0
         for j in range(led.head, k):
-            if not led._done[j]:
+            if not led._started[j]:
                 s += delta[j]
                 m = max(m, s)
         return inflight + 1 + m <= bound

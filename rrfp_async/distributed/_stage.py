@@ -22,8 +22,8 @@ import torch.distributed as dist
 
 from ..channels._decisions import DecisionChannel
 from ..channels._p2p import P2PChannel
+from ..loop import StageLoop, StageObserver, StepStats
 from ..loop._executors import Executor
-from ..loop._stage import StageLoop, StageObserver, StepStats
 from ..policies._policy import Policy
 from ..policies._schedule import StepSchedule
 from ._layout import ProcessLayout, StageGroups, build_groups, pipeline_neighbors

@@ -10,8 +10,10 @@ from .._errors import DeadlockError
 from ..channels._local import LatencyFn, LocalChannel
 from ..policies._policy import Policy
 from ..policies._schedule import StepSchedule
+from ._diagnostics import make_deadlock
 from ._executors import Executor
-from ._stage import StageLoop, StageObserver, StepStats, make_deadlock
+from ._records import StepStats
+from ._stage import StageLoop, StageObserver
 
 __all__ = ["LocalPipeline", "unwrap_group"]
 

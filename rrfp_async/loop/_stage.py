@@ -1,26 +1,9 @@
 """The stage loop: one object per pipeline rank that runs its tasks of each step.
 
-Design note
------------
-A stage owns a *ready set*: the tasks of its rank whose inputs have all arrived and that
-have not started. It changes only on events, never by polling:
-
-* a message arrives (``deliver``, called by the channel on the loop thread), or
-* one of the stage's own tasks finishes (which satisfies its same-rank dependents).
-
-The loop body is: wait until some ready task is admitted -> ask the policy coroutine which
-one to run -> run it on the executor and await its completion -> hand its output to the
-consumer (locally, or through the channel). The stage runs one task at a time, like a GPU
-compute stream; messages keep arriving while a task runs because the executor awaits.
-
-Admission (``AdmissionLedger``) keeps in-flight activations within the bound and makes
-out-of-order dispatch deadlock-free against a valid hint. A policy can still misbehave (wait
-for something that never comes); a *monitor* that sees every stage of a process (the local
-pipeline) then raises ``DeadlockError`` with a rank x task grid, and a step watchdog
-(``step_timeout``) bounds every other wait.
-
-Everything a stage starts belongs to the caller's task: the stage never creates orphan
-tasks and takes over nothing global, so it runs inside any asyncio loop.
+The dispatch loop (:meth:`StageLoop._decide_and_run`) and its design note are in the middle
+of the class; the step's bookkeeping is :class:`~rrfp_async.loop._state.StepState`, the
+policy's view :class:`~rrfp_async.loop._view.StageView`, the dumps and the deadlock grid
+:mod:`rrfp_async.loop._diagnostics`.
 """
 
 from __future__ import annotations
@@ -29,9 +12,8 @@ import asyncio
 import bisect
 import collections
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
-from dataclasses import dataclass, field
-from typing import Any, NamedTuple, Protocol
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any, Protocol
 
 from .._admission import AdmissionLedger
 from .._errors import (
@@ -47,8 +29,12 @@ from .._errors import (
 from .._tasks import StepPlan, Task
 from ..channels._base import Endpoint
 from ..policies._policy import Policy, PolicyBase, ReadyView, get_policy, policy_name
-from ..policies._schedule import RankProgram, StepSchedule
+from ..policies._schedule import StepSchedule
+from ._diagnostics import dump
 from ._executors import Executor, TaskContext
+from ._records import ExecutedTask, StepStats
+from ._state import NO_DATA, StepState
+from ._view import StageView
 
 __all__ = [
     "Coordinator",
@@ -58,60 +44,6 @@ __all__ = [
     "StageObserver",
     "StepStats",
 ]
-
-
-class ExecutedTask(NamedTuple):
-    """A task as it ran: ``task`` from ``start`` to ``end`` (seconds on the stage clock)."""
-
-    task: Task
-    start: float
-    end: float
-
-
-@dataclass(frozen=True, kw_only=True)
-class StepStats:
-    """What one stage did in one step.
-
-    Attributes:
-        rank: The pipeline rank.
-        step: The step number.
-        policy: The policy's name.
-        hint: The hint's name.
-        started: Clock when the step started on this stage.
-        finished: Clock when the stage's last task finished.
-        executed: Tasks in execution order with start/end times.
-        peak_inflight: Most activations held at once.
-        max_inflight: The admission bound.
-        decisions: Number of dispatch decisions (= tasks).
-        deviations: Decisions that ran a task other than the next hinted one.
-    """
-
-    rank: int
-    step: int
-    policy: str
-    hint: str
-    started: float
-    finished: float
-    executed: tuple[ExecutedTask, ...]
-    peak_inflight: int
-    max_inflight: int
-    decisions: int
-    deviations: int
-
-    @property
-    def busy(self) -> float:
-        """Seconds spent running tasks."""
-        return sum(e.end - e.start for e in self.executed)
-
-    @property
-    def elapsed(self) -> float:
-        """Seconds from step start to the stage's last task end."""
-        return self.finished - self.started
-
-    @property
-    def idle(self) -> float:
-        """Seconds of the step the stage was not running a task."""
-        return self.elapsed - self.busy
 
 
 class StageObserver(Protocol):
@@ -191,9 +123,6 @@ class StageMonitor(Protocol):
         """``stage`` is no longer blocked."""
 
 
-_NO_DATA = object()
-
-
 def _clock_of(loop: asyncio.AbstractEventLoop) -> Callable[[], float]:
     """The stage clock: the loop's own when it is virtual, else ``time.monotonic`` (one
     system-wide clock, so spans of different processes line up; uvloop's ``time()`` is
@@ -206,34 +135,6 @@ def _clock_of(loop: asyncio.AbstractEventLoop) -> Callable[[], float]:
 def _expire(w: asyncio.Future[bool]) -> None:
     if not w.done():
         w.set_result(False)
-
-
-@dataclass(eq=False)
-class _StepState:
-    step: int
-    prog: RankProgram
-    ledger: AdmissionLedger
-    microbatches: Sequence[Any]
-    ctx: TaskContext
-    missing: list[int]
-    arrived: bytearray
-    started: bytearray
-    finished: bytearray
-    inbox: list[Any]
-    ready: list[int] = field(default_factory=list)
-    left: int = 0
-    version: int = 0
-    executed: list[ExecutedTask] = field(default_factory=list)
-    observed: dict[Task, float] = field(default_factory=dict)
-    decisions: int = 0
-    deviations: int = 0
-    t_start: float = 0.0
-    last_end: float = 0.0
-    adm_cache: tuple[int, list[int]] = (-1, [])
-    awaited: int = -1
-    ends: list[float] = field(default_factory=list)
-    prefix_scan: int = 0
-    prefix_end: float = 0.0
 
 
 class StageLoop:
@@ -299,12 +200,12 @@ class StageLoop:
         self._now: Callable[[], float] = time.monotonic
         self._closed_peers: set[int] = set()
         self.blocked = False
-        self._st: _StepState | None = None
+        self._st: StepState | None = None
         self._waiter: asyncio.Future[bool] | None = None
         self._failure: BaseException | None = None
         self._early: dict[int, list[tuple[Task, Any, int]]] = {}
         self._next_step = 0
-        self._view = _View(self)
+        self._view = StageView(self)
         # Outputs leave from the compute thread when both sides allow it (see Executor).
         self._eager = bool(getattr(endpoint, "threadsafe_send", False)) and hasattr(
             executor, "output_hook"
@@ -390,7 +291,7 @@ class StageLoop:
                 )
                 return
 
-    def _satisfy(self, st: _StepState, pos: int) -> None:
+    def _satisfy(self, st: StepState, pos: int) -> None:
         st.missing[pos] -= 1
         if st.missing[pos] == 0:
             bisect.insort(st.ready, pos)
@@ -528,12 +429,13 @@ class StageLoop:
         finally:
             self._st = None
 
-    def _begin(self, step: int, microbatches: Sequence[Any]) -> _StepState:
+    def _begin(self, step: int, microbatches: Sequence[Any]) -> StepState:
         prog = self.schedule.program(self.rank)
         n = len(prog.order)
         loop = asyncio.get_running_loop()
-        st = _StepState(
+        st = StepState(
             step=step,
+            plan=self.schedule.plan,
             prog=prog,
             ledger=AdmissionLedger(prog.order, self.schedule.bounds[self.rank], prog.pos),
             microbatches=microbatches,
@@ -542,7 +444,7 @@ class StageLoop:
             arrived=bytearray(n),
             started=bytearray(n),
             finished=bytearray(n),
-            inbox=[_NO_DATA] * n,
+            inbox=[NO_DATA] * n,
             left=n,
         )
         self._now = _clock_of(loop)
@@ -567,7 +469,7 @@ class StageLoop:
         self._check_closed_peers()
         return st
 
-    async def _loop(self, st: _StepState) -> None:
+    async def _loop(self, st: StepState) -> None:
         coord = self.coordinator if self.coordinate else None
         if coord is not None:
             coord.begin_step(st.step, len(st.prog.order))
@@ -580,7 +482,7 @@ class StageLoop:
         if self.coordinator is not None and self.verify_sequences:
             await self.coordinator.verify_sequence(st.step, [e.task for e in st.executed])
 
-    async def _follow(self, st: _StepState, coord: Coordinator) -> None:
+    async def _follow(self, st: StepState, coord: Coordinator) -> None:
         """TP follower: run the leader's decisions in order, each once it is ready here."""
         obs = self._obs
         view = self._view
@@ -597,18 +499,40 @@ class StageLoop:
                     f"rank {self.rank} step {st.step}: the TP leader's decision {st.decisions}"
                     f" is {task}, which {why}"
                 )
-            while pos not in self._admitted(st):
+            while pos not in st.admitted():
                 if st.missing[pos] == 0:
                     raise DivergenceError(
                         f"rank {self.rank} step {st.step}: the TP leader chose {task}, which is"
                         f" ready here but not admitted ({st.ledger.inflight}/{st.ledger.bound}"
                         " in flight): the ranks' states diverged"
                     )
-                await self._wait(f"TP follower waits for {task}: {self._why(st, pos)}")
+                await self._wait(f"TP follower waits for {task}: {st.why(pos)}")
             if obs is not None:
                 obs.decision(self, task, view.ready, self._now() - st.last_end)
             await self._execute(st, pos)
 
+    # Design note
+    # -----------
+    # A stage owns a *ready set*: the tasks of its rank whose inputs have all arrived and that
+    # have not started. It changes only on events, never by polling:
+    #
+    # * a message arrives (``deliver``, called by the channel on the loop thread), or
+    # * one of the stage's own tasks finishes (which satisfies its same-rank dependents).
+    #
+    # The loop body is: wait until some ready task is admitted -> ask the policy coroutine which
+    # one to run -> run it on the executor and await its completion -> hand its output to the
+    # consumer (locally, or through the channel). The stage runs one task at a time, like a GPU
+    # compute stream; messages keep arriving while a task runs because the executor awaits.
+    #
+    # Admission (``AdmissionLedger``) keeps in-flight activations within the bound and makes
+    # out-of-order dispatch deadlock-free against a valid hint. A policy can still misbehave (wait
+    # for something that never comes); a *monitor* that sees every stage of a process (the local
+    # pipeline) then raises ``DeadlockError`` with a rank x task grid, and a step watchdog
+    # (``step_timeout``) bounds every other wait.
+    #
+    # Everything a stage starts belongs to the caller's task: the stage never creates orphan
+    # tasks and takes over nothing global, so it runs inside any asyncio loop.
+    #
     # TP look-ahead. A follower can only start a task once the leader's decision for it has
     # arrived; a decision taken when the leader's compute frees up reaches the followers one
     # broadcast later, and inside TP collectives the leader then waits for them: one
@@ -620,7 +544,7 @@ class StageLoop:
     # the next decision as soon as the current task is on its compute thread, and the
     # broadcast travels while everybody computes.
 
-    async def _decide_and_run(self, st: _StepState, coord: Coordinator | None) -> None:
+    async def _decide_and_run(self, st: StepState, coord: Coordinator | None) -> None:
         policy = self.policy
         view = self._view
         obs = self._obs
@@ -653,8 +577,8 @@ class StageLoop:
                     obs.decision(self, order[pos], view.ready, self._now() - st.last_end)
                 await self._execute(st, pos, look)
                 continue
-            if not self._admitted(st):
-                await self._wait(self._stall_reason(st))
+            if not st.admitted():
+                await self._wait(st.stall_reason())
                 continue
             try:
                 task = await policy(view)
@@ -676,14 +600,9 @@ class StageLoop:
                 obs.decision(self, task, view.ready, self._now() - st.last_end)
             await self._execute(st, pos, look)
 
-    def _admitted(self, st: _StepState) -> list[int]:
-        if st.adm_cache[0] != st.version:
-            st.adm_cache = (st.version, st.ledger.filter_admissible(st.ready))
-        return st.adm_cache[1]
-
-    def _check_choice(self, st: _StepState, task: object) -> int:
+    def _check_choice(self, st: StepState, task: object) -> int:
         pos: int | None = st.prog.pos.get(task) if isinstance(task, Task) else None
-        if pos is None or pos not in self._admitted(st):
+        if pos is None or pos not in st.admitted():
             if pos is None:
                 why = "is not a task of this rank"
             elif st.started[pos]:
@@ -703,7 +622,7 @@ class StageLoop:
         return pos
 
     async def _execute(
-        self, st: _StepState, pos: int, started: Callable[[int, int], None] | None = None
+        self, st: StepState, pos: int, started: Callable[[int, int], None] | None = None
     ) -> None:
         prog = st.prog
         task = prog.order[pos]
@@ -716,8 +635,8 @@ class StageLoop:
         st.version += 1
         st.left -= 1
         data = st.inbox[pos]
-        st.inbox[pos] = _NO_DATA
-        if data is _NO_DATA:
+        st.inbox[pos] = NO_DATA
+        if data is NO_DATA:
             data = None
         obs = self._obs
         if obs is not None:
@@ -754,7 +673,7 @@ class StageLoop:
         for nxt in prog.local_next[pos]:
             self._satisfy(st, nxt)
 
-    def _stats(self, st: _StepState) -> StepStats:
+    def _stats(self, st: StepState) -> StepStats:
         return StepStats(
             rank=self.rank,
             step=st.step,
@@ -771,46 +690,15 @@ class StageLoop:
 
     # ------------------------------------------------------------------ introspection
 
-    def _stall_reason(self, st: _StepState) -> str:
-        if st.ready:
-            return (
-                f"admission bound reached ({st.ledger.inflight}/{st.ledger.bound} in flight);"
-                f" held back: {' '.join(str(st.prog.order[p]) for p in st.ready)}"
-            )
-        waits = list(self.waiting_for(limit=3))
-        return "waiting for " + ("; ".join(waits) if waits else "nothing")
-
     def waiting_for(self, limit: int | None = None) -> Iterator[str]:
         """What the next unstarted, not-ready tasks (in hint order) wait for, one line each."""
         st = self._st
-        if st is None:
-            return
-        n = 0
-        for pos in range(st.ledger.head, len(st.prog.order)):
-            if st.started[pos] or st.missing[pos] == 0:
-                continue
-            yield self._why(st, pos)
-            n += 1
-            if limit is not None and n >= limit:
-                return
+        return iter(()) if st is None else st.waiting_for(limit)
 
-    def _why(self, st: _StepState, pos: int) -> str:
-        plan = self.schedule.plan
-        task = st.prog.order[pos]
-        if st.started[pos]:
-            return f"{task} already started"
-        why = []
-        for dep in plan.producers(task):
-            dpos = st.prog.pos.get(dep)
-            if dpos is None:  # a remote producer: its message has not arrived
-                if not st.arrived[pos]:
-                    why.append(f"message {dep} from rank {plan.rank_of(dep)}")
-            elif not st.finished[dpos]:
-                why.append(f"local {dep}" + (" (running)" if st.started[dpos] else ""))
-        if not why and st.missing[pos] == 0:
-            led = st.ledger
-            return f"{task} is ready but not admitted ({led.inflight}/{led.bound} in flight)"
-        return f"{task} <- " + (", ".join(why) if why else "a running task")
+    def dump(self, recent: bool = False) -> str:
+        """A readable snapshot of the stage: ready set, in-flight, what waiting tasks wait for
+        (and, with ``recent``, the last events of the flight recorder)."""
+        return dump(self, recent)
 
     def _dump_on_failure(self, exc: BaseException) -> None:
         """Attach this rank's state to the error and hand it to the observer's ``failed``
@@ -821,205 +709,3 @@ class StageLoop:
             failed(self, exc, text)
         if not isinstance(exc, DeadlockError):  # a deadlock carries every rank's grid
             exc.add_note(f"state of rank {self.rank} when the step failed:\n{text}")
-
-    def dump(self, recent: bool = False) -> str:
-        """A readable snapshot of the stage: ready set, in-flight, what waiting tasks wait for
-        (and, with ``recent``, the last events of the flight recorder)."""
-        st = self._st
-        if st is None:
-            return f"rank {self.rank}: idle (no step running)"
-        order = st.prog.order
-        ready = " ".join(str(order[p]) for p in st.ready) or "-"
-        adm = " ".join(str(order[p]) for p in self._admitted(st)) or "-"
-        head = order[st.ledger.head] if st.ledger.head < len(order) else None
-        lines = [
-            f"rank {self.rank} step {st.step} policy {self.policy_name} hint"
-            f" {self.schedule.hint_name}: {len(order) - st.left}/{len(order)} tasks started,"
-            f" in flight {st.ledger.inflight}/{st.ledger.bound}",
-            f"  next hinted: {head}",
-            f"  ready: {ready}",
-            f"  admitted: {adm}",
-        ]
-        lines += [f"  waits: {w}" for w in self.waiting_for(limit=6)]
-        if recent and self.recent:
-            t_end = self.recent[-1][0]
-            lines.append(f"  last {len(self.recent)} events (seconds before the last):")
-            lines += [f"    -{t_end - t:.6f} {what} {detail}" for t, what, detail in self.recent]
-        return "\n".join(lines)
-
-
-class _View:
-    """The live ``ReadyView`` a stage hands its policy."""
-
-    __slots__ = ("_s",)
-
-    def __init__(self, stage: StageLoop) -> None:
-        self._s = stage
-
-    def _st(self) -> _StepState:
-        st = self._s._st
-        if st is None:
-            raise RuntimeError("the ready view is only valid during a step")
-        return st
-
-    @property
-    def rank(self) -> int:
-        return self._s.rank
-
-    @property
-    def step(self) -> int:
-        return self._st().step
-
-    @property
-    def ready(self) -> list[Task]:
-        st = self._st()
-        order = st.prog.order
-        return [order[p] for p in self._s._admitted(st)]
-
-    @property
-    def blocked(self) -> list[Task]:
-        st = self._st()
-        adm = set(self._s._admitted(st))
-        return [st.prog.order[p] for p in st.ready if p not in adm]
-
-    @property
-    def next_hinted(self) -> Task:
-        st = self._st()
-        return st.prog.order[st.ledger.head]
-
-    @property
-    def hint(self) -> Sequence[Task]:
-        return self._st().prog.order
-
-    def hint_rank(self, task: Task) -> int:
-        return self._st().prog.pos[task]
-
-    def is_ready(self, task: Task) -> bool:
-        st = self._st()
-        pos = st.prog.pos.get(task)
-        return pos is not None and pos in self._s._admitted(st)
-
-    @property
-    def inflight(self) -> int:
-        return self._st().ledger.inflight
-
-    @property
-    def max_inflight(self) -> int:
-        return self._st().ledger.bound
-
-    @property
-    def remaining(self) -> int:
-        return self._st().left
-
-    @property
-    def durations(self) -> Mapping[Task, float]:
-        return self._st().observed
-
-    def now(self) -> float:
-        return self._s._now()
-
-    @property
-    def idle_since(self) -> float:
-        return self._st().last_end
-
-    @property
-    def hinted_deadline(self) -> float | None:
-        planned = self._s.schedule.planned(self._s.rank)
-        if planned is None:
-            return None
-        starts, gaps = planned
-        st = self._st()
-        head = st.ledger.head
-        # Every task before the head has started; between decisions they have all ended.
-        ends = st.ends
-        j = st.prefix_scan
-        m = st.prefix_end
-        while j < head:
-            if ends[j] > m:
-                m = ends[j]
-            j += 1
-        st.prefix_scan = j
-        st.prefix_end = m
-        if head >= len(gaps):
-            return m
-        # Late means later than the plan both relative to this rank's own progress (its
-        # hint prefix ended at m; the plan foresees a gap) and in absolute terms (a rank
-        # ahead of the plan waits for the planned start). Clocks are exact up to float
-        # rounding of sums taken in different orders, hence the tiny slack.
-        d = max(m + gaps[head], st.t_start + starts[head])
-        return d + 1e-9 * (1.0 + abs(d))
-
-    async def wait_until_ready(self, task: Task, timeout: float | None = None) -> bool:
-        st = self._st()
-        pos = st.prog.pos.get(task)
-        if pos is None or st.started[pos]:
-            why = "already ran" if pos is not None else "is not a task of this rank"
-            raise PolicyError(
-                f"policy {self._s.policy_name!r} on rank {self._s.rank} step {st.step} waits for"
-                f" {task!r}, which {why}",
-                policy=self._s.policy_name,
-                rank=self._s.rank,
-                step=st.step,
-                task=task,
-            )
-        now = self._s._now
-        deadline = None if timeout is None else now() + timeout
-        st.awaited = pos
-        try:
-            while pos not in self._s._admitted(st):
-                left = None if deadline is None else deadline - now()
-                if left is not None and left <= 0:
-                    return False
-                await self._s._wait(f"policy waits for {task}: " + self._s._stall_reason(st), left)
-        finally:
-            st.awaited = -1
-        return True
-
-    def declared_duration(self, task: Task) -> float | None:
-        d = self._s.schedule.declared
-        return None if d is None else d.of(task)
-
-    async def wait_for_change(self, timeout: float | None = None) -> bool:
-        st = self._st()
-        return await self._s._wait(
-            "policy waits for a change: " + self._s._stall_reason(st), timeout
-        )
-
-
-def deadlock_grid(stages: Sequence[StageLoop], width: int = 8) -> str:
-    """The rank x task grid of a deadlocked step: each rank's next unstarted tasks in hint
-    order (``*`` marks ready ones) and what the first of them waits for."""
-    lines = []
-    for s in stages:
-        st = s._st
-        if st is None:
-            lines.append(f"rank {s.rank:>3} | finished")
-            continue
-        order = st.prog.order
-        cells = []
-        for pos in range(st.ledger.head, len(order)):
-            if st.started[pos]:
-                continue
-            mark = "*" if st.missing[pos] == 0 else " "
-            cells.append(f"{order[pos]!s:>6}{mark}")
-            if len(cells) >= width:
-                break
-        if st.awaited >= 0:
-            first = f"policy {s.policy_name} waits for {s._why(st, st.awaited)}"
-        else:
-            first = next(iter(s.waiting_for(limit=1)), "")
-        lines.append(
-            f"rank {s.rank:>3} | {' '.join(cells)} | in flight {st.ledger.inflight}/"
-            f"{st.ledger.bound} | {first}  <-- WAITING"
-        )
-    return "\n".join(lines)
-
-
-def make_deadlock(stages: Sequence[StageLoop], step: int) -> DeadlockError:
-    """The ``DeadlockError`` for ``stages`` (all blocked, nothing in flight)."""
-    return DeadlockError(
-        f"step {step} cannot finish: no task is ready, none is running and no message is in"
-        " flight (* = ready but not chosen or not admitted)",
-        step=step,
-        grid=deadlock_grid(stages),
-    )

@@ -1,26 +1,35 @@
 """Hints (schedule orders) and policies (coroutines that pick among ready tasks).
 
+One concept per module, bottom first:
+
+* ``_listsched``: list scheduling on declared durations (cost-aware hints, the plan a hint
+  stands for);
+* ``_validate``: the ``Hint`` type and ``validate_hint``;
+* ``_bounds``: admission bounds (``default_bound``, ``resolve_bounds``);
+* ``_hints``: the hint generators and their registry (``HINTS``, ``make_hint``);
+* ``_torch_hints``: any ``torch.distributed.pipelining`` schedule as a hint;
+* ``_schedule``: ``StepSchedule``, a validated plan + hint + bounds, and each rank's program;
+* ``_policy``: the ``Policy`` protocol, the ``ReadyView`` it reads, the built-in policies
+  and their registry.
+
 Nothing here imports ``channels/``: deciding is independent of how messages move.
 """
 
+from ._bounds import default_bound, resolve_bounds
 from ._hints import (
     HINTS,
-    Hint,
     HintFn,
     backward_first,
     backward_forward_warmup,
     breadth_first,
     breadth_first_weighted,
     canonical_hint_name,
-    default_bound,
     gpipe,
     interleaved_1f1b,
     looped_bfs,
     make_hint,
     one_f_one_b,
     remaining_work,
-    resolve_bounds,
-    validate_hint,
     zb_h1,
 )
 from ._listsched import list_schedule, strict_timeline
@@ -40,6 +49,7 @@ from ._policy import (
 )
 from ._schedule import RankProgram, StepSchedule
 from ._torch_hints import hint_from_torch
+from ._validate import Hint, validate_hint
 
 __all__ = [
     "ENTRY_POINT_GROUP",

@@ -1,9 +1,10 @@
 """Hints: per-rank task orders. A hint ranks tasks; a policy decides how strictly to obey it.
 
-A hint is plain data, ``dict[rank, list[Task]]``, produced by a pure generator from the step
-plan and (for cost-aware hints) the declared durations of the step's microbatches, so a
-hint may be recomputed every step from microbatch metadata. ``validate_hint`` checks a hint
-before a step starts.
+A hint is plain data (``Hint``: one task order per pipeline rank), produced by a pure
+generator from the step plan and (for cost-aware hints) the declared durations of the step's
+microbatches, so a hint may be recomputed every step from microbatch metadata. ``make_hint``
+generates one by name and checks it with ``validate_hint`` (``_validate``); the cost-aware
+generators schedule under the default admission bounds (``_bounds``).
 
 Built-in generators (``HINTS``; names are case-insensitive, ``-`` and ``_`` are equal):
 
@@ -32,27 +33,32 @@ except ``zb_h1`` (which defers it) and the list-scheduled ones (which place it b
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable
 from typing import TypeAlias
 
-from .._admission import hint_peak
 from .._costs import Durations
 from .._errors import HintError
-from .._tasks import StepPlan, Task, format_tasks
-from ._listsched import list_schedule, strict_sweep
+from .._tasks import StepPlan, Task
+from ._bounds import default_bounds, microbatches_per_round
+from ._listsched import list_schedule
+from ._validate import validate_hint
 
 __all__ = [
     "HINTS",
-    "Hint",
     "HintFn",
-    "default_bound",
+    "backward_first",
+    "backward_forward_warmup",
+    "breadth_first",
+    "breadth_first_weighted",
+    "canonical_hint_name",
+    "gpipe",
+    "interleaved_1f1b",
+    "looped_bfs",
     "make_hint",
-    "resolve_bounds",
-    "validate_hint",
+    "one_f_one_b",
+    "remaining_work",
+    "zb_h1",
 ]
-
-Hint: TypeAlias = Mapping[int, Sequence[Task]]
-"""A hint: for every pipeline rank, the order in which its tasks are ranked."""
 
 HintFn: TypeAlias = Callable[[StepPlan, Durations | None], dict[int, list[Task]]]
 """A hint generator: ``(plan, declared durations or None) -> {rank: [Task, ...]}``."""
@@ -92,7 +98,8 @@ def gpipe(plan: StepPlan, durations: Durations | None = None) -> dict[int, list[
 
 
 def one_f_one_b(plan: StepPlan, durations: Durations | None = None) -> dict[int, list[Task]]:
-    """Megatron's 1F1B: ``P-s-1`` warm-up forwards, then (F, B) pairs, then the cool-down Bs."""
+    """Megatron's 1F1B: on rank ``r``, ``P-r-1`` warm-up forwards, then (F, B) pairs, then the
+    cool-down Bs."""
     _need_single_chunk(plan, "1f1b")
     p, m = plan.stages, plan.microbatches
     out = {}
@@ -107,17 +114,9 @@ def one_f_one_b(plan: StepPlan, durations: Durations | None = None) -> dict[int,
     return out
 
 
-def _per_round(plan: StepPlan) -> int | None:
-    """Microbatches per round, as torch computes it (flexible interleaving), or None when
-    M is not a multiple of the number of rounds max(1, M // P)."""
-    m = plan.microbatches
-    rounds = max(1, m // plan.stages)
-    return m // rounds if m % rounds == 0 else None
-
-
 def _rounds(plan: StepPlan, name: str) -> int:
     """Microbatches per round; ``HintError`` naming ``name`` when there is no such number."""
-    per_round = _per_round(plan)
+    per_round = microbatches_per_round(plan)
     if per_round is None:
         m = plan.microbatches
         rounds = max(1, m // plan.stages)
@@ -166,8 +165,9 @@ def interleaved_1f1b(plan: StepPlan, durations: Durations | None = None) -> dict
 
 
 def looped_bfs(plan: StepPlan, durations: Durations | None = None) -> dict[int, list[Task]]:
-    """torch's ``ScheduleLoopedBFS``: each local stage's forwards in turn, then the backwards
-    stage by stage in reverse, each in reverse microbatch order."""
+    """torch's ``ScheduleLoopedBFS``: the forwards of each of the rank's virtual stages in
+    turn, then the backwards virtual stage by virtual stage in reverse, each in reverse
+    microbatch order."""
     m = plan.microbatches
     out = {}
     for r in range(plan.stages):
@@ -181,8 +181,8 @@ def looped_bfs(plan: StepPlan, durations: Durations | None = None) -> dict[int, 
 def zb_h1(plan: StepPlan, durations: Durations | None = None) -> dict[int, list[Task]]:
     """Zero-bubble ZB-H1 (Qi et al., 2024): 1F1B's F/I order with each W deferred.
 
-    Rank ``s`` runs the 1F1B order with the backward split into ``I`` and ``W``, and runs
-    ``W(i)`` only after ``I(i + P-1-s)``: the first ranks keep ``P-1-s`` weight gradients
+    Rank ``r`` runs the 1F1B order with the backward split into ``I`` and ``W``, and runs
+    ``W(i)`` only after ``I(i + P-1-r)``: the first ranks keep ``P-1-r`` weight gradients
     back to fill the cool-down bubbles. Peak activations equal 1F1B's.
     """
     _need_single_chunk(plan, "zb_h1")
@@ -273,7 +273,7 @@ def breadth_first_weighted(
     d = _declared(plan, durations)
     work = remaining_work(plan, d)
     return list_schedule(
-        plan, d, key=lambda t: (-work[t], t.mb, t.stage), bounds=_family_bounds(plan)
+        plan, d, key=lambda t: (-work[t], t.mb, t.stage), bounds=default_bounds(plan)
     )
 
 
@@ -285,7 +285,7 @@ def backward_first(plan: StepPlan, durations: Durations | None = None) -> dict[i
 
     Simulates the step on the declared durations; a free rank runs a ready backward
     (``B``/``I``) before a ready forward, a forward before a ``W``, the earlier microbatch
-    first, the deeper stage first, within the 1F1B admission bound. With equal costs and
+    first, the deeper virtual stage first, within the 1F1B admission bound. With equal costs and
     V = 1 this reproduces 1F1B exactly; with unequal costs it adapts 1F1B to them.
     """
     d = _declared(plan, durations)
@@ -293,7 +293,7 @@ def backward_first(plan: StepPlan, durations: Durations | None = None) -> dict[i
         plan,
         d,
         key=lambda t: (_KIND_FIRST[t.kind], t.mb, -t.stage if t.kind == "F" else t.stage),
-        bounds=_family_bounds(plan),
+        bounds=default_bounds(plan),
     )
 
 
@@ -301,9 +301,9 @@ def backward_forward_warmup(
     plan: StepPlan, durations: Durations | None = None
 ) -> dict[int, list[Task]]:
     """ "BFW" read as *backward-forward with warm-up*: warm-up forwards, then alternate one
-    backward and one forward. That is exactly 1F1B (``P-s`` warm-up forwards then (B, F)
-    pairs is the same sequence as ``P-s-1`` warm-ups then (F, B) pairs), and interleaved
-    1F1B with chunks; it resolves to those orders."""
+    backward and one forward. That is exactly 1F1B (on rank ``r``, ``P-r`` warm-up forwards
+    then (B, F) pairs is the same sequence as ``P-r-1`` warm-ups then (F, B) pairs), and
+    interleaved 1F1B with chunks; it resolves to those orders."""
     if plan.topology.chunks == 1:
         return one_f_one_b(plan, durations)
     return interleaved_1f1b(plan, durations)
@@ -363,136 +363,3 @@ def make_hint(
     hint = fn(plan, durations)
     validate_hint(plan, hint)
     return hint
-
-
-def default_bound(plan: StepPlan, rank: int) -> int:
-    """What 1F1B holds in flight on ``rank``: ``min(P - s, M)`` with one chunk, and torch's /
-    Megatron's interleaved warm-up count plus one with several (capped at ``M * V``)."""
-    p, m, v = plan.stages, plan.microbatches, plan.topology.chunks
-    if v == 1:
-        return min(p - rank, m)
-    per_round = _per_round(plan) or p  # no torch rounds: Megatron's count, M per round = P
-    return min((v - 1) * per_round + 2 * (p - 1 - rank) + 1, m * v)
-
-
-def _family_bounds(plan: StepPlan) -> list[int]:
-    return [default_bound(plan, r) for r in range(plan.stages)]
-
-
-def resolve_bounds(
-    plan: StepPlan,
-    hint: Hint,
-    *,
-    max_inflight: int | Sequence[int] | None = None,
-    memory_factor: float | None = None,
-) -> list[int]:
-    """The admission bound of every rank.
-
-    Default: ``max(default_bound(rank), peak of the hint on that rank)``, i.e. what 1F1B
-    holds, or what the fixed order of the hint itself holds if it holds more (GPipe), so
-    that readiness-first never stashes more activations than the order it replaces.
-    ``memory_factor`` scales that default (rounded down, at least 1); ``max_inflight`` sets
-    it outright (one int for every rank, or one per rank).
-
-    Raises:
-        HintError: Both options given, a non-positive value, or a bound below the hint's own
-            peak (the hint could not run in order).
-    """
-    if max_inflight is not None and memory_factor is not None:
-        raise HintError("give max_inflight or memory_factor, not both")
-    p = plan.stages
-    peaks = [hint_peak(hint[r]) for r in range(p)]
-    if max_inflight is not None:
-        if isinstance(max_inflight, int):
-            bounds = [max_inflight] * p
-        else:
-            bounds = [int(x) for x in max_inflight]
-            if len(bounds) != p:
-                raise HintError(f"max_inflight needs one bound per rank ({p}), got {len(bounds)}")
-    else:
-        base = [max(default_bound(plan, r), peaks[r]) for r in range(p)]
-        if memory_factor is not None:
-            if not memory_factor > 0:
-                raise HintError(f"memory_factor must be > 0, got {memory_factor!r}")
-            bounds = [max(1, int(memory_factor * b + 1e-9)) for b in base]
-        else:
-            bounds = base
-    for r, (b, pk) in enumerate(zip(bounds, peaks, strict=True)):
-        if b < 1:
-            raise HintError(f"rank {r}: the admission bound must be >= 1, got {b}")
-        if pk > b:
-            raise HintError(
-                f"rank {r}: the hint holds {pk} activations in flight when run in order but"
-                f" the admission bound is {b}; raise max_inflight / memory_factor or choose a"
-                " hint that holds fewer"
-            )
-    return bounds
-
-
-def validate_hint(plan: StepPlan, hint: Hint, bounds: Sequence[int] | None = None) -> None:
-    """Check a hint against the plan before a step starts.
-
-    Checks: one order per rank; every task of the rank exactly once and no task of another
-    rank; every same-rank dependency before its dependent; no waiting cycle across ranks
-    (running every rank's order strictly finishes); and, when ``bounds`` are given, each
-    rank's in-flight peak within its bound.
-
-    Raises:
-        HintError: What is wrong, naming the rank and the task.
-    """
-    p = plan.stages
-    if sorted(hint) != list(range(p)):
-        raise HintError(
-            f"the hint must have one order per rank 0..{p - 1}, got ranks {sorted(hint)}"
-        )
-    for r in range(p):
-        order = list(hint[r])
-        seen: set[Task] = set()
-        for i, t in enumerate(order):
-            if not isinstance(t, tuple) or len(t) != 3:
-                raise HintError(f"rank {r}: position {i} is not a Task: {t!r}")
-            if not plan.contains(t):
-                raise HintError(f"rank {r}: task {t} is not part of this step")
-            if plan.rank_of(t) != r:
-                raise HintError(f"rank {r}: task {t} belongs to rank {plan.rank_of(t)}")
-            if t in seen:
-                raise HintError(f"rank {r}: task {t} appears twice (again at position {i})")
-            for dep in plan.producers(t):
-                if plan.rank_of(dep) == r and dep not in seen:
-                    raise HintError(
-                        f"rank {r}: task {t} at position {i} comes before its dependency {dep}"
-                    )
-            seen.add(t)
-        expected = len(plan.tasks_of(r))
-        if len(seen) != expected:
-            missing = sorted(set(plan.tasks_of(r)) - seen)
-            raise HintError(
-                f"rank {r}: the hint misses {len(missing)} task(s): {format_tasks(missing[:8])}"
-                + (" ..." if len(missing) > 8 else "")
-            )
-        if bounds is not None and hint_peak(order) > bounds[r]:
-            raise HintError(
-                f"rank {r}: the hint holds {hint_peak(order)} activations in flight, over the"
-                f" admission bound {bounds[r]}"
-            )
-    _check_no_cycle(plan, hint)
-
-
-def _check_no_cycle(plan: StepPlan, hint: Hint) -> None:
-    """Run every rank's order strictly on a symbolic clock; report the ranks that stall."""
-    times, heads = strict_sweep(plan, hint)
-    if len(times) == plan.num_tasks:
-        return
-    lines = []
-    for r in range(plan.stages):
-        order = hint[r]
-        if heads[r] == len(order):
-            lines.append(f"  rank {r}: done")
-            continue
-        t = order[heads[r]]
-        waits = [d for d in plan.producers(t) if d not in times]
-        lines.append(
-            f"  rank {r}: next {t} waits for "
-            + ", ".join(f"{d} (rank {plan.rank_of(d)})" for d in waits)
-        )
-    raise HintError("the hint's ranks wait for each other in a cycle:\n" + "\n".join(lines))

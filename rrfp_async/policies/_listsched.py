@@ -179,8 +179,9 @@ def strict_timeline(
 ) -> dict[Task, tuple[float, float]]:
     """Start and end of every task when each rank runs its hint strictly on ``durations``.
 
-    This is the *plan* a hint stands for: the readiness-first policy compares a stage's
-    actual idle time with the idle time this timeline foresees before the hinted task.
+    This is the *plan* a hint stands for: ``StepSchedule.planned`` takes each task's planned
+    start and the idle gap before it from here, and ``ReadyView.hinted_deadline`` (what
+    ``lateness_aware`` and ``backfill`` compare the rank's clock against) from those.
 
     Raises:
         HintError: The hint's ranks wait for each other in a cycle.

@@ -1,8 +1,9 @@
-"""Policies: coroutines that choose the next task of a stage from its ready view.
+"""Policies: coroutines that choose the next task of a pipeline rank from its ready view.
 
 A policy is anything with ``async def __call__(view) -> Task``; a plain ``async def``
-function qualifies. The stage loop calls it whenever the stage's compute is free and at
-least one task is ready and admitted. The policy may return at once (readiness-first) or
+function qualifies. A rank's stage loop (one per pipeline rank, running every virtual stage
+the rank holds) calls it whenever the rank's compute is free and at least one task is ready
+and admitted. The policy may return at once (readiness-first) or
 await something first (the strict baseline awaits the next hinted task). It must return
 one of ``view.ready``; anything else is a ``PolicyError`` naming the policy, rank, step
 and task.
@@ -40,15 +41,15 @@ ENTRY_POINT_GROUP = "rrfp_async.policies"
 
 
 class ReadyView(Protocol):
-    """What a policy sees of its stage when it is asked to decide.
+    """What a policy sees of its pipeline rank (the rank's stage loop) when asked to decide.
 
-    The view is live: it reflects the stage's state at the moment it is read, and changes
+    The view is live: it reflects the rank's state at the moment it is read, and changes
     while the policy awaits.
     """
 
     @property
     def rank(self) -> int:
-        """The pipeline rank of this stage."""
+        """The pipeline rank the policy decides for."""
 
     @property
     def step(self) -> int:
@@ -93,11 +94,11 @@ class ReadyView(Protocol):
         """Observed durations of the tasks that finished so far in this step."""
 
     def now(self) -> float:
-        """The stage clock (virtual time in a simulation), seconds."""
+        """The stage loop's clock (virtual time in a simulation), seconds."""
 
     @property
     def idle_since(self) -> float:
-        """Clock when the stage's last task ended (or the step started)."""
+        """Clock when the rank's last task ended (or the step started)."""
 
     @property
     def hinted_deadline(self) -> float | None:
@@ -142,10 +143,10 @@ class PolicyBase:
         raise NotImplementedError
 
     def on_step_start(self, rank: int, step: int) -> None:
-        """Called when a stage starts a step, before its first decision."""
+        """Called when a rank's stage loop starts a step, before its first decision."""
 
     def on_task_end(self, task: Task, duration: float) -> None:
-        """Called when a task of the stage finished, with its measured duration."""
+        """Called when a task of the rank finished, with its measured duration."""
 
 
 async def strict(view: ReadyView, /) -> Task:
@@ -161,11 +162,13 @@ async def strict(view: ReadyView, /) -> Task:
 
 
 async def readiness_first(view: ReadyView, /) -> Task:
-    """The RRFP rule: run the highest-ranked task that is ready, never wait for a blocked one.
+    """The RRFP rule: dispatch the highest-ranked ready task within the admission bound.
 
+    ``view.ready`` holds exactly the tasks whose inputs are present and that the admission
+    bound admits, best hint rank first, so the rule is ``view.ready[0]``; it never waits.
     The hint only ranks tasks: when the hinted task is ready it runs (it ranks first); when
     its input is late, the best-ranked ready task runs instead, and the hinted one runs as
-    soon as it is ready and the stage is free. The admission bound holds either way, so
+    soon as it is ready and the rank is free. Since only admitted tasks are candidates,
     memory never exceeds the fixed order's (at the default bound) and the step cannot
     deadlock. Unlike ``lateness_aware`` it also fills the hint's *planned* bubbles, which
     can help (ZB-H1's deferred weight gradients, a later microbatch whose input is early)
@@ -178,7 +181,7 @@ async def readiness_first(view: ReadyView, /) -> Task:
 async def lateness_aware(view: ReadyView, /) -> Task:
     """Run the hinted task; once it is *late*, run the highest-ranked ready task instead.
 
-    The hinted task (the first not yet started) is *late* when the stage has idled past
+    The hinted task (the first not yet started) is *late* when the rank has idled past
     ``view.hinted_deadline``: the plan (every rank running the hint strictly on the declared
     durations) foresees it starting earlier. A late task is skipped, not waited for; a
     planned bubble is kept, so with zero variance (realized = declared durations) this
@@ -199,7 +202,7 @@ async def lateness_aware(view: ReadyView, /) -> Task:
 async def backfill(view: ReadyView, /) -> Task:
     """Readiness-first that fills the hint's planned bubbles without delaying the hint.
 
-    Runs the hinted task if it is ready. While the stage is inside a bubble the plan
+    Runs the hinted task if it is ready. While the rank is inside a bubble the plan
     foresees, it runs the highest-ranked ready task whose declared duration ends before the
     hinted task's planned start (conservative backfilling, as in HPC batch schedulers);
     once the hinted task is late it runs the highest-ranked ready task (``lateness_aware``

@@ -7,8 +7,10 @@ from dataclasses import dataclass, field
 
 from .._costs import Durations
 from .._tasks import StepPlan, Task
-from ._hints import Hint, HintFn, canonical_hint_name, make_hint, resolve_bounds, validate_hint
+from ._bounds import resolve_bounds
+from ._hints import HintFn, canonical_hint_name, make_hint
 from ._listsched import strict_timeline
+from ._validate import Hint, validate_hint
 
 __all__ = ["RankProgram", "StepSchedule"]
 

@@ -9,12 +9,13 @@ Where the order comes from:
 
 * a multi-stage schedule **class** (or its name, as
   ``torch.distributed.pipelining.schedules.get_schedule_class`` knows it): the class is
-  instantiated with light stand-in stage objects that carry only the sizes a schedule
-  constructor reads (``num_stages``, ``group_size``, ``group_rank``, ``stage_index``, ...);
-  no process group, module or tensor is involved. The constructor computes torch's own
+  instantiated with light stand-ins for its ``PipelineStage`` objects (one per virtual
+  stage) that carry only the sizes a schedule constructor reads (``num_stages``,
+  ``group_size``, ``group_rank``, ``stage_index``, ...); no process group, module or tensor
+  is involved. The constructor computes torch's own
   per-rank order (``pipeline_order``, from which torch's runtime derives what it executes)
   exactly as for a real run, with torch's own size checks.
-* ``ScheduleGPipe`` / ``Schedule1F1B`` (and subclasses): these run one stage per rank and
+* ``ScheduleGPipe`` / ``Schedule1F1B`` (and subclasses): these run one virtual stage per rank and
   execute ``_step_microbatches``, a hand-written loop; older torch versions have no
   ``pipeline_order`` for them, and torch 2.13's ``Schedule1F1B.pipeline_order`` (a
   visualisation aid) is wrong on the last rank (it starts at microbatch 1). So their order
@@ -39,7 +40,7 @@ from typing import Any, cast
 
 from .._errors import HintError
 from .._tasks import Kind, Placement, StepPlan, Task, Topology
-from ._hints import validate_hint
+from ._validate import validate_hint
 
 __all__ = ["hint_from_torch"]
 
@@ -68,7 +69,8 @@ def _loss(output: Any, target: Any) -> Any:
 
 
 class _StandInStage:
-    """The sizes of one pipeline stage, as a torch schedule constructor reads them."""
+    """The sizes of one torch ``PipelineStage`` (a virtual stage), as a schedule constructor
+    reads them."""
 
     def __init__(self, stage_index: int, num_stages: int, group_size: int) -> None:
         self.stage_index = stage_index
@@ -278,7 +280,7 @@ def hint_from_torch(
     mixes both) becomes its ``I`` immediately followed by its ``W``.
 
     The plan's sizes and placement are read off the order: P ranks, ``P x V`` virtual
-    stages, M microbatches; interleaved placement (stage ``v`` on rank ``v % P``: 1F1B,
+    stages, M microbatches; interleaved placement (virtual stage ``v`` on rank ``v % P``: 1F1B,
     GPipe, interleaved 1F1B, looped BFS, interleaved zero-bubble) or V-shape (ZB-V,
     DualPipeV).
 

@@ -17,11 +17,11 @@ from typing import Any
 from .._costs import CostModel, Durations, Microbatch, make_workload
 from .._errors import PlanError
 from .._tasks import Placement, StepPlan, Task, Topology
+from ..loop import ExecutedTask, StageObserver, StepStats
 from ..loop._executors import CostModelExecutor
 from ..loop._pipeline import LocalPipeline
-from ..loop._stage import ExecutedTask, StageObserver, StepStats
 from ..loop._virtual import VirtualEventLoop
-from ..observability._trace import MultiObserver, TraceData, TraceRecorder, chrome_trace
+from ..observability import MultiObserver, TraceData, TraceRecorder, chrome_trace
 from ..policies._hints import canonical_hint_name
 from ..policies._policy import Policy
 from ..policies._schedule import StepSchedule

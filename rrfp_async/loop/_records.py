@@ -1,0 +1,64 @@
+"""What a stage reports about a step: the tasks as they ran and the step's statistics."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import NamedTuple
+
+from .._tasks import Task
+
+__all__ = ["ExecutedTask", "StepStats"]
+
+
+class ExecutedTask(NamedTuple):
+    """A task as it ran: ``task`` from ``start`` to ``end`` (seconds on the stage clock)."""
+
+    task: Task
+    start: float
+    end: float
+
+
+@dataclass(frozen=True, kw_only=True)
+class StepStats:
+    """What one stage did in one step.
+
+    Attributes:
+        rank: The pipeline rank.
+        step: The step number.
+        policy: The policy's name.
+        hint: The hint's name.
+        started: Clock when the step started on this stage.
+        finished: Clock when the stage's last task finished.
+        executed: Tasks in execution order with start/end times.
+        peak_inflight: Most activations held at once.
+        max_inflight: The admission bound.
+        decisions: Number of dispatch decisions (= tasks).
+        deviations: Decisions that ran a task other than the next hinted one.
+    """
+
+    rank: int
+    step: int
+    policy: str
+    hint: str
+    started: float
+    finished: float
+    executed: tuple[ExecutedTask, ...]
+    peak_inflight: int
+    max_inflight: int
+    decisions: int
+    deviations: int
+
+    @property
+    def busy(self) -> float:
+        """Seconds spent running tasks."""
+        return sum(e.end - e.start for e in self.executed)
+
+    @property
+    def elapsed(self) -> float:
+        """Seconds from step start to the stage's last task end."""
+        return self.finished - self.started
+
+    @property
+    def idle(self) -> float:
+        """Seconds of the step the stage was not running a task."""
+        return self.elapsed - self.busy

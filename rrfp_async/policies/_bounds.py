@@ -1,0 +1,97 @@
+"""Admission bounds: how many activations each pipeline rank may hold in flight.
+
+The bound of a rank caps its stashed activations (a forward adds one, the backward that
+consumes it frees it; see ``activation_delta``). Its default is what the fixed order the hint
+replaces would hold: what 1F1B holds (``default_bound``), or the hint's own in-order peak if
+that is higher (GPipe holds every microbatch). ``resolve_bounds`` turns that default, a
+``memory_factor`` or an explicit ``max_inflight`` into one bound per rank and refuses a bound
+the hint itself could not run under. The cost-aware hint generators schedule under
+``default_bounds``; the stage loop admits forwards against the resolved bounds
+(``AdmissionLedger``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from .._admission import hint_peak
+from .._errors import HintError
+from .._tasks import StepPlan
+from ._validate import Hint
+
+__all__ = ["default_bound", "default_bounds", "microbatches_per_round", "resolve_bounds"]
+
+
+def microbatches_per_round(plan: StepPlan) -> int | None:
+    """Microbatches per round, as torch computes it (flexible interleaving), or None when
+    M is not a multiple of the number of rounds max(1, M // P)."""
+    m = plan.microbatches
+    rounds = max(1, m // plan.stages)
+    return m // rounds if m % rounds == 0 else None
+
+
+def default_bound(plan: StepPlan, rank: int) -> int:
+    """What 1F1B holds in flight on pipeline rank ``rank`` (``r``): ``min(P - r, M)`` with one
+    chunk, and torch's / Megatron's interleaved warm-up count plus one with several (capped
+    at ``M * V``)."""
+    p, m, v = plan.stages, plan.microbatches, plan.topology.chunks
+    if v == 1:
+        return min(p - rank, m)
+    # No torch rounds: Megatron's count, M per round = P.
+    per_round = microbatches_per_round(plan) or p
+    return min((v - 1) * per_round + 2 * (p - 1 - rank) + 1, m * v)
+
+
+def default_bounds(plan: StepPlan) -> list[int]:
+    """``default_bound`` of every pipeline rank, rank 0 first."""
+    return [default_bound(plan, r) for r in range(plan.stages)]
+
+
+def resolve_bounds(
+    plan: StepPlan,
+    hint: Hint,
+    *,
+    max_inflight: int | Sequence[int] | None = None,
+    memory_factor: float | None = None,
+) -> list[int]:
+    """The admission bound of every rank.
+
+    Default: ``max(default_bound(rank), peak of the hint on that rank)``, i.e. what 1F1B
+    holds, or what the fixed order of the hint itself holds if it holds more (GPipe), so
+    that readiness-first never stashes more activations than the order it replaces.
+    ``memory_factor`` scales that default (rounded down, at least 1); ``max_inflight`` sets
+    it outright (one int for every rank, or one per rank).
+
+    Raises:
+        HintError: Both options given, a non-positive value, or a bound below the hint's own
+            peak (the hint could not run in order).
+    """
+    if max_inflight is not None and memory_factor is not None:
+        raise HintError("give max_inflight or memory_factor, not both")
+    p = plan.stages
+    peaks = [hint_peak(hint[r]) for r in range(p)]
+    if max_inflight is not None:
+        if isinstance(max_inflight, int):
+            bounds = [max_inflight] * p
+        else:
+            bounds = [int(x) for x in max_inflight]
+            if len(bounds) != p:
+                raise HintError(f"max_inflight needs one bound per rank ({p}), got {len(bounds)}")
+    else:
+        base = [max(default_bound(plan, r), peaks[r]) for r in range(p)]
+        if memory_factor is not None:
+            if not memory_factor > 0:
+                raise HintError(f"memory_factor must be > 0, got {memory_factor!r}")
+            bounds = [max(1, int(memory_factor * b + 1e-9)) for b in base]
+        else:
+            bounds = base
+    for r, (b, pk) in enumerate(zip(bounds, peaks, strict=True)):
+        if b < 1:
+            raise HintError(f"rank {r}: the admission bound must be >= 1, got {b}")
+        if pk > b:
+            raise HintError(
+                f"rank {r}: the hint holds {pk} activations in flight when run in order but"
+                f" the admission bound is {b}; raise max_inflight / memory_factor or choose a"
+                " hint that holds fewer"
+            )
+    return bounds

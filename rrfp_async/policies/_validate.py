@@ -1,0 +1,92 @@
+"""What a valid hint is: the ``Hint`` type and ``validate_hint``.
+
+A hint is plain data, one task order per pipeline rank. A step may start on it only if every
+rank's order holds exactly that rank's tasks, each after its same-rank dependencies, and the
+ranks' orders do not wait for each other in a cycle: then the hint is a *safe sequence*, the
+guarantee the admission ledger builds on (see ``_admission``). ``validate_hint`` checks all
+of it and names the rank and the task that break it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import TypeAlias
+
+from .._admission import hint_peak
+from .._errors import HintError
+from .._tasks import StepPlan, Task, format_tasks
+from ._listsched import strict_sweep
+
+__all__ = ["Hint", "validate_hint"]
+
+Hint: TypeAlias = Mapping[int, Sequence[Task]]
+"""A hint: for every pipeline rank, the order in which its tasks are ranked."""
+
+
+def validate_hint(plan: StepPlan, hint: Hint, bounds: Sequence[int] | None = None) -> None:
+    """Check a hint against the plan before a step starts.
+
+    Checks: one order per rank; every task of the rank exactly once and no task of another
+    rank; every same-rank dependency before its dependent; no waiting cycle across ranks
+    (running every rank's order strictly finishes); and, when ``bounds`` are given, each
+    rank's in-flight peak within its bound.
+
+    Raises:
+        HintError: What is wrong, naming the rank and the task.
+    """
+    p = plan.stages
+    if sorted(hint) != list(range(p)):
+        raise HintError(
+            f"the hint must have one order per rank 0..{p - 1}, got ranks {sorted(hint)}"
+        )
+    for r in range(p):
+        order = list(hint[r])
+        seen: set[Task] = set()
+        for i, t in enumerate(order):
+            if not isinstance(t, tuple) or len(t) != 3:
+                raise HintError(f"rank {r}: position {i} is not a Task: {t!r}")
+            if not plan.contains(t):
+                raise HintError(f"rank {r}: task {t} is not part of this step")
+            if plan.rank_of(t) != r:
+                raise HintError(f"rank {r}: task {t} belongs to rank {plan.rank_of(t)}")
+            if t in seen:
+                raise HintError(f"rank {r}: task {t} appears twice (again at position {i})")
+            for dep in plan.producers(t):
+                if plan.rank_of(dep) == r and dep not in seen:
+                    raise HintError(
+                        f"rank {r}: task {t} at position {i} comes before its dependency {dep}"
+                    )
+            seen.add(t)
+        expected = len(plan.tasks_of(r))
+        if len(seen) != expected:
+            missing = sorted(set(plan.tasks_of(r)) - seen)
+            raise HintError(
+                f"rank {r}: the hint misses {len(missing)} task(s): {format_tasks(missing[:8])}"
+                + (" ..." if len(missing) > 8 else "")
+            )
+        if bounds is not None and hint_peak(order) > bounds[r]:
+            raise HintError(
+                f"rank {r}: the hint holds {hint_peak(order)} activations in flight, over the"
+                f" admission bound {bounds[r]}"
+            )
+    _check_no_cycle(plan, hint)
+
+
+def _check_no_cycle(plan: StepPlan, hint: Hint) -> None:
+    """Run every rank's order strictly on a symbolic clock; report the ranks that stall."""
+    times, heads = strict_sweep(plan, hint)
+    if len(times) == plan.num_tasks:
+        return
+    lines = []
+    for r in range(plan.stages):
+        order = hint[r]
+        if heads[r] == len(order):
+            lines.append(f"  rank {r}: done")
+            continue
+        t = order[heads[r]]
+        waits = [d for d in plan.producers(t) if d not in times]
+        lines.append(
+            f"  rank {r}: next {t} waits for "
+            + ", ".join(f"{d} (rank {plan.rank_of(d)})" for d in waits)
+        )
+    raise HintError("the hint's ranks wait for each other in a cycle:\n" + "\n".join(lines))
