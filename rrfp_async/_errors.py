@@ -15,6 +15,9 @@ The hierarchy::
     │   └── PeerError               a peer died or closed the connection
     ├── DivergenceError             TP ranks of a stage would run different task sequences
     ├── StepTimeoutError            the watchdog fired: a step ran past its time limit
+    ├── ClosedError                 the pipeline or stage was closed (after a failure it
+    │                               could not recover from, or by the user)
+    ├── TraceError (ValueError)     a trace file is not a trace (wrong structure or values)
     └── SpawnError                  a spawned worker process failed or ran out of time
 
 Every message says which rank, which step and which task, and what was waited for.
@@ -24,6 +27,7 @@ from __future__ import annotations
 
 __all__ = [
     "ChannelError",
+    "ClosedError",
     "DeadlockError",
     "DivergenceError",
     "HintError",
@@ -34,6 +38,7 @@ __all__ = [
     "RRFPError",
     "SpawnError",
     "StepTimeoutError",
+    "TraceError",
 ]
 
 
@@ -132,6 +137,14 @@ class DivergenceError(RRFPError):
 
 class StepTimeoutError(RRFPError):
     """A step exceeded its watchdog time limit; the message points to the state dump."""
+
+
+class ClosedError(RRFPError):
+    """The pipeline or stage is closed: no further step can run on it."""
+
+
+class TraceError(RRFPError, ValueError):
+    """A trace file does not have the structure or values of a trace."""
 
 
 class SpawnError(RRFPError):
