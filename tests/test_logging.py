@@ -67,10 +67,74 @@ def test_json_lines_carry_rank_stage_step_task() -> None:
     assert lines
     for line in lines:
         assert {"rank", "stage", "step", "event", "level", "timestamp"} <= set(line)
-    starts = [x for x in lines if x["event"] == ev.TASK_START]
-    assert all(x["task"] == x.get("task") for x in starts)
-    ends = [x for x in lines if x["event"] == ev.TASK_END]
-    assert {x["rank"] for x in ends} == {0, 1}
+    # Every task starts and ends once, logged on its own stage in step 0.
+    tasks = {"0F0", "1F0", "1B0", "0B0"}
+    for name in (ev.TASK_START, ev.TASK_END):
+        events = [x for x in lines if x["event"] == name]
+        assert sorted(x["task"] for x in events) == sorted(tasks)
+        assert all(rr.Task.parse(x["task"]).stage == x["stage"] == x["rank"] for x in events)
+        assert all(x["step"] == 0 for x in events)
+
+
+def _task_owner(res: rr.SimResult) -> dict[rr.Task, int]:
+    assert res.schedule is not None
+    return {t: rank for rank, tasks in res.schedule.hint.items() for t in tasks}
+
+
+@pytest.mark.parametrize(
+    ("stages", "chunks", "hint"), [(4, 1, "1f1b"), (2, 2, "interleaved")], ids=["1f1b", "chunks"]
+)
+def test_task_events_name_their_own_stage_and_the_virtual_clock(
+    stages: int, chunks: int, hint: str
+) -> None:
+    """In one process a message is delivered, and its consumer becomes ready, inside the
+    *sending* stage's coroutine, whose bound context names the sender: the events must still
+    name the stage they happened on, and say when on the virtual clock."""
+    buf = io.StringIO()
+    configure_logging(format="json", level="debug", stream=buf)
+    res = rr.simulate(
+        stages=stages,
+        chunks=chunks,
+        microbatches=8,
+        hint=hint,
+        jitter=0.3,
+        latency=0.01,
+        observer=LogObserver(),
+    )
+    owner = _task_owner(res)
+    lines = [json.loads(x) for x in buf.getvalue().splitlines()]
+    task_events = [x for x in lines if "task" in x]
+    # Not vacuous: the receive path's events are among them, from every rank.
+    assert {ev.MESSAGE, ev.TASK_READY, ev.DECISION, ev.TASK_START, ev.TASK_END} <= {
+        x["event"] for x in task_events
+    }
+    assert {x["stage"] for x in task_events if x["event"] == ev.MESSAGE} == set(range(stages))
+    wrong = [x for x in task_events if x["stage"] != owner[rr.Task.parse(x["task"])]]
+    assert not wrong, (
+        f"{len(wrong)} of {len(task_events)} task events name another stage: {wrong[0]}"
+    )
+    assert all(x["rank"] == x["stage"] for x in lines)
+    # The clock is the simulated one: a task starts and ends when the simulation says.
+    assert all(isinstance(x["clock"], float) for x in task_events)
+    ran = {e.task: e for ex in res.executed for e in ex}
+    for x in task_events:
+        if x["event"] == ev.TASK_START:
+            assert x["clock"] == ran[rr.Task.parse(x["task"])].start
+        elif x["event"] == ev.TASK_END:
+            assert x["clock"] == ran[rr.Task.parse(x["task"])].end
+    assert max(x["clock"] for x in lines) == pytest.approx(res.makespan)
+
+
+def test_events_name_their_stage_without_bound_context() -> None:
+    """``capture_logs`` merges no context variables: the observer's own keys must suffice."""
+    with capture_logs() as logs:
+        res = rr.simulate(stages=3, microbatches=4, observer=LogObserver())
+    owner = _task_owner(res)
+    assert logs
+    for e in logs:
+        assert {"rank", "stage", "step", "clock"} <= set(e), e
+        if "task" in e:
+            assert e["stage"] == owner[rr.Task.parse(e["task"])], e
 
 
 def test_console_format_and_levels() -> None:

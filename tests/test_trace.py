@@ -2,12 +2,19 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
 
 import rrfp_async as rr
-from rrfp_async.observability._trace import (
+from rrfp_async.observability import (
+    Arrival,
+    Decision,
+    Ready,
+    Send,
+    Span,
+    StepRecord,
     TraceData,
     load_trace,
     render_png,
@@ -15,6 +22,7 @@ from rrfp_async.observability._trace import (
     validate_chrome_trace,
     write_trace,
 )
+from rrfp_async.observability._records import from_chrome
 
 
 def _check_trace_matches(res: rr.SimResult) -> dict:
@@ -133,7 +141,37 @@ def test_trace_needs_record() -> None:
 
 
 def test_tracedata_merge_and_filter() -> None:
-    a = TraceData(spans=[[0, 0, "0F0", 0.0, 1.0]])
-    b = TraceData(spans=[[1, 1, "1F0", 1.0, 2.0]])
+    a = TraceData(spans=[Span(lane=0, step=0, task="0F0", start=0.0, end=1.0)])
+    b = TraceData(spans=[Span(lane=1, step=1, task="1F0", start=1.0, end=2.0)])
     m = TraceData.merge([a, b])
-    assert len(m.spans) == 2 and m.only_step(1).spans == [[1, 1, "1F0", 1.0, 2.0]]
+    assert len(m.spans) == 2 and m.only_step(1).spans == [Span(1, 1, "1F0", 1.0, 2.0)]
+
+
+def test_rows_are_named_and_come_back_from_json() -> None:
+    res = rr.simulate(stages=2, microbatches=2, record=True)
+    data = res.trace
+    assert data is not None
+    kinds = {
+        "spans": Span,
+        "sends": Send,
+        "arrivals": Arrival,
+        "ready": Ready,
+        "decisions": Decision,
+        "steps": StepRecord,
+    }
+    for name, kind in kinds.items():
+        rows = getattr(data, name)
+        assert rows and all(type(r) is kind for r in rows), name
+    # The JSON form is plain lists; built back, the rows are the same named tuples.
+    loaded = json.loads(json.dumps({n: getattr(data, n) for n in kinds}))
+    assert loaded["spans"][0] == list(data.spans[0])
+    back = TraceData(**loaded)
+    assert back == data and all(type(r) is Decision for r in back.decisions)
+    assert back.only_step(0).spans[0].task == data.spans[0].task
+    # So are the step records of a Chrome trace written to disk and read back.
+    tr = json.loads(json.dumps(res.chrome_trace()))
+    again = from_chrome(tr)
+    assert again.steps == data.steps and type(again.steps[0]) is StepRecord
+    assert [s.task for s in again.spans] == [
+        s.task for s in sorted(data.spans, key=lambda s: (s.lane, s.start))
+    ]

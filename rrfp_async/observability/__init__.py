@@ -3,25 +3,35 @@
 Observers receive the :class:`~rrfp_async.loop.StageLoop` they watch and read it only through
 its public surface (``rank``, ``step``, ``now()``, ``view``, ``schedule``); they sit above the
 loop and the loop never imports them.
+
+The modules, one concept each (imports run down this list, never up):
+
+* ``_events``: the names of the step-traced log events;
+* ``_logging``: ``LogObserver`` (one structlog event per transition) and its configuration;
+* ``_records``: the trace data model, ``TraceData`` and its named-tuple rows;
+* ``_recorder``: ``TraceRecorder`` (a ``TraceData`` from a running stage), ``MultiObserver``;
+* ``_summary``: ``summarize`` (busy / idle, bubble ratio, deviations) of a trace;
+* ``_chrome``: the Chrome-trace / Perfetto JSON export, its schema check and files;
+* ``_png``: ``render_png`` timelines.
 """
 
+from ._chrome import chrome_trace, load_trace, validate_chrome_trace, write_trace
 from ._logging import LogFormat, LogObserver, configure_logging
-from ._trace import (
-    MultiObserver,
-    TraceData,
-    TraceRecorder,
-    chrome_trace,
-    load_trace,
-    render_png,
-    summarize,
-    validate_chrome_trace,
-    write_trace,
-)
+from ._png import render_png
+from ._recorder import MultiObserver, TraceRecorder
+from ._records import Arrival, Decision, Ready, Send, Span, StepRecord, TraceData
+from ._summary import summarize
 
 __all__ = [
+    "Arrival",
+    "Decision",
     "LogFormat",
     "LogObserver",
     "MultiObserver",
+    "Ready",
+    "Send",
+    "Span",
+    "StepRecord",
     "TraceData",
     "TraceRecorder",
     "chrome_trace",

@@ -1,4 +1,9 @@
-"""Names of the step-traced log events (one per state transition of a stage)."""
+"""Names of the step-traced log events (one per state transition of a stage).
+
+Besides the fields listed with each name, every event ``LogObserver`` writes carries
+``rank`` (global), ``stage`` (pipeline rank), ``step`` and ``clock`` (the stage's loop clock
+in seconds, virtual under the simulator), all of the stage the transition happened on.
+"""
 
 from __future__ import annotations
 

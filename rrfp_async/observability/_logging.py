@@ -5,6 +5,12 @@ starts, ``task`` while a task runs; asyncio tasks inherit them, so log lines of 
 running inside a stage's step carry them too. Event names are the constants of
 ``rrfp_async.observability._events``.
 
+The observer's own events do not rely on that binding for where they happened: they pass
+``rank``, ``stage``, ``step`` and ``clock`` explicitly (see ``LogObserver``), because in a
+one-process pipeline a message is delivered, and its consumer becomes ready, inside the
+*sending* stage's coroutine, whose context holds the sender's ``rank`` and ``stage``.
+Explicit keys win over bound ones (``merge_contextvars`` only fills in missing keys).
+
 Cost: the stage calls an observer only while it is *active*; ``LogObserver.active`` is
 false when the logger filters out INFO, so disabled logging costs one check per step.
 Per-transition events are DEBUG; step start/end are INFO.
@@ -21,7 +27,7 @@ import structlog
 from structlog.contextvars import bind_contextvars, unbind_contextvars
 
 from .._tasks import Task
-from ..loop._stage import StageLoop, StepStats
+from ..loop import StageLoop, StepStats
 from . import _events as ev
 
 __all__ = ["LogFormat", "LogObserver", "configure_logging", "get_logger", "log_stage_dump"]
@@ -89,6 +95,18 @@ def _enabled(log: Any, level: int) -> bool:
 class LogObserver:
     """A ``StageObserver`` that writes one structlog event per transition.
 
+    Every event it writes names where and when it happened, from the stage it is called
+    for (not from the bound context, which in a one-process pipeline can be another
+    stage's):
+
+    * ``rank``: the global rank (the ``rank`` argument, default the pipeline rank);
+    * ``stage``: the pipeline rank of the stage;
+    * ``step``: the step being run;
+    * ``clock``: the stage's loop clock, ``stage.now()``, in seconds: virtual seconds under
+      the simulator's ``VirtualEventLoop`` (so a line can be placed on the simulated
+      timeline and on its trace), the monotonic clock otherwise. The renderer's
+      ``timestamp`` stays wall-clock time.
+
     Args:
         logger: A structlog logger (default: ``get_logger()``).
         rank: The global rank to log as ``rank`` (default: the stage's pipeline rank).
@@ -105,12 +123,21 @@ class LogObserver:
         self._debug = _enabled(self.log, logging.DEBUG)
         return self._debug or _enabled(self.log, logging.INFO)
 
+    def _where(self, stage: StageLoop) -> dict[str, Any]:
+        """The rank, stage, step and loop clock of an event on ``stage``."""
+        return {
+            "rank": stage.rank if self.rank is None else self.rank,
+            "stage": stage.rank,
+            "step": stage.step,
+            "clock": stage.now(),
+        }
+
     def step_start(self, stage: StageLoop) -> None:
-        bind_contextvars(
-            rank=stage.rank if self.rank is None else self.rank, stage=stage.rank, step=stage.step
-        )
+        where = self._where(stage)
+        bind_contextvars(rank=where["rank"], stage=where["stage"], step=where["step"])
         self.log.info(
             ev.STEP_START,
+            **where,
             hint=stage.schedule.hint_name,
             policy=stage.policy_name,
             tasks=len(stage.schedule.hint[stage.rank]),
@@ -119,18 +146,19 @@ class LogObserver:
 
     def message(self, stage: StageLoop, task: Task, src: int) -> None:
         if self._debug:
-            self.log.debug(ev.MESSAGE, task=str(task), src=src)
+            self.log.debug(ev.MESSAGE, **self._where(stage), task=str(task), src=src)
 
     def ready(self, stage: StageLoop, task: Task) -> None:
         if self._debug:
-            self.log.debug(ev.TASK_READY, task=str(task))
+            self.log.debug(ev.TASK_READY, **self._where(stage), task=str(task))
 
     def decision(self, stage: StageLoop, task: Task, ready: Sequence[Task], idle: float) -> None:
         if self._debug:
-            view = stage._view
+            view = stage.view
             hinted = view.next_hinted
             self.log.debug(
                 ev.DECISION,
+                **self._where(stage),
                 task=str(task),
                 hinted=str(hinted),
                 deviation=task != hinted,
@@ -143,20 +171,21 @@ class LogObserver:
     def task_start(self, stage: StageLoop, task: Task) -> None:
         bind_contextvars(task=str(task))
         if self._debug:
-            self.log.debug(ev.TASK_START, task=str(task))
+            self.log.debug(ev.TASK_START, **self._where(stage), task=str(task))
 
     def task_end(self, stage: StageLoop, task: Task, start: float, end: float) -> None:
         if self._debug:
-            self.log.debug(ev.TASK_END, task=str(task), duration=end - start)
+            self.log.debug(ev.TASK_END, **self._where(stage), task=str(task), duration=end - start)
         unbind_contextvars("task")
 
     def stall(self, stage: StageLoop, reason: str) -> None:
         if self._debug:
-            self.log.debug(ev.STALL, reason=reason)
+            self.log.debug(ev.STALL, **self._where(stage), reason=reason)
 
     def step_end(self, stage: StageLoop, stats: StepStats) -> None:
         self.log.info(
             ev.STEP_END,
+            **self._where(stage),
             elapsed=stats.elapsed,
             busy=stats.busy,
             idle=stats.idle,
@@ -168,19 +197,33 @@ class LogObserver:
     def tp_decision(self, stage: StageLoop, task: Task, seq: int, sent: bool) -> None:
         if self._debug:
             self.log.debug(
-                ev.TP_DECISION_SENT if sent else ev.TP_DECISION_RECEIVED, task=str(task), seq=seq
+                ev.TP_DECISION_SENT if sent else ev.TP_DECISION_RECEIVED,
+                **self._where(stage),
+                task=str(task),
+                seq=seq,
             )
 
     def failed(self, stage: StageLoop, exc: BaseException, dump: str) -> None:
-        log_stage_dump(stage, exc, dump)
+        log_stage_dump(stage, exc, dump, rank=self.rank)
 
 
-def log_stage_dump(stage: StageLoop, exc: BaseException, text: str) -> None:
-    """Log a failed step's state (event ``stage_dump``, ERROR) with the rank bound."""
+def log_stage_dump(
+    stage: StageLoop, exc: BaseException, text: str, *, rank: int | None = None
+) -> None:
+    """Log a failed step's state (event ``stage_dump``, ERROR).
+
+    Args:
+        stage: The stage that failed.
+        exc: Its error.
+        text: Its state (``StageLoop.dump()``).
+        rank: The global rank to log as ``rank`` (default: the stage's pipeline rank).
+    """
     get_logger().error(
         ev.STAGE_DUMP,
-        rank=stage.rank,
+        rank=stage.rank if rank is None else rank,
+        stage=stage.rank,
         step=stage.step,
+        clock=stage.now(),
         error=f"{type(exc).__name__}: {exc}",
         dump=text,
     )

@@ -11,7 +11,7 @@ from click.testing import CliRunner
 import rrfp_async as rr
 from rrfp_async.cli._main import main
 from rrfp_async.distributed._train import TrainConfig, emulated_cost, train_worker
-from rrfp_async.observability._trace import (
+from rrfp_async.observability import (
     TraceData,
     chrome_trace,
     summarize,

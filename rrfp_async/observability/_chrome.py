@@ -1,0 +1,231 @@
+"""Chrome-trace / Perfetto JSON: export, schema check, files.
+
+``chrome_trace`` turns a ``TraceData`` into the Trace Event Format that chrome://tracing and
+ui.perfetto.dev read:
+
+* one process lane per rank (``pid`` = rank), named ``rank N``;
+* one complete event (``ph: "X"``) per executed task, ``cat`` = its kind (F/B/I/W), ``name``
+  = its text form (``2F3``), ``args`` = stage, kind, microbatch, step;
+* one flow (``ph: "s"`` at the producer's end, ``ph: "f"`` at the consumer's next slice) per
+  message between ranks, ``cat: "message"``;
+* one instant event (``ph: "i"``, ``name: "decision"``) per dispatch decision, with the
+  ready set and hint ranks, the hinted task and whether it deviated;
+* ``otherData.rrfp``: the clock ("virtual" or "real"), whether GPU time was emulated, the
+  policy, the hint, per-rank step statistics (``StepRecord`` rows as JSON lists) and the
+  summary.
+
+Times are microseconds from the earliest event of the trace. ``from_chrome`` (in
+``_records``) reads such a trace back.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import math
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any, get_args
+
+from .._tasks import Kind, Task
+from ._records import TraceData
+from ._summary import summarize
+
+__all__ = ["chrome_trace", "load_trace", "validate_chrome_trace", "write_trace"]
+
+_KINDS = frozenset(get_args(Kind))
+
+
+def chrome_trace(
+    data: TraceData,
+    *,
+    clock: str = "real",
+    emulated: bool = False,
+    policy: str = "",
+    hint: str = "",
+    title: str = "",
+) -> dict[str, Any]:
+    """The Trace Event Format JSON (a dict) of ``data``; see the module docstring.
+
+    Args:
+        data: The records.
+        clock: ``"virtual"`` (simulated) or ``"real"``.
+        emulated: Whether GPU time was emulated (CPU compute + sleeps from a cost model).
+        policy: The policy's name.
+        hint: The hint's name.
+        title: A free-text description.
+    """
+    times = [s.start for s in data.spans] + [a.time for a in data.arrivals]
+    times += [d.time for d in data.decisions]
+    t0 = min(times) if times else 0.0
+
+    def us(t: float) -> float:
+        return round((t - t0) * 1e6, 3)
+
+    lanes = sorted({s.lane for s in data.spans} | {s.lane for s in data.steps})
+    events: list[dict[str, Any]] = []
+    for r in lanes:
+        events.append(
+            {"name": "process_name", "ph": "M", "pid": r, "tid": 0, "args": {"name": f"rank {r}"}}
+        )
+        events.append(
+            {"name": "process_sort_index", "ph": "M", "pid": r, "tid": 0, "args": {"sort_index": r}}
+        )
+    for span in sorted(data.spans, key=lambda s: (s.lane, s.start)):
+        t = Task.parse(span.task)
+        events.append(
+            {
+                "name": span.task,
+                "cat": t.kind,
+                "ph": "X",
+                "ts": us(span.start),
+                "dur": round((span.end - span.start) * 1e6, 3),
+                "pid": span.lane,
+                "tid": 0,
+                "args": {"stage": t.stage, "kind": t.kind, "mb": t.mb, "step": span.step},
+            }
+        )
+    # A flow's two ends share an id: the message's (step, consumer, src lane, dst lane).
+    flow_ids: dict[tuple[int, str, int, int], int] = {}
+    for send in data.sends:
+        key = (send.step, send.task, send.lane, send.dst)
+        fid = flow_ids.setdefault(key, len(flow_ids) + 1)
+        events.append(
+            {
+                "name": f"-> {send.task}",
+                "cat": "message",
+                "ph": "s",
+                "id": fid,
+                "ts": us(send.time) - 0.001,
+                "pid": send.lane,
+                "tid": 0,
+            }
+        )
+    for arr in data.arrivals:
+        fid = flow_ids.setdefault((arr.step, arr.task, arr.src, arr.lane), len(flow_ids) + 1)
+        events.append(
+            {
+                "name": f"-> {arr.task}",
+                "cat": "message",
+                "ph": "f",
+                "id": fid,
+                "ts": us(arr.time),
+                "pid": arr.lane,
+                "tid": 0,
+                "args": {"from": arr.src},
+            }
+        )
+    for d in data.decisions:
+        events.append(
+            {
+                "name": "decision",
+                "cat": "decision",
+                "ph": "i",
+                "s": "t",
+                "ts": us(d.time),
+                "pid": d.lane,
+                "tid": 0,
+                "args": {
+                    "step": d.step,
+                    "chosen": d.chosen,
+                    "hinted": d.hinted,
+                    "deviation": d.chosen != d.hinted,
+                    "ready": d.ready,
+                    "idle": d.idle,
+                },
+            }
+        )
+    return {
+        "traceEvents": events,
+        "displayTimeUnit": "ms",
+        "otherData": {
+            "rrfp": {
+                "clock": clock,
+                "emulated_gpu_time": emulated,
+                "policy": policy,
+                "hint": hint,
+                "title": title,
+                "t0": t0,
+                "steps": [list(rec) for rec in data.steps],
+                "summary": summarize(data),
+            }
+        },
+    }
+
+
+def write_trace(path: str | Path, trace: Mapping[str, Any]) -> Path:
+    """Write a trace dict as JSON; returns the path."""
+    p = Path(path)
+    p.parent.mkdir(parents=True, exist_ok=True)
+    p.write_text(json.dumps(trace))
+    return p
+
+
+def load_trace(path: str | Path) -> dict[str, Any]:
+    """Read a trace JSON written by ``write_trace`` (or any Trace Event Format file).
+
+    Raises:
+        ValueError: Not a trace (no ``traceEvents`` list).
+    """
+    obj = json.loads(Path(path).read_text())
+    if isinstance(obj, list):
+        obj = {"traceEvents": obj}
+    if not isinstance(obj, dict) or not isinstance(obj.get("traceEvents"), list):
+        raise ValueError(f"{path} is not a Trace Event Format file (no traceEvents list)")
+    return obj
+
+
+def validate_chrome_trace(trace: Mapping[str, Any]) -> list[str]:
+    """Schema check of a trace made by ``chrome_trace``; returns the problems (empty: ok).
+
+    Checks the required keys and types of every event, that compute spans of a rank do not
+    overlap, and that every flow has both ends.
+    """
+    problems: list[str] = []
+    evs = trace.get("traceEvents")
+    if not isinstance(evs, list):
+        return ["traceEvents is not a list"]
+    need = {
+        "X": ("name", "cat", "ts", "dur", "pid", "tid"),
+        "M": ("name", "pid", "args"),
+        "s": ("id", "ts", "pid"),
+        "f": ("id", "ts", "pid"),
+        "i": ("name", "ts", "pid", "s"),
+    }
+    lanes: dict[int, list[tuple[float, float, str]]] = {}
+    flows: dict[int, set[str]] = {}
+    for i, e in enumerate(evs):
+        ph = e.get("ph")
+        if ph not in need:
+            problems.append(f"event {i}: unknown phase {ph!r}")
+            continue
+        for k in need[ph]:
+            if k not in e:
+                problems.append(f"event {i} ({ph}): missing {k}")
+        if ph == "X":
+            if not (
+                isinstance(e.get("ts"), int | float)
+                and isinstance(e.get("dur"), int | float)
+                and e["dur"] >= 0
+                and math.isfinite(e["ts"])
+            ):
+                problems.append(f"event {i}: bad ts/dur")
+                continue
+            if e.get("cat") not in _KINDS:
+                problems.append(f"event {i}: cat {e.get('cat')!r} is not a task kind")
+            try:
+                Task.parse(e["name"])
+            except ValueError:
+                problems.append(f"event {i}: name {e['name']!r} is not a task")
+            lanes.setdefault(e["pid"], []).append((e["ts"], e["ts"] + e["dur"], e["name"]))
+        elif ph in ("s", "f"):
+            flows.setdefault(e["id"], set()).add(ph)
+    for pid, spans in lanes.items():
+        spans.sort()
+        for (_, e0, n0), (s1, _, n1) in itertools.pairwise(spans):
+            if s1 < e0 - 0.01:  # µs; ts and dur are rounded separately
+                problems.append(f"rank {pid}: {n0} and {n1} overlap")
+    for fid, ends in flows.items():
+        if ends != {"s", "f"}:
+            problems.append(f"flow {fid} has only {sorted(ends)}")
+    return problems

@@ -1,0 +1,149 @@
+"""Observers that record: ``TraceRecorder`` keeps what a trace shows, ``MultiObserver`` fans
+every transition out to several observers.
+
+``TraceRecorder`` is a ``StageObserver``: it appends compute spans, message sends and
+arrivals, ready times, decisions and per-step stats to a ``TraceData`` (cheap appends of
+named-tuple rows), which travels between processes and merges. It reads the stage only
+through its public surface (``rank``, ``step``, ``now()``, ``view``, ``schedule``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from .._tasks import Task
+from ..loop import StageLoop, StepStats
+from ._records import Arrival, Decision, Ready, Send, Span, StepRecord, TraceData
+
+__all__ = ["MultiObserver", "TraceRecorder"]
+
+
+class TraceRecorder:
+    """A ``StageObserver`` that records everything a trace shows (cheap appends).
+
+    Args:
+        peers: Pipeline rank -> lane (global rank) of this process's peers; default: lanes
+            are pipeline ranks (one process per stage, or a simulation).
+    """
+
+    active = True
+
+    def __init__(self, peers: Mapping[int, int] | None = None) -> None:
+        self.peers = dict(peers) if peers is not None else None
+        self.data = TraceData()
+
+    def _lane(self, pp_rank: int) -> int:
+        return pp_rank if self.peers is None else self.peers[pp_rank]
+
+    def _step(self, stage: StageLoop) -> int:
+        # Observers are called only during a step, so the stage always has one here.
+        step = stage.step
+        assert step is not None
+        return step
+
+    def step_start(self, stage: StageLoop) -> None:
+        pass
+
+    def message(self, stage: StageLoop, task: Task, src: int) -> None:
+        self.data.arrivals.append(
+            Arrival(
+                lane=self._lane(stage.rank),
+                step=self._step(stage),
+                task=str(task),
+                src=self._lane(src),
+                time=stage.now(),
+            )
+        )
+
+    def ready(self, stage: StageLoop, task: Task) -> None:
+        self.data.ready.append(
+            Ready(
+                lane=self._lane(stage.rank),
+                step=self._step(stage),
+                task=str(task),
+                time=stage.now(),
+            )
+        )
+
+    def decision(self, stage: StageLoop, task: Task, ready: Sequence[Task], idle: float) -> None:
+        view = stage.view
+        self.data.decisions.append(
+            Decision(
+                lane=self._lane(stage.rank),
+                step=self._step(stage),
+                time=stage.now(),
+                chosen=str(task),
+                hinted=str(view.next_hinted),
+                ready={str(t): view.hint_rank(t) for t in ready},
+                idle=idle,
+            )
+        )
+
+    def task_start(self, stage: StageLoop, task: Task) -> None:
+        pass
+
+    def task_end(self, stage: StageLoop, task: Task, start: float, end: float) -> None:
+        lane, step = self._lane(stage.rank), self._step(stage)
+        self.data.spans.append(Span(lane=lane, step=step, task=str(task), start=start, end=end))
+        prog = stage.schedule.program(stage.rank)
+        remote = prog.data_remote[prog.pos[task]]
+        if remote is not None:
+            dst, consumer = remote
+            self.data.sends.append(
+                Send(lane=lane, step=step, task=str(consumer), dst=self._lane(dst), time=end)
+            )
+
+    def stall(self, stage: StageLoop, reason: str) -> None:
+        pass
+
+    def tp_decision(self, stage: StageLoop, task: Task, seq: int, sent: bool) -> None:
+        pass
+
+    def step_end(self, stage: StageLoop, stats: StepStats) -> None:
+        self.data.steps.append(
+            StepRecord(
+                lane=self._lane(stage.rank),
+                step=stats.step,
+                stats={
+                    "stage": stage.rank,
+                    "policy": stats.policy,
+                    "hint": stats.hint,
+                    "started": stats.started,
+                    "finished": stats.finished,
+                    "busy": stats.busy,
+                    "peak_inflight": stats.peak_inflight,
+                    "max_inflight": stats.max_inflight,
+                    "deviations": stats.deviations,
+                    "decisions": stats.decisions,
+                },
+            )
+        )
+
+
+class MultiObserver:
+    """Fans every transition out to several observers (e.g. a logger and a recorder)."""
+
+    def __init__(self, *observers: Any) -> None:
+        self.observers = [o for o in observers if o is not None]
+        self._live: list[Any] = []
+
+    @property
+    def active(self) -> bool:
+        """True when any observer is active (the inactive ones are skipped this step)."""
+        self._live = [o for o in self.observers if getattr(o, "active", True)]
+        return bool(self._live)
+
+    def failed(self, stage: StageLoop, exc: BaseException, dump: str) -> None:
+        """Every observer that has ``failed`` gets it, active or not."""
+        for o in self.observers:
+            fn = getattr(o, "failed", None)
+            if fn is not None:
+                fn(stage, exc, dump)
+
+    def __getattr__(self, name: str) -> Any:
+        def fan(*args: Any) -> None:
+            for o in self._live:
+                getattr(o, name)(*args)
+
+        return fan
