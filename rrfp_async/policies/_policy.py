@@ -10,11 +10,16 @@ and task.
 
 Plug-ins are registered by name with ``register_policy`` or through the entry-point group
 ``rrfp_async.policies`` (the entry point names a coroutine function or a policy object).
+Each entry point loads on its own: a broken one is a ``RuntimeWarning`` and fails only when
+its policy is asked for.
 """
 
 from __future__ import annotations
 
+import functools
 import inspect
+import re
+import warnings
 from collections.abc import Mapping, Sequence
 from importlib.metadata import entry_points
 from typing import Protocol, runtime_checkable
@@ -244,26 +249,67 @@ _ALIASES = {
     "late": "lateness_aware",
 }
 _entry_points_loaded = False
+# Entry points that failed to load or register: name -> (the PolicyError to raise when the
+# policy is asked for, the original error it chains). They are warned about once, when the
+# group is read, and fail only when requested: one broken plug-in hides nothing else.
+_BROKEN: dict[str, tuple[str, BaseException]] = {}
+
+# A name the CLI and configuration files can carry: no spaces, no slashes, not a number.
+_NAME_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_.\-]*")
+
+
+def _unwrap(policy: object) -> object:
+    """The callable a ``functools.partial`` (nested or not) finally calls."""
+    while isinstance(policy, functools.partial):
+        policy = policy.func
+    return policy
 
 
 def policy_name(policy: object) -> str:
-    """A readable name for ``policy`` (its registered name, ``name`` attribute or qualname)."""
+    """A readable name for ``policy`` (its registered name, ``name`` attribute or qualname).
+
+    A ``functools.partial`` that is not registered is named after the callable it wraps.
+    """
     for k, v in _REGISTRY.items():
         if v is policy:
             return k
+    policy = _unwrap(policy)
     name = getattr(policy, "name", "") or getattr(policy, "__qualname__", "")
     return str(name or type(policy).__qualname__)
 
 
-def _check_coroutine(name: str, policy: object) -> None:
-    fn = policy if inspect.isfunction(policy) or inspect.ismethod(policy) else None
-    if fn is None:
-        call = getattr(type(policy), "__call__", None)  # noqa: B004 - the class attribute
-        fn = call
-    if fn is None or not inspect.iscoroutinefunction(fn):
+def _is_coroutine_policy(policy: object) -> bool:
+    """Whether calling ``policy`` runs a coroutine function.
+
+    ``inspect.iscoroutinefunction`` sees through bound methods and partials of functions but
+    not through an object with ``async def __call__`` (nor a partial of one), so the
+    callable a partial wraps is unwrapped first and, when it is no function, its class's
+    ``__call__`` is checked.
+    """
+    if inspect.iscoroutinefunction(policy):
+        return True
+    target = _unwrap(policy)
+    if inspect.isfunction(target) or inspect.ismethod(target) or isinstance(target, type):
+        return inspect.iscoroutinefunction(target)
+    call = getattr(type(target), "__call__", None)  # noqa: B004 - the class attribute
+    return call is not None and inspect.iscoroutinefunction(call)
+
+
+def _names_note() -> str:
+    """The registered names, the aliases and the broken entry points, for error messages."""
+    aliases = ", ".join(f"{a!r} -> {k!r}" for a, k in sorted(_ALIASES.items()))
+    note = f"registered: {sorted(_REGISTRY)}; aliases: {aliases}"
+    if _BROKEN:
+        note += f"; entry points that failed to load: {sorted(_BROKEN)}"
+    return note
+
+
+def _check_coroutine(name: str, policy: object, *, list_names: bool = False) -> None:
+    if not _is_coroutine_policy(policy):
+        hint = f"; or pass a policy name ({_names_note()})" if list_names else ""
         raise PolicyError(
             f"policy {name!r} must be a coroutine function (async def ...(view) -> Task) or an"
-            f" object with an async __call__; got {policy!r}",
+            f" object with an async __call__; got {policy!r}{hint}",
             policy=name,
         )
 
@@ -272,40 +318,88 @@ def register_policy(name: str, policy: object, *, replace: bool = False) -> None
     """Register a policy under ``name``.
 
     Args:
-        name: The name the stage loop, ``simulate`` and the CLI accept.
-        policy: An ``async def`` function ``(view) -> Task`` or an object with an async
-            ``__call__``.
-        replace: Allow replacing an existing registration.
+        name: The name the stage loop, ``simulate`` and the CLI accept: a non-empty,
+            identifier-like string (letters, digits, ``_``, ``-``, ``.``; not starting with
+            a digit).
+        policy: An ``async def`` function ``(view) -> Task``, an object with an async
+            ``__call__``, or a ``functools.partial`` of either.
+        replace: Allow replacing an existing registration, or taking over a built-in
+            alias (``"rf"``, ``"greedy"``...): the alias is then dropped.
 
     Raises:
-        PolicyError: ``policy`` is not a coroutine function (checked now, not at first use),
-            or ``name`` is taken and ``replace`` is false.
+        PolicyError: ``name`` is not an identifier-like string; ``policy`` is not a
+            coroutine function (checked now, not at first use); or ``name`` is taken (by a
+            policy or an alias) and ``replace`` is false.
     """
+    if not isinstance(name, str) or not _NAME_RE.fullmatch(name):
+        raise PolicyError(
+            "register_policy: name must be a non-empty identifier-like string (letters,"
+            f" digits, '_', '-', '.'; not starting with a digit); got {name!r}",
+            policy=policy_name(policy),
+        )
     _check_coroutine(name, policy)
+    if name in _ALIASES:
+        if not replace:
+            raise PolicyError(
+                f"{name!r} is an alias of the policy {_ALIASES[name]!r} and would keep"
+                " resolving to it; choose another name, or pass replace=True to take the"
+                " name over",
+                policy=name,
+            )
+        del _ALIASES[name]
     if name in _REGISTRY and not replace and _REGISTRY[name] is not policy:
         raise PolicyError(f"a policy named {name!r} is already registered", policy=name)
     _REGISTRY[name] = policy  # type: ignore[assignment]
+    _BROKEN.pop(name, None)
+
+
+def _broken(name: str, message: str, error: BaseException) -> None:
+    _BROKEN[name] = (message, error)
+    warnings.warn(message, RuntimeWarning, stacklevel=4)
 
 
 def _load_entry_points() -> None:
+    """Register every policy of the entry-point group, each on its own.
+
+    A plug-in that fails to import or to register is warned about and remembered; it fails
+    (``PolicyError`` chaining the original error) only when asked for by name. The
+    built-ins and every other plug-in keep working.
+    """
     global _entry_points_loaded
     if _entry_points_loaded:
         return
     _entry_points_loaded = True
-    for ep in entry_points(group=ENTRY_POINT_GROUP):
+    try:
+        eps = list(entry_points(group=ENTRY_POINT_GROUP))
+    except Exception as e:  # corrupt installed metadata: keep the built-ins
+        warnings.warn(
+            f"cannot read the policy entry-point group {ENTRY_POINT_GROUP!r}:"
+            f" {type(e).__name__}: {e}",
+            RuntimeWarning,
+            stacklevel=3,
+        )
+        return
+    for ep in eps:
         if ep.name in _REGISTRY:
             continue
+        where = f"policy entry point {ep.name!r} ({ep.value})"
         try:
             obj = ep.load()
         except Exception as e:  # a broken plug-in must not break the built-ins
-            raise PolicyError(
-                f"cannot load policy entry point {ep.name!r} ({ep.value}): {e}", policy=ep.name
-            ) from e
-        register_policy(ep.name, obj)
+            _broken(ep.name, f"{where} failed to load: {type(e).__name__}: {e}", e)
+            continue
+        try:
+            register_policy(ep.name, obj)
+        except PolicyError as e:
+            _broken(ep.name, f"{where} cannot be registered: {e}", e)
 
 
 def available_policies() -> list[str]:
-    """Names of every registered policy, entry points included."""
+    """Names of every registered policy, entry points included.
+
+    Entry points that fail to load are left out (and warned about once, as a
+    ``RuntimeWarning``); asking for one by name raises the reason.
+    """
     _load_entry_points()
     return sorted(_REGISTRY)
 
@@ -313,17 +407,26 @@ def available_policies() -> list[str]:
 def get_policy(policy: str | Policy) -> Policy:
     """Resolve a policy name (or check a policy object).
 
+    Args:
+        policy: A registered name or alias, or a policy (see ``register_policy``).
+
+    Returns:
+        The policy.
+
     Raises:
-        PolicyError: Unknown name, or an object that is not a coroutine function.
+        PolicyError: Unknown name, an entry point that failed to load (chaining its error),
+            or an object that is not a coroutine function. The message lists the
+            registered names.
     """
     if not isinstance(policy, str):
-        _check_coroutine(policy_name(policy), policy)
+        _check_coroutine(policy_name(policy), policy, list_names=True)
         return policy
     key = _ALIASES.get(policy, policy)
     if key not in _REGISTRY:
         _load_entry_points()
-    if key not in _REGISTRY:
-        raise PolicyError(
-            f"unknown policy {policy!r}; registered: {sorted(_REGISTRY)}", policy=policy
-        )
-    return _REGISTRY[key]
+    if key in _REGISTRY:
+        return _REGISTRY[key]
+    if key in _BROKEN:
+        message, error = _BROKEN[key]
+        raise PolicyError(message, policy=key) from error
+    raise PolicyError(f"unknown policy {policy!r}; {_names_note()}", policy=policy)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
 from importlib.metadata import EntryPoint
 from typing import Any
 
@@ -104,3 +106,182 @@ def test_view_exposes_state() -> None:
     assert first["deadline"] == pytest.approx(0.0, abs=1e-6)
     last = [s for s in seen if s["rank"] == 0][-1]
     assert len(last["observed"]) == 3
+
+
+# --- Issue 8: every bad plug-in input is a typed error -----------------------------------
+
+
+@pytest.fixture
+def registry(monkeypatch: pytest.MonkeyPatch) -> Callable[[list[EntryPoint]], None]:
+    """A registry of the built-ins only; the returned function installs fake entry points."""
+    builtins = {
+        n: _policy._REGISTRY[n] for n in ("backfill", "lateness_aware", "readiness_first", "strict")
+    }
+    monkeypatch.setattr(_policy, "_REGISTRY", builtins)
+    monkeypatch.setattr(_policy, "_ALIASES", dict(_policy._ALIASES))
+    monkeypatch.setattr(_policy, "_BROKEN", {}, raising=False)
+    monkeypatch.setattr(_policy, "_entry_points_loaded", False)
+    monkeypatch.setattr(_policy, "entry_points", lambda group: [])
+
+    def install(eps: list[EntryPoint]) -> None:
+        monkeypatch.setattr(
+            _policy, "entry_points", lambda group: eps if group == _policy.ENTRY_POINT_GROUP else []
+        )
+
+    return install
+
+
+def _ep(name: str, value: str) -> EntryPoint:
+    return EntryPoint(name=name, value=value, group=_policy.ENTRY_POINT_GROUP)
+
+
+def sync_policy(view: Any) -> Any:
+    return view.ready[0]
+
+
+@pytest.mark.parametrize("name", [123, None, "", "  ", "two words", "1st", "a/b"])
+def test_register_refuses_bad_names(registry: object, name: Any) -> None:
+    with pytest.raises(rr.PolicyError, match="register_policy: name must be a non-empty") as ei:
+        register_policy(name, last_ready)
+    assert repr(name) in str(ei.value)
+    assert name not in _policy._REGISTRY
+
+
+def test_register_accepts_identifier_like_names(registry: object) -> None:
+    for name in ("mine", "_mine2", "my-policy", "org.mine"):
+        register_policy(name, last_ready)
+        assert get_policy(name) is last_ready
+
+
+def test_register_refuses_an_alias_name(registry: object) -> None:
+    with pytest.raises(
+        rr.PolicyError, match=r"'rf' is an alias of the policy 'readiness_first'.*replace=True"
+    ):
+        register_policy("rf", last_ready)
+    assert get_policy("rf") is rr.readiness_first
+    # replace=True makes the registration win, consistently: lookup, listing and name.
+    register_policy("rf", last_ready, replace=True)
+    assert get_policy("rf") is last_ready
+    assert get_policy("readiness_first") is rr.readiness_first
+    assert "rf" in available_policies()
+    assert _policy.policy_name(last_ready) == "rf"
+
+
+async def _pick(view: rr.ReadyView, index: int) -> rr.Task:
+    return view.ready[index]
+
+
+class AsyncCallable:
+    def __init__(self, index: int = 0) -> None:
+        self.index = index
+
+    async def __call__(self, view: rr.ReadyView, /, index: int | None = None) -> rr.Task:
+        return view.ready[self.index if index is None else index]
+
+
+@pytest.mark.parametrize(
+    "policy",
+    [
+        functools.partial(_pick, index=-1),
+        functools.partial(functools.partial(_pick), index=0),
+        AsyncCallable(),
+        functools.partial(AsyncCallable(), index=-1),
+    ],
+    ids=["partial", "nested-partial", "async-call", "partial-of-async-call"],
+)
+def test_partials_and_async_call_objects_are_accepted(registry: object, policy: Any) -> None:
+    register_policy("wrapped", policy)
+    assert get_policy("wrapped") is policy
+    assert get_policy(policy) is policy
+    res = rr.simulate(stages=2, microbatches=3, policy="wrapped", hint="gpipe")
+    assert res.policy == "wrapped"
+
+
+def test_partial_of_a_sync_function_is_refused(registry: object) -> None:
+    with pytest.raises(rr.PolicyError, match="policy 'p' must be a coroutine function"):
+        register_policy("p", functools.partial(sync_policy))
+
+
+def test_a_broken_entry_point_hides_nothing_else(
+    registry: Callable[[list[EntryPoint]], None],
+) -> None:
+    registry(
+        [
+            _ep("ep_broken", "no_such_module_rrfp:policy"),
+            _ep("ep_sync", "tests.policies.test_registry:sync_policy"),
+            _ep("ep_last", "tests.policies.test_registry:last_ready"),
+        ]
+    )
+    with pytest.warns(RuntimeWarning) as rec:
+        names = available_policies()
+    messages = [str(w.message) for w in rec]
+    assert any(
+        "entry point 'ep_broken' (no_such_module_rrfp:policy)" in m and "ModuleNotFoundError" in m
+        for m in messages
+    ), messages
+    assert any("'ep_sync'" in m and "must be a coroutine function" in m for m in messages)
+    assert "ep_last" in names and "strict" in names
+    assert "ep_broken" not in names and "ep_sync" not in names
+    assert get_policy("ep_last") is last_ready
+    assert get_policy("strict") is rr.strict
+    assert get_policy("rf") is rr.readiness_first
+    with pytest.raises(
+        rr.PolicyError,
+        match=r"policy entry point 'ep_broken' \(no_such_module_rrfp:policy\) failed to load:"
+        r" ModuleNotFoundError",
+    ) as ei:
+        get_policy("ep_broken")
+    assert isinstance(ei.value.__cause__, ModuleNotFoundError)
+    assert ei.value.policy == "ep_broken"
+    with pytest.raises(rr.PolicyError, match=r"'ep_sync'.*must be a coroutine function"):
+        get_policy("ep_sync")
+
+
+def test_a_broken_entry_point_does_not_break_builtins_first(
+    registry: Callable[[list[EntryPoint]], None],
+) -> None:
+    # get_policy of a built-in never loads entry points; an unknown name does, and then
+    # still reports an unknown name (not the broken plug-in).
+    registry([_ep("ep_broken", "no_such_module_rrfp:policy")])
+    assert get_policy("strict") is rr.strict
+    with (
+        pytest.warns(RuntimeWarning, match="ep_broken"),
+        pytest.raises(rr.PolicyError, match="unknown policy 'nope'") as ei,
+    ):
+        get_policy("nope")
+    assert "failed to load: ['ep_broken']" in str(ei.value)
+
+
+def test_cli_simulate_survives_a_broken_entry_point(
+    registry: Callable[[list[EntryPoint]], None],
+) -> None:
+    from click.testing import CliRunner
+
+    from rrfp_async.cli._main import main
+
+    registry([_ep("ep_broken", "no_such_module_rrfp:policy")])
+    with pytest.warns(RuntimeWarning, match="ep_broken"):
+        res = CliRunner().invoke(
+            main, ["simulate", "-p", "2", "-m", "4", "--json", "--policy", "strict"]
+        )
+    assert res.exit_code == 0, res.output
+
+
+@pytest.mark.parametrize(
+    ("policy", "what"),
+    [
+        ("nope", r"unknown policy 'nope'"),
+        (42, r"policy 'int' must be a coroutine function.*got 42"),
+        (sync_policy, r"policy 'sync_policy' must be a coroutine function"),
+        (None, r"policy 'NoneType' must be a coroutine function"),
+    ],
+)
+def test_get_policy_errors_list_the_available_names(
+    registry: object, policy: Any, what: str
+) -> None:
+    register_policy("mine", last_ready)
+    with pytest.raises(rr.PolicyError, match=what) as ei:
+        get_policy(policy)
+    msg = str(ei.value)
+    assert "registered: ['backfill', 'lateness_aware', 'mine', 'readiness_first', 'strict']" in msg
+    assert "'rf' -> 'readiness_first'" in msg
