@@ -22,10 +22,9 @@ import statistics
 import torch.distributed as dist
 
 import rrfp_async as rr
-from rrfp_async.distributed._train import TrainConfig, TrainResult, emulated_cost, train_worker
 
 
-def parse(argv: list[str] | None = None) -> tuple[argparse.Namespace, TrainConfig]:
+def parse(argv: list[str] | None = None) -> tuple[argparse.Namespace, rr.TrainConfig]:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[1])
     ap.add_argument("--pp", type=int, default=4, help="pipeline ranks")
     ap.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks per stage")
@@ -40,7 +39,7 @@ def parse(argv: list[str] | None = None) -> tuple[argparse.Namespace, TrainConfi
     ap.add_argument("--jitter", type=float, default=0.3)
     ap.add_argument("--spawn", action="store_true", help="start the processes here (no torchrun)")
     args = ap.parse_args(argv)
-    cfg = TrainConfig(
+    cfg = rr.TrainConfig(
         pp=args.pp,
         tp=args.tp,
         chunks=args.chunks,
@@ -49,13 +48,13 @@ def parse(argv: list[str] | None = None) -> tuple[argparse.Namespace, TrainConfi
         hint=args.hint,
         memory_factor=args.memory_factor,
         policies=tuple(args.policy or ("strict", "readiness_first")),
-        cost=emulated_cost(jitter=args.jitter),
+        cost=rr.image_text_cost(jitter=args.jitter),
         return_params=False,
     )
     return args, cfg
 
 
-def report(results: list[list[TrainResult]], cfg: TrainConfig) -> None:
+def report(results: list[list[rr.TrainResult]], cfg: rr.TrainConfig) -> None:
     base = None
     for i, policy in enumerate(cfg.policies):
         per_rank = [r[i] for r in results]
@@ -73,12 +72,12 @@ def report(results: list[list[TrainResult]], cfg: TrainConfig) -> None:
 def main(argv: list[str] | None = None) -> None:
     args, cfg = parse(argv)
     if args.spawn:
-        report(rr.spawn(train_worker, cfg.pp * cfg.tp, cfg, timeout=900), cfg)
+        report(rr.spawn(rr.train_worker, cfg.pp * cfg.tp, cfg, timeout=900), cfg)
         return
     dist.init_process_group("gloo")  # torchrun's env:// rendezvous
     try:
-        mine = train_worker(dist.get_rank(), dist.get_world_size(), cfg)
-        gathered: list[list[TrainResult] | None] = [None] * dist.get_world_size()
+        mine = rr.train_worker(dist.get_rank(), dist.get_world_size(), cfg)
+        gathered: list[list[rr.TrainResult] | None] = [None] * dist.get_world_size()
         dist.gather_object(mine, gathered if dist.get_rank() == 0 else None, dst=0)
         if dist.get_rank() == 0:
             report([g for g in gathered if g is not None], cfg)

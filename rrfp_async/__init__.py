@@ -8,6 +8,8 @@ The friendly public API, pulled together from the private modules and the layers
 * running (``rrfp_async.loop``): ``StageLoop``, ``LocalPipeline``, ``run``, the bridges;
 * distributed: ``ProcessLayout``, ``build_groups``, ``DistributedStage``,
   ``TorchStageExecutor``, ``EmulatedCost``, ``spawn``;
+* the training harness (what ``examples/train_image_text.py`` runs): ``TrainConfig``,
+  ``train_worker``, ``TrainResult``, ``image_text_cost`` (the example model's cost model);
 * simulating: ``simulate``, ``compare``, ``SimResult``;
 * errors: ``RRFPError`` and its subclasses.
 """
@@ -24,6 +26,7 @@ from ._costs import (
 )
 from ._errors import (
     ChannelError,
+    ClosedError,
     DeadlockError,
     DivergenceError,
     HintError,
@@ -34,20 +37,23 @@ from ._errors import (
     RRFPError,
     SpawnError,
     StepTimeoutError,
+    TraceError,
 )
 from ._tasks import Kind, Placement, StepPlan, Task, Topology, format_tasks, parse_tasks
 from .distributed._layout import ProcessLayout, StageGroups, build_groups, pipeline_neighbors
 from .distributed._spawn import free_port, spawn
 from .distributed._stage import DistributedStage
 from .distributed._torch_executor import EmulatedCost, TorchStageExecutor
+from .distributed._train import TrainConfig, TrainResult, image_text_cost, train_worker
 from .loop import ExecutedTask, LocalPipeline, StageLoop, StepStats, VirtualEventLoop, run
 from .loop._executors import CostModelExecutor, Executor, TaskContext
-from .observability._logging import LogObserver, configure_logging
-from .observability._trace import (
+from .observability import (
+    LogObserver,
     MultiObserver,
     TraceData,
     TraceRecorder,
     chrome_trace,
+    configure_logging,
     load_trace,
     render_png,
     summarize,
@@ -76,6 +82,7 @@ __all__ = [
     "WORKLOADS",
     "AdmissionLedger",
     "ChannelError",
+    "ClosedError",
     "CostModel",
     "CostModelExecutor",
     "DeadlockError",
@@ -115,7 +122,10 @@ __all__ = [
     "Topology",
     "TorchStageExecutor",
     "TraceData",
+    "TraceError",
     "TraceRecorder",
+    "TrainConfig",
+    "TrainResult",
     "VirtualEventLoop",
     "Workload",
     "build_groups",
@@ -126,6 +136,7 @@ __all__ = [
     "free_port",
     "hint_from_torch",
     "hint_peak",
+    "image_text_cost",
     "load_trace",
     "lower_bound",
     "make_hint",
@@ -140,6 +151,7 @@ __all__ = [
     "spawn",
     "strict",
     "summarize",
+    "train_worker",
     "validate_chrome_trace",
     "validate_hint",
     "write_trace",

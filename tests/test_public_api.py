@@ -1,17 +1,27 @@
-"""The exports stay honest: sorted, existing, documented."""
+"""The exports stay honest: sorted, existing, documented, and what the examples use."""
 
 from __future__ import annotations
 
+import ast
 import inspect
+import pathlib
 
 import pytest
 
 import rrfp_async
 import rrfp_async.channels
+import rrfp_async.distributed
 import rrfp_async.loop
 import rrfp_async.policies
 
-MODULES = [rrfp_async, rrfp_async.loop, rrfp_async.channels, rrfp_async.policies]
+MODULES = [
+    rrfp_async,
+    rrfp_async.loop,
+    rrfp_async.channels,
+    rrfp_async.policies,
+    rrfp_async.distributed,
+]
+EXAMPLES = pathlib.Path(__file__).resolve().parent.parent / "examples"
 
 
 @pytest.mark.parametrize("mod", MODULES, ids=lambda m: m.__name__)
@@ -30,11 +40,40 @@ def test_every_public_callable_is_documented(mod: object) -> None:
             assert inspect.getdoc(obj), f"{mod.__name__}.{n} has no docstring"  # type: ignore[attr-defined]
 
 
+def test_training_harness_is_public() -> None:
+    """What the training example runs is public API, under clear names."""
+    for n in ("TrainConfig", "TrainResult", "train_worker", "image_text_cost"):
+        assert n in rrfp_async.__all__, n
+        assert getattr(rrfp_async, n) is getattr(rrfp_async.distributed, n), n
+    # image_text_cost returns a CostModel; EmulatedCost is the sleeping wrapper around one.
+    assert isinstance(rrfp_async.image_text_cost(), rrfp_async.CostModel)
+    assert "emulated_cost" not in rrfp_async.__all__ + rrfp_async.distributed.__all__
+
+
+@pytest.mark.parametrize("example", sorted(EXAMPLES.glob("*.py")), ids=lambda p: p.name)
+def test_examples_use_only_public_names(example: pathlib.Path) -> None:
+    """Users copy the examples: they import nothing private (no ``_module`` of rrfp_async)
+    and every ``rr.<name>`` they use is exported."""
+    tree = ast.parse(example.read_text())
+    for node in ast.walk(tree):
+        mods: list[str] = []
+        if isinstance(node, ast.ImportFrom) and node.module:
+            mods = [node.module]
+        elif isinstance(node, ast.Import):
+            mods = [a.name for a in node.names]
+        for m in mods:
+            if m.split(".")[0] == "rrfp_async":
+                assert not any(part.startswith("_") for part in m.split(".")), (example.name, m)
+        if (
+            isinstance(node, ast.Attribute)
+            and isinstance(node.value, ast.Name)
+            and node.value.id == "rr"
+        ):
+            assert node.attr in rrfp_async.__all__, (example.name, f"rr.{node.attr}")
+
+
 def test_layering() -> None:
     """policies/ never imports channels/ and channels/ never imports policies/."""
-    import ast
-    import pathlib
-
     root = pathlib.Path(rrfp_async.__file__).parent
 
     def imports(f: pathlib.Path) -> set[str]:

@@ -6,7 +6,7 @@ from ._layout import ProcessLayout, StageGroups, build_groups, pipeline_neighbor
 from ._spawn import free_port, spawn
 from ._stage import DistributedStage
 from ._torch_executor import EmulatedCost, TorchStageExecutor
-from ._train import TrainConfig, TrainResult, emulated_cost, fixed_microbatches, train_worker
+from ._train import TrainConfig, TrainResult, fixed_microbatches, image_text_cost, train_worker
 
 __all__ = [
     "DistributedStage",
@@ -17,9 +17,9 @@ __all__ = [
     "TrainConfig",
     "TrainResult",
     "build_groups",
-    "emulated_cost",
     "fixed_microbatches",
     "free_port",
+    "image_text_cost",
     "pipeline_neighbors",
     "spawn",
     "train_worker",

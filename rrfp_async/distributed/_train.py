@@ -4,7 +4,12 @@
 builds this rank's model chunks, runs several policies one after the other on the same
 microbatches (same initial weights, same emulated noise), and returns per policy the final
 parameters, the step times and the stage statistics. The demo, the benchmarks and the
-equivalence tests all use it, so what they compare is one code path.
+equivalence tests all use it, so what they compare is one code path. Public as
+``rr.TrainConfig``, ``rr.TrainResult``, ``rr.train_worker`` and ``rr.image_text_cost``.
+
+Data: the PP and TP ranks of one data-parallel replica see the same microbatches; each DP
+replica draws its own (``TrainConfig.batches(dp_rank)``), and the gradients are averaged
+over the replicas before every optimizer step.
 
 Time on a CPU: real torch compute of a tiny model plus *emulated GPU time* (the compute
 thread sleeps for the declared cost of each task: per token, per image patch, backward 2x,
@@ -21,45 +26,87 @@ import torch
 import torch.distributed as dist
 
 from .._costs import CostModel, Microbatch, StageProfile
+from .._errors import PlanError
 from .._tasks import StepPlan, Topology
 from ..loop._runner import run
 from ..loop._stage import StepStats
-from ..models.image_text import (
-    ImageTextConfig,
-    TPContext,
-    build_stage_modules,
-    loss_fn,
-    make_microbatches,
+from ..models._tp import TPContext
+from ..models.image_text import ImageTextConfig, build_stage_modules, loss_fn, make_microbatches
+from ..observability import (
+    LogFormat,
+    LogObserver,
+    MultiObserver,
+    TraceData,
+    TraceRecorder,
+    configure_logging,
 )
-from ..observability._logging import LogFormat, LogObserver, configure_logging
-from ..observability._trace import MultiObserver, TraceData, TraceRecorder
 from ..policies._schedule import StepSchedule
 from ._layout import ProcessLayout, build_groups
 from ._spawn import report_progress
 from ._stage import DistributedStage
 from ._torch_executor import EmulatedCost, TorchStageExecutor
 
-__all__ = ["TrainConfig", "TrainResult", "emulated_cost", "fixed_microbatches", "train_worker"]
+__all__ = [
+    "TrainConfig",
+    "TrainResult",
+    "fixed_microbatches",
+    "image_text_cost",
+    "train_worker",
+]
 
 
-def emulated_cost(
+def image_text_cost(
     *,
     per_token: float = 4e-5,
     per_patch: float = 4e-5,
     jitter: float = 0.2,
     multimodal: bool = True,
 ) -> CostModel:
-    """The emulated GPU cost of the example model: LLM stages cost by tokens; with
-    ``multimodal`` virtual stage 0 is a vision encoder that costs by image patches."""
+    """The declared GPU cost model of the example image-text model.
+
+    LLM stages cost by tokens; with ``multimodal``, virtual stage 0 is a vision encoder that
+    costs mostly by image patches. Every stage adds a fixed 0.2 ms; backward costs 2x
+    forward (``CostModel``'s default). This is the *model* of the costs (a ``CostModel``):
+    ``TrainConfig(cost=...)`` takes it, and wraps it in an ``rr.EmulatedCost`` that makes
+    each task sleep for its realized duration on a CPU.
+
+    Args:
+        per_token: Forward seconds per token of an LLM stage.
+        per_patch: Forward seconds per image patch of the vision stage.
+        jitter: Sigma of the mean-one lognormal noise on every realized duration.
+        multimodal: Give virtual stage 0 the vision profile (else all stages are LLM).
+
+    Returns:
+        The ``CostModel``.
+    """
     llm = StageProfile(per_token=per_token, fixed=2e-4)
     vision = StageProfile(per_patch=per_patch, per_token=per_token / 10, fixed=2e-4)
     return CostModel(profiles=(vision,) if multimodal else (), default=llm, jitter=jitter)
 
 
+emulated_cost = image_text_cost
+"""The former private name of ``image_text_cost`` (read as too close to ``EmulatedCost``);
+kept only for ``cli/_bench.py`` and ``tests/distributed/test_observability.py``."""
+
+
 def fixed_microbatches(
     n: int, cfg: ImageTextConfig, *, seed: int, text: int = 24
 ) -> list[Microbatch]:
-    """``n`` text-only microbatches of equal length ``text`` (equal shapes everywhere)."""
+    """``n`` text-only microbatches of one length: equal tensor shapes everywhere.
+
+    With equal shapes a mismatched collective does not fail on a size check, it silently
+    mixes microbatches; the TP divergence tests need exactly that (``equal_lengths``).
+
+    Args:
+        n: Number of microbatches.
+        cfg: Model sizes (``vocab`` and the empty image tensor's shape).
+        seed: Seed of the ``torch.Generator`` that draws the tokens.
+        text: Text tokens per microbatch.
+
+    Returns:
+        ``Microbatch(index=i, tokens=text, data={"images": <0 images>, "text": ...})`` for
+        ``i`` in ``0..n-1``.
+    """
     g = torch.Generator().manual_seed(seed)
     return [
         Microbatch(
@@ -77,6 +124,9 @@ def fixed_microbatches(
 @dataclass(frozen=True, kw_only=True)
 class TrainConfig:
     """What ``train_worker`` runs (every process gets the same config).
+
+    Validated on construction (``PlanError``). The DP degree is not a field: it is
+    ``world / (pp * tp)`` of the job that runs it.
 
     Attributes:
         pp: Pipeline ranks.
@@ -96,7 +146,7 @@ class TrainConfig:
         per_rank_noise: Emulated jitter drawn per process (TP ranks see different timings).
         equal_lengths: Use equal-shape text-only microbatches (divergence tests).
         lr: SGD learning rate.
-        seed: Data seed.
+        seed: Data seed (and the emulated noise's); see ``batches``.
         coordinate_tp: TP followers run the leader's decisions.
         verify_tp: Cross-check the TP ranks' sequences after each step.
         step_timeout: Watchdog per step, seconds.
@@ -133,17 +183,46 @@ class TrainConfig:
     log_level: str = "info"
     progress: bool = False
 
-    def batches(self) -> list[list[Microbatch]]:
-        """The microbatches of every step (warm-up steps first), the same in every process."""
-        n = self.warmup_steps + self.steps
-        if self.equal_lengths:
-            return [
-                fixed_microbatches(self.microbatches, self.model, seed=self.seed * 1000 + s)
-                for s in range(n)
-            ]
+    def __post_init__(self) -> None:
+        for name in ("pp", "tp", "chunks", "microbatches", "steps"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or v < 1:
+                raise PlanError(f"TrainConfig.{name} must be an int >= 1, got {v!r}")
+        if not isinstance(self.warmup_steps, int) or self.warmup_steps < 0:
+            raise PlanError(f"TrainConfig.warmup_steps must be >= 0, got {self.warmup_steps!r}")
+        if not self.policies:
+            raise PlanError("TrainConfig.policies is empty: name at least one policy")
+        if not self.lr > 0:
+            raise PlanError(f"TrainConfig.lr must be > 0, got {self.lr!r}")
+        bad = [s for s in self.trace_steps if not 0 <= s < self.warmup_steps + self.steps]
+        if bad:
+            raise PlanError(
+                f"TrainConfig.trace_steps {bad} are outside the"
+                f" {self.warmup_steps + self.steps} steps run (warm-up counted)"
+            )
+
+    def batches(self, dp_rank: int = 0) -> list[list[Microbatch]]:
+        """The microbatches of every step (warm-up steps first) of one DP replica.
+
+        Every PP and TP rank of a replica gets the same; replicas get different ones (data
+        parallelism splits the data): step ``s`` of replica ``d`` is drawn with seed
+        ``seed * 1000 + s + 1_000_000 * d`` (replica 0: ``seed * 1000 + s``).
+
+        Args:
+            dp_rank: The data-parallel replica.
+
+        Returns:
+            One list of ``microbatches`` microbatches per step.
+
+        Raises:
+            PlanError: ``dp_rank`` is negative.
+        """
+        if dp_rank < 0:
+            raise PlanError(f"dp_rank must be >= 0, got {dp_rank}")
+        draw = fixed_microbatches if self.equal_lengths else make_microbatches
         return [
-            make_microbatches(self.microbatches, self.model, seed=self.seed * 1000 + s)
-            for s in range(n)
+            draw(self.microbatches, self.model, seed=self.seed * 1000 + s + 1_000_000 * dp_rank)
+            for s in range(self.warmup_steps + self.steps)
         ]
 
 
@@ -153,7 +232,10 @@ class TrainResult:
 
     Attributes:
         policy: The policy.
-        rank: Global rank; pp_rank, tp_rank: its position.
+        rank: Global rank.
+        pp_rank: Its pipeline rank.
+        tp_rank: Its rank in its stage's TP group.
+        dp_rank: Its data-parallel replica.
         params: ``{virtual_stage: state_dict}`` after training (empty unless asked).
         step_times: Seconds of each timed step on this process (barrier to last task).
         stats: The stage's ``StepStats`` of each timed step.
@@ -167,6 +249,7 @@ class TrainResult:
     rank: int
     pp_rank: int
     tp_rank: int
+    dp_rank: int
     params: dict[int, dict[str, torch.Tensor]]
     step_times: list[float]
     stats: list[StepStats]
@@ -202,7 +285,7 @@ async def _train_one(
     executor = TorchStageExecutor(modules, loss_fn, emulate=emulate, rank=layout.rank)
 
     def schedule_for(mbs: list[Microbatch]) -> StepSchedule:
-        declared = (cfg.cost or emulated_cost()).declared(plan, mbs)
+        declared = (cfg.cost or image_text_cost()).declared(plan, mbs)
         return StepSchedule.build(
             plan, cfg.hint, durations=declared, memory_factor=cfg.memory_factor
         )
@@ -248,6 +331,7 @@ async def _train_one(
         rank=layout.rank,
         pp_rank=layout.pp_rank,
         tp_rank=layout.tp_rank,
+        dp_rank=layout.dp_rank,
         params={
             v: {k: t.detach().clone() for k, t in m.state_dict().items()}
             for v, m in modules.items()
@@ -266,13 +350,30 @@ async def _train_one(
 def train_worker(rank: int, world: int, cfg: TrainConfig) -> list[TrainResult]:
     """Body of one process: train with every policy in ``cfg.policies`` in turn.
 
-    Expects the default process group to be initialised (``rrfp_async.spawn`` or torchrun).
+    Each policy starts from the same initial weights and meets the same microbatches and
+    emulated noise. The layout is ``ProcessLayout.from_world(pp=cfg.pp, tp=cfg.tp)``
+    (Megatron's rank order; DP = world / (pp * tp)). Run it under ``rr.spawn`` or torchrun::
+
+        results = rr.spawn(rr.train_worker, world, cfg)   # results[rank][policy index]
+
+    Args:
+        rank: This process's global rank (``spawn``'s calling convention; the layout reads
+            it from the initialised default process group).
+        world: The world size (likewise).
+        cfg: What to train; the same in every process.
+
+    Returns:
+        One ``TrainResult`` per policy, in ``cfg.policies`` order.
+
+    Raises:
+        PlanError: The world size is not a multiple of ``pp * tp``, or the plan is invalid.
+        StepTimeoutError, DivergenceError, PeerError: A step failed (see ``DistributedStage``).
     """
     if cfg.log_format is not None:
         configure_logging(format=cfg.log_format, level=cfg.log_level)
     layout = ProcessLayout.from_world(pp=cfg.pp, tp=cfg.tp)
     groups = build_groups(layout)
-    batches = cfg.batches()
+    batches = cfg.batches(layout.dp_rank)
     out = []
     for policy in cfg.policies:
         out.append(run(_train_one(cfg, layout, groups, policy, batches)))

@@ -15,8 +15,14 @@ import pytest
 import torch
 
 import rrfp_async as rr
-from rrfp_async import CostModel
-from rrfp_async.distributed._train import TrainConfig, TrainResult, emulated_cost, train_worker
+from rrfp_async import (
+    CostModel,
+    Microbatch,
+    TrainConfig,
+    TrainResult,
+    image_text_cost,
+    train_worker,
+)
 from rrfp_async.models import reference_train, unshard
 
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(300)]
@@ -30,7 +36,7 @@ def _config(pp: int, tp: int = 1, **kw: Any) -> TrainConfig:
         "steps": 5,
         "policies": POLICIES,
         "memory_factor": 2.0,
-        "cost": emulated_cost(per_token=1e-5, per_patch=1e-5, jitter=0.5),
+        "cost": image_text_cost(per_token=1e-5, per_patch=1e-5, jitter=0.5),
         "per_rank_noise": True,
     }
     return TrainConfig(pp=pp, tp=tp, **{**args, **kw})
@@ -53,13 +59,17 @@ def _params(
     return out
 
 
-def _reference(cfg: TrainConfig) -> dict[int, dict[str, torch.Tensor]]:
-    """The single-process reference, with one intra-op thread like every spawned rank (a
-    different thread count changes how CPU kernels split their sums)."""
+def _reference(
+    cfg: TrainConfig, batches: list[list[Microbatch]] | None = None
+) -> dict[int, dict[str, torch.Tensor]]:
+    """The single-process reference on ``batches`` (default: replica 0's), with one intra-op
+    thread like every spawned rank (a different thread count changes how CPU kernels split
+    their sums)."""
     n = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        return reference_train(cfg.model, cfg.batches(), lr=cfg.lr, num_virtual=cfg.pp)
+        steps = cfg.batches() if batches is None else batches
+        return reference_train(cfg.model, steps, lr=cfg.lr, num_virtual=cfg.pp)
     finally:
         torch.set_num_threads(n)
 
@@ -113,7 +123,7 @@ def test_ordered_weight_gradients_are_bitwise_order_independent(pp: int, tp: int
 def _strong_noise() -> CostModel:
     # TP all-reduces keep the two TP ranks of a stage in near lockstep; large per-rank
     # jitter and stragglers make the ranks' views of what has arrived differ for sure.
-    base = emulated_cost(per_token=5e-5, per_patch=5e-5, jitter=1.0)
+    base = image_text_cost(per_token=5e-5, per_patch=5e-5, jitter=1.0)
     return dataclasses.replace(base, straggler_prob=0.25, straggler_factor=5.0)
 
 
@@ -142,13 +152,43 @@ def test_tp_coordination_keeps_results_equal() -> None:
 
 
 def test_data_parallel_replicas_average_gradients() -> None:
-    # PP=2 x DP=2; both replicas see the same microbatches, so the averaged gradient is the
-    # single-replica gradient and every replica must match the reference.
+    # PP=2 x DP=2, and each replica draws its own microbatches (TrainConfig.batches(dp_rank)).
+    # Averaging the replicas' gradients (each a sum of loss / M over its M microbatches) is
+    # one process's gradient over both replicas' 2M microbatches of the step, each
+    # loss / 2M: every replica must end where that single process ends. Without the
+    # all-reduce each replica would follow its own data instead.
     cfg = _config(2, 1, policies=("readiness_first",), steps=3)
+    own = [cfg.batches(d) for d in (0, 1)]
+    union = [a + b for a, b in zip(*own, strict=True)]
+    ref = _reference(cfg, union)
+    # Not vacuous: the replicas' data differ, and enough that training on one replica's
+    # data alone ends far outside the tolerance.
+    assert not torch.equal(own[0][0][0].data["text"], own[1][0][0].data["text"])
+    for d in (0, 1):
+        assert _max_diff(_reference(cfg, own[d]), ref) > 1e-3
     results = rr.spawn(train_worker, 4, cfg, timeout=240)
-    ref = _reference(cfg)
-    for replica in (results[:2], results[2:]):
-        assert _max_diff(_params(replica, 0, cfg), ref) <= 1e-5
+    replicas: dict[int, list[list[TrainResult]]] = {}
+    for per_rank in results:
+        replicas.setdefault(per_rank[0].dp_rank, []).append(per_rank)
+    assert sorted(replicas) == [0, 1] and all(len(r) == 2 for r in replicas.values())
+    for d, replica in replicas.items():
+        assert _max_diff(_params(replica, 0, cfg), ref) <= 1e-5, d
+
+
+@pytest.mark.parametrize(
+    ("kw", "match"),
+    [
+        ({"microbatches": 0}, "microbatches"),
+        ({"steps": 0}, "steps"),
+        ({"warmup_steps": -1}, "warmup_steps"),
+        ({"policies": ()}, "policies"),
+        ({"lr": 0.0}, "lr"),
+        ({"steps": 2, "trace_steps": (2,)}, "trace_steps"),
+    ],
+)
+def test_train_config_is_validated(kw: dict[str, Any], match: str) -> None:
+    with pytest.raises(rr.PlanError, match=match):
+        TrainConfig(pp=2, **kw)
 
 
 def _mesh_layout(rank: int, world: int) -> tuple[int, int, int, list[int], dict[int, int]]:
