@@ -6,7 +6,8 @@ import asyncio
 from collections.abc import Callable
 from typing import Any
 
-from .._errors import ProtocolError, RRFPError
+from .._check import check_int, describe
+from .._errors import PlanError, ProtocolError, RRFPError
 from .._tasks import Task
 from ._base import Sink
 
@@ -23,20 +24,49 @@ class LocalChannel:
     sent (on the loop clock, so virtual time in a simulation); messages may overtake each
     other, which the stages must (and do) handle.
 
+    :meth:`discard` drops every message still in flight (a local pipeline calls it when a
+    step failed): each message carries the channel's *generation* at sending, and one of an
+    older generation is dropped on arrival, so a dead step's messages never reach a later one.
+
     Args:
         stages: Number of ranks.
         latency: Optional ``(step, consumer task) -> seconds``.
+
+    Attributes:
+        inflight: Messages sent and neither delivered nor discarded.
+        dropped: Messages discarded so far.
+
+    Raises:
+        PlanError: ``stages`` is not an integer >= 1 or ``latency`` is not callable; at
+            sending, ``latency`` returned no number >= 0.
     """
 
     def __init__(self, stages: int, latency: LatencyFn | None = None) -> None:
+        stages = check_int("stages", stages, minimum=1)
+        if latency is not None and not callable(latency):
+            raise PlanError(
+                f"latency must be a function (step, task) -> seconds, or None; got"
+                f" {describe(latency)}"
+            )
         self._sinks: list[Sink | None] = [None] * stages
         self.latency = latency
         self.inflight = 0
+        self.dropped = 0
+        self._gen = 0
         self._endpoints = [LocalEndpoint(self, r) for r in range(stages)]
 
     def endpoint(self, rank: int) -> LocalEndpoint:
         """Rank ``rank``'s end of the channel."""
+        rank = check_int("rank", rank, minimum=0, maximum=len(self._endpoints) - 1)
         return self._endpoints[rank]
+
+    def discard(self) -> int:
+        """Drop every message in flight: none of them will be delivered. Returns how many."""
+        n = self.inflight
+        self._gen += 1
+        self.dropped += n
+        self.inflight = 0
+        return n
 
     def _bind(self, rank: int, sink: Sink) -> None:
         self._sinks[rank] = sink
@@ -45,14 +75,28 @@ class LocalChannel:
         if not 0 <= dst < len(self._sinks):
             raise ProtocolError(f"rank {src} sent {task} to rank {dst}, which does not exist")
         loop = asyncio.get_running_loop()
-        self.inflight += 1
-        delay = self.latency(step, task) if self.latency is not None else 0.0
-        if delay > 0:
-            loop.call_later(delay, self._deliver, src, dst, step, task, payload)
+        if self.latency is None:
+            loop.call_soon(self._deliver, self._gen, src, dst, step, task, payload)
         else:
-            loop.call_soon(self._deliver, src, dst, step, task, payload)
+            delay = self.latency(step, task)
+            try:
+                ok = delay >= 0  # False for NaN
+            except TypeError:
+                ok = False
+            if not ok:
+                raise PlanError(
+                    f"latency({step}, {task}) must return seconds >= 0, got {describe(delay)}"
+                    f" (rank {src} sending to rank {dst})"
+                )
+            if delay > 0:
+                loop.call_later(delay, self._deliver, self._gen, src, dst, step, task, payload)
+            else:
+                loop.call_soon(self._deliver, self._gen, src, dst, step, task, payload)
+        self.inflight += 1
 
-    def _deliver(self, src: int, dst: int, step: int, task: Task, payload: Any) -> None:
+    def _deliver(self, gen: int, src: int, dst: int, step: int, task: Task, payload: Any) -> None:
+        if gen != self._gen:
+            return  # discarded (its step failed); no longer counted in flight
         self.inflight -= 1
         sink = self._sinks[dst]
         if sink is None:

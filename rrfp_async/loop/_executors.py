@@ -13,15 +13,24 @@ loop's clock, which is virtual in a simulation and real in a local pipeline.
 from __future__ import annotations
 
 import asyncio
+import inspect
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
+from .._check import describe
 from .._costs import CostModel, Durations, Microbatch
 from .._errors import PlanError
 from .._tasks import StepPlan, Task
 
-__all__ = ["CostModelExecutor", "Executor", "OutputHook", "TaskContext"]
+__all__ = [
+    "CostModelExecutor",
+    "Executor",
+    "OutputHook",
+    "TaskContext",
+    "check_awaitable",
+    "check_executor",
+]
 
 
 @dataclass(frozen=True, slots=True)
@@ -60,6 +69,64 @@ class Executor(Protocol):
 
     async def execute(self, task: Task, data: Any, ctx: TaskContext, /) -> Any:
         """Run ``task`` on ``data``; return the tensor to send on (or None)."""
+
+
+def check_executor(executor: object, rank: int) -> bool:
+    """Check that ``executor`` can run rank ``rank``'s tasks; True if its ``execute`` is a
+    coroutine function.
+
+    What can be seen without running a task is checked now: ``execute`` exists, is callable
+    and accepts ``(task, data, ctx)``. An ``execute`` that is callable but no coroutine
+    function is still accepted: a decorated ``async def`` (``torch.no_grad()`` wraps one in a
+    plain function) or a function that returns a future are valid, and nothing short of
+    calling it tells them from a plain ``def`` that returns None. The stage then checks
+    each call's result is awaitable (:func:`check_awaitable`); a coroutine function costs
+    nothing per task.
+
+    Raises:
+        PlanError: ``execute`` is missing, None, not callable or takes other arguments.
+    """
+    want = "an executor needs a method `async def execute(self, task, data, ctx)`"
+    if isinstance(executor, type):
+        raise PlanError(
+            f"executor of rank {rank}: got the class {executor.__qualname__}, not an instance"
+            f" of it; {want}"
+        )
+    execute = getattr(executor, "execute", None)
+    if execute is None or not callable(execute):
+        what = "has no execute method" if execute is None else f"has execute = {describe(execute)}"
+        raise PlanError(f"executor of rank {rank} {describe(executor)} {what}; {want}")
+    try:
+        sig = inspect.signature(execute)
+    except (TypeError, ValueError):  # a builtin without a signature: take it on trust
+        sig = None
+    if sig is not None:
+        try:
+            sig.bind(None, None, None)
+        except TypeError as e:
+            params = ", ".join(sig.parameters)
+            raise PlanError(
+                f"executor of rank {rank} {describe(executor)}: execute({params}) cannot be"
+                f" called as execute(task, data, ctx) ({e}); {want}"
+            ) from None
+    if inspect.iscoroutinefunction(execute):
+        return True
+    call = getattr(type(execute), "__call__", None)  # noqa: B004 - an object with async __call__
+    return not (inspect.isfunction(execute) or inspect.ismethod(execute)) and (
+        call is not None and inspect.iscoroutinefunction(call)
+    )
+
+
+def check_awaitable(result: object, executor: object, task: Task, ctx: TaskContext) -> None:
+    """Raise ``PlanError`` unless ``result``, what a non-coroutine ``execute`` returned for
+    ``task``, can be awaited (see :func:`check_executor`)."""
+    if not inspect.isawaitable(result):
+        raise PlanError(
+            f"executor of rank {ctx.rank} {describe(executor)}: execute({task}) in step"
+            f" {ctx.step} returned {describe(result)}, not an awaitable; execute must be a"
+            " coroutine function (async def execute(self, task, data, ctx)) or return an"
+            " awaitable"
+        )
 
 
 class CostModelExecutor:

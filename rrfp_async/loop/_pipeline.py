@@ -6,14 +6,15 @@ import asyncio
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from .._errors import DeadlockError
+from .._check import check_type
+from .._errors import PlanError
 from ..channels._local import LatencyFn, LocalChannel
 from ..policies._policy import Policy
 from ..policies._schedule import StepSchedule
 from ._diagnostics import make_deadlock
 from ._executors import Executor
 from ._records import StepStats
-from ._stage import StageLoop, StageObserver
+from ._stage import StageLoop, StageObserver, check_step_args, check_step_timeout
 
 __all__ = ["LocalPipeline", "unwrap_group"]
 
@@ -52,31 +53,42 @@ class _Monitor:
 
 
 def unwrap_group(eg: BaseExceptionGroup[Any]) -> BaseException:
-    """The one root cause of a task group's failure when there is one, else the group."""
+    """The root cause of a task group's failure: its first error, never a group.
+
+    A task group lists its children's errors in the order they happened; the first one is
+    the root cause (the others are stages it cancelled or that failed alongside, e.g. every
+    rank's watchdog firing at once). The other distinct errors are attached to it as notes,
+    so ``except rr.StepTimeoutError`` (or any class of the tree) catches a pipeline's step.
+    Cancellations count only when there is nothing else.
+    """
     leaves: list[BaseException] = []
+    cancelled: list[BaseException] = []
 
     def walk(e: BaseException) -> None:
         if isinstance(e, BaseExceptionGroup):
             for x in e.exceptions:
                 walk(x)
-        elif not isinstance(e, asyncio.CancelledError):
+        elif isinstance(e, asyncio.CancelledError):
+            cancelled.append(e)
+        elif all(e is not u for u in leaves):
             leaves.append(e)
 
     walk(eg)
-    unique: list[BaseException] = []
-    for e in leaves:
-        if all(e is not u for u in unique):
-            unique.append(e)
-    if len(unique) == 1:
-        return unique[0]
-    dead = [e for e in unique if isinstance(e, DeadlockError)]
-    if dead and len(dead) == len(unique):
-        return dead[0]
-    return eg
+    if not leaves:
+        return cancelled[0] if cancelled else eg
+    root = leaves[0]
+    for other in leaves[1:]:
+        if type(other) is type(root) and str(other) == str(root):
+            continue
+        root.add_note(f"also raised: {type(other).__name__}: {other}")
+    return root
 
 
 class LocalPipeline:
     """Every stage of a pipeline as a coroutine in this process, connected in-process.
+
+    A failed step leaves the pipeline usable: the messages its stages had in flight are
+    discarded (see ``LocalChannel.discard``), so the next ``run_step`` starts clean.
 
     Args:
         schedule: The step schedule.
@@ -85,7 +97,13 @@ class LocalPipeline:
         policy: Policy name or coroutine for every stage.
         latency: Optional message latency model ``(step, task) -> seconds``.
         observer: Optional observer of every stage's transitions.
-        step_timeout: Watchdog per step, seconds on the loop clock.
+        step_timeout: Watchdog per step, seconds on the loop clock (None: no watchdog).
+
+    Raises:
+        PlanError: ``schedule`` is not a ``StepSchedule``; a list of executors of the wrong
+            length; an executor without a usable ``execute(task, data, ctx)`` (the message
+            names its rank); ``latency`` not callable; ``step_timeout`` not None or > 0.
+        PolicyError: ``policy`` is neither a registered name nor a coroutine function.
     """
 
     def __init__(
@@ -98,18 +116,24 @@ class LocalPipeline:
         observer: StageObserver | None = None,
         step_timeout: float | None = None,
     ) -> None:
+        check_type("schedule", schedule, StepSchedule, "a StepSchedule")
+        step_timeout = check_step_timeout(step_timeout)
         p = schedule.plan.stages
         self.schedule = schedule
         self.channel = LocalChannel(p, latency)
         self._monitor = _Monitor(self)
+        self._running: int | None = None  # the step being run
         if isinstance(executors, Sequence):
             if len(executors) != p:
-                raise ValueError(f"need one executor per rank ({p}), got {len(executors)}")
+                raise PlanError(
+                    f"executors: need one executor per rank ({p}), got a sequence of"
+                    f" {len(executors)}"
+                )
             execs = list(executors)
-        elif callable(executors) and not isinstance(executors, Executor):
+        elif callable(executors) and not isinstance(executors, (Executor, type)):
             execs = [executors(r) for r in range(p)]
         else:
-            execs = [executors] * p
+            execs = [executors] * p  # type: ignore[list-item]
         self.stages = [
             StageLoop(
                 r,
@@ -133,10 +157,22 @@ class LocalPipeline:
     ) -> list[StepStats]:
         """Run one step on every stage; return each rank's stats.
 
+        A failing step raises one error, the first that happened (the others, e.g. every
+        rank's watchdog, are attached as notes), never an ``ExceptionGroup``; the pipeline
+        then drops the failed step's messages and can run the next step.
+
         Raises:
+            PlanError: ``microbatches``, ``step`` or ``schedule`` do not fit the plan, or a
+                step of this pipeline is already running.
             DeadlockError: No stage can progress (with the rank x task grid).
             PolicyError, ProtocolError, StepTimeoutError: see ``StageLoop.run_step``.
         """
+        if self._running is not None:
+            raise PlanError(
+                f"run_step: step {self._running} of this pipeline is still running; a pipeline"
+                " runs one step at a time (await it before starting the next)"
+            )
+        check_step_args("run_step", self.schedule.plan, microbatches, step, schedule)
         mon = self._monitor
 
         async def one(stage: StageLoop) -> StepStats:
@@ -153,15 +189,27 @@ class LocalPipeline:
 
         mon.active = set(range(len(self.stages)))
         mon.failed = False
+        self._running = self.stages[0]._next_step if step is None else step
         root: BaseException | None = None
         try:
             async with asyncio.TaskGroup() as tg:
                 tasks = [tg.create_task(one(s)) for s in self.stages]
         except BaseExceptionGroup as eg:
             root = unwrap_group(eg)
-            if root is eg:
-                raise
+        except BaseException:  # cancelled from outside: its stages were cancelled too
+            self._drop_in_flight()
+            raise
+        finally:
+            self._running = None
         if root is not None:
+            self._drop_in_flight()
             # Raised outside the handler so the root keeps its own cause and context.
             raise root
         return [t.result() for t in tasks]
+
+    def _drop_in_flight(self) -> None:
+        """After a failed step, every stage has left it (the task group waited for them):
+        what is still in flight belongs to the dead step and must never be delivered."""
+        self.channel.discard()
+        for s in self.stages:
+            s._forget_failed_steps()

@@ -16,11 +16,13 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import Any, Protocol
 
 from .._admission import AdmissionLedger
+from .._check import check_bool, check_int, check_real, check_type, describe
 from .._errors import (
     ChannelError,
     DeadlockError,
     DivergenceError,
     PeerError,
+    PlanError,
     PolicyError,
     ProtocolError,
     RRFPError,
@@ -31,7 +33,7 @@ from ..channels._base import Endpoint
 from ..policies._policy import Policy, PolicyBase, ReadyView, get_policy, policy_name
 from ..policies._schedule import StepSchedule
 from ._diagnostics import dump
-from ._executors import Executor, TaskContext
+from ._executors import Executor, TaskContext, check_awaitable, check_executor
 from ._records import ExecutedTask, StepStats
 from ._state import NO_DATA, StepState
 from ._view import StageView
@@ -43,6 +45,8 @@ __all__ = [
     "StageMonitor",
     "StageObserver",
     "StepStats",
+    "check_step_args",
+    "check_step_timeout",
 ]
 
 
@@ -137,6 +141,56 @@ def _expire(w: asyncio.Future[bool]) -> None:
         w.set_result(False)
 
 
+def check_step_timeout(value: object) -> float | None:
+    """``step_timeout`` as seconds (None: no watchdog; so is an infinite one).
+
+    Raises:
+        PlanError: Not None and not a number > 0.
+    """
+    if value is None:
+        return None
+    t = check_real("step_timeout", value, minimum=0.0, strict_minimum=True, allow_inf=True)
+    return None if t == float("inf") else t
+
+
+def check_step_args(
+    who: str,
+    plan: StepPlan,
+    microbatches: Any,
+    step: object,
+    schedule: object,
+) -> None:
+    """The boundary checks of ``run_step`` (``who`` prefixes each message).
+
+    Raises:
+        PlanError: ``microbatches`` is not a sized, indexable collection of the plan's
+            number of microbatches; ``step`` is not None or an integer >= 0; ``schedule``
+            is not None or a ``StepSchedule`` of the same plan.
+    """
+    if schedule is not None:
+        if not isinstance(schedule, StepSchedule):
+            raise PlanError(
+                f"{who}: schedule must be a StepSchedule (or None), got {describe(schedule)}"
+            )
+        if schedule.plan != plan:
+            raise PlanError(
+                f"{who}: a per-step schedule must have the stage's plan {plan}, got one for"
+                f" {schedule.plan}"
+            )
+    if step is not None:
+        check_int(f"{who}: step", step, minimum=0)
+    if not (hasattr(microbatches, "__len__") and hasattr(microbatches, "__getitem__")):
+        raise PlanError(
+            f"{who}: microbatches must be a sequence of {plan.microbatches} microbatches, got"
+            f" {describe(microbatches)}"
+        )
+    n = len(microbatches)
+    if n != plan.microbatches:
+        raise PlanError(
+            f"{who}: microbatches: the plan has {plan.microbatches} microbatches, got {n}"
+        )
+
+
 class StageLoop:
     """Runs one pipeline rank's share of each step, readiness-first.
 
@@ -160,6 +214,19 @@ class StageLoop:
             state dump of a failed step (0: none).
 
     Use ``await stage.run_step(microbatches)`` for each step, inside any running loop.
+
+    A failed step does not poison the next one: the stage remembers the failed step's number
+    and drops the messages of that step that still arrive (peers may have sent them before
+    it failed), so the next step starts clean. Only a broken channel (a ``ChannelError``
+    handed to :meth:`fail`) fails every later step.
+
+    Raises:
+        PlanError: ``rank`` is not an integer in the pipeline, ``schedule`` is not a
+            ``StepSchedule``, ``executor`` has no usable ``execute(task, data, ctx)``,
+            ``endpoint`` has no ``bind``/``send``, ``step_timeout`` is not None or a number
+            > 0, ``flight_recorder`` is not an integer >= 0, or ``coordinate`` or
+            ``verify_sequences`` is not a bool.
+        PolicyError: ``policy`` is neither a registered name nor a coroutine function.
     """
 
     def __init__(
@@ -178,8 +245,19 @@ class StageLoop:
         verify_sequences: bool = True,
         flight_recorder: int = 32,
     ) -> None:
-        if not 0 <= rank < schedule.plan.stages:
-            raise ValueError(f"rank {rank} is outside the pipeline (0..{schedule.plan.stages - 1})")
+        check_type("schedule", schedule, StepSchedule, "a StepSchedule")
+        rank = check_int("rank", rank, minimum=0, maximum=schedule.plan.stages - 1)
+        self._exec_async = check_executor(executor, rank)
+        for method in ("bind", "send"):
+            if not callable(getattr(endpoint, method, None)):
+                raise PlanError(
+                    f"endpoint of rank {rank} {describe(endpoint)} has no {method} method; an"
+                    " endpoint needs bind(sink) and send(dst, step, task, payload)"
+                )
+        step_timeout = check_step_timeout(step_timeout)
+        flight_recorder = check_int("flight_recorder", flight_recorder, minimum=0)
+        check_bool("coordinate", coordinate)
+        check_bool("verify_sequences", verify_sequences)
         self.rank = rank
         self.schedule = schedule
         self.executor = executor
@@ -204,6 +282,8 @@ class StageLoop:
         self._waiter: asyncio.Future[bool] | None = None
         self._failure: BaseException | None = None
         self._early: dict[int, list[tuple[Task, Any, int]]] = {}
+        # Steps that failed (or were cancelled) here: their late messages are dropped.
+        self._dead: set[int] = set()
         self._next_step = 0
         self._view = StageView(self)
         # Outputs leave from the compute thread when both sides allow it (see Executor).
@@ -222,6 +302,17 @@ class StageLoop:
         if st is None or step != st.step:
             if (st is None and step >= self._next_step) or (st is not None and step > st.step):
                 self._early.setdefault(step, []).append((task, payload, src))
+                return
+            if step in self._dead:
+                # Sent before its step failed: dropped, never handed to a later step.
+                if self.recent is not None:
+                    self.recent.append(
+                        (
+                            self._now(),
+                            f"dropped (step {step} failed) message from rank {src} for",
+                            task,
+                        )
+                    )
                 return
             raise ProtocolError(
                 f"rank {self.rank}: message for {task} of step {step} from rank {src} arrived"
@@ -378,6 +469,10 @@ class StageLoop:
                 microbatch sizes); it must have the same plan.
 
         Raises:
+            PlanError: ``microbatches``, ``step`` or ``schedule`` do not fit the stage's plan,
+                a step is already running, or ``step`` is the number of a step that failed
+                here (its late messages are dropped by that number); or the executor's
+                ``execute`` returned no awaitable.
             PolicyError: The policy misbehaved.
             DeadlockError: The step can never finish (detected by the monitor).
             StepTimeoutError: The watchdog fired.
@@ -386,27 +481,29 @@ class StageLoop:
             DivergenceError: The TP ranks of the stage diverged.
         """
         if self._st is not None:
-            raise RuntimeError(
-                f"rank {self.rank}: run_step is already running step {self._st.step}"
+            raise PlanError(
+                f"rank {self.rank}: run_step is already running step {self._st.step}; a stage"
+                " runs one step at a time (await the running step first)"
+            )
+        check_step_args(f"rank {self.rank}", self.schedule.plan, microbatches, step, schedule)
+        if step is not None and step in self._dead:
+            raise PlanError(
+                f"rank {self.rank}: step {step} failed here before and its late messages are"
+                " dropped; run the retry under a new step number (the default)"
             )
         if schedule is not None:
-            if schedule.plan != self.schedule.plan:
-                raise ValueError("a per-step schedule must have the stage's plan")
             self.schedule = schedule
-        plan = self.schedule.plan
-        if len(microbatches) != plan.microbatches:
-            raise ValueError(
-                f"rank {self.rank}: the plan has {plan.microbatches} microbatches, got"
-                f" {len(microbatches)}"
-            )
-        step = self._next_step if step is None else step
+        step = self._next_step if step is None else int(step)
         self._next_step = step + 1
         if not isinstance(self._failure, ChannelError):
             self._failure = None  # a broken channel stays broken: every later step fails
         if self._failure is not None:
+            self._dead.add(step)
             raise self._failure
-        st = self._begin(step, microbatches)
         try:
+            # _begin inside: a step that fails while it starts (a bad early message, a
+            # policy hook that raises) must still end, or the stage stays "running" forever.
+            st = self._begin(step, microbatches)
             if self.step_timeout is None:
                 await self._loop(st)
             else:
@@ -423,11 +520,18 @@ class StageLoop:
                 self._obs.step_end(self, stats)
             return stats
         except BaseException as e:
+            self._dead.add(step)
+            self._early.pop(step, None)
             if not isinstance(e, asyncio.CancelledError):
                 self._dump_on_failure(e)
             raise
         finally:
             self._st = None
+
+    def _forget_failed_steps(self) -> None:
+        """The channel dropped every message still in flight (a local pipeline does after a
+        failed step): a failed step's number may be run again."""
+        self._dead.clear()
 
     def _begin(self, step: int, microbatches: Sequence[Any]) -> StepState:
         prog = self.schedule.program(self.rank)
@@ -649,7 +753,12 @@ class StageLoop:
             # Runs once the executor has handed the task to its compute thread and yields:
             # a look-ahead broadcast must not delay the task's own start.
             asyncio.get_running_loop().call_soon(started, st.decisions, pos)
-        out = await self.executor.execute(task, data, st.ctx)
+        if self._exec_async:
+            out = await self.executor.execute(task, data, st.ctx)
+        else:  # see check_executor: a plain callable must hand back an awaitable
+            aw = self.executor.execute(task, data, st.ctx)
+            check_awaitable(aw, self.executor, task, st.ctx)
+            out = await aw
         t1 = self._now()
         if rec is not None:
             rec.append((t1, "end", task))

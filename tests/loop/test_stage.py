@@ -293,7 +293,9 @@ def test_wrong_microbatch_count() -> None:
     stage = StageLoop(
         0, schedule=s, executor=CostModelExecutor(unit(s)), endpoint=LocalChannel(1).endpoint(0)
     )
-    with pytest.raises(ValueError, match="2 microbatches, got 3"):
+    with pytest.raises(
+        rr.PlanError, match="rank 0: microbatches: the plan has 2 microbatches, got 3"
+    ):
         run_virtual(stage.run_step([0, 1, 2]))
 
 
