@@ -3,10 +3,15 @@
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 
+import click
 from click.testing import CliRunner
 
+from rrfp_async._errors import PlanError
 from rrfp_async.cli._main import main
+from rrfp_async.cli._output import CleanErrorsGroup
 
 
 def test_simulate_prints_the_comparison() -> None:
@@ -130,3 +135,51 @@ def test_bench_peer_simulated_and_bad_input() -> None:
     assert any(r["configuration"] == "1f1b strict 1x" and r["vs_strict_1f1b"] == 1.0 for r in rows)
     bad = CliRunner().invoke(main, ["bench", "peer", "--torch-schedule", "ScheduleNope"])
     assert bad.exit_code != 0 and "unknown torch schedule" in bad.output
+
+
+def test_every_command_is_on_the_group() -> None:
+    res = CliRunner().invoke(main, ["--help"])
+    assert res.exit_code == 0, res.output
+    for cmd in ("simulate", "trace", "demo", "bench"):
+        assert f"\n  {cmd} " in res.output, cmd
+    res = CliRunner().invoke(main, ["bench", "--help"])
+    for cmd in ("simulator", "pipeline", "peer", "bridges", "logging", "overhead", "paper"):
+        assert f"\n  {cmd} " in res.output, cmd
+
+
+def test_the_group_reports_package_and_os_errors_cleanly_and_nothing_else() -> None:
+    errors: dict[str, Exception] = {
+        "rrfp": PlanError("rank 0 step 1: bad plan"),
+        "os": FileNotFoundError("no f"),
+        "bug": RuntimeError("a bug"),
+    }
+    group = CleanErrorsGroup("g")
+
+    @group.command("boom")
+    @click.argument("what")
+    def boom(what: str) -> None:
+        raise errors[what]
+
+    res = CliRunner().invoke(group, ["boom", "rrfp"])
+    assert (res.exit_code, res.output) == (1, "Error: rank 0 step 1: bad plan\n")
+    res = CliRunner().invoke(group, ["boom", "os"])
+    assert (res.exit_code, res.output) == (1, "Error: no f\n")
+    res = CliRunner().invoke(group, ["boom", "bug"])
+    assert isinstance(res.exception, RuntimeError)  # a bug keeps its traceback
+
+
+def test_an_unwritable_output_is_a_clean_error(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    args = ["simulate", "-p", "2", "-m", "2", "--trace", str(blocker / "t.json")]
+    res = CliRunner().invoke(main, args)
+    assert res.exit_code == 1 and res.output.startswith("Error: "), res.output
+
+
+def test_the_command_line_loads_no_benchmark_until_one_runs() -> None:
+    code = (
+        "import sys, rrfp_async.cli; "
+        "print(sorted(m for m in sys.modules if m.startswith('rrfp_async.cli._bench')))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"

@@ -169,7 +169,7 @@ def pipeline_step_times(
     """
     from ..distributed._spawn import spawn
     from ..distributed._train import TrainConfig, emulated_cost, train_worker
-    from ..observability._trace import TraceData
+    from ..observability import TraceData
 
     cfg = TrainConfig(
         pp=stages,

@@ -52,7 +52,8 @@ from .._costs import (
     multimodal_paper_sizes,
 )
 from .._tasks import StepPlan, Topology
-from ..policies._hints import default_bound, remaining_work
+from ..policies._bounds import default_bound
+from ..policies._hints import remaining_work
 from ..policies._listsched import list_schedule, strict_timeline
 from ..sim._simulate import lower_bound, simulate
 

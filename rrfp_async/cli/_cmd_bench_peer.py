@@ -1,0 +1,226 @@
+"""``rrfp-async bench peer``: side by side with torch.distributed.pipelining."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import click
+
+from ._options import (
+    hint_option,
+    jitter_option,
+    json_option,
+    latency_option,
+    log_options,
+    memory_factor_option,
+    microbatches_option,
+    policy_names,
+    policy_option,
+    seed_option,
+    stages_option,
+    steps_option,
+)
+from ._output import console, table
+
+__all__ = ["bench_peer"]
+
+
+@click.command("peer")
+@stages_option(4, minimum=2)
+@microbatches_option(16)
+@steps_option(7)
+@click.option("--warmup", type=click.IntRange(min=0), default=1, show_default=True)
+@click.option(
+    "--us-per-token",
+    "scales",
+    type=click.FloatRange(min=0, min_open=True),
+    multiple=True,
+    help="Emulated forward µs per token (repeatable; one table each). Default: 2 and 8"
+    " (communication about 20 % and 5 % of a task here).",
+)
+@click.option("--hidden", type=click.IntRange(min=1), default=32, show_default=True)
+@jitter_option()
+@seed_option
+@click.option(
+    "--torch-schedule",
+    "torch_schedules",
+    multiple=True,
+    help="torch schedule class (repeatable). Default: 1F1B, GPipe, Interleaved1F1B,"
+    " InterleavedZeroBubble, ZBVZeroBubble.",
+)
+@hint_option("rrfp_async hint (repeatable).", repeatable=True)
+@policy_option("rrfp_async policy (repeatable).")
+@memory_factor_option(
+    help_text="Admission bound as a multiple of 1F1B's (repeatable). Default: 1 and 2.",
+    repeatable=True,
+)
+@click.option(
+    "--simulated",
+    is_flag=True,
+    help="Instead: the same steps in the simulator (virtual time, no host cost), with a"
+    " simulation-guided hint and an oracle; --latency sets the message latency.",
+)
+@latency_option(0.0007)
+@click.option(
+    "--host-time",
+    is_flag=True,
+    help="Instead: the stage module's host time per task beyond its emulated time (one"
+    " process), and the efficiency it alone caps any runtime at.",
+)
+@json_option("Print {'runs': [...]} as JSON.")
+@log_options
+def bench_peer(
+    stages: int,
+    microbatches: int,
+    steps: int,
+    warmup: int,
+    scales: tuple[float, ...],
+    hidden: int,
+    jitter: float,
+    seed: int,
+    torch_schedules: tuple[str, ...],
+    hints: tuple[str, ...],
+    policies: tuple[str, ...],
+    memory_factors: tuple[float, ...],
+    simulated: bool,
+    latency: float,
+    host_time: bool,
+    as_json: bool,
+) -> None:
+    """Side by side with torch.distributed.pipelining: same modules, same microbatches.
+
+    Real processes on gloo (127.0.0.1), real CPU compute plus EMULATED GPU time (each stage
+    sleeps a declared, seeded duration per token), configurations interleaved step by step.
+    """
+    from ._bench_peer import PeerConfig, peer_benchmark
+
+    base = PeerConfig()
+    try:
+        cfgs = [
+            PeerConfig(
+                stages=stages,
+                microbatches=microbatches,
+                steps=steps,
+                warmup_steps=warmup,
+                us_per_token=us,
+                hidden=hidden,
+                jitter=jitter,
+                seed=seed,
+                torch_schedules=torch_schedules or base.torch_schedules,
+                padded_cost=tuple(
+                    s for s in base.padded_cost if s in (torch_schedules or base.torch_schedules)
+                ),
+                hints=hints or base.hints,
+                policies=tuple(policy_names(policies, list(base.policies))),
+                memory_factors=memory_factors or base.memory_factors,
+            )
+            for us in (scales or (2.0, 8.0))
+        ]
+    except ValueError as e:
+        # PeerConfig validates the options together (a torch schedule it does not know): a
+        # usage error, exit code 2, not a failed run.
+        raise click.BadParameter(str(e)) from e
+    if simulated:
+        _peer_simulated(cfgs, latency, as_json)
+        return
+    if host_time:
+        _peer_host_time(cfgs, as_json)
+        return
+    results = [peer_benchmark(cfg) for cfg in cfgs]
+    if as_json:
+        runs = [
+            dict(r, us_per_token=res["config"].us_per_token) for res in results for r in res["runs"]
+        ]
+        click.echo(json.dumps({"runs": runs}, indent=2, default=str))
+        return
+    con = console()
+    for res in results:
+        cfg = res["config"]
+        t = table(
+            f"{cfg.stages} gloo processes on 127.0.0.1, {cfg.microbatches} multimodal"
+            f" microbatches, {cfg.us_per_token:g} µs/token: real CPU compute + EMULATED GPU"
+            f" time (jitter {cfg.jitter}); median of {cfg.steps} steps after {cfg.warmup_steps}"
+            f" warm-up; comm share {res['comm_share']:.0%} of a mean task",
+            (
+                "system",
+                "schedule / hint",
+                "policy",
+                "memory",
+                "step s",
+                "vs torch 1F1B",
+                "efficiency",
+                "peak",
+                "note",
+            ),
+            left={"system", "schedule / hint", "policy", "memory", "note"},
+        )
+        # Fastest first; a NaN speedup (a run that did not finish) sorts as 0.
+        for r in sorted(
+            res["runs"],
+            key=lambda r: (
+                -r["speedup_vs_torch_1f1b"]
+                if r["speedup_vs_torch_1f1b"] == r["speedup_vs_torch_1f1b"]
+                else 0
+            ),
+        ):
+            t.add_row(
+                r["system"],
+                (r["schedule"] or r["hint"]).replace("breadth_first_weighted", "bfw"),
+                r["policy"] or "",
+                f"{r['memory_factor']:g}x" if r["memory_factor"] else "",
+                f"{r['step_s']:.4f}",
+                f"{r['speedup_vs_torch_1f1b']:.2f}x",
+                f"{r['efficiency']:.2f}",
+                str(r["peak_inflight"]),
+                r["note"],
+            )
+        t.caption = (
+            f"efficiency = lower bound (emulated durations only) / step; losses of every"
+            f" configuration equal torch's within {res['loss_max_diff']:.1e}; bfw ="
+            " breadth_first_weighted; ':split' = split backward (I/W)"
+        )
+        con.print(t)
+
+
+def _peer_host_time(cfgs: list[Any], as_json: bool) -> None:
+    from ._bench_peer import module_host_time
+
+    rows = [{"us_per_token": c.us_per_token, **module_host_time(c)} for c in cfgs]
+    if as_json:
+        click.echo(json.dumps({"host_time": rows}, indent=2))
+        return
+    for r in rows:
+        click.echo(
+            f"{r['us_per_token']:g} µs/token: forward +{r['f_over'] * 1e3:.2f} ms, backward"
+            f" +{r['b_over'] * 1e3:.2f} ms over the emulated time (real compute alone"
+            f" {r['f_compute'] * 1e3:.2f} / {r['b_compute'] * 1e3:.2f} ms); efficiency"
+            f" cap {r['cap']:.2f}"
+        )
+
+
+def _peer_simulated(cfgs: list[Any], latency: float, as_json: bool) -> None:
+    from ._bench_peer import peer_simulated
+
+    out = [
+        {"us_per_token": cfg.us_per_token, **row}
+        for cfg in cfgs
+        for row in peer_simulated(cfg, latency=latency)
+    ]
+    if as_json:
+        click.echo(json.dumps({"simulated": out}, indent=2))
+        return
+    t = table(
+        f"the peer benchmark's steps simulated (virtual time, declared cost model, no"
+        f" host cost, message latency {latency * 1e3:g} ms): median over the steps",
+        ("µs/token", "configuration", "vs strict 1F1B", "efficiency"),
+        left={"configuration"},
+    )
+    for r in out:
+        t.add_row(
+            f"{r['us_per_token']:g}",
+            r["configuration"],
+            f"{r['vs_strict_1f1b']:.2f}x",
+            f"{r['efficiency']:.2f}",
+        )
+    console().print(t)

@@ -1,0 +1,73 @@
+"""What a command shows: the console, its tables, and errors as one clean line.
+
+Errors are handled in one place, :class:`CleanErrorsGroup`, the class of every group: a
+command raises what it raises and the group turns the expected failures into click's
+``Error: <message>`` with exit code 1. Expected means :data:`CLEAN_ERRORS`, the package's own
+errors (a configuration it refuses, a step that failed; their messages name the rank, step
+and task) and the operating system's (a file that cannot be read or written). Anything else
+is a bug and keeps its traceback. A command that knows another exception type is a user
+error too (``trace`` and a file that is not a trace) says so around that one call with
+:func:`clean_errors`.
+"""
+
+from __future__ import annotations
+
+import errno
+from collections.abc import Collection, Iterable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import click
+from rich.console import Console
+from rich.table import Table
+
+from .._errors import RRFPError
+
+__all__ = ["CLEAN_ERRORS", "CleanErrorsGroup", "clean_errors", "console", "table"]
+
+#: Exceptions reported as ``Error: <message>`` (exit code 1) instead of a traceback.
+CLEAN_ERRORS: tuple[type[Exception], ...] = (RRFPError, OSError)
+
+
+@contextmanager
+def clean_errors(*also: type[Exception]) -> Iterator[None]:
+    """Report :data:`CLEAN_ERRORS` (and ``also``) raised inside as a ``click.ClickException``.
+
+    A broken pipe (``rrfp-async ... | head``) is left to click, which exits quietly on it.
+
+    Raises:
+        click.ClickException: carrying the message of the exception it replaces.
+    """
+    try:
+        yield
+    except (*CLEAN_ERRORS, *also) as e:
+        if isinstance(e, OSError) and e.errno == errno.EPIPE:
+            raise
+        raise click.ClickException(str(e)) from e
+
+
+class CleanErrorsGroup(click.Group):
+    """A click group whose commands (and subgroups' commands) report :data:`CLEAN_ERRORS` as
+    ``Error: <message>``."""
+
+    def invoke(self, ctx: click.Context) -> Any:
+        with clean_errors():
+            return super().invoke(ctx)
+
+
+def console() -> Console:
+    """A rich console; 120 columns wide when output is not a terminal (files, pipes, tests)."""
+    c = Console()
+    if not c.is_terminal:
+        c = Console(width=120)
+    return c
+
+
+def table(
+    title: str, columns: Iterable[str], *, left: Collection[str] = (), no_wrap: bool = False
+) -> Table:
+    """A table titled on the left, its columns right-justified (numbers) except ``left``."""
+    t = Table(title=title, title_justify="left")
+    for c in columns:
+        t.add_column(c, justify="left" if c in left else "right", no_wrap=no_wrap)
+    return t
