@@ -175,3 +175,54 @@ def test_rows_are_named_and_come_back_from_json() -> None:
     assert [s.task for s in again.spans] == [
         s.task for s in sorted(data.spans, key=lambda s: (s.lane, s.start))
     ]
+
+
+def _bad_traces(good: dict[str, Any]) -> dict[str, tuple[str, str]]:
+    """name -> (file text, expected message) for each kind of broken trace file."""
+
+    def xs(**change: Any) -> str:
+        evs = [{**e, **change} if e.get("ph") == "X" else e for e in good["traceEvents"]]
+        return json.dumps({**good, "traceEvents": evs})
+
+    meta = good["otherData"]["rrfp"]
+    return {
+        "not json": ("xx{", "is not a JSON trace"),
+        "no events": (json.dumps({"a": 1}), "no traceEvents list"),
+        "events not objects": (json.dumps({"traceEvents": [1, 2]}), "must be a JSON object"),
+        "nan duration": (xs(dur=float("nan")), "bad ts/dur"),
+        "negative duration": (xs(dur=-1.0), "bad ts/dur"),
+        "name not a task": (xs(name=5), "is not a task"),
+        "pid not an int": (xs(pid=[1]), "is not an integer"),
+        "otherData not an object": (json.dumps({**good, "otherData": 3}), "otherData.rrfp"),
+        "step records not rows": (
+            json.dumps({**good, "otherData": {"rrfp": {**meta, "steps": 5}}}),
+            "not a valid trace",
+        ),
+    }
+
+
+def test_load_trace_refuses_broken_files_with_a_trace_error(tmp_path: Path) -> None:
+    good = rr.simulate(stages=2, microbatches=2, policy="strict", record=True).chrome_trace()
+    ok = rr.write_trace(tmp_path / "good.json", good)
+    assert rr.load_trace(ok)["traceEvents"]
+    for name, (text, msg) in _bad_traces(good).items():
+        f = tmp_path / f"{name.replace(' ', '_')}.json"
+        f.write_text(text)
+        with pytest.raises(rr.TraceError, match=msg) as ei:
+            rr.load_trace(f)
+        assert f.name in str(ei.value), name
+
+
+def test_trace_command_prints_broken_files_as_errors(tmp_path: Path) -> None:
+    from click.testing import CliRunner
+
+    from rrfp_async.cli import main
+
+    good = rr.simulate(stages=2, microbatches=2, policy="strict", record=True).chrome_trace()
+    for name, (text, msg) in _bad_traces(good).items():
+        f = tmp_path / f"{name.replace(' ', '_')}.json"
+        f.write_text(text)
+        out = CliRunner().invoke(main, ["trace", str(f)])
+        assert out.exit_code == 1, (name, out.output)
+        assert "Error:" in out.output and msg in out.output, (name, out.output)
+        assert "Traceback" not in out.output and "makespan nan" not in out.output

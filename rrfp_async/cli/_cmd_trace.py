@@ -10,7 +10,7 @@ import click
 
 from ..observability import load_trace, render_png, summarize
 from ._options import json_option, log_options, png_option
-from ._output import clean_errors, console, table
+from ._output import console, table
 
 __all__ = ["trace_cmd"]
 
@@ -22,9 +22,7 @@ __all__ = ["trace_cmd"]
 @log_options
 def trace_cmd(file: str, png_path: str | None, as_json: bool) -> None:
     """Summarise a trace (per-rank busy / idle, bubble ratio, deviations) and render it."""
-    # load_trace refuses a file that is not a trace with a ValueError: the user's mistake.
-    with clean_errors(ValueError):
-        tr = load_trace(file)
+    tr = load_trace(file)  # a file that is not a trace: TraceError, printed as "Error: ..."
     summ = summarize(tr)
     meta = tr.get("otherData", {}).get("rrfp", {})
     if png_path is not None:

@@ -27,6 +27,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, get_args
 
+from .._errors import TraceError
 from .._tasks import Kind, Task
 from ._records import TraceData
 from ._summary import summarize
@@ -162,16 +163,35 @@ def write_trace(path: str | Path, trace: Mapping[str, Any]) -> Path:
 
 
 def load_trace(path: str | Path) -> dict[str, Any]:
-    """Read a trace JSON written by ``write_trace`` (or any Trace Event Format file).
+    """Read and check a trace JSON written by ``write_trace`` (Trace Event Format).
 
     Raises:
-        ValueError: Not a trace (no ``traceEvents`` list).
+        TraceError: The file is not JSON, not a trace (no ``traceEvents`` list), or its
+            events are malformed (missing keys, non-finite or negative times, names that
+            are not tasks); the message names the file and the first problems.
+        OSError: The file cannot be read.
     """
-    obj = json.loads(Path(path).read_text())
+    try:
+        obj = json.loads(Path(path).read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise TraceError(f"{path} is not a JSON trace: {e}") from e
     if isinstance(obj, list):
         obj = {"traceEvents": obj}
     if not isinstance(obj, dict) or not isinstance(obj.get("traceEvents"), list):
-        raise ValueError(f"{path} is not a Trace Event Format file (no traceEvents list)")
+        raise TraceError(f"{path} is not a Trace Event Format file (no traceEvents list)")
+    if not all(isinstance(e, dict) for e in obj["traceEvents"]):
+        raise TraceError(f"{path}: every entry of traceEvents must be a JSON object")
+    other = obj.get("otherData", {})
+    if not isinstance(other, dict) or not isinstance(other.get("rrfp", {}), dict):
+        raise TraceError(f"{path}: otherData.rrfp must be a JSON object")
+    problems = validate_chrome_trace(obj)
+    if problems:
+        more = f" (and {len(problems) - 5} more)" if len(problems) > 5 else ""
+        raise TraceError(f"{path} is not a valid trace: " + "; ".join(problems[:5]) + more)
+    try:  # what the schema check does not cover (step records, decision args) must read back
+        summarize(obj)
+    except (TypeError, KeyError, ValueError, AttributeError, IndexError) as e:
+        raise TraceError(f"{path} is not a valid trace: {type(e).__name__}: {e}") from e
     return obj
 
 
@@ -213,13 +233,22 @@ def validate_chrome_trace(trace: Mapping[str, Any]) -> list[str]:
                 continue
             if e.get("cat") not in _KINDS:
                 problems.append(f"event {i}: cat {e.get('cat')!r} is not a task kind")
+            if not isinstance(e.get("pid"), int) or isinstance(e.get("pid"), bool):
+                problems.append(f"event {i}: pid {e.get('pid')!r} is not an integer")
+                continue
             try:
                 Task.parse(e["name"])
-            except ValueError:
+            except (ValueError, TypeError, AttributeError):
                 problems.append(f"event {i}: name {e['name']!r} is not a task")
+                continue
             lanes.setdefault(e["pid"], []).append((e["ts"], e["ts"] + e["dur"], e["name"]))
         elif ph in ("s", "f"):
+            if not isinstance(e.get("id"), int | str) or not isinstance(e.get("ts"), int | float):
+                problems.append(f"event {i} ({ph}): id must be an integer or string, ts a number")
+                continue
             flows.setdefault(e["id"], set()).add(ph)
+        elif ph == "M" and not isinstance(e.get("args"), dict):
+            problems.append(f"event {i} (M): args must be an object")
     for pid, spans in lanes.items():
         spans.sort()
         for (_, e0, n0), (s1, _, n1) in itertools.pairwise(spans):
