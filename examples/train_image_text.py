@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import statistics
 
+import torch
 import torch.distributed as dist
 
 import rrfp_async as rr
@@ -54,17 +55,33 @@ def parse(argv: list[str] | None = None) -> tuple[argparse.Namespace, rr.TrainCo
     return args, cfg
 
 
-def report(results: list[list[rr.TrainResult]], cfg: rr.TrainConfig) -> None:
+def summarize(mine: list[rr.TrainResult], cfg: rr.TrainConfig) -> torch.Tensor:
+    """This process's figures as one float64 tensor ``[policy, 2 * steps + 1]``: the timed
+    step times, the mean loss of each step (NaN where this rank computes no loss) and the
+    number of deviations from the hint. Tensors, not objects, cross the network: nothing a
+    peer sends is unpickled."""
+    n = cfg.warmup_steps + cfg.steps
+    out = torch.full((len(cfg.policies), cfg.steps + n + 1), float("nan"), dtype=torch.float64)
+    for i, r in enumerate(mine):
+        out[i, : cfg.steps] = torch.tensor(r.step_times, dtype=torch.float64)
+        for s, v in r.losses.items():
+            out[i, cfg.steps + s] = statistics.mean(v.values())
+        out[i, -1] = sum(st.deviations for st in r.stats)
+    return out
+
+
+def report(figures: list[torch.Tensor], cfg: rr.TrainConfig) -> None:
+    """Print one line per policy from every process's ``summarize`` tensor."""
     base = None
     for i, policy in enumerate(cfg.policies):
-        per_rank = [r[i] for r in results]
-        steps = [max(r.step_times[s] for r in per_rank) for s in range(cfg.steps)]
-        losses = [statistics.mean(v.values()) for r in per_rank for v in r.losses.values()]
+        rows = [f[i] for f in figures]
+        steps = [max(float(r[s]) for r in rows) for s in range(cfg.steps)]
+        losses = [float(x) for r in rows for x in r[cfg.steps : -1] if not torch.isnan(x)]
         med = statistics.median(steps)
         base = base or med
         print(
             f"{policy:16} median step {med * 1e3:7.1f} ms  speedup {base / med:.3f}x"
-            f"  deviations {sum(s.deviations for r in per_rank for s in r.stats):4d}"
+            f"  deviations {int(sum(float(r[-1]) for r in rows)):4d}"
             f"  loss {losses[0]:.3f} -> {losses[-1]:.3f}  (CPU + emulated GPU time)"
         )
 
@@ -72,15 +89,17 @@ def report(results: list[list[rr.TrainResult]], cfg: rr.TrainConfig) -> None:
 def main(argv: list[str] | None = None) -> None:
     args, cfg = parse(argv)
     if args.spawn:
-        report(rr.spawn(rr.train_worker, cfg.pp * cfg.tp, cfg, timeout=900), cfg)
+        results = rr.spawn(rr.train_worker, cfg.pp * cfg.tp, cfg, timeout=900)
+        report([summarize(r, cfg) for r in results], cfg)
         return
     dist.init_process_group("gloo")  # torchrun's env:// rendezvous
     try:
-        mine = rr.train_worker(dist.get_rank(), dist.get_world_size(), cfg)
-        gathered: list[list[rr.TrainResult] | None] = [None] * dist.get_world_size()
-        dist.gather_object(mine, gathered if dist.get_rank() == 0 else None, dst=0)
-        if dist.get_rank() == 0:
-            report([g for g in gathered if g is not None], cfg)
+        mine = summarize(rr.train_worker(dist.get_rank(), dist.get_world_size(), cfg), cfg)
+        rank0 = dist.get_rank() == 0
+        gathered = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
+        dist.gather(mine, gathered if rank0 else None, dst=0)
+        if rank0:
+            report(gathered, cfg)
         # Nobody tears the group down while a peer still communicates (a rank whose gather
         # send is still in flight when its group is destroyed can abort).
         dist.barrier()

@@ -89,3 +89,24 @@ def test_layering() -> None:
         assert not any("channels" in m for m in imports(f)), f
     for f in (root / "channels").glob("*.py"):
         assert not any("policies" in m for m in imports(f)), f
+
+
+def test_nothing_from_the_network_is_unpickled() -> None:
+    """The package and the examples use no pickling collective (``*_object``,
+    ``*_object_list``) and import no pickle: tensors, not objects, cross the network."""
+    import ast
+
+    root = pathlib.Path(rrfp_async.__file__).parent
+    files = [*root.rglob("*.py"), *(root.parent / "examples").glob("*.py")]
+    bad = []
+    for f in files:
+        for node in ast.walk(ast.parse(f.read_text())):
+            if isinstance(node, ast.Attribute) and (
+                node.attr.endswith("_object") or node.attr.endswith("_object_list")
+            ):
+                bad.append(f"{f.name}:{node.lineno} {node.attr}")
+            if isinstance(node, ast.Import | ast.ImportFrom):
+                names = [a.name for a in node.names] + [getattr(node, "module", None) or ""]
+                if any(n.split(".")[0] in ("pickle", "cloudpickle", "dill") for n in names):
+                    bad.append(f"{f.name}:{node.lineno} imports pickle")
+    assert not bad, bad
