@@ -10,6 +10,7 @@ W can take (``w_path``).
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 import weakref
 from collections.abc import Sequence
@@ -471,3 +472,89 @@ def test_measure_split_backward_runs() -> None:
     assert r0["stage"] == 0 and r0["b"] > 0
     with pytest.raises(rr.PlanError, match="outside"):
         te.measure_split_backward(stages=2, stage=2)
+
+
+def test_a_failed_step_does_not_block_the_next() -> None:
+    """A step that failed after a forward left its activation stashed: the next step refuses
+    to start (a leak would be a bug) unless the stage said the step failed; then the stash is
+    dropped and the next step runs and gives the same gradients as on a fresh executor."""
+    modules, mbs, inputs = _example()
+    v = 1
+    mod = modules[v]
+    x0, x1 = inputs[0][v], inputs[1][v]
+    g = _out_grad(mod, x1, seed=1)
+    ex = rr.TorchStageExecutor({v: mod}, loss_fn)
+    try:
+        _tasks(ex, rr.TaskContext(0, 0, _plan(False), mbs), [(rr.Task(v, "F", 0), x0)])
+        with pytest.raises(rr.PlanError, match="step 0 left activations"):
+            _tasks(ex, rr.TaskContext(0, 1, _plan(False), mbs), [(rr.Task(v, "F", 1), x1)])
+        ex.step_failed(0)
+        _zero(mod)
+        ctx = rr.TaskContext(0, 1, _plan(False), mbs)
+        _tasks(ex, ctx, [(rr.Task(v, "F", 1), x1), (rr.Task(v, "B", 1), g)])
+        got = _grads(mod)
+    finally:
+        ex.close()
+    fresh = rr.TorchStageExecutor({v: mod}, loss_fn)
+    try:
+        _zero(mod)
+        ctx = rr.TaskContext(0, 0, _plan(False), mbs)
+        _tasks(fresh, ctx, [(rr.Task(v, "F", 1), x1), (rr.Task(v, "B", 1), g)])
+        _assert_same(got, _grads(mod))
+    finally:
+        fresh.close()
+
+
+def test_an_output_of_a_dead_step_is_not_sent() -> None:
+    """The output hook carries the task's step; the stage drops the output of a step that is
+    no longer running (it failed while the task computed) instead of sending it as part of
+    the step that runs now."""
+    sent: list[tuple[int, int, rr.Task]] = []
+
+    class Endpoint:
+        threadsafe_send = True
+
+        def bind(self, stage: Any) -> None:
+            pass
+
+        def send(self, dst: int, step: int, task: rr.Task, payload: Any) -> None:
+            sent.append((dst, step, task))
+
+    class Executor:
+        output_hook: Any = None
+
+        async def execute(self, task: rr.Task, data: Any, ctx: rr.TaskContext) -> Any:
+            return None
+
+    plan = rr.StepPlan(topology=rr.Topology(stages=2), microbatches=2)
+    sched = rr.StepSchedule.build(plan, "1f1b")
+    ex = Executor()
+    stage = rr.StageLoop(0, schedule=sched, executor=ex, endpoint=Endpoint())
+    assert ex.output_hook is not None
+
+    async def go() -> None:
+        started = asyncio.Event()
+        release = asyncio.Event()
+
+        async def slow_execute(task: rr.Task, data: Any, ctx: rr.TaskContext) -> Any:
+            started.set()
+            await release.wait()
+            return None
+
+        ex.execute = slow_execute  # type: ignore[method-assign]
+        run = asyncio.ensure_future(stage.run_step([0, 1], step=5))
+        await started.wait()
+        run.cancel()  # step 5 dies while its first forward computes
+        with pytest.raises(asyncio.CancelledError):
+            await run
+        ex.execute = Executor.execute.__get__(ex)  # type: ignore[method-assign]
+        nxt = asyncio.ensure_future(stage.run_step([0, 1], step=6))
+        await asyncio.sleep(0)
+        ex.output_hook(rr.Task(0, "F", 0), "late", 5)  # the dead step's compute ends now
+        ex.output_hook(rr.Task(0, "F", 1), "live", 6)
+        nxt.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await nxt
+
+    rr.run(go())
+    assert sent == [(1, 6, rr.Task(1, "F", 1))]  # "late" (F0 of step 5) was dropped

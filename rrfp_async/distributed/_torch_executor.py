@@ -447,6 +447,7 @@ class TorchStageExecutor:
         self.rank = rank
         self.input_fn = input_fn
         self.output_hook: OutputHook | None = None
+        self._failed_step: int | None = None
         self.losses: dict[int, float] = {}
         self.compute_seconds = 0.0
         self.emulated_seconds = 0.0
@@ -481,10 +482,18 @@ class TorchStageExecutor:
             time.sleep(d)
         hook = self.output_hook
         if hook is not None:  # the stage sends the output from here (see Executor)
-            hook(task, out)
+            hook(task, out, ctx.step)
         return out
 
+    def step_failed(self, step: int) -> None:
+        """The stage's step ``step`` failed: its stashed activations are dropped when the
+        next step begins (on the compute thread, after any task of ``step`` still running)."""
+        self._failed_step = step
+
     def _begin_step(self, ctx: TaskContext) -> None:
+        if self._failed_step == self._step:
+            self._stash.clear()
+            self._kept.clear()
         if self._stash or self._kept:
             left = sorted({*self._stash, *self._kept})
             raise PlanError(f"rank {ctx.rank}: step {self._step} left activations {left}")

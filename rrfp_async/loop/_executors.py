@@ -50,9 +50,9 @@ class TaskContext:
     microbatches: Sequence[Any]
 
 
-OutputHook = Callable[[Task, Any], None]
-"""``(task, output) -> None``: called on an executor's compute thread as soon as ``task``'s
-output exists (see ``Executor``)."""
+OutputHook = Callable[[Task, Any, int], None]
+"""``(task, output, step) -> None``: called on an executor's compute thread as soon as
+``task``'s output of step ``step`` (``ctx.step``) exists (see ``Executor``)."""
 
 
 @runtime_checkable
@@ -61,10 +61,15 @@ class Executor(Protocol):
 
     An executor that computes on a thread of its own may also have an ``output_hook``
     attribute (``OutputHook | None``). A stage whose endpoint sends thread-safely sets it,
-    and the executor then calls ``output_hook(task, output)`` on its compute thread right
+    and the executor then calls ``output_hook(task, output, ctx.step)`` on its compute thread right
     after the output exists and before its own completion hand-off: the message leaves
     without waiting for the event loop to take the completion (one thread hop less on every
-    message's path). ``execute`` still returns the output.
+    message's path). ``execute`` still returns the output. The step number lets the stage
+    drop the output of a step that failed (or was cancelled) while the task computed.
+
+    An executor may also have ``step_failed(step)``: the stage calls it (on the loop
+    thread) when a step fails, so that the executor can drop what it kept for that step
+    (stashed activations) instead of refusing the next step.
     """
 
     async def execute(self, task: Task, data: Any, ctx: TaskContext, /) -> Any:

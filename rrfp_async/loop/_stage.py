@@ -341,13 +341,14 @@ class StageLoop:
             self._obs.message(self, task, src)
         self._satisfy(st, pos)
 
-    def _send_output(self, task: Task, out: Any) -> None:
+    def _send_output(self, task: Task, out: Any, step: int) -> None:
         """The executor's output hook, on its compute thread: send a remote output now.
 
-        Reads only data that is fixed while the task runs (the step's program).
+        Reads only data that is fixed while the task runs (the step's program). The output
+        of a step that is no longer running (it failed while the task computed) is dropped.
         """
         st = self._st
-        if st is None:
+        if st is None or st.step != step:
             return
         remote = st.prog.data_remote[st.prog.pos[task]]
         if remote is not None:
@@ -522,6 +523,9 @@ class StageLoop:
         except BaseException as e:
             self._dead.add(step)
             self._early.pop(step, None)
+            step_failed = getattr(self.executor, "step_failed", None)
+            if step_failed is not None:
+                step_failed(step)
             if not isinstance(e, asyncio.CancelledError):
                 self._dump_on_failure(e)
             raise

@@ -480,7 +480,7 @@ class _ThreadExecutor:
         def work() -> str:
             out = f"{task}"
             if self.output_hook is not None:
-                self.output_hook(task, out)
+                self.output_hook(task, out, ctx.step)
             return out
 
         return await asyncio.to_thread(work)
