@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import rrfp_async as rr
+from rrfp_async.distributed import _split_backward as sb
 from rrfp_async.distributed import _torch_executor as te
 from rrfp_async.models import ImageTextConfig, build_stage_modules, loss_fn, make_microbatches
 
@@ -38,7 +39,7 @@ def w_path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> s
     """Run a test twice: W calling the weight ops' nodes directly (what a model as small as
     these gets), and W asking the engine for every op it can (what large ops get)."""
     if request.param == "engine":
-        monkeypatch.setattr(te, "_ENGINE_MIN_WORK", 0)
+        monkeypatch.setattr(sb, "_ENGINE_MIN_WORK", 0)
     return str(request.param)
 
 
