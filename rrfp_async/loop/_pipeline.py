@@ -11,10 +11,11 @@ from .._errors import PlanError
 from ..channels._local import LatencyFn, LocalChannel
 from ..policies._policy import Policy
 from ..policies._schedule import StepSchedule
+from ._checks import check_step_args, check_step_timeout
 from ._diagnostics import make_deadlock
 from ._executors import Executor
 from ._records import StepStats
-from ._stage import StageLoop, StageObserver, check_step_args, check_step_timeout
+from ._stage import StageLoop, StageObserver
 
 __all__ = ["LocalPipeline", "unwrap_group"]
 

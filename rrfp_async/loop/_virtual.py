@@ -9,19 +9,60 @@ at once. Code built on ``asyncio.sleep``, ``call_later``, futures and tasks ther
 unchanged, in virtual time, as fast as the CPU allows. Real I/O (thread wake-ups through
 ``call_soon_threadsafe``) still works; when there is no timer at all the loop blocks on the
 real selector, for at most ``stall_timeout`` real seconds.
+
+Three guards turn a program that can no longer progress into an error instead of a hang,
+raised out of ``run_until_complete`` with every task left exactly where it was waiting (so
+the caller can say what each one waited for, then cancel them and run the loop again to let
+them unwind):
+
+* a *stall* (``VirtualClockStall``): nothing is scheduled and no I/O comes. With
+  ``stall_when_idle`` (a closed simulation: only threads started through
+  ``run_in_executor`` can wake the loop) it is raised at once when none of those is
+  pending, rather than after ``stall_timeout`` real seconds;
+* ``time_limit`` (``VirtualTimeLimit``): the clock would pass this virtual time, e.g. a
+  coroutine that sleeps in a loop forever;
+* ``wall_limit`` (``VirtualTimeLimit``): the loop has run this many real seconds, e.g. a
+  coroutine that yields (``sleep(0)``) in a loop forever.
 """
 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import selectors
-from typing import Any
+import time
+from collections.abc import Callable
+from typing import Any, TypeVar, TypeVarTuple, Unpack
 
-__all__ = ["VirtualClockStall", "VirtualEventLoop", "new_virtual_event_loop"]
+from .._check import check_real
+from .._errors import PlanError, RRFPError, StepTimeoutError
+
+__all__ = ["VirtualClockStall", "VirtualEventLoop", "VirtualTimeLimit", "new_virtual_event_loop"]
+
+_T = TypeVar("_T")
+_Ts = TypeVarTuple("_Ts")
 
 
-class VirtualClockStall(RuntimeError):
-    """The virtual loop had no timer and no I/O for ``stall_timeout`` real seconds."""
+class VirtualClockStall(RRFPError, RuntimeError):
+    """Nothing is scheduled on the virtual loop and nothing outside it will wake it: no
+    timer, and no I/O for ``stall_timeout`` real seconds (or, with ``stall_when_idle``, no
+    pending ``run_in_executor`` job). Every task still waits for something no one will do.
+    """
+
+
+class VirtualTimeLimit(StepTimeoutError):
+    """The virtual loop ran past its ``time_limit`` (virtual seconds) or ``wall_limit``
+    (real seconds).
+
+    Attributes:
+        limit: ``"time_limit"`` or ``"wall_limit"``.
+        value: The limit, seconds.
+    """
+
+    def __init__(self, message: str, *, limit: str, value: float) -> None:
+        super().__init__(message)
+        self.limit = limit
+        self.value = value
 
 
 class _VirtualSelector(selectors.DefaultSelector):
@@ -31,7 +72,18 @@ class _VirtualSelector(selectors.DefaultSelector):
         self.stall_timeout = stall_timeout
 
     def select(self, timeout: float | None = None) -> list[tuple[selectors.SelectorKey, int]]:
+        loop = self.loop
+        assert loop is not None
+        loop._check_wall()
         if timeout is None:
+            if loop.stall_when_idle and loop._jobs == 0:
+                events = super().select(0)
+                if not events:
+                    raise VirtualClockStall(
+                        "nothing is scheduled (no timer, no ready callback), no I/O is ready and"
+                        " no run_in_executor job is pending: nothing can wake the loop"
+                    )
+                return events
             events = super().select(self.stall_timeout)
             if not events and self.stall_timeout is not None:
                 raise VirtualClockStall(
@@ -41,8 +93,7 @@ class _VirtualSelector(selectors.DefaultSelector):
         events = super().select(0)
         if events or timeout <= 0:
             return events
-        assert self.loop is not None
-        self.loop._advance(timeout)
+        loop._advance(timeout)
         return []
 
 
@@ -53,26 +104,119 @@ class VirtualEventLoop(asyncio.SelectorEventLoop):
         start: The initial clock value.
         stall_timeout: Real seconds to block when nothing at all is scheduled before raising
             ``VirtualClockStall`` (None: block forever, like a normal loop).
+        stall_when_idle: Raise ``VirtualClockStall`` at once when nothing is scheduled, no
+            I/O is ready and no ``run_in_executor`` job is pending (for closed simulations,
+            where only such jobs can wake the loop; ``stall_timeout`` then only bounds the
+            wait for a pending job).
+        time_limit: Raise ``VirtualTimeLimit`` when the clock would pass this value (None:
+            no limit).
+        wall_limit: Raise ``VirtualTimeLimit`` once the loop has run this many real seconds,
+            counted from its first iteration (None: no limit).
+
+    Raises:
+        PlanError: A limit that is not a number > 0 (``time_limit``: > ``start``).
     """
 
     virtual_clock = True
     """Marks a loop whose ``time()`` is a simulated clock (stage loops then use it)."""
 
-    def __init__(self, *, start: float = 0.0, stall_timeout: float | None = 60.0) -> None:
-        sel = _VirtualSelector(stall_timeout)
+    def __init__(
+        self,
+        *,
+        start: float = 0.0,
+        stall_timeout: float | None = 60.0,
+        stall_when_idle: bool = False,
+        time_limit: float | None = None,
+        wall_limit: float | None = None,
+    ) -> None:
+        sel = _VirtualSelector(None)
         super().__init__(selector=sel)
+        try:
+            start = check_real("start", start)
+            if stall_timeout is not None:
+                stall_timeout = check_real("stall_timeout", stall_timeout, minimum=0.0)
+            time_limit, wall_limit = _check_limits(start, time_limit, wall_limit)
+        except PlanError:
+            self.close()  # a refused argument leaves no open loop behind
+            raise
+        sel.stall_timeout = stall_timeout
         sel.loop = self
-        self._vtime = float(start)
+        self._vtime = start
         # Timers due within the resolution count as due; the virtual clock is exact, so keep
         # it tiny but nonzero to absorb float rounding of (when - now) + now.
         self._clock_resolution = 1e-9
+        self.stall_when_idle = bool(stall_when_idle)
+        self._jobs = 0
+        self.time_limit = time_limit
+        self.wall_limit = wall_limit
+        self._wall_deadline: float | None = None
 
     def time(self) -> float:
         """The virtual clock, seconds."""
         return self._vtime
 
+    def set_limits(self, *, time_limit: float | None, wall_limit: float | None) -> None:
+        """Replace both limits; ``wall_limit`` then counts from the next loop iteration.
+
+        Raises:
+            PlanError: A limit that is not a number > 0 (``time_limit``: > the clock).
+        """
+        time_limit, wall_limit = _check_limits(self._vtime, time_limit, wall_limit)
+        self.time_limit = time_limit
+        self.wall_limit = wall_limit
+        self._wall_deadline = None
+
+    def run_in_executor(
+        self,
+        executor: concurrent.futures.Executor | None,
+        func: Callable[[Unpack[_Ts]], _T],
+        *args: *_Ts,
+    ) -> asyncio.Future[_T]:
+        """As asyncio's; counts the job as pending (see ``stall_when_idle``) until it ends."""
+        fut = super().run_in_executor(executor, func, *args)
+        self._jobs += 1
+        fut.add_done_callback(self._job_done)
+        return fut
+
+    def _job_done(self, fut: asyncio.Future[Any]) -> None:
+        self._jobs -= 1
+
     def _advance(self, dt: float) -> None:
-        self._vtime += dt
+        t = self._vtime + dt
+        if self.time_limit is not None and t > self.time_limit:
+            self._vtime = self.time_limit
+            raise VirtualTimeLimit(
+                f"the virtual clock reached time_limit={self.time_limit} s with a timer still"
+                f" pending {t - self.time_limit:.6g} s later",
+                limit="time_limit",
+                value=self.time_limit,
+            )
+        self._vtime = t
+
+    def _check_wall(self) -> None:
+        if self.wall_limit is None:
+            return
+        now = time.perf_counter()
+        if self._wall_deadline is None:
+            self._wall_deadline = now + self.wall_limit
+        elif now > self._wall_deadline:
+            self._wall_deadline = None  # a later run of the loop gets the limit afresh
+            raise VirtualTimeLimit(
+                f"the loop ran past wall_limit={self.wall_limit} s of real time (virtual clock"
+                f" at {self._vtime:.6g} s)",
+                limit="wall_limit",
+                value=self.wall_limit,
+            )
+
+
+def _check_limits(
+    now: float, time_limit: float | None, wall_limit: float | None
+) -> tuple[float | None, float | None]:
+    if time_limit is not None:
+        time_limit = check_real("time_limit", time_limit, minimum=now, strict_minimum=True)
+    if wall_limit is not None:
+        wall_limit = check_real("wall_limit", wall_limit, minimum=0.0, strict_minimum=True)
+    return time_limit, wall_limit
 
 
 def new_virtual_event_loop(**kwargs: Any) -> VirtualEventLoop:
