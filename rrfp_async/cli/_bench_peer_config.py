@@ -1,0 +1,189 @@
+"""What the peer benchmark runs: its configuration, its result rows, and the work of each
+step (microbatch sizes and emulated durations), computed alike by every process from the seed.
+
+Torch-free: the simulated variant (``_bench_peer_sim``) and the command's validation import
+this module without loading torch.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from .._costs import Durations, make_workload
+from .._tasks import StepPlan, Topology
+
+__all__ = [
+    "TORCH_SCHEDULES",
+    "PeerConfig",
+    "PeerRun",
+    "Step",
+    "WorkerRun",
+    "make_steps",
+    "step_lower_bound",
+    "step_plan",
+]
+
+TORCH_SCHEDULES: dict[str, tuple[int, str]] = {
+    "Schedule1F1B": (1, "interleaved"),
+    "ScheduleGPipe": (1, "interleaved"),
+    "ScheduleInterleaved1F1B": (2, "interleaved"),
+    "ScheduleLoopedBFS": (2, "interleaved"),
+    "ScheduleInterleavedZeroBubble": (2, "interleaved"),
+    "ScheduleZBVZeroBubble": (2, "vshape"),
+    "ScheduleDualPipeV": (2, "vshape"),
+}
+"""torch schedule class name -> (model chunks per rank, placement of virtual stages)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class PeerConfig:
+    """What ``peer_benchmark`` runs.
+
+    Attributes:
+        stages: Pipeline ranks (one process each).
+        microbatches: Microbatches per step.
+        steps: Timed steps per configuration.
+        warmup_steps: Untimed steps first (torch infers shapes, threads start).
+        us_per_token: Emulated forward µs per token of a rank's model share (backward 2x).
+        hidden: Feature width of the activations (sets the message size).
+        jitter: Sigma of the lognormal noise on every emulated duration.
+        seed: Seed of the microbatch sizes and of the noise.
+        torch_schedules: torch schedule class names (``TORCH_SCHEDULES``).
+        padded_cost: torch schedules that get a second row charged at the padded length.
+        hints: rrfp_async hints; ``interleaved_1f1b`` runs on 2 chunks per rank; ``name:split``
+            runs the hint on a split backward (I/W), as ``zb_h1`` always does.
+        policies: rrfp_async policies.
+        memory_factors: Admission bounds as multiples of 1F1B's.
+        timeout: Seconds for the whole run.
+    """
+
+    stages: int = 4
+    microbatches: int = 16
+    steps: int = 7
+    warmup_steps: int = 1
+    us_per_token: float = 2.0
+    hidden: int = 32
+    jitter: float = 0.3
+    seed: int = 0
+    torch_schedules: tuple[str, ...] = (
+        "Schedule1F1B",
+        "ScheduleGPipe",
+        "ScheduleInterleaved1F1B",
+        "ScheduleInterleavedZeroBubble",
+        "ScheduleZBVZeroBubble",
+    )
+    padded_cost: tuple[str, ...] = ("Schedule1F1B",)
+    hints: tuple[str, ...] = (
+        "1f1b",
+        "breadth_first_weighted",
+        "breadth_first_weighted:split",
+        "zb_h1",
+    )
+    policies: tuple[str, ...] = ("strict", "readiness_first", "backfill")
+    memory_factors: tuple[float, ...] = (1.0, 2.0)
+    timeout: float = 1200.0
+
+    def __post_init__(self) -> None:
+        if self.stages < 2 or self.microbatches < 1 or self.steps < 1 or self.warmup_steps < 0:
+            raise ValueError("need stages >= 2, microbatches >= 1, steps >= 1, warmup >= 0")
+        if not (math.isfinite(self.us_per_token) and self.us_per_token > 0):
+            raise ValueError(f"us_per_token must be > 0, got {self.us_per_token!r}")
+        for s in self.torch_schedules + self.padded_cost:
+            if s not in TORCH_SCHEDULES:
+                raise ValueError(
+                    f"unknown torch schedule {s!r}; choose from {list(TORCH_SCHEDULES)}"
+                )
+
+
+@dataclass(frozen=True, kw_only=True)
+class PeerRun:
+    """One configuration's result (the fields of ``--json``'s runs)."""
+
+    system: str
+    schedule: str | None
+    hint: str | None
+    policy: str | None
+    memory_factor: float | None
+    step_s: float
+    speedup_vs_torch_1f1b: float
+    efficiency: float
+    peak_inflight: int
+    steps_s: tuple[float, ...] = field(default=())
+    note: str = ""
+
+    def to_dict(self) -> dict[str, Any]:
+        """The JSON row."""
+        return {
+            "system": self.system,
+            "schedule": self.schedule,
+            "hint": self.hint,
+            "policy": self.policy,
+            "memory_factor": self.memory_factor,
+            "step_s": self.step_s,
+            "speedup_vs_torch_1f1b": self.speedup_vs_torch_1f1b,
+            "efficiency": self.efficiency,
+            "peak_inflight": self.peak_inflight,
+            "steps_s": list(self.steps_s),
+            "note": self.note,
+        }
+
+
+@dataclass(frozen=True)
+class Step:
+    tokens: tuple[int, ...]
+    # [chunks][vstage][mb] forward/backward seconds for V = 1 and V = 2
+    forward: dict[int, list[list[float]]]
+    backward: dict[int, list[list[float]]]
+
+
+def make_steps(cfg: PeerConfig) -> list[Step]:
+    out = []
+    total = cfg.warmup_steps + cfg.steps
+    for s in range(total):
+        wl = make_workload("multimodal", cfg.microbatches, virtual_stages=1, seed=cfg.seed + s)
+        tokens = tuple(mb.tokens for mb in wl.microbatches)
+        rng = random.Random(hash((cfg.seed, s, "noise")) & 0xFFFFFFFF)
+        fw: dict[int, list[list[float]]] = {}
+        bw: dict[int, list[list[float]]] = {}
+        for v in (1, 2):
+            nv = cfg.stages * v
+            per = cfg.us_per_token * 1e-6 / v
+            fw[v] = [[per * t * _noise(rng, cfg.jitter) for t in tokens] for _ in range(nv)]
+            bw[v] = [[2 * per * t * _noise(rng, cfg.jitter) for t in tokens] for _ in range(nv)]
+        out.append(Step(tokens, fw, bw))
+    return out
+
+
+def _noise(rng: random.Random, sigma: float) -> float:
+    return math.exp(rng.gauss(0.0, sigma) - 0.5 * sigma * sigma) if sigma > 0 else 1.0
+
+
+def step_plan(cfg: PeerConfig, chunks: int, placement: str, split: bool) -> StepPlan:
+    topo = Topology(stages=cfg.stages, chunks=chunks, placement=placement)  # type: ignore[arg-type]
+    return StepPlan(topology=topo, microbatches=cfg.microbatches, split_backward=split)
+
+
+def step_lower_bound(cfg: PeerConfig, st: Step, chunks: int, placement: str, split: bool) -> float:
+    from ..sim._simulate import lower_bound
+
+    plan = step_plan(cfg, chunks, placement, split)
+    return lower_bound(plan, Durations.from_arrays(plan, st.forward[chunks], st.backward[chunks]))
+
+
+@dataclass(eq=False)
+class WorkerRun:
+    """One configuration in a worker: what it runs and what it measured."""
+
+    key: tuple[Any, ...]
+    chunks: int
+    placement: str
+    fn: Callable[[int], float] | None
+    split: bool = False
+    error: str = ""
+    peak: int = 0
+    times: list[float] = field(default_factory=list)
+    losses: list[float] = field(default_factory=list)
