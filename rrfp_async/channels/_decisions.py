@@ -60,6 +60,10 @@ class DecisionChannel:
         tp_rank: This process's rank inside the TP group (for messages).
         stage: The pipeline rank of the stage (for messages).
         depth: Broadcasts a follower keeps posted ahead.
+
+    Attributes:
+        waiting: What this rank waits for on the decision group right now (text, for the
+            error of a step that timed out), or None.
     """
 
     def __init__(
@@ -85,6 +89,7 @@ class DecisionChannel:
         self._sent: collections.deque[tuple[torch.Tensor, Any]] = collections.deque()
         self._to_post = 0
         self.published = 0
+        self.waiting: str | None = None
 
     def _who(self) -> str:
         role = "leader" if self.is_leader else "follower"
@@ -129,7 +134,11 @@ class DecisionChannel:
                 f"{self._who()} step {step}: asked for decision {seq} beyond the step's decisions"
             )
         buf, fut = self._posted.popleft()
-        await fut
+        self.waiting = f"the TP leader (global rank {self.leader})'s decision {seq} of step {step}"
+        try:
+            await fut
+        finally:
+            self.waiting = None
         self._post_ahead()
         magic, s, q, stage, kind, mb = buf.tolist()
         if magic != _MAGIC or not 0 <= kind < len(_KINDS):
@@ -143,9 +152,13 @@ class DecisionChannel:
 
     async def end_step(self) -> None:
         """Leader: wait until every broadcast of the step went out (errors surface here)."""
-        while self._sent:
-            _, w = self._sent.popleft()
-            await work_future(w)
+        self.waiting = "the TP followers to receive this step's decisions"
+        try:
+            while self._sent:
+                _, w = self._sent.popleft()
+                await work_future(w)
+        finally:
+            self.waiting = None
 
     async def verify_sequence(self, step: int, executed: Sequence[Task]) -> None:
         """Every TP rank: all-gather a digest of the executed sequence and compare.
@@ -156,7 +169,11 @@ class DecisionChannel:
         mine = torch.tensor([sequence_digest(executed), len(executed)], dtype=torch.int64)
         size = dist.get_world_size(self.group)
         outs = [torch.zeros(2, dtype=torch.int64) for _ in range(size)]
-        await work_future(dist.all_gather(outs, mine, group=self.group, async_op=True))
+        self.waiting = f"the other TP ranks of stage {self.stage} to cross-check step {step}"
+        try:
+            await work_future(dist.all_gather(outs, mine, group=self.group, async_op=True))
+        finally:
+            self.waiting = None
         digests = [tuple(o.tolist()) for o in outs]
         if len(set(digests)) != 1:
             differ = [i for i, d in enumerate(digests) if d != digests[0]]

@@ -42,6 +42,24 @@ The lean path (what a message costs is what a step loses):
 ``close()`` sends a CLOSE header down every outbound edge after the messages already
 posted, so peers' listeners end cleanly; a peer that closes while a task still waits for
 its message fails that task's stage with ``PeerError``.
+
+Trust and loss
+--------------
+* **A header is not trusted with memory.** A receiver allocates what a header announces,
+  so an announced payload above ``max_bytes`` (256 MiB by default; ``DistributedStage``'s
+  ``max_message_bytes``) is refused before anything is allocated, and a sender refuses to
+  send one. Both errors name the bound, the argument that raises it, the edge and the task.
+* **A lost peer is named.** A killed peer breaks its TCP connections: the blocked receive
+  (or send) raises and the stage fails with ``PeerError`` "rank 0 lost rank 1 (global 1)".
+  A stopped (hung) peer breaks nothing; the step watchdog of the waiting rank fires, and
+  ``DistributedStage`` names the ranks whose messages did not arrive (``arrivals``).
+* **A failing rank says why when it closes.** The CLOSE of a rank that failed carries a
+  cause: *lost* (these ranks' connections broke), *timed out* (it waited for these ranks)
+  or *failed* (an error of its own), with the step and the global ranks to blame. The
+  receiver treats it as any closed peer (its stage fails if a task waits for that peer),
+  keeps the cause as text (``peer_failures``; ``DistributedStage`` appends it to the
+  step's error) and passes the same cause on when it closes in turn, so a rank that is no
+  neighbour of the lost one still names it. The cause is only ever text for a message.
 """
 
 from __future__ import annotations
@@ -62,7 +80,7 @@ from .._errors import PeerError, ProtocolError, RRFPError
 from .._tasks import Kind, Task
 from ._base import Sink
 
-__all__ = ["HEADER_LEN", "P2PChannel"]
+__all__ = ["DEFAULT_MAX_BYTES", "HEADER_LEN", "P2PChannel"]
 
 MAGIC = 0x52524650  # "RRFP"
 HEADER_LEN = 16
@@ -71,6 +89,11 @@ MAX_NDIM = HEADER_LEN - 9
 _DATA, _CLOSE, _DATA_INLINE = 1, 2, 3
 DEFAULT_INLINE_BYTES = 1 << 16
 """Initial payload bytes an edge carries inline, behind the header (it grows as needed)."""
+DEFAULT_MAX_BYTES = 256 << 20
+"""Largest payload a header may announce, by default (a bad header never allocates more)."""
+# The cause a CLOSE carries: [MAGIC, _CLOSE, cause, step, n, global rank 0 .. n-1].
+_CLEAN, _FAILED, _LOST, _TIMED_OUT = 0, 1, 2, 3
+_MAX_BLAMED = HEADER_LEN - 5
 _KINDS: tuple[Kind, ...] = ("F", "B", "I", "W")
 _KIND_CODE = {k: i for i, k in enumerate(_KINDS)}
 _DTYPES = (
@@ -119,6 +142,23 @@ class _Edge:
         self.text = f"edge rank {src} -> rank {dst} (global {gsrc} -> {gdst})"
 
 
+def _blame_text(cause: int, ranks: str) -> str:
+    """Why a peer failed, from the cause its CLOSE carries."""
+    if cause == _LOST:
+        return f"it lost {ranks} (the connection broke: the process died or was killed)"
+    if cause == _TIMED_OUT:
+        return f"it timed out waiting for {ranks} (hung, stopped, lost or waiting itself)"
+    return f"{ranks} failed with an error of its own (see that rank's output)"
+
+
+def _size(n: int) -> str:
+    """``n`` bytes, readable: ``256 MiB``."""
+    for unit, shift in (("GiB", 30), ("MiB", 20), ("KiB", 10)):
+        if n >= 1 << shift:
+            return f"{n / (1 << shift):.3g} {unit}"
+    return f"{n} B"
+
+
 def _grow(cap: int, nbytes: int, limit: int) -> int:
     """The edge capacity after a payload of ``nbytes`` did not fit inline (both sides)."""
     need = HEADER_BYTES + nbytes
@@ -136,10 +176,13 @@ class P2PChannel:
         outbound: Pipeline ranks this rank sends to.
         group: Process group for the transfers (default: the default group).
         device: Where received tensors are allocated (``cuda`` for NCCL).
-        max_bytes: Largest payload a header may announce; bigger is a protocol error.
+        max_bytes: Largest payload a header may announce (default 256 MiB): a larger one is
+            refused before anything is allocated (``ProtocolError``), and never sent.
         inline_bytes: Initial payload bytes carried inline with the header (gloo only; it
             grows to the largest payload seen, up to ``max_bytes``). Every rank must use the
             same value: it sizes the peer's receive buffers.
+        bound_name: How errors tell the user to raise ``max_bytes`` (``DistributedStage``
+            passes its own argument's name).
 
     Use as ``async with channel:`` (starts the threads on the running loop, then closes),
     or call ``start()`` / ``close()`` yourself. ``send`` may be called from any thread, one
@@ -158,8 +201,9 @@ class P2PChannel:
         outbound: Iterable[int],
         group: Any = None,
         device: torch.device | str = "cpu",
-        max_bytes: int = 1 << 31,
+        max_bytes: int = DEFAULT_MAX_BYTES,
         inline_bytes: int = DEFAULT_INLINE_BYTES,
+        bound_name: str = "P2PChannel(max_bytes=...)",
     ) -> None:
         self._rank = rank
         self._global = dict(global_ranks)
@@ -178,12 +222,19 @@ class P2PChannel:
         self._growing = backend != "nccl"
         self._inline0 = HEADER_BYTES + min(inline_bytes, max_bytes) if self._growing else 0
         self._max_bytes = max_bytes
+        self._bound_name = bound_name
         self._sink: Sink | None = None
         self._pending: list[tuple[int, Task, Any, int]] = []
         self._loop: asyncio.AbstractEventLoop | None = None
         self._send_seq: dict[int, int] = {}
         self._send_cap: dict[int, int] = {}
         self._queues: dict[int, queue.SimpleQueue[tuple[list[torch.Tensor], str] | None]] = {}
+        self._by_global = {g: r for r, g in self._global.items()}
+        # (cause, step, global ranks to blame): what this rank's CLOSE says when it failed.
+        self._cause: tuple[int, int, tuple[int, ...]] | None = None
+        self._last_step = -1  # the latest step of a message sent or received
+        self._arrivals: dict[int, dict[int, int]] = {}  # step -> {src: messages}
+        self._peer_failures: dict[int, str] = {}
         self._threads: list[threading.Thread] = []
         self._started = False
         self._closing = False
@@ -209,7 +260,7 @@ class P2PChannel:
         self._sink = sink
         pending, self._pending = self._pending, []
         for step, task, payload, src in pending:
-            self._deliver(step, task, payload, src)
+            self._replay(step, task, payload, src)
 
     def send(self, dst: int, step: int, task: Task, payload: Any) -> None:
         """Send ``payload`` (a tensor or None), the input of ``task``, to rank ``dst``.
@@ -233,10 +284,15 @@ class P2PChannel:
         t = None if payload is None else payload.detach().contiguous()
         nbytes = 0 if t is None else t.numel() * t.element_size()
         if nbytes > self._max_bytes:
+            assert t is not None
             raise ProtocolError(
-                f"rank {self._rank}: {task}'s output has {nbytes} bytes > max_bytes="
-                f"{self._max_bytes} (the receiver would refuse it)"
+                f"rank {self._rank} step {step}: the message for {task} ({tuple(t.shape)}"
+                f" {t.dtype}) has {nbytes} bytes, more than the bound of {self._max_bytes}"
+                f" bytes ({_size(self._max_bytes)}) on {self._edge_out(dst)}; the receiver"
+                f" would refuse it. If messages this large are expected, raise the bound with"
+                f" {self._bound_name} on every rank"
             )
+        self._last_step = max(self._last_step, step)
         cap = self._send_cap[dst]
         inline = t is None or (self._growing and HEADER_BYTES + nbytes <= cap)
         header = encode_header(seq, step, task, t, inline=inline)
@@ -261,6 +317,39 @@ class P2PChannel:
 
     def _edge_out(self, dst: int) -> str:
         return _Edge(self._rank, dst, self._global[self._rank], self._global[dst]).text
+
+    def _name(self, rank: int) -> str:
+        """``rank 1 (global 3)``: a pipeline rank of this channel, for messages."""
+        return f"rank {rank} (global {self._global[rank]})"
+
+    def _name_global(self, grank: int) -> str:
+        """A global rank, named by its pipeline rank when it is one of this channel's."""
+        r = self._by_global.get(grank)
+        return f"global rank {grank}" if r is None else self._name(r)
+
+    def _names_global(self, granks: Iterable[int]) -> str:
+        names = [self._name_global(g) for g in granks]
+        return ", ".join(names) if names else "an unknown rank"
+
+    # ------------------------------------------------------------------ failures
+
+    def arrivals(self, step: int) -> dict[int, int]:
+        """Messages received for ``step`` so far, per source pipeline rank (the last few
+        steps only). ``DistributedStage`` compares them with the plan to name the ranks a
+        timed-out step waits for."""
+        return dict(self._arrivals.get(step, {}))
+
+    def at_step(self, step: int) -> None:
+        """The stage starts ``step`` (the step a failing rank's CLOSE names)."""
+        self._last_step = max(self._last_step, step)
+
+    def blame(self, step: int, ranks: Iterable[int], *, timed_out: bool = True) -> None:
+        """Record why this rank is failing, for the CLOSE its peers receive: at ``step``
+        it timed out waiting for (or lost) the pipeline ranks ``ranks``. The first cause
+        recorded wins (it is the closest to the root)."""
+        if self._cause is None:
+            g = tuple(self._global[r] for r in ranks if r in self._global)[:_MAX_BLAMED]
+            self._cause = (_TIMED_OUT if timed_out else _LOST, step, g)
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -291,15 +380,26 @@ class P2PChannel:
     async def __aexit__(self, exc_type: object, *exc: object) -> None:
         # On an error, peers may never send their CLOSE: do not wait for them.
         timeout = 30.0 if exc_type is None else 0.5
-        self._send_close()
+        self._send_close(failed=exc_type is not None)
         await asyncio.get_running_loop().run_in_executor(None, self.close, timeout)
 
-    def _send_close(self) -> None:
-        """Queue CLOSE down every outbound edge, behind the messages already queued."""
+    def _send_close(self, *, failed: bool = False) -> None:
+        """Queue CLOSE down every outbound edge, behind the messages already queued; the
+        CLOSE of a failed rank carries its cause (see the design note)."""
         if self._closing or not self._started:
             return
         self._closing = True
+        hdr = [MAGIC, _CLOSE] + [0] * (HEADER_LEN - 2)
+        if failed:
+            cause, step, ranks = self._cause or (
+                _FAILED,
+                self._last_step,
+                (self._global[self._rank],),
+            )
+            hdr[2:5] = [cause, step, len(ranks)]
+            hdr[5 : 5 + len(ranks)] = list(ranks)
         for q in self._queues.values():
+            q.put(([torch.tensor(hdr, dtype=torch.int64, device=self._hdr_device)], ""))
             q.put(None)
 
     def close(self, timeout: float = 30.0) -> None:
@@ -326,13 +426,50 @@ class P2PChannel:
         if self._sink is not None:
             self._sink.fail(exc)
 
+    def _lose(self, peer: int, exc: RRFPError) -> None:
+        """``peer``'s connection broke (loop thread): blame it, then fail."""
+        if self._cause is None:
+            self._cause = (_LOST, self._last_step, (self._global[peer],))
+        self._fail(exc)
+
+    def _peer_failed(self, src: int, cause: int, step: int, ranks: tuple[int, ...]) -> None:
+        """``src`` closed because it failed (loop thread): keep its cause for the error
+        message, pass it on when this rank closes, and tell the stage the peer closed."""
+        if self._cause is None:
+            self._cause = (cause, step, ranks)
+        if cause == _FAILED and ranks == (self._global[src],):
+            why = " with an error of its own (see that rank's output)"
+        else:
+            why = ": " + _blame_text(cause, self._names_global(ranks))
+        self._peer_failures[src] = f"{self._name(src)} failed at step {step}{why}"
+        self._peer_closed(src)
+
+    def peer_failures(self) -> dict[int, str]:
+        """Why peers failed, from their CLOSE: pipeline rank -> text (``DistributedStage``
+        appends it to the error of a step that lost them)."""
+        return dict(self._peer_failures)
+
     def _deliver(self, step: int, task: Task, payload: Any, src: int) -> None:
+        got = self._arrivals.get(step)
+        if got is None:
+            got = self._arrivals[step] = {}
+            for old in [s for s in self._arrivals if s < step - 3]:
+                del self._arrivals[old]
+        got[src] = got.get(src, 0) + 1
         if self._sink is None:
             self._pending.append((step, task, payload, src))
             return
         try:
             self._sink.deliver(step, task, payload, src)
         except RRFPError as e:  # raised inside a loop callback: route it to the stage
+            self._sink.fail(e)
+
+    def _replay(self, step: int, task: Task, payload: Any, src: int) -> None:
+        """A message that came before ``bind`` (counted already)."""
+        assert self._sink is not None
+        try:
+            self._sink.deliver(step, task, payload, src)
+        except RRFPError as e:
             self._sink.fail(e)
 
     def _peer_closed(self, src: int) -> None:
@@ -349,26 +486,29 @@ class P2PChannel:
         while True:
             item = q.get()
             if item is None:
-                hdr = [MAGIC, _CLOSE] + [0] * (HEADER_LEN - 2)
-                with contextlib.suppress(Exception):  # the peer may be gone already
-                    dist.send(
-                        torch.tensor(hdr, dtype=torch.int64, device=self._hdr_device),
-                        gdst,
-                        group=self._group,
-                    )
                 return
             msgs, what = item
             try:
                 for m in msgs:
                     dist.send(m, gdst, group=self._group)
             except Exception as e:
-                self._post(self._fail, PeerError(f"{edge}: {what} failed: {e}"))
+                if not what:  # the CLOSE: the peer may be gone already
+                    return
+                self._post(
+                    self._lose,
+                    dst,
+                    PeerError(
+                        f"{self._name(self._rank)} lost {self._name(dst)}: {what} on {edge}"
+                        f" failed: {e}"
+                    ),
+                )
                 return
 
     def _listener(self, src: int) -> None:
         gsrc = self._global[src]
         edge = _Edge(src, self._rank, gsrc, self._global[self._rank]).text
         expect = 0
+        last = "before any message arrived"
         cap = self._inline0
         while True:
             if self._growing:
@@ -381,8 +521,13 @@ class P2PChannel:
             except Exception as e:
                 if not self._closing:
                     self._post(
-                        self._fail,
-                        PeerError(f"{edge}: waiting for message seq {expect} failed: {e}"),
+                        self._lose,
+                        src,
+                        PeerError(
+                            f"{self._name(self._rank)} lost {self._name(src)}: the connection"
+                            f" broke while waiting for message seq {expect} on {edge} ({last}):"
+                            f" {e}"
+                        ),
                     )
                 return
             h = hbuf.tolist()
@@ -392,7 +537,11 @@ class P2PChannel:
                 self._post(self._fail, e)
                 return
             if closing:
-                self._post(self._peer_closed, src)
+                if h[2] == _CLEAN:
+                    self._post(self._peer_closed, src)
+                else:
+                    n = min(max(h[4], 0), _MAX_BLAMED)
+                    self._post(self._peer_failed, src, h[2], h[3], tuple(h[5 : 5 + n]))
                 return
             payload = None
             if dtype is not None:
@@ -420,10 +569,12 @@ class P2PChannel:
                     except Exception as e:
                         if not self._closing:
                             self._post(
-                                self._fail,
+                                self._lose,
+                                src,
                                 PeerError(
-                                    f"{edge}: receiving the payload of seq {expect} ({task})"
-                                    f" failed: {e}"
+                                    f"{self._name(self._rank)} lost {self._name(src)}: the"
+                                    f" connection broke while receiving the payload of seq"
+                                    f" {expect} ({task} of step {step}) on {edge}: {e}"
                                 ),
                             )
                         return
@@ -432,6 +583,8 @@ class P2PChannel:
                 if payload.device != self._device:
                     payload = payload.to(self._device)
             expect += 1
+            last = f"the last one was seq {expect - 1}, {task} of step {step}"
+            self._last_step = max(self._last_step, step)
             self.received += 1
             self._post(self._deliver, step, task, payload, src)
 
@@ -446,6 +599,8 @@ class P2PChannel:
         if h[0] != MAGIC:
             raise bad(f"bad magic {h[0]:#x}")
         if h[1] == _CLOSE:
+            if h[2] not in (_CLEAN, _FAILED, _LOST, _TIMED_OUT):
+                raise bad(f"unknown close cause {h[2]}")
             return True, Task(0, "F", 0), 0, None, ()
         if h[1] not in (_DATA, _DATA_INLINE):
             raise bad(f"unknown message kind {h[1]}")
@@ -467,5 +622,12 @@ class P2PChannel:
         dtype = _DTYPES[h[7]]
         size = math.prod(shape) * _ITEMSIZE[dtype]
         if size > self._max_bytes:
-            raise bad(f"payload of {size} bytes exceeds max_bytes={self._max_bytes}")
+            # Refused before anything is allocated: a header is not trusted with memory.
+            raise ProtocolError(
+                f"{edge}: message seq {expect} ({task} of step {h[3]}) announces a payload of"
+                f" {size} bytes ({shape} {dtype}), more than the bound of {self._max_bytes}"
+                f" bytes ({_size(self._max_bytes)}): refused before allocating it. If messages"
+                f" this large are expected, raise the bound with {self._bound_name} on every"
+                f" rank (else the header is corrupt); header {h}"
+            )
         return False, task, h[3], dtype, shape

@@ -153,16 +153,23 @@ class StageGroups:
         tp: This stage's TP group for model collectives (None when tp == 1).
         decisions: This stage's dedicated gloo group for TP decisions (None when tp == 1).
         dp: This position's data-parallel group (None when dp == 1).
+        control: A gloo group of every rank, for ``DistributedStage``'s plan check (None:
+            the check uses the default group).
     """
 
     tp: Any = None
     decisions: Any = None
     dp: Any = None
+    control: Any = None
 
 
 def build_groups(layout: ProcessLayout, *, tp_group: Any = None) -> StageGroups:
-    """Create the TP, TP-decision and DP groups. Collective: every rank calls it, in the
-    same order relative to other ``new_group`` calls.
+    """Create the TP, TP-decision, DP and control groups. Collective: every rank calls it,
+    in the same order relative to other ``new_group`` calls.
+
+    The control group is a gloo group of every rank, used for nothing but the plan check
+    at a stage's first step (so it never interleaves with model collectives, and works when
+    the default group is NCCL).
 
     Args:
         layout: The layout.
@@ -185,7 +192,8 @@ def build_groups(layout: ProcessLayout, *, tp_group: Any = None) -> StageGroups:
                 g = dist.new_group(ranks)
                 if layout.rank in ranks:
                     dp = g
-    return StageGroups(tp=tp, decisions=decisions, dp=dp)
+    control = dist.new_group(list(range(layout.world_size)), backend="gloo")
+    return StageGroups(tp=tp, decisions=decisions, dp=dp, control=control)
 
 
 def pipeline_neighbors(plan: StepPlan, rank: int) -> tuple[list[int], list[int]]:

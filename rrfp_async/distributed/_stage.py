@@ -10,16 +10,57 @@ Usage, in every process of a PP x TP (x DP) job (torchrun, or ``rrfp_async.spawn
             stats = await stage.run_step(microbatches)
             stage.allreduce_gradients(params)          # DP, if any
             optimizer.step(); optimizer.zero_grad()
+
+Design note: the plan check
+---------------------------
+Every process builds its own ``StepSchedule``; nothing forces them to be equal, and ranks
+that disagree (8 microbatches here, 6 there; another hint or policy) used to fail late and
+obscurely: one rank finished, its peer reported a closed channel. So before a stage's first
+step, every rank all-gathers a fixed-size int64 *plan digest* (no pickle) over the control
+group (a gloo group of every rank, ``StageGroups.control``) and compares the rows: any
+difference is a ``PlanError`` on every rank, naming each differing field with the ranks on
+each side ("rank 0 has microbatches=8; rank 1 has microbatches=6"). A row holds the raw
+fields, strings as 32 bytes of UTF-8 (longer names are truncated for display; a hash of the
+full values catches a difference there too), and two scopes:
+
+* every rank of the job must agree on the layout, the plan (stages, chunks, placement,
+  microbatches, split backward), the hint's name, the policy and ``max_message_bytes``;
+* the ranks of one DP replica must also agree on the hint order and the admission bounds
+  (replicas may see other data, so a cost-aware hint may order them differently).
+
+The check costs one small all-gather (a few hundred µs on gloo), once per *plan*: it runs at
+the stage's first step and again only when a step's schedule changes the plan's key (the
+plan, the hint's name). A per-step schedule regenerated from this step's sizes
+(``with_durations``) keeps the key and is not re-checked. Whether to check is decided
+locally, so a rank whose schedule changes at a step where its peers' does not waits in the
+all-gather alone: the step watchdog ends that wait with a ``StepTimeoutError`` that says so.
+
+Design note: naming a lost rank
+-------------------------------
+A killed rank breaks its TCP connections: its neighbours' channel threads fail at once and
+the step fails with ``PeerError`` "rank 0 lost rank 1 (global 1)". A stopped (hung) rank
+breaks nothing: the neighbours wait until the step watchdog fires (``step_timeout``, 30 s
+by default), and the ``StepTimeoutError`` then opens with the ranks whose messages of the
+step did not arrive (the plan says how many each must send; the channel counts what came).
+A failing rank's CLOSE carries its cause, so a rank further away names the lost rank too.
 """
 
 from __future__ import annotations
 
+import asyncio
+import collections
+import hashlib
+import struct
+import time
 from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from .._bridges import work_future
+from .._errors import ChannelError, PeerError, PlanError, StepTimeoutError
 from ..channels._decisions import DecisionChannel
 from ..channels._p2p import P2PChannel
 from ..loop import StageLoop, StageObserver, StepStats
@@ -28,7 +69,229 @@ from ..policies._policy import Policy
 from ..policies._schedule import StepSchedule
 from ._layout import ProcessLayout, StageGroups, build_groups, pipeline_neighbors
 
-__all__ = ["DistributedStage"]
+__all__ = [
+    "DEFAULT_MAX_MESSAGE_BYTES",
+    "DEFAULT_STEP_TIMEOUT",
+    "DistributedStage",
+    "PlanDigest",
+    "plan_disagreement",
+]
+
+DEFAULT_STEP_TIMEOUT = 30.0
+"""Seconds a step of a ``DistributedStage`` may take by default before its watchdog fires."""
+DEFAULT_MAX_MESSAGE_BYTES = 256 << 20
+"""Largest message a ``DistributedStage`` sends or accepts by default (256 MiB)."""
+
+# ---------------------------------------------------------------------- the plan digest
+
+_MAGIC = 0x504C414E  # "PLAN"
+_VERSION = 1
+_STR_BYTES = 32
+_STR_WORDS = _STR_BYTES // 8
+_WORLD = (
+    "pp",
+    "tp",
+    "dp",
+    "stages",
+    "chunks",
+    "placement",
+    "microbatches",
+    "split_backward",
+    "ordered_weights",
+    "hint",
+    "policy",
+    "max_message_bytes",
+)
+_REPLICA = ("hint_order", "bounds")
+_STRINGS = frozenset({"placement", "hint", "policy", "bounds"})
+_IDS = ("rank", "pp_rank", "tp_rank", "dp_rank")
+_ROW_LEN = 4 + len(_IDS) + sum(_STR_WORDS if f in _STRINGS else 1 for f in _WORLD + _REPLICA)
+
+
+def _h63(text: str) -> int:
+    """A 63-bit digest of ``text`` (the same in every process, unlike ``hash``)."""
+    h = hashlib.blake2b(text.encode(), digest_size=8).digest()
+    return int.from_bytes(h, "little") & ((1 << 63) - 1)
+
+
+def _pack(text: str) -> list[int]:
+    raw = text.encode()
+    if len(raw) > _STR_BYTES:
+        raw = raw[: _STR_BYTES - 3] + b"..."
+    return list(struct.unpack(f"<{_STR_WORDS}q", raw.ljust(_STR_BYTES, b"\0")))
+
+
+def _unpack(words: Sequence[int]) -> str:
+    raw = struct.pack(f"<{_STR_WORDS}q", *words)
+    return raw.rstrip(b"\0").decode(errors="ignore")
+
+
+@dataclass(frozen=True, kw_only=True)
+class PlanDigest:
+    """What one rank runs, as the plan check compares it (one fixed-size int64 row).
+
+    Every rank of the job must agree on the fields in ``_WORLD`` (layout, plan, hint name,
+    policy, ``max_message_bytes``); the ranks of one DP replica also on ``hint_order`` (a
+    digest of every rank's hint order) and ``bounds``. Strings travel as 32 bytes of UTF-8
+    (truncated with ``...``); ``world_hash`` and ``replica_hash`` cover the full values.
+    """
+
+    rank: int
+    pp_rank: int
+    tp_rank: int
+    dp_rank: int
+    pp: int
+    tp: int
+    dp: int
+    stages: int
+    chunks: int
+    placement: str
+    microbatches: int
+    split_backward: int
+    ordered_weights: int
+    hint: str
+    policy: str
+    max_message_bytes: int
+    hint_order: int
+    bounds: str
+    world_hash: int
+    replica_hash: int
+
+    @classmethod
+    def of(
+        cls,
+        schedule: StepSchedule,
+        *,
+        policy: str,
+        layout: ProcessLayout,
+        max_message_bytes: int,
+    ) -> PlanDigest:
+        """The digest of this rank's ``schedule`` run with ``policy`` at ``layout``."""
+        plan = schedule.plan
+        topo = plan.topology
+        order = ";".join(f"{r}:" + " ".join(map(str, schedule.hint[r])) for r in range(plan.stages))
+        bounds = "(" + ", ".join(map(str, schedule.bounds)) + ")"
+        world: dict[str, int | str] = {
+            "pp": layout.pp,
+            "tp": layout.tp,
+            "dp": layout.dp,
+            "stages": topo.stages,
+            "chunks": topo.chunks,
+            "placement": topo.placement,
+            "microbatches": plan.microbatches,
+            "split_backward": int(plan.split_backward),
+            "ordered_weights": int(plan.ordered_weights),
+            "hint": schedule.hint_name,
+            "policy": policy,
+            "max_message_bytes": max_message_bytes,
+        }
+        hint_order = _h63(order)
+        return cls(
+            rank=layout.rank,
+            pp_rank=layout.pp_rank,
+            tp_rank=layout.tp_rank,
+            dp_rank=layout.dp_rank,
+            hint_order=hint_order,
+            bounds=bounds,
+            world_hash=_h63(repr(sorted(world.items()))),
+            replica_hash=_h63(f"{hint_order}|{bounds}"),
+            **world,  # type: ignore[arg-type]
+        )
+
+    def encode(self) -> list[int]:
+        """The row: ``_ROW_LEN`` int64 values."""
+        row = [_MAGIC, _VERSION, self.world_hash, self.replica_hash]
+        row += [getattr(self, f) for f in _IDS]
+        for f in _WORLD + _REPLICA:
+            v = getattr(self, f)
+            row += _pack(v) if f in _STRINGS else [v]
+        return row
+
+    @classmethod
+    def decode(cls, row: Sequence[int], *, rank: int) -> PlanDigest:
+        """Read a row that global rank ``rank`` sent.
+
+        Raises:
+            PlanError: Not a plan digest of this version (another rrfp_async on that rank).
+        """
+        if len(row) != _ROW_LEN or row[0] != _MAGIC or row[1] != _VERSION:
+            raise PlanError(
+                f"global rank {rank} sent no plan digest of this version ({list(row[:2])}):"
+                " every rank must run the same rrfp_async"
+            )
+        values: dict[str, Any] = {"world_hash": row[2], "replica_hash": row[3]}
+        i = 4
+        for f in _IDS:
+            values[f] = row[i]
+            i += 1
+        for f in _WORLD + _REPLICA:
+            if f in _STRINGS:
+                values[f] = _unpack(row[i : i + _STR_WORDS])
+                i += _STR_WORDS
+            else:
+                values[f] = row[i]
+                i += 1
+        return cls(**values)
+
+
+def _show(field: str, value: object) -> str:
+    if field == "hint_order":
+        return f"hint order #{value:016x}"
+    if field == "bounds":
+        return f"bounds={value}"
+    return f"{field}={value!r}" if field in _STRINGS else f"{field}={value}"
+
+
+def _ranks(ranks: Sequence[int]) -> str:
+    if len(ranks) == 1:
+        return f"rank {ranks[0]} has"
+    shown = ", ".join(map(str, ranks[:6]))
+    more = f" and {len(ranks) - 6} more" if len(ranks) > 6 else ""
+    return f"ranks {shown}{more} have"
+
+
+def _differences(rows: Sequence[PlanDigest], fields: Iterable[str]) -> list[str]:
+    out = []
+    for f in fields:
+        sides: dict[object, list[int]] = {}
+        for d in rows:
+            sides.setdefault(getattr(d, f), []).append(d.rank)
+        if len(sides) > 1:
+            ordered = sorted(sides.items(), key=lambda kv: kv[1][0])
+            out.append(f"{f}: " + "; ".join(f"{_ranks(rs)} {_show(f, v)}" for v, rs in ordered))
+    return out
+
+
+def plan_disagreement(rows: Sequence[PlanDigest]) -> str | None:
+    """What the ranks disagree on, in words (global ranks), or None when they agree.
+
+    Differences every rank must agree on come first and alone (a different plan orders
+    the hint differently anyway); only when there are none, the hint orders and bounds of
+    each DP replica are compared.
+    """
+    if len({d.world_hash for d in rows}) > 1:
+        lines = _differences(rows, _WORLD) or [
+            "a name longer than 32 bytes differs (hint or policy; see each rank's own)"
+        ]
+        return "; ".join(lines)
+    lines = []
+    replicas = sorted({d.dp_rank for d in rows})
+    for dp in replicas:
+        rep = [d for d in rows if d.dp_rank == dp]
+        if len({d.replica_hash for d in rep}) > 1:
+            where = f"in DP replica {dp}, " if len(replicas) > 1 else ""
+            diff = _differences(rep, _REPLICA) or ["bounds: they differ past the 32 bytes shown"]
+            lines += [where + d for d in diff]
+    if not lines:
+        return None
+    # Same plan and hint name, other orders: say what usually causes it.
+    return "; ".join(lines) + (
+        " (a cost-aware hint is generated from declared durations: do these ranks see the"
+        " same microbatch sizes?)"
+    )
+
+
+# ---------------------------------------------------------------------- the stage
 
 
 class DistributedStage:
@@ -36,7 +299,8 @@ class DistributedStage:
 
     Args:
         layout: Where this process sits (PP x TP x DP).
-        schedule: The step schedule; every process must build an equal one.
+        schedule: The step schedule; every process must build an equal one (checked at the
+            first step: see ``check_plan``).
         executor: Runs this rank's tasks (e.g. ``TorchStageExecutor``).
         groups: The process groups from ``build_groups`` (built here when None; that is a
             collective call).
@@ -44,11 +308,28 @@ class DistributedStage:
         coordinate_tp: Followers run the TP leader's decisions (switch off only to measure
             or to demonstrate divergence).
         verify_tp: After each step, check that the TP ranks executed the same sequence.
-        step_timeout: Watchdog per step, seconds (a multi-process step must never hang;
-            None disables it).
+        step_timeout: Watchdog per step, seconds (default 30; None disables it). A
+            multi-process step must never hang: when a peer is stopped or hung, this is
+            how long the others wait before they fail with a ``StepTimeoutError`` naming
+            it. Raise it for steps that legitimately take longer (a first step that
+            compiles, a very large model).
         observer: Observer of the stage's transitions.
         device: Where received tensors are allocated.
         decision_depth: TP decisions a follower keeps posted ahead.
+        max_message_bytes: Largest activation or gradient this rank sends or accepts
+            (default 256 MiB). A header that announces more is refused before anything is
+            allocated, so a corrupt or hostile header cannot make a rank allocate
+            gigabytes; every rank must use the same value (checked with the plan).
+        verify_plan: Check at the first step (and when the plan changes) that every rank
+            runs the same plan (see ``check_plan``).
+
+    Raises:
+        PlanError: The schedule does not fit the layout, ``max_message_bytes`` < 1, or
+            ``step_timeout`` is not a positive number or None.
+
+    Attributes:
+        plan_checks: How many plan checks ran (one per distinct plan).
+        plan_check_seconds: How long the last one took.
     """
 
     def __init__(
@@ -61,17 +342,29 @@ class DistributedStage:
         policy: str | Policy = "readiness_first",
         coordinate_tp: bool = True,
         verify_tp: bool = True,
-        step_timeout: float | None = 600.0,
+        step_timeout: float | None = DEFAULT_STEP_TIMEOUT,
         observer: StageObserver | None = None,
         device: torch.device | str = "cpu",
         decision_depth: int = 4,
+        max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+        verify_plan: bool = True,
     ) -> None:
         if schedule.plan.stages != layout.pp:
-            raise ValueError(
-                f"the schedule has {schedule.plan.stages} pipeline ranks, the layout {layout.pp}"
+            raise PlanError(
+                f"rank {layout.rank}: the schedule has {schedule.plan.stages} pipeline ranks,"
+                f" the layout {layout.pp}"
             )
+        if (
+            isinstance(max_message_bytes, bool)
+            or not isinstance(max_message_bytes, int)
+            or max_message_bytes < 1
+        ):
+            raise PlanError(f"max_message_bytes must be an int >= 1, got {max_message_bytes!r}")
         self.layout = layout
         self.groups = groups if groups is not None else build_groups(layout)
+        self.max_message_bytes = max_message_bytes
+        self.verify_plan = verify_plan
+        self._device = torch.device(device)
         inbound, outbound = pipeline_neighbors(schedule.plan, layout.pp_rank)
         self.channel = P2PChannel(
             layout.pp_rank,
@@ -79,6 +372,8 @@ class DistributedStage:
             inbound=inbound,
             outbound=outbound,
             device=device,
+            max_bytes=max_message_bytes,
+            bound_name="DistributedStage(max_message_bytes=...)",
         )
         self.decisions: DecisionChannel | None = None
         if layout.tp > 1:
@@ -102,6 +397,12 @@ class DistributedStage:
             coordinate=coordinate_tp,
             verify_sequences=verify_tp,
         )
+        self.step_timeout = self.stage.step_timeout  # as checked there (inf: None)
+        self._next_step = 0
+        self._agreed: tuple[object, ...] | None = None
+        self._control_broken: BaseException | None = None
+        self.plan_checks = 0
+        self.plan_check_seconds = 0.0
 
     async def __aenter__(self) -> DistributedStage:
         self.channel.start()
@@ -110,6 +411,9 @@ class DistributedStage:
     async def __aexit__(self, exc_type: object, *exc: object) -> None:
         await self.channel.__aexit__(exc_type, *exc)
 
+    def _who(self) -> str:
+        return f"rank {self.layout.pp_rank} (global {self.layout.rank})"
+
     async def run_step(
         self,
         microbatches: Sequence[Any],
@@ -117,8 +421,138 @@ class DistributedStage:
         step: int | None = None,
         schedule: StepSchedule | None = None,
     ) -> StepStats:
-        """Run this rank's tasks of one step (see ``StageLoop.run_step``)."""
-        return await self.stage.run_step(microbatches, step=step, schedule=schedule)
+        """Run this rank's tasks of one step (see ``StageLoop.run_step``).
+
+        The stage's first step, and a step whose schedule changes the plan or the hint's
+        name, first check that every rank runs the same plan (``check_plan``).
+
+        Raises:
+            PlanError: The ranks disagree on the plan (on every rank).
+            StepTimeoutError: The step (or the plan check) did not finish within
+                ``step_timeout``; the message opens with the ranks it waited for.
+            PeerError: A peer died (the message names it) or failed.
+        """
+        s = self._next_step if step is None else step
+        self._next_step = s + 1
+        self.channel.at_step(s)
+        sched = schedule if schedule is not None else self.stage.schedule
+        if self.verify_plan and self._key(sched) != self._agreed:
+            await self.check_plan(sched, step=s)
+        try:
+            return await self.stage.run_step(microbatches, step=s, schedule=schedule)
+        except StepTimeoutError as e:
+            self._explain_timeout(e, s)
+            raise
+        except ChannelError as e:
+            self._add_peer_failures(e)
+            raise
+
+    def _key(self, schedule: StepSchedule) -> tuple[object, ...]:
+        """What decides whether a step's plan must be checked again (see the design note)."""
+        p = schedule.plan
+        return (p.topology, p.microbatches, p.split_backward, p.ordered_weights, schedule.hint_name)
+
+    async def check_plan(self, schedule: StepSchedule | None = None, *, step: int = 0) -> None:
+        """Check that every rank runs the same plan: all-gather each rank's ``PlanDigest``
+        over the control group and compare (see the design note). Collective: every rank
+        calls it at the same point; ``run_step`` does, at the first step and when the plan
+        changes, so call it yourself only to take its cost out of a timed step.
+
+        Args:
+            schedule: The schedule to check (default: the stage's).
+            step: The step number, for messages.
+
+        Raises:
+            PlanError: The ranks disagree; the message names each differing field and the
+                ranks on each side.
+            StepTimeoutError: Not every rank joined within ``step_timeout``.
+            PeerError: The all-gather failed (a rank died).
+        """
+        if self._control_broken is not None:
+            raise self._control_broken
+        sched = schedule if schedule is not None else self.stage.schedule
+        mine = PlanDigest.of(
+            sched,
+            policy=self.stage.policy_name,
+            layout=self.layout,
+            max_message_bytes=self.max_message_bytes,
+        )
+        group = self.groups.control
+        on_cpu = group is not None or "gloo" in str(dist.get_backend())
+        buf = torch.tensor(mine.encode(), dtype=torch.int64)
+        if not on_cpu:
+            buf = buf.to(self._device)
+        n = dist.get_world_size(group)
+        outs = [torch.empty_like(buf) for _ in range(n)]
+        t0 = time.perf_counter()
+        try:
+            async with asyncio.timeout(self.step_timeout):
+                await work_future(dist.all_gather(outs, buf, group=group, async_op=True))
+        except TimeoutError:
+            # The collective is still posted: this group can no longer be used.
+            self._control_broken = StepTimeoutError(
+                f"{self._who()} step {step}: the plan check did not complete within"
+                f" {self.step_timeout} s: not every rank joined the all-gather of plan digests"
+                f" (over the {n} ranks of the control group). A rank is hung, stopped or"
+                " lost, or it did not check at this step: a rank checks at its stage's first"
+                " step and when its schedule's plan or hint name changes, so the ranks'"
+                " schedules changed at different steps"
+            )
+            raise self._control_broken from None
+        except RuntimeError as e:
+            raise PeerError(
+                f"{self._who()} step {step}: the plan check (an all-gather over {n} ranks)"
+                f" failed: a rank died or the group broke: {e}"
+            ) from e
+        self.plan_check_seconds = time.perf_counter() - t0
+        self.plan_checks += 1
+        rows = [PlanDigest.decode(o.tolist(), rank=i) for i, o in enumerate(outs)]
+        why = plan_disagreement(rows)
+        if why is not None:
+            raise PlanError(
+                f"{self._who()} step {step}: the ranks disagree on the plan; every rank must"
+                f" build an equal StepSchedule and use the same policy: {why}"
+            )
+        self._agreed = self._key(sched)
+
+    def _explain_timeout(self, e: StepTimeoutError, step: int) -> None:
+        """Open the watchdog's message with what the step waited for: the ranks whose
+        messages of this step did not all arrive (the plan says how many each sends), or
+        the TP decision group; tell the channel, so the peers learn it from the CLOSE."""
+        prog = self.stage.schedule.program(self.layout.pp_rank)
+        expected = collections.Counter(r for r in prog.src_rank if r >= 0)
+        got = self.channel.arrivals(step)
+        missing = {r: n - got.get(r, 0) for r, n in sorted(expected.items()) if got.get(r, 0) < n}
+        peers = self.layout.pipeline_peers()
+        head = f"{self._who()} step {step}: timed out after {self.step_timeout} s"
+        if missing:
+            names = ", ".join(
+                f"rank {r} (global {peers[r]}; {k} of its {expected[r]} messages of the step"
+                " missing)"
+                for r, k in missing.items()
+            )
+            head += (
+                f" waiting for {names}: hung, stopped or lost (or waiting itself for another rank)"
+            )
+            self.channel.blame(step, missing)
+        elif self.decisions is not None and self.decisions.waiting is not None:
+            head += f" waiting for {self.decisions.waiting}"
+        else:
+            head += (
+                ": every message of the step arrived; it is stuck in this rank's own work"
+                " (a task that does not return, or the policy)"
+            )
+        failures = list(self.channel.peer_failures().values())
+        if failures:
+            head += "; " + "; ".join(failures)
+        e.args = (f"{head}\n{e.args[0] if e.args else ''}", *e.args[1:])
+
+    def _add_peer_failures(self, e: ChannelError) -> None:
+        """Append why failed peers failed (the cause their CLOSE carried) to ``e``."""
+        text = str(e)
+        extra = [t for t in self.channel.peer_failures().values() if t not in text]
+        if extra and e.args:
+            e.args = (f"{e.args[0]}; " + "; ".join(extra), *e.args[1:])
 
     def allreduce_gradients(self, params: Iterable[torch.nn.Parameter]) -> None:
         """Average gradients over the data-parallel group (no-op without DP). Blocking."""

@@ -113,7 +113,7 @@ def test_out_of_order_variable_shapes_and_bad_headers() -> None:
     for name, why in [
         ("magic", "bad magic"),
         ("gap", "sequence number 5, expected 0"),
-        ("huge", "exceeds max_bytes"),
+        ("huge", "more than the bound of 268435456 bytes (256 MiB): refused before allocating"),
         ("dtype", "unknown dtype code 99"),
         ("ndim", "ndim 12 out of range"),
     ]:
@@ -195,4 +195,104 @@ def test_inline_capacity_grows_in_step_on_both_sides() -> None:
     # inline (the None payload included).
     assert sender["sent"] == len(sizes) and sender["inline_sent"] == len(sizes) - 2
     # The refused payload named its size; the receiver saw no gap in the sequence numbers.
-    assert "16384 bytes > max_bytes=8192" in sender["refused"]
+    assert "has 16384 bytes, more than the bound of 8192 bytes" in sender["refused"]
+    assert "P2PChannel(max_bytes=...)" in sender["refused"]
+
+
+# ---------------------------------------------------------------------- the trust bound
+
+
+class _Out:
+    """Each task returns a float32 tensor of ``numel`` elements."""
+
+    def __init__(self, numel: int) -> None:
+        self.numel = numel
+
+    async def execute(self, task: rr.Task, data: Any, ctx: rr.TaskContext, /) -> Any:
+        await asyncio.sleep(0)
+        return torch.zeros(self.numel)
+
+
+def _bound_worker(rank: int, world: int) -> dict[str, Any]:
+    import torch.distributed as dist
+
+    layout = rr.ProcessLayout.from_world(pp=2)
+    groups = rr.build_groups(layout)
+    plan = rr.StepPlan(topology=rr.Topology(stages=2), microbatches=1)
+    sched = rr.StepSchedule.build(plan, "1f1b")
+    out: dict[str, Any] = {}
+
+    # 1. A forged header announces 2 GiB (what the old default accepted) to a stage with the
+    #    default bound: refused, and nothing that size is allocated.
+    if rank == 0:
+        header = encode_header(0, 0, rr.Task(1, "F", 0), torch.zeros(2))
+        header[8:10] = [1, 1 << 29]  # 2**29 float32 = 2 GiB
+        dist.send(torch.tensor(header, dtype=torch.int64), 1)
+        close = torch.zeros(HEADER_LEN, dtype=torch.int64)
+        dist.recv(close, 1)  # the failed stage's CLOSE, with its cause
+        out["close"] = close.tolist()
+    else:
+        big: list[int] = []
+        empty = torch.empty
+
+        def spy(*args: Any, **kwargs: Any) -> torch.Tensor:
+            t = empty(*args, **kwargs)
+            if t.numel() * t.element_size() > 64 << 20:
+                big.append(t.numel() * t.element_size())
+            return t
+
+        torch.empty = spy  # type: ignore[assignment]
+        stage = rr.DistributedStage(layout, sched, _Out(2), groups=groups, verify_plan=False)
+        try:
+            rr.run(_run_one(stage, out))
+        finally:
+            torch.empty = empty  # type: ignore[assignment]
+        out["big_allocations"] = big
+        out["default_bound"] = stage.max_message_bytes
+    dist.barrier()
+
+    # 2. The sender's side: an output over the bound is refused where it is sent; the peer
+    #    learns why from the CLOSE.
+    stage = rr.DistributedStage(
+        layout, sched, _Out(512 if rank == 0 else 1), groups=groups, max_message_bytes=1024
+    )
+    sent: dict[str, Any] = {}
+    rr.run(_run_one(stage, sent))
+    out["sender_case"] = sent
+    stage.channel.close(10.0)
+    return out
+
+
+async def _run_one(stage: rr.DistributedStage, out: dict[str, Any]) -> None:
+    try:
+        async with stage:
+            await stage.run_step([0])
+    except rr.RRFPError as e:
+        out["error"] = type(e).__name__
+        out["message"] = str(e)
+
+
+def test_messages_over_the_bound_are_refused_on_both_sides() -> None:
+    sender, receiver = rr.spawn(_bound_worker, 2, timeout=150)
+    assert receiver["default_bound"] == 256 << 20
+    msg = receiver["message"]
+    assert receiver["error"] == "ProtocolError", msg
+    assert "edge rank 0 -> rank 1 (global 0 -> 1): message seq 0 (1F0 of step 0)" in msg
+    assert "announces a payload of 2147483648 bytes" in msg
+    assert "more than the bound of 268435456 bytes (256 MiB): refused before allocating" in msg
+    assert "DistributedStage(max_message_bytes=...)" in msg
+    assert receiver["big_allocations"] == []
+    # The failed rank's CLOSE says it failed (cause 1), at step 0, blaming itself (global 1).
+    close = sender["close"]
+    assert close[:2] == [MAGIC, 2] and close[2:6] == [1, 0, 1, 1], close
+
+    s, r = sender["sender_case"], receiver["sender_case"]
+    assert s["error"] == "ProtocolError", s
+    head = "rank 0 step 0: the message for 1F0 ((512,) torch.float32) has 2048 bytes"
+    assert head in s["message"], s
+    assert "more than the bound of 1024 bytes (1 KiB)" in s["message"]
+    assert "edge rank 0 -> rank 1 (global 0 -> 1)" in s["message"]
+    assert "DistributedStage(max_message_bytes=...) on every rank" in s["message"]
+    assert r["error"] == "PeerError", r
+    assert "rank 0 closed its channel" in r["message"]
+    assert "rank 0 (global 0) failed at step 0 with an error of its own" in r["message"]

@@ -1,0 +1,93 @@
+"""Worker of ``test_dead_rank.py``, run under torchrun: a pipeline of one small stage per
+process; the victim rank SIGKILLs or SIGSTOPs itself in the middle of a step.
+
+Every rank writes, into ``--out``:
+
+* ``rank{r}.pid``: its pid (the test cleans up a stopped process);
+* ``signal.json`` (victim only): the wall time right before it signals itself;
+* ``rank{r}.err``: ``{"time": ..., "type": ..., "message": ...}`` when its step fails (then
+  it re-raises: the process exits non-zero by itself);
+* ``rank{r}.ok``: when every step succeeded.
+
+    python -m torch.distributed.run --standalone --nproc-per-node 3 _dead_rank_worker.py \\
+        --victim 1 --kill-or-stop STOP --step 2 --out DIR --step-timeout 5
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import signal
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+import rrfp_async as rr
+
+MICROBATCHES = 4
+
+
+class _TinyExecutor:
+    """A few ms per task and a small tensor out; the victim signals itself in one task."""
+
+    def __init__(self, victim: bool, sig: signal.Signals, at_step: int, out: Path) -> None:
+        self.victim = victim
+        self.sig = sig
+        self.at_step = at_step
+        self.out = out
+
+    async def execute(self, task: rr.Task, data: Any, ctx: rr.TaskContext, /) -> Any:
+        await asyncio.sleep(0.003)
+        if self.victim and ctx.step == self.at_step and task.kind == "F" and task.mb == 1:
+            # Mid-step: earlier microbatches are in flight, later ones not started.
+            (self.out / "signal.json").write_text(json.dumps({"time": time.time()}))
+            os.kill(os.getpid(), self.sig)
+        return torch.full((4,), float(task.mb))
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--victim", type=int, required=True)
+    p.add_argument("--kill-or-stop", choices=["KILL", "STOP"], required=True)
+    p.add_argument("--step", type=int, default=2)
+    p.add_argument("--steps", type=int, default=5)
+    p.add_argument("--out", type=Path, required=True)
+    p.add_argument("--step-timeout", type=float, default=5.0)
+    args = p.parse_args()
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    out: Path = args.out
+    (out / f"rank{rank}.pid").write_text(str(os.getpid()))
+    layout = rr.ProcessLayout.from_world(pp=world)
+    groups = rr.build_groups(layout)
+    plan = rr.StepPlan(topology=rr.Topology(stages=world), microbatches=MICROBATCHES)
+    schedule = rr.StepSchedule.build(plan, "1f1b")
+    sig = signal.SIGKILL if args.kill_or_stop == "KILL" else signal.SIGSTOP
+    executor = _TinyExecutor(rank == args.victim, sig, args.step, out)
+
+    async def steps() -> None:
+        async with rr.DistributedStage(
+            layout, schedule, executor, groups=groups, step_timeout=args.step_timeout
+        ) as stage:
+            for _ in range(args.steps):
+                try:
+                    await stage.run_step(list(range(MICROBATCHES)))
+                except BaseException as e:  # the moment the step failed: before the close
+                    err = {"time": time.time(), "type": type(e).__name__, "message": str(e)}
+                    (out / f"rank{rank}.err").write_text(json.dumps(err))
+                    raise
+
+    rr.run(steps())  # a failure propagates: the process exits non-zero by itself
+    (out / f"rank{rank}.ok").write_text("ok")
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

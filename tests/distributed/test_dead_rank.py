@@ -1,0 +1,171 @@
+"""Dead and hung ranks under a real torchrun: every other rank fails by itself, names the lost
+rank, within a bound, and exits non-zero.
+
+``torchrun --standalone --nproc-per-node 3`` runs ``_dead_rank_worker.py`` (a 3-stage pipeline
+of small tasks, ``step_timeout`` 5 s); the victim SIGKILLs or SIGSTOPs itself in the middle
+of step 2. Each rank writes its error (type, message, wall time of the failure) to a file
+named by its rank the moment its step fails, so the assertions are about the survivors' own
+errors even when torchrun's agent tears the group down afterwards; their exit codes come
+from torchrun's failure summary.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytestmark = [pytest.mark.distributed, pytest.mark.timeout(240)]
+
+WORKER = Path(__file__).with_name("_dead_rank_worker.py")
+ROOT = Path(__file__).resolve().parents[2]
+STEP_TIMEOUT = 5.0
+_EXIT = re.compile(r"rank\s*:\s*(\d+) \(local_rank: \d+\)\s*\n\s*exitcode\s*:\s*(-?\d+)")
+
+
+def _state(pid: int) -> str:
+    """The process state letter (``T`` stopped, ``Z`` exited, unreaped), or ``-`` if gone."""
+    try:
+        text = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return "-"
+    return text.rsplit(")", 1)[1].split()[0]
+
+
+def _run(tmp_path: Path, victim: int, how: str, survivors: list[int]) -> dict[str, Any]:
+    """Launch torchrun, wait for the survivors' errors and exits, clean up; return what
+    happened: ``errors`` (rank -> error record), ``detected`` (rank -> seconds from the
+    signal to the error), ``exit`` (rank -> exit code), ``log``."""
+    out = tmp_path / "out"
+    out.mkdir()
+    log_path = tmp_path / "torchrun.log"
+    env = dict(
+        os.environ,
+        GLOO_SOCKET_IFNAME="lo",
+        OMP_NUM_THREADS="1",
+        PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
+    )
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        "3",
+        "--max-restarts",
+        "0",
+        "--monitor-interval",
+        "3",
+        str(WORKER),
+        "--victim",
+        str(victim),
+        "--kill-or-stop",
+        how,
+        "--out",
+        str(out),
+        "--step-timeout",
+        str(STEP_TIMEOUT),
+    ]
+    with log_path.open("w") as log:
+        proc = subprocess.Popen(
+            cmd, stdout=log, stderr=subprocess.STDOUT, cwd=tmp_path, env=env, start_new_session=True
+        )
+    pids: dict[int, int] = {}
+    try:
+        deadline = time.monotonic() + 180
+        while time.monotonic() < deadline and proc.poll() is None:
+            for r in range(3):
+                f = out / f"rank{r}.pid"
+                if r not in pids and f.exists() and f.read_text():
+                    pids[r] = int(f.read_text())
+            # The survivors have failed and their processes ended (by themselves: a stopped
+            # victim is still there, so the agent has not torn anything down yet).
+            if all((out / f"rank{r}.err").exists() for r in survivors) and all(
+                r in pids and _state(pids[r]) in "Z-" for r in survivors
+            ):
+                break
+            time.sleep(0.1)
+        if victim in pids and _state(pids[victim]) == "T":
+            os.kill(pids[victim], signal.SIGKILL)  # a stopped process takes SIGKILL too
+        proc.wait(timeout=max(5.0, deadline - time.monotonic()))
+    finally:
+        for pid in pids.values():  # nothing stays stopped or running
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGCONT)
+                os.kill(pid, signal.SIGKILL)
+        if proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=30)
+    text = log_path.read_text()
+    assert (out / "signal.json").exists(), text[-3000:]
+    t_signal = json.loads((out / "signal.json").read_text())["time"]
+    errors = {
+        r: json.loads((out / f"rank{r}.err").read_text())
+        for r in range(3)
+        if (out / f"rank{r}.err").exists()
+    }
+    return {
+        "errors": errors,
+        "detected": {r: e["time"] - t_signal for r, e in errors.items()},
+        "exit": {int(r): int(c) for r, c in _EXIT.findall(text)},
+        "log": text,
+    }
+
+
+def _report(name: str, res: dict[str, Any]) -> None:
+    times = ", ".join(f"rank {r} {t:.3f} s" for r, t in sorted(res["detected"].items()))
+    print(f"\n{name}: detected after {times}; exit codes {res['exit']}")
+
+
+def test_a_killed_rank_is_named_by_its_neighbours_at_once(tmp_path: Path) -> None:
+    res = _run(tmp_path, victim=1, how="KILL", survivors=[0, 2])
+    _report("SIGKILL rank 1 of 3", res)
+    for r in (0, 2):
+        err = res["errors"].get(r)
+        assert err is not None, res["log"][-3000:]
+        assert err["type"] == "PeerError", err
+        assert f"rank {r} (global {r}) lost rank 1 (global 1)" in err["message"], err
+        assert "the connection broke" in err["message"], err
+        assert res["detected"][r] < 5.0, res["detected"]  # measured: ~0.04 s
+        assert res["exit"].get(r, 0) != 0, res["exit"]
+    assert res["exit"].get(1) == -signal.SIGKILL, res["exit"]
+
+
+def test_a_rank_further_away_names_the_killed_rank_too(tmp_path: Path) -> None:
+    """The last rank dies: rank 1 loses it directly; rank 0, no neighbour of it, learns the
+    cause from rank 1's CLOSE."""
+    res = _run(tmp_path, victim=2, how="KILL", survivors=[0, 1])
+    _report("SIGKILL rank 2 of 3", res)
+    e0, e1 = res["errors"].get(0), res["errors"].get(1)
+    assert e0 is not None and e1 is not None, res["log"][-3000:]
+    assert e1["type"] == "PeerError" and "lost rank 2 (global 2)" in e1["message"], e1
+    assert e0["type"] == "PeerError", e0
+    assert "rank 1 (global 1) failed at step 2: it lost rank 2 (global 2)" in e0["message"], e0
+    assert max(res["detected"].values()) < 5.0, res["detected"]
+    assert all(res["exit"].get(r, 0) != 0 for r in (0, 1)), res["exit"]
+
+
+def test_a_stopped_rank_is_named_when_the_watchdog_fires(tmp_path: Path) -> None:
+    res = _run(tmp_path, victim=1, how="STOP", survivors=[0, 2])
+    _report("SIGSTOP rank 1 of 3", res)
+    for r in (0, 2):
+        err = res["errors"].get(r)
+        assert err is not None, res["log"][-3000:]
+        assert err["type"] == "StepTimeoutError", err
+        first = err["message"].splitlines()[0]
+        assert f"rank {r} (global {r}) step 2: timed out after {STEP_TIMEOUT} s" in first, first
+        assert "waiting for rank 1 (global 1;" in first, first
+        # The watchdog counts from the step's start, a moment before the victim stopped.
+        assert STEP_TIMEOUT - 1.0 < res["detected"][r] < STEP_TIMEOUT + 5.0, res["detected"]
+        # Nothing killed them: they ended by themselves, with an error.
+        assert res["exit"].get(r) == 1, res["exit"]

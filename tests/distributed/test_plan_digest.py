@@ -1,0 +1,212 @@
+"""The plan check: ranks that disagree on the plan fail at the first step, on every rank, with
+a ``PlanError`` that names both sides; matching plans run, checked once per plan."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import time
+from typing import Any
+
+import pytest
+import torch
+
+import rrfp_async as rr
+from rrfp_async.distributed._stage import PlanDigest, plan_disagreement
+
+# ---------------------------------------------------------------------- pure
+
+
+def _digest(
+    rank: int,
+    *,
+    world: int = 2,
+    microbatches: int = 8,
+    hint: str = "1f1b",
+    policy: str = "readiness_first",
+    tp: int = 1,
+) -> PlanDigest:
+    plan = rr.StepPlan(topology=rr.Topology(stages=world // tp), microbatches=microbatches)
+    layout = rr.ProcessLayout(pp=world // tp, tp=tp, rank=rank)
+    d = PlanDigest.of(
+        rr.StepSchedule.build(plan, hint),
+        policy=policy,
+        layout=layout,
+        max_message_bytes=1 << 20,
+    )
+    return PlanDigest.decode(d.encode(), rank=rank)  # what the other ranks see
+
+
+def test_a_digest_is_a_fixed_row_that_decodes_to_itself() -> None:
+    d = _digest(1, policy="a_policy_with_a_name_far_longer_than_32_bytes")
+    row = d.encode()
+    assert all(isinstance(x, int) and -(1 << 63) <= x < (1 << 63) for x in row)
+    assert d.policy == "a_policy_with_a_name_far_long..."  # as the other ranks see it
+    assert PlanDigest.decode(row, rank=1) == d
+    assert len(_digest(0, world=4, hint="gpipe").encode()) == len(row)
+    with pytest.raises(rr.PlanError, match="global rank 3 sent no plan digest"):
+        PlanDigest.decode([0, *row[1:]], rank=3)
+
+
+def test_equal_plans_agree_and_differences_name_both_sides() -> None:
+    assert plan_disagreement([_digest(0), _digest(1)]) is None
+    why = plan_disagreement([_digest(0), _digest(1, microbatches=6)])
+    assert why == "microbatches: rank 0 has microbatches=8; rank 1 has microbatches=6"
+    why = plan_disagreement(
+        [_digest(r, world=4, hint="gpipe" if r == 2 else "1f1b") for r in range(4)]
+    )
+    assert why == "hint: ranks 0, 1, 3 have hint='1f1b'; rank 2 has hint='gpipe'"
+    # Names longer than the 32 bytes a row carries still differ (by the hash of the full ones).
+    long = "p" * 40
+    why = plan_disagreement([_digest(0, policy=long), _digest(1, policy=long + "x")])
+    assert why is not None and "longer than 32 bytes" in why
+
+
+def test_hint_orders_are_compared_within_a_replica_only() -> None:
+    plan = rr.StepPlan(topology=rr.Topology(stages=2), microbatches=4)
+    a = rr.StepSchedule.build(plan, "1f1b")
+    b = rr.StepSchedule.build(plan, {0: list(reversed_f(a.hint[0])), 1: list(a.hint[1])})
+    b = dataclasses.replace(b, hint_name="1f1b", bounds=a.bounds)
+
+    def d(rank: int, sched: rr.StepSchedule, dp: int) -> PlanDigest:
+        layout = rr.ProcessLayout(pp=2, dp=dp, rank=rank)
+        d = PlanDigest.of(sched, policy="strict", layout=layout, max_message_bytes=1)
+        return PlanDigest.decode(d.encode(), rank=rank)
+
+    # Replicas 0 (ranks 0, 1) and 1 (ranks 2, 3) may order their steps differently.
+    assert plan_disagreement([d(0, a, 2), d(1, a, 2), d(2, b, 2), d(3, b, 2)]) is None
+    why = plan_disagreement([d(0, a, 2), d(1, b, 2), d(2, b, 2), d(3, b, 2)])
+    assert why is not None
+    assert why.startswith("in DP replica 0, hint_order: rank 0 has hint order #"), why
+    assert "same microbatch sizes" in why
+
+
+def reversed_f(order: tuple[rr.Task, ...]) -> list[rr.Task]:
+    """Rank 0's 1F1B order with its first two forwards swapped (still a valid hint)."""
+    out = list(order)
+    i, j = out.index(rr.Task(0, "F", 0)), out.index(rr.Task(0, "F", 1))
+    out[i], out[j] = out[j], out[i]
+    return out
+
+
+def test_stage_defaults_are_finite_and_bounded() -> None:
+    plan = rr.StepPlan(topology=rr.Topology(stages=1), microbatches=2)
+    layout = rr.ProcessLayout(pp=1, rank=0)
+
+    def stage(**kw: Any) -> rr.DistributedStage:
+        sched = rr.StepSchedule.build(plan, "1f1b")
+        return rr.DistributedStage(layout, sched, _Tiny(), groups=rr.StageGroups(), **kw)
+
+    s = stage()
+    assert s.step_timeout == 30.0 and s.stage.step_timeout == 30.0
+    assert s.max_message_bytes == 256 << 20 and s.channel._max_bytes == 256 << 20
+    assert stage(step_timeout=None, max_message_bytes=1 << 10).channel._max_bytes == 1 << 10
+    with pytest.raises(rr.PlanError, match="max_message_bytes must be an int >= 1, got 0"):
+        stage(max_message_bytes=0)
+    with pytest.raises(rr.PlanError, match="step_timeout"):
+        stage(step_timeout=-1.0)
+
+
+# ---------------------------------------------------------------------- multi-process
+
+
+class _Tiny:
+    async def execute(self, task: rr.Task, data: Any, ctx: rr.TaskContext, /) -> Any:
+        await asyncio.sleep(0)
+        return torch.full((2,), float(task.mb))
+
+
+CASES: dict[str, dict[str, Any]] = {
+    "microbatches": {"microbatches": 6},
+    "hint": {"hint": "gpipe"},
+    "policy": {"policy": "strict"},
+}
+
+
+async def _case(rank: int, world: int, case: str, odd: int, groups: Any) -> dict[str, Any]:
+    """One case: rank ``odd`` deviates from the others as ``CASES[case]`` says."""
+    cfg: dict[str, Any] = {"microbatches": 8, "hint": "1f1b", "policy": "readiness_first"}
+    if rank == odd and case in CASES:
+        cfg.update(CASES[case])
+    layout = rr.ProcessLayout.from_world(pp=world)
+    plan = rr.StepPlan(topology=rr.Topology(stages=world), microbatches=cfg["microbatches"])
+    sched = rr.StepSchedule.build(plan, cfg["hint"])
+    mbs = list(range(cfg["microbatches"]))
+    out: dict[str, Any] = {}
+    stage = rr.DistributedStage(
+        layout, sched, _Tiny(), groups=groups, policy=cfg["policy"], step_timeout=30
+    )
+    try:
+        async with stage:
+            t0 = time.perf_counter()
+            await stage.run_step(mbs)
+            out["first_step"] = time.perf_counter() - t0
+            if case == "match":
+                times = []
+                for _ in range(3):  # a new schedule object, same plan: no new check
+                    t0 = time.perf_counter()
+                    await stage.run_step(mbs, schedule=rr.StepSchedule.build(plan, "1f1b"))
+                    times.append(time.perf_counter() - t0)
+                out["later_steps"] = times
+                out["checks_same_plan"] = stage.plan_checks
+                await stage.run_step(mbs, schedule=rr.StepSchedule.build(plan, "gpipe"))
+                out["checks_new_hint"] = stage.plan_checks
+                costs = []
+                for _ in range(5):  # the check itself, with every rank there at once
+                    torch.distributed.barrier()
+                    await stage.check_plan(step=99)
+                    costs.append(stage.plan_check_seconds)
+                out["check_costs"] = costs
+    except rr.RRFPError as e:
+        out["error"] = type(e).__name__
+        out["message"] = str(e)
+    out["check_seconds"] = stage.plan_check_seconds
+    stage.channel.close(10.0)  # every peer sent its CLOSE: the listeners end
+    return out
+
+
+def _worker(rank: int, world: int, odd: int) -> dict[str, dict[str, Any]]:
+    import torch.distributed as dist
+
+    groups = rr.build_groups(rr.ProcessLayout.from_world(pp=world))
+    res = {}
+    for case in ["match", *CASES]:
+        res[case] = rr.run(_case(rank, world, case, odd, groups))
+        dist.barrier()
+    return res
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize(("world", "odd"), [(2, 1), (4, 2)])
+def test_every_rank_names_the_disagreement(world: int, odd: int) -> None:
+    results = rr.spawn(_worker, world, odd, timeout=200)
+    rest = [r for r in range(world) if r != odd]
+    others = f"rank {rest[0]} has" if len(rest) == 1 else f"ranks {', '.join(map(str, rest))} have"
+    expect = {
+        "microbatches": f"microbatches: {others} microbatches=8; rank {odd} has microbatches=6",
+        "hint": f"hint: {others} hint='1f1b'; rank {odd} has hint='gpipe'",
+        "policy": f"policy: {others} policy='readiness_first'; rank {odd} has policy='strict'",
+    }
+    for rank, res in enumerate(results):
+        m = res["match"]
+        assert "error" not in m, m
+        # One check for the plan, one more when the hint changed; none for a new schedule
+        # object of the same plan.
+        assert m["checks_same_plan"] == 1 and m["checks_new_hint"] == 2, m
+        for case, text in expect.items():
+            r = res[case]
+            assert r.get("error") == "PlanError", (rank, case, r)
+            assert (
+                f"rank {rank} (global {rank}) step 0: the ranks disagree on the plan"
+                in (r["message"])
+            )
+            assert r["message"].endswith(text), (case, r["message"])
+    cost_ms = sorted(1e3 * t for res in results for t in res["match"]["check_costs"])
+    later_ms = sorted(1e3 * t for res in results for t in res["match"]["later_steps"])
+    print(
+        f"\n{world} ranks: plan check {cost_ms[len(cost_ms) // 2]:.2f} ms (median, ranks in"
+        f" lockstep; max {cost_ms[-1]:.2f}); first step incl. check"
+        f" {1e3 * results[0]['match']['first_step']:.1f} ms, later steps median"
+        f" {later_ms[len(later_ms) // 2]:.1f} ms"
+    )
