@@ -7,6 +7,7 @@ import subprocess
 import sys
 
 import click
+import pytest
 from click.testing import CliRunner
 
 from rrfp_async._errors import PlanError
@@ -183,3 +184,12 @@ def test_the_command_line_loads_no_benchmark_until_one_runs() -> None:
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
+
+
+@pytest.mark.timeout(120)
+def test_bench_soak_reports_flat_and_refuses_bad_policy() -> None:
+    out = CliRunner().invoke(main, ["bench", "soak", "--steps", "20", "--fail-every", "5"])
+    assert out.exit_code == 0, out.output
+    assert "verdict: flat" in out.output and "live tasks [1]" in out.output
+    bad = CliRunner().invoke(main, ["bench", "soak", "--steps", "5", "--policy", "nope"])
+    assert bad.exit_code == 2 and "nope" in bad.output

@@ -264,3 +264,45 @@ def bench_paper(full: bool, seeds: int, conditions: bool, as_json: bool, markdow
         for row in tt.rows:
             t.add_row(*row)
         con.print(t)
+
+
+@bench.command("soak")
+@steps_option(500, "Steps of the local pipeline.")
+@stages_option(4)
+@microbatches_option(8)
+@click.option("--policy", default="readiness_first", show_default=True, help="The policy.")
+@click.option(
+    "--fail-every",
+    type=click.IntRange(min=1),
+    default=None,
+    help="Make every N-th step fail mid-step (an executor raises), to soak the recovery.",
+)
+@click.option("--asyncio", "use_asyncio", is_flag=True, help="The plain asyncio loop, not uvloop.")
+@seed_option
+@log_options
+def bench_soak(
+    steps: int,
+    stages: int,
+    microbatches: int,
+    policy: str,
+    fail_every: int | None,
+    use_asyncio: bool,
+    seed: int,
+) -> None:
+    """Run a local pipeline for many steps; resident memory, live tasks and threads must stay
+    flat (exit code 1 if they do not)."""
+    from ._bench_soak import format_soak, soak
+
+    policy_names((policy,), [])
+    res = soak(
+        steps,
+        stages,
+        microbatches,
+        policy=policy,
+        fail_every=fail_every,
+        use_uvloop=not use_asyncio,
+        seed=seed,
+    )
+    click.echo(format_soak(res))
+    if not res.flat:
+        raise SystemExit(1)

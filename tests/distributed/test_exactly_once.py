@@ -32,7 +32,6 @@ from tests.distributed.test_training import _bitwise, _max_diff, _params, _refer
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(300)]
 
 POLICIES = ("readiness_first", "lateness_aware", "backfill")
-# First entries are what hypothesis tries first (its simplest example): make it a strong one.
 HINTS = ("breadth_first_weighted", "1f1b", "backward_first", "gpipe")
 SPLIT_HINTS = (*HINTS, "zb_h1")  # zb_h1 needs a split backward
 TOLERANCE = 1e-5
