@@ -77,62 +77,34 @@ import torch
 import torch.distributed as dist
 
 from .._errors import PeerError, ProtocolError, RRFPError
-from .._tasks import Kind, Task
+from .._tasks import Task
 from ._base import Sink
-
-__all__ = ["DEFAULT_MAX_BYTES", "HEADER_LEN", "P2PChannel"]
-
-MAGIC = 0x52524650  # "RRFP"
-HEADER_LEN = 16
-HEADER_BYTES = HEADER_LEN * 8
-MAX_NDIM = HEADER_LEN - 9
-_DATA, _CLOSE, _DATA_INLINE = 1, 2, 3
-DEFAULT_INLINE_BYTES = 1 << 16
-"""Initial payload bytes an edge carries inline, behind the header (it grows as needed)."""
-DEFAULT_MAX_BYTES = 256 << 20
-"""Largest payload a header may announce, by default (a bad header never allocates more)."""
-# The cause a CLOSE carries: [MAGIC, _CLOSE, cause, step, n, global rank 0 .. n-1].
-_CLEAN, _FAILED, _LOST, _TIMED_OUT = 0, 1, 2, 3
-_MAX_BLAMED = HEADER_LEN - 5
-_KINDS: tuple[Kind, ...] = ("F", "B", "I", "W")
-_KIND_CODE = {k: i for i, k in enumerate(_KINDS)}
-_DTYPES = (
-    torch.float32,
-    torch.float16,
-    torch.bfloat16,
-    torch.float64,
-    torch.int64,
-    torch.int32,
-    torch.int16,
-    torch.int8,
-    torch.uint8,
-    torch.bool,
+from ._wire import (
+    CLEAN,
+    CLOSE,
+    DATA,
+    DATA_INLINE,
+    DEFAULT_INLINE_BYTES,
+    DEFAULT_MAX_BYTES,
+    DTYPES,
+    FAILED,
+    HEADER_BYTES,
+    HEADER_LEN,
+    ITEMSIZE,
+    KINDS,
+    LOST,
+    MAGIC,
+    MAX_BLAMED,
+    MAX_NDIM,
+    NO_PAYLOAD,
+    TIMED_OUT,
+    blame_text,
+    encode_header,
+    grow,
+    size_text,
 )
-_DTYPE_CODE = {d: i for i, d in enumerate(_DTYPES)}
-_ITEMSIZE = {d: torch.empty((), dtype=d).element_size() for d in _DTYPES}
-_NO_PAYLOAD = -1
 
-
-def encode_header(
-    seq: int, step: int, task: Task, payload: torch.Tensor | None, *, inline: bool = False
-) -> list[int]:
-    """The int64 header of a data message (pure; used by tests to forge bad ones).
-
-    ``inline``: the payload follows in the same message (else as a message of its own).
-    """
-    shape: tuple[int, ...]
-    if payload is None:
-        dtype, shape = _NO_PAYLOAD, ()
-    else:
-        if payload.dtype not in _DTYPE_CODE:
-            raise ProtocolError(f"cannot send {task}: unsupported dtype {payload.dtype}")
-        if payload.dim() > MAX_NDIM:
-            raise ProtocolError(f"cannot send {task}: {payload.dim()} dims > {MAX_NDIM}")
-        dtype, shape = _DTYPE_CODE[payload.dtype], tuple(payload.shape)
-    kind = _DATA_INLINE if inline else _DATA
-    h = [MAGIC, kind, seq, step, task.stage, _KIND_CODE[task.kind], task.mb, dtype, len(shape)]
-    h += list(shape) + [0] * (MAX_NDIM - len(shape))
-    return h
+__all__ = ["P2PChannel"]
 
 
 class _Edge:
@@ -140,29 +112,6 @@ class _Edge:
 
     def __init__(self, src: int, dst: int, gsrc: int, gdst: int) -> None:
         self.text = f"edge rank {src} -> rank {dst} (global {gsrc} -> {gdst})"
-
-
-def _blame_text(cause: int, ranks: str) -> str:
-    """Why a peer failed, from the cause its CLOSE carries."""
-    if cause == _LOST:
-        return f"it lost {ranks} (the connection broke: the process died or was killed)"
-    if cause == _TIMED_OUT:
-        return f"it timed out waiting for {ranks} (hung, stopped, lost or waiting itself)"
-    return f"{ranks} failed with an error of its own (see that rank's output)"
-
-
-def _size(n: int) -> str:
-    """``n`` bytes, readable: ``256 MiB``."""
-    for unit, shift in (("GiB", 30), ("MiB", 20), ("KiB", 10)):
-        if n >= 1 << shift:
-            return f"{n / (1 << shift):.3g} {unit}"
-    return f"{n} B"
-
-
-def _grow(cap: int, nbytes: int, limit: int) -> int:
-    """The edge capacity after a payload of ``nbytes`` did not fit inline (both sides)."""
-    need = HEADER_BYTES + nbytes
-    return min(max(cap, need + need // 4), HEADER_BYTES + limit)
 
 
 class P2PChannel:
@@ -288,7 +237,7 @@ class P2PChannel:
             raise ProtocolError(
                 f"rank {self._rank} step {step}: the message for {task} ({tuple(t.shape)}"
                 f" {t.dtype}) has {nbytes} bytes, more than the bound of {self._max_bytes}"
-                f" bytes ({_size(self._max_bytes)}) on {self._edge_out(dst)}; the receiver"
+                f" bytes ({size_text(self._max_bytes)}) on {self._edge_out(dst)}; the receiver"
                 f" would refuse it. If messages this large are expected, raise the bound with"
                 f" {self._bound_name} on every rank"
             )
@@ -311,7 +260,7 @@ class P2PChannel:
             assert t is not None  # only a payload can be too large to go inline
             msgs = [htensor, t]
             if self._growing:
-                self._send_cap[dst] = _grow(cap, nbytes, self._max_bytes)
+                self._send_cap[dst] = grow(cap, nbytes, self._max_bytes)
         self._queues[dst].put((msgs, f"sending message seq {seq} ({task})"))
         self.sent += 1
 
@@ -348,8 +297,8 @@ class P2PChannel:
         it timed out waiting for (or lost) the pipeline ranks ``ranks``. The first cause
         recorded wins (it is the closest to the root)."""
         if self._cause is None:
-            g = tuple(self._global[r] for r in ranks if r in self._global)[:_MAX_BLAMED]
-            self._cause = (_TIMED_OUT if timed_out else _LOST, step, g)
+            g = tuple(self._global[r] for r in ranks if r in self._global)[:MAX_BLAMED]
+            self._cause = (TIMED_OUT if timed_out else LOST, step, g)
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -389,10 +338,10 @@ class P2PChannel:
         if self._closing or not self._started:
             return
         self._closing = True
-        hdr = [MAGIC, _CLOSE] + [0] * (HEADER_LEN - 2)
+        hdr = [MAGIC, CLOSE] + [0] * (HEADER_LEN - 2)
         if failed:
             cause, step, ranks = self._cause or (
-                _FAILED,
+                FAILED,
                 self._last_step,
                 (self._global[self._rank],),
             )
@@ -429,7 +378,7 @@ class P2PChannel:
     def _lose(self, peer: int, exc: RRFPError) -> None:
         """``peer``'s connection broke (loop thread): blame it, then fail."""
         if self._cause is None:
-            self._cause = (_LOST, self._last_step, (self._global[peer],))
+            self._cause = (LOST, self._last_step, (self._global[peer],))
         self._fail(exc)
 
     def _peer_failed(self, src: int, cause: int, step: int, ranks: tuple[int, ...]) -> None:
@@ -437,10 +386,10 @@ class P2PChannel:
         message, pass it on when this rank closes, and tell the stage the peer closed."""
         if self._cause is None:
             self._cause = (cause, step, ranks)
-        if cause == _FAILED and ranks == (self._global[src],):
+        if cause == FAILED and ranks == (self._global[src],):
             why = " with an error of its own (see that rank's output)"
         else:
-            why = ": " + _blame_text(cause, self._names_global(ranks))
+            why = ": " + blame_text(cause, self._names_global(ranks))
         self._peer_failures[src] = f"{self._name(src)} failed at step {step}{why}"
         self._peer_closed(src)
 
@@ -537,17 +486,17 @@ class P2PChannel:
                 self._post(self._fail, e)
                 return
             if closing:
-                if h[2] == _CLEAN:
+                if h[2] == CLEAN:
                     self._post(self._peer_closed, src)
                 else:
-                    n = min(max(h[4], 0), _MAX_BLAMED)
+                    n = min(max(h[4], 0), MAX_BLAMED)
                     self._post(self._peer_failed, src, h[2], h[3], tuple(h[5 : 5 + n]))
                 return
             payload = None
             if dtype is not None:
                 numel = math.prod(shape)
-                nbytes = numel * _ITEMSIZE[dtype]
-                if h[1] == _DATA_INLINE:
+                nbytes = numel * ITEMSIZE[dtype]
+                if h[1] == DATA_INLINE:
                     if HEADER_BYTES + nbytes > cap:
                         self._post(
                             self._fail,
@@ -579,7 +528,7 @@ class P2PChannel:
                             )
                         return
                     if self._growing:
-                        cap = _grow(cap, nbytes, self._max_bytes)
+                        cap = grow(cap, nbytes, self._max_bytes)
                 if payload.device != self._device:
                     payload = payload.to(self._device)
             expect += 1
@@ -598,20 +547,20 @@ class P2PChannel:
 
         if h[0] != MAGIC:
             raise bad(f"bad magic {h[0]:#x}")
-        if h[1] == _CLOSE:
-            if h[2] not in (_CLEAN, _FAILED, _LOST, _TIMED_OUT):
+        if h[1] == CLOSE:
+            if h[2] not in (CLEAN, FAILED, LOST, TIMED_OUT):
                 raise bad(f"unknown close cause {h[2]}")
             return True, Task(0, "F", 0), 0, None, ()
-        if h[1] not in (_DATA, _DATA_INLINE):
+        if h[1] not in (DATA, DATA_INLINE):
             raise bad(f"unknown message kind {h[1]}")
         if h[2] != expect:
             raise bad(f"sequence number {h[2]}, expected {expect}")
-        if not 0 <= h[5] < len(_KINDS) or h[4] < 0 or h[6] < 0 or h[3] < 0:
+        if not 0 <= h[5] < len(KINDS) or h[4] < 0 or h[6] < 0 or h[3] < 0:
             raise bad("invalid task or step")
-        task = Task(h[4], _KINDS[h[5]], h[6])
-        if h[7] == _NO_PAYLOAD:
+        task = Task(h[4], KINDS[h[5]], h[6])
+        if h[7] == NO_PAYLOAD:
             return False, task, h[3], None, ()
-        if not 0 <= h[7] < len(_DTYPES):
+        if not 0 <= h[7] < len(DTYPES):
             raise bad(f"unknown dtype code {h[7]}")
         ndim = h[8]
         if not 0 <= ndim <= MAX_NDIM:
@@ -619,14 +568,14 @@ class P2PChannel:
         shape = tuple(h[9 : 9 + ndim])
         if any(d < 0 for d in shape):
             raise bad(f"negative dimension in {shape}")
-        dtype = _DTYPES[h[7]]
-        size = math.prod(shape) * _ITEMSIZE[dtype]
+        dtype = DTYPES[h[7]]
+        size = math.prod(shape) * ITEMSIZE[dtype]
         if size > self._max_bytes:
             # Refused before anything is allocated: a header is not trusted with memory.
             raise ProtocolError(
                 f"{edge}: message seq {expect} ({task} of step {h[3]}) announces a payload of"
                 f" {size} bytes ({shape} {dtype}), more than the bound of {self._max_bytes}"
-                f" bytes ({_size(self._max_bytes)}): refused before allocating it. If messages"
+                f" bytes ({size_text(self._max_bytes)}): refused before allocating it. If messages"
                 f" this large are expected, raise the bound with {self._bound_name} on every"
                 f" rank (else the header is corrupt); header {h}"
             )

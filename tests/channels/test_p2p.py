@@ -9,7 +9,8 @@ import pytest
 import torch
 
 import rrfp_async as rr
-from rrfp_async.channels._p2p import HEADER_LEN, MAGIC, P2PChannel, encode_header
+from rrfp_async.channels._p2p import P2PChannel
+from rrfp_async.channels._wire import HEADER_LEN, MAGIC, encode_header
 
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(180)]
 
