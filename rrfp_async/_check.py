@@ -9,12 +9,21 @@ a bare built-in exception.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from numbers import Integral, Real
 from typing import Any
 
 from ._errors import PlanError, RRFPError
 
-__all__ = ["check_int", "check_real", "describe"]
+__all__ = [
+    "check_bool",
+    "check_int",
+    "check_real",
+    "check_type",
+    "describe",
+    "is_int",
+    "is_sequence",
+]
 
 
 def describe(value: Any) -> str:
@@ -68,3 +77,36 @@ def check_real(
     if maximum is not None and v > maximum:
         raise error(f"{name} must be <= {maximum}, got {v}")
     return v
+
+
+def check_bool(name: str, value: Any, *, error: type[RRFPError] = PlanError) -> bool:
+    """``value`` if it is a ``bool`` (a flag given as ``"no"`` or ``0`` would be read as
+    the opposite of what was meant, or by accident)."""
+    if not isinstance(value, bool):
+        raise error(f"{name} must be True or False, got {describe(value)}")
+    return value
+
+
+def check_type(
+    name: str,
+    value: Any,
+    types: type | tuple[type, ...],
+    expected: str,
+    *,
+    error: type[RRFPError] = PlanError,
+) -> Any:
+    """``value`` if it is an instance of ``types``; else ``error`` saying ``name`` must be
+    ``expected`` (in words, e.g. ``"a CostModel or None"``)."""
+    if not isinstance(value, types):
+        raise error(f"{name} must be {expected}, got {describe(value)}")
+    return value
+
+
+def is_int(value: object) -> bool:
+    """Whether ``value`` is an integer (``int``, a numpy integer, ...) and not a bool."""
+    return isinstance(value, Integral) and not isinstance(value, bool)
+
+
+def is_sequence(value: object) -> bool:
+    """Whether ``value`` is a sequence of items (a list, a tuple, ...), not a string."""
+    return isinstance(value, Sequence) and not isinstance(value, str | bytes)

@@ -12,14 +12,18 @@ from __future__ import annotations
 
 import math
 import random
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from numbers import Real
 from typing import Any, Literal, TypeAlias
 
+from ._check import check_int, check_real, check_type, describe, is_sequence
 from ._errors import PlanError
 from ._tasks import Kind, StepPlan, Task
 
 __all__ = [
+    "MAX_JITTER",
+    "MAX_SIZE",
     "WORKLOADS",
     "CostModel",
     "Durations",
@@ -30,6 +34,20 @@ __all__ = [
 ]
 
 WorkloadName: TypeAlias = Literal["uniform", "text", "multimodal", "multimodal_paper"]
+
+MAX_SIZE = 2**53
+"""Largest microbatch field (index, tokens, patches, images): every integer up to it is a
+float exactly, and a cost model's ``tokens**2`` term stays a finite float."""
+
+MAX_JITTER = 3.0
+"""Largest sigma of the mean-one lognormal noise (``jitter``, ``latency_jitter``).
+
+The factor is ``exp(sigma * z - sigma**2 / 2)`` with ``z`` standard normal: its mean is one
+but its median ``exp(-sigma**2 / 2)``. At sigma 3 half of all tasks already take under 1.1 %
+of their declared time and a step's realized work only averages out to the declared work
+over thousands of tasks; far beyond it the factor underflows to 0 for every task (sigma 50
+made a whole step take 0 s). Above 3 the model no longer describes noise, so it is refused.
+"""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -51,8 +69,8 @@ class Microbatch:
     data: Any = field(default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:
-        if self.index < 0 or self.tokens < 0 or self.patches < 0 or self.images < 0:
-            raise PlanError(f"microbatch fields must be >= 0, got {self!r}")
+        for name in ("index", "tokens", "patches", "images"):
+            check_int(f"Microbatch.{name}", getattr(self, name), minimum=0, maximum=MAX_SIZE)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -67,9 +85,7 @@ class StageProfile:
 
     def __post_init__(self) -> None:
         for name in ("per_token", "per_patch", "per_token_sq", "fixed"):
-            v = getattr(self, name)
-            if not (isinstance(v, int | float) and math.isfinite(v) and v >= 0):
-                raise PlanError(f"StageProfile.{name} must be a finite number >= 0, got {v!r}")
+            check_real(f"StageProfile.{name}", getattr(self, name), minimum=0.0)
 
     def forward(self, mb: Microbatch) -> float:
         """Forward seconds of this stage for ``mb``."""
@@ -95,23 +111,54 @@ def _lognormal_factor(rng: random.Random, sigma: float) -> float:
     return math.exp(rng.gauss(0.0, sigma) - 0.5 * sigma * sigma)
 
 
+_KINDS: tuple[Kind, ...] = ("F", "B", "I", "W")
+
+
 class Durations:
     """Duration in seconds of every task of a step, plus message latencies.
 
     ``of(task)`` is the duration; ``latency(task)`` is the delay of the message that
     carries ``task``'s input from another rank. Values are stored per kind as
     ``[virtual_stage][microbatch]`` tables.
+
+    Args:
+        tables: For each kind ``"F"``, ``"B"``, ``"I"``, ``"W"``, a table of finite,
+            non-negative seconds; every table has the same shape.
+        latencies: Optional tables of the same shape for message latencies.
+
+    Raises:
+        PlanError: A kind missing, a table of another shape, or a value that is not a
+            finite number >= 0 (the message names the kind, row and column).
     """
 
     __slots__ = ("_lat", "_t")
 
     def __init__(
         self,
+        tables: Mapping[Kind, Sequence[Sequence[float]]],
+        latencies: Mapping[Kind, Sequence[Sequence[float]]] | None = None,
+    ) -> None:
+        self._t = _check_tables("tables", tables, None)
+        shape = (len(self._t["F"]), len(self._t["F"][0]) if self._t["F"] else 0)
+        self._lat = None if latencies is None else _check_tables("latencies", latencies, shape)
+
+    @classmethod
+    def _trusted(
+        cls,
         tables: dict[Kind, list[list[float]]],
         latencies: dict[Kind, list[list[float]]] | None = None,
-    ) -> None:
-        self._t = tables
-        self._lat = latencies
+    ) -> Durations:
+        """Tables built here from validated values (no second check)."""
+        d = cls.__new__(cls)
+        d._t = tables
+        d._lat = latencies
+        return d
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        """``(virtual stages, microbatches)`` of the tables."""
+        f = self._t["F"]
+        return (len(f), len(f[0]) if f else 0)
 
     @classmethod
     def from_arrays(
@@ -128,13 +175,15 @@ class Durations:
             PlanError: The arrays do not have ``plan.num_virtual`` rows of
                 ``plan.microbatches`` finite, non-negative numbers.
         """
-        fw = _check_table("forward", forward, plan)
+        check_type("plan", plan, StepPlan, "a StepPlan")
+        shape = (plan.num_virtual, plan.microbatches)
+        fw = _check_table("forward", forward, shape)
         bw = (
             [[2.0 * x for x in row] for row in fw]
             if backward is None
-            else _check_table("backward", backward, plan)
+            else _check_table("backward", backward, shape)
         )
-        return cls(_split_tables(fw, bw, input_grad_share))
+        return cls._trusted(_split_tables(fw, bw, input_grad_share))
 
     def of(self, task: Task) -> float:
         """Duration of ``task`` in seconds."""
@@ -156,10 +205,22 @@ class Durations:
         latency: float = 0.0,
         latency_jitter: float = 0.0,
     ) -> Durations:
-        """A copy with seeded compute jitter, stragglers and message latencies."""
+        """A copy with seeded compute jitter, stragglers and message latencies.
+
+        Raises:
+            PlanError: An argument outside its range (``jitter`` and ``latency_jitter`` in
+                ``[0, MAX_JITTER]``, ``straggler_prob`` in ``[0, 1]``, ``straggler_factor``
+                finite and >= 1, ``latency`` finite and >= 0, ``seed`` an integer).
+        """
+        seed = check_int("seed", seed)
+        jitter = check_jitter("jitter", jitter)
+        straggler_prob = check_real("straggler_prob", straggler_prob, minimum=0.0, maximum=1.0)
+        straggler_factor = check_real("straggler_factor", straggler_factor, minimum=1.0)
+        latency = check_real("latency", latency, minimum=0.0)
+        latency_jitter = check_jitter("latency_jitter", latency_jitter)
         rng = random.Random(seed)
         tables: dict[Kind, list[list[float]]] = {}
-        for k in ("F", "B", "I", "W"):
+        for k in _KINDS:
             rows = []
             for row in self._t[k]:
                 out = []
@@ -177,40 +238,121 @@ class Durations:
                 k: [[latency * _lognormal_factor(lrng, latency_jitter) for _ in row] for row in t]
                 for k, t in tables.items()
             }
-        return Durations(tables, lat)
+        d = Durations._trusted(tables, lat)
+        _check_finite(d)
+        return d
 
 
-def _check_table(name: str, t: Sequence[Sequence[float]], plan: StepPlan) -> list[list[float]]:
-    if len(t) != plan.num_virtual:
+def check_jitter(name: str, value: Any) -> float:
+    """A lognormal sigma: a finite number in ``[0, MAX_JITTER]``."""
+    v = _real_or_none(value)
+    if v is None or not 0 <= v <= MAX_JITTER:
         raise PlanError(
-            f"{name} durations need one row per virtual stage ({plan.num_virtual}), got {len(t)}"
+            f"{name} must be a finite number in [0, {MAX_JITTER}] (MAX_JITTER: it is the sigma of"
+            " a mean-one lognormal noise factor, which beyond that shrinks most tasks to almost"
+            f" nothing), got {describe(value)}"
         )
-    out = []
+    return v
+
+
+def _real_or_none(value: object) -> float | None:
+    """``value`` as a float if it is a real number (not a bool), else None."""
+    if isinstance(value, bool) or not isinstance(value, Real):
+        return None
+    return float(value)
+
+
+def _check_finite(d: Durations) -> None:
+    """Every duration and latency finite (a huge cost model or straggler factor overflows)."""
+    for what, tables in (("duration", d._t), ("latency", d._lat or {})):
+        for k, t in tables.items():
+            for v, row in enumerate(t):
+                if not math.isfinite(math.fsum(row)):
+                    m = next(i for i, x in enumerate(row) if not math.isfinite(x))
+                    raise PlanError(
+                        f"the {what} of task {v}{k}{m} is {row[m]}: the cost model's numbers"
+                        " overflow a float (smaller sizes, per-token costs or straggler_factor)"
+                    )
+
+
+def _as_number(name: str, x: Any) -> float:
+    """``x`` as a finite float >= 0; a 0-d array or tensor counts as its number."""
+    v = _real_or_none(x)
+    if v is None and not isinstance(x, str | bytes | bool) and hasattr(x, "__float__"):
+        try:
+            v = float(x)
+        except (TypeError, ValueError):
+            v = None
+    if v is None or not math.isfinite(v) or v < 0:
+        raise PlanError(f"{name} must be a number, finite and >= 0, got {describe(x)}")
+    return v
+
+
+def _check_table(name: str, t: Any, shape: tuple[int, int] | None) -> list[list[float]]:
+    """``t`` as a list of rows of finite floats >= 0, of ``shape`` (rows, columns) if given,
+    else of rows all as long as the first."""
+    if (
+        isinstance(t, str | bytes | Mapping)
+        or not hasattr(t, "__len__")
+        or not hasattr(t, "__iter__")
+    ):
+        raise PlanError(
+            f"{name} durations must be a sequence of rows [virtual_stage][microbatch], got"
+            f" {describe(t)}"
+        )
+    if shape is not None and len(t) != shape[0]:
+        raise PlanError(
+            f"{name} durations need one row per virtual stage ({shape[0]}), got {len(t)}"
+        )
+    out: list[list[float]] = []
     for v, row in enumerate(t):
-        if len(row) != plan.microbatches:
+        if isinstance(row, str | bytes | Mapping) or not hasattr(row, "__len__"):
             raise PlanError(
-                f"{name}[{v}] needs one duration per microbatch ({plan.microbatches}),"
-                f" got {len(row)}"
+                f"{name}[{v}] must be a sequence of durations, one per microbatch, got"
+                f" {describe(row)}"
             )
-        r = [float(x) for x in row]
-        for m, x in enumerate(r):
-            if not math.isfinite(x) or x < 0:
-                raise PlanError(f"{name}[{v}][{m}] must be finite and >= 0, got {x!r}")
-        out.append(r)
+        cols = shape[1] if shape is not None else len(out[0]) if out else len(row)
+        if len(row) != cols:
+            raise PlanError(
+                f"{name}[{v}] needs one duration per microbatch ({cols}), got {len(row)}"
+            )
+        out.append([_as_number(f"{name}[{v}][{m}]", x) for m, x in enumerate(row)])
     return out
 
 
 def _split_tables(
     fw: list[list[float]], bw: list[list[float]], share: float
 ) -> dict[Kind, list[list[float]]]:
-    if not 0.0 <= share <= 1.0:
-        raise PlanError(f"input_grad_share must be in [0, 1], got {share!r}")
+    share = check_real("input_grad_share", share, minimum=0.0, maximum=1.0)
     return {
         "F": fw,
         "B": bw,
         "I": [[share * x for x in row] for row in bw],
         "W": [[(1.0 - share) * x for x in row] for row in bw],
     }
+
+
+def _check_tables(
+    name: str, tables: Any, shape: tuple[int, int] | None
+) -> dict[Kind, list[list[float]]]:
+    if not isinstance(tables, Mapping):
+        raise PlanError(
+            f"Durations {name} must be a mapping kind -> [virtual_stage][microbatch] table,"
+            f" got {describe(tables)}"
+        )
+    missing = [k for k in _KINDS if k not in tables]
+    extra = [k for k in tables if k not in _KINDS]
+    if missing or extra:
+        raise PlanError(
+            f"Durations {name} need exactly the kinds {list(_KINDS)}; missing {missing},"
+            f" unknown {extra}"
+        )
+    out: dict[Kind, list[list[float]]] = {}
+    for k in _KINDS:
+        out[k] = _check_table(f"{name}[{k!r}]", tables[k], shape)
+        if shape is None:
+            shape = (len(out[k]), len(out[k][0]) if out[k] else 0)
+    return out
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -240,16 +382,34 @@ class CostModel:
     latency_jitter: float = 0.0
 
     def __post_init__(self) -> None:
-        for name in ("backward_factor", "jitter", "latency", "latency_jitter"):
-            v = getattr(self, name)
-            if not (isinstance(v, int | float) and math.isfinite(v) and v >= 0):
-                raise PlanError(f"CostModel.{name} must be a finite number >= 0, got {v!r}")
-        if not 0.0 <= self.input_grad_share <= 1.0:
-            raise PlanError(f"input_grad_share must be in [0, 1], got {self.input_grad_share!r}")
-        if not 0.0 <= self.straggler_prob <= 1.0:
-            raise PlanError(f"straggler_prob must be in [0, 1], got {self.straggler_prob!r}")
-        if self.straggler_factor < 1.0:
-            raise PlanError(f"straggler_factor must be >= 1, got {self.straggler_factor!r}")
+        profiles: Any = self.profiles
+        if isinstance(profiles, str | bytes) or not isinstance(profiles, Sequence):
+            raise PlanError(
+                f"CostModel.profiles must be a sequence of StageProfile, got {describe(profiles)}"
+            )
+        for i, p in enumerate(profiles):
+            check_type(f"CostModel.profiles[{i}]", p, StageProfile, "a StageProfile")
+        object.__setattr__(self, "profiles", tuple(profiles))
+        check_type("CostModel.default", self.default, StageProfile, "a StageProfile")
+        for name in ("backward_factor", "latency"):
+            v = _real_or_none(getattr(self, name))
+            if v is None or not (math.isfinite(v) and v >= 0):
+                raise PlanError(
+                    f"CostModel.{name} must be a finite number >= 0, got"
+                    f" {describe(getattr(self, name))}"
+                )
+        check_jitter("CostModel.jitter", self.jitter)
+        check_jitter("CostModel.latency_jitter", self.latency_jitter)
+        for name in ("input_grad_share", "straggler_prob"):
+            v = _real_or_none(getattr(self, name))
+            if v is None or not 0 <= v <= 1:
+                raise PlanError(f"{name} must be in [0, 1], got {describe(getattr(self, name))}")
+        v = _real_or_none(self.straggler_factor)
+        if v is None or not (math.isfinite(v) and v >= 1):
+            raise PlanError(
+                "straggler_factor must be a finite number >= 1, got"
+                f" {describe(self.straggler_factor)}"
+            )
 
     def profile(self, stage: int) -> StageProfile:
         """The profile of virtual stage ``stage``."""
@@ -260,11 +420,17 @@ class CostModel:
         return self.profile(stage).forward(mb)
 
     def declared(self, plan: StepPlan, microbatches: Sequence[Microbatch]) -> Durations:
-        """The declared (noise-free) durations of every task; no latency jitter."""
+        """The declared (noise-free) durations of every task; no latency jitter.
+
+        Raises:
+            PlanError: Not one ``Microbatch`` per microbatch of the plan, or sizes so large
+                that a duration overflows a float.
+        """
         _check_mbs(plan, microbatches)
         fw = [[self.forward(v, mb) for mb in microbatches] for v in range(plan.num_virtual)]
         bw = [[self.backward_factor * x for x in row] for row in fw]
-        d = Durations(_split_tables(fw, bw, self.input_grad_share))
+        d = Durations._trusted(_split_tables(fw, bw, self.input_grad_share))
+        _check_finite(d)
         return d.perturbed(seed=0, latency=self.latency) if self.latency > 0 else d
 
     def realize(
@@ -286,6 +452,13 @@ class CostModel:
 
 
 def _check_mbs(plan: StepPlan, microbatches: Sequence[Microbatch]) -> None:
+    check_type("plan", plan, StepPlan, "a StepPlan")
+    if not is_sequence(microbatches):
+        raise PlanError(
+            f"microbatches must be a sequence of Microbatch, got {describe(microbatches)}"
+        )
+    for i, mb in enumerate(microbatches):
+        check_type(f"microbatches[{i}]", mb, Microbatch, "a Microbatch")
     if len(microbatches) != plan.microbatches:
         raise PlanError(
             f"the plan has {plan.microbatches} microbatches but {len(microbatches)} were given"
@@ -299,6 +472,16 @@ class Workload:
     name: str
     microbatches: tuple[Microbatch, ...]
     cost: CostModel
+
+    def __post_init__(self) -> None:
+        check_type("Workload.name", self.name, str, "a string")
+        mbs = self.microbatches
+        if not is_sequence(mbs):
+            raise PlanError(f"Workload.microbatches must be a sequence, got {describe(mbs)}")
+        for i, mb in enumerate(mbs):
+            check_type(f"Workload.microbatches[{i}]", mb, Microbatch, "a Microbatch")
+        object.__setattr__(self, "microbatches", tuple(mbs))
+        check_type("Workload.cost", self.cost, CostModel, "a CostModel")
 
 
 def _uniform(n: int, rng: random.Random) -> list[Microbatch]:
@@ -387,11 +570,12 @@ def make_workload(
     Raises:
         PlanError: Unknown name or invalid sizes.
     """
-    gen = WORKLOADS.get(name)
+    gen = WORKLOADS.get(name) if isinstance(name, str) else None
     if gen is None:
-        raise PlanError(f"unknown workload {name!r}; choose one of {sorted(WORKLOADS)}")
-    if microbatches < 1 or virtual_stages < 1:
-        raise PlanError("microbatches and virtual_stages must be >= 1")
+        raise PlanError(f"unknown workload {describe(name)}; choose one of {sorted(WORKLOADS)}")
+    microbatches = check_int("microbatches", microbatches, minimum=1)
+    virtual_stages = check_int("virtual_stages", virtual_stages, minimum=1)
+    seed = check_int("seed", seed)
     rng = random.Random(seed)
     mbs = gen(microbatches, rng)
     profiles: tuple[StageProfile, ...] = ()

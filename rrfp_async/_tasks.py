@@ -16,9 +16,11 @@ import re
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from functools import cached_property
+from numbers import Integral
 from typing import Literal, NamedTuple, TypeAlias
 
-from ._errors import PlanError
+from ._check import check_bool, check_type, describe
+from ._errors import HintError, PlanError
 
 __all__ = [
     "BACKWARD",
@@ -78,13 +80,14 @@ class Task(NamedTuple):
         """Parse the compact text form, e.g. ``"2F3"``.
 
         Raises:
-            ValueError: The text is not of the form ``{stage}{F|B|I|W}{microbatch}``.
+            HintError: The text is not of the form ``{stage}{F|B|I|W}{microbatch}`` (a
+                ``ValueError``).
         """
-        m = _TASK_RE.match(text)
+        m = _TASK_RE.match(text) if isinstance(text, str) else None
         if m is None:
-            raise ValueError(
-                f"cannot parse task {text!r}: expected '{{stage}}{{F|B|I|W}}{{microbatch}}',"
-                " e.g. '2F3'"
+            raise HintError(
+                f"cannot parse task {describe(text)}: expected"
+                " '{stage}{F|B|I|W}{microbatch}', e.g. '2F3'"
             )
         kind: Kind = m.group(2)  # type: ignore[assignment]
         return cls(int(m.group(1)), kind, int(m.group(3)))
@@ -96,7 +99,13 @@ def format_tasks(tasks: Iterable[Task]) -> str:
 
 
 def parse_tasks(text: str) -> list[Task]:
-    """Parse a whitespace- or comma-separated sequence of tasks (inverse of ``format_tasks``)."""
+    """Parse a whitespace- or comma-separated sequence of tasks (inverse of ``format_tasks``).
+
+    Raises:
+        HintError: ``text`` is not a string, or a token is not a task.
+    """
+    if not isinstance(text, str):
+        raise HintError(f"parse_tasks needs a string such as '0F0 0F1', got {describe(text)}")
     return [Task.parse(tok) for tok in re.split(r"[\s,]+", text.strip()) if tok]
 
 
@@ -126,12 +135,12 @@ class Topology:
     placement: Placement = "interleaved"
 
     def __post_init__(self) -> None:
-        if not isinstance(self.stages, int) or self.stages < 1:
-            raise PlanError(f"stages must be an int >= 1, got {self.stages!r}")
-        if not isinstance(self.chunks, int) or self.chunks < 1:
-            raise PlanError(f"chunks must be an int >= 1, got {self.chunks!r}")
-        if self.placement not in ("interleaved", "vshape"):
-            raise PlanError(f"placement must be 'interleaved' or 'vshape', got {self.placement!r}")
+        _check_count("stages", self.stages)
+        _check_count("chunks", self.chunks)
+        if not isinstance(self.placement, str) or self.placement not in ("interleaved", "vshape"):
+            raise PlanError(
+                f"placement must be 'interleaved' or 'vshape', got {describe(self.placement)}"
+            )
 
     @property
     def num_virtual(self) -> int:
@@ -156,6 +165,14 @@ class Topology:
     def stages_of(self, rank: int) -> tuple[int, ...]:
         """The virtual stages of ``rank``, in chunk order."""
         return tuple(v for v, r in enumerate(self._rank_of) if r == rank)
+
+
+def _check_count(name: str, value: object) -> None:
+    """``value`` must be an int >= 1 (not a bool, not a float such as 2.0 or 2.5)."""
+    if isinstance(value, bool) or not isinstance(value, Integral):
+        raise PlanError(f"{name} must be an int >= 1, got {describe(value)}")
+    if value < 1:
+        raise PlanError(f"{name} must be an int >= 1, got {value!r}")
 
 
 _DELTA = {"F": 1, "B": -1, "I": -1, "W": 0}
@@ -205,8 +222,10 @@ class StepPlan:
     )
 
     def __post_init__(self) -> None:
-        if not isinstance(self.microbatches, int) or self.microbatches < 1:
-            raise PlanError(f"microbatches must be an int >= 1, got {self.microbatches!r}")
+        check_type("topology", self.topology, Topology, "a Topology")
+        _check_count("microbatches", self.microbatches)
+        check_bool("split_backward", self.split_backward)
+        check_bool("ordered_weights", self.ordered_weights)
         if self.ordered_weights and not self.split_backward:
             raise PlanError("ordered_weights needs split_backward=True (W tasks to order)")
 

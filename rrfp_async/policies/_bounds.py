@@ -15,6 +15,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from .._admission import hint_peak
+from .._check import check_int, check_real, describe, is_int, is_sequence
 from .._errors import HintError
 from .._tasks import StepPlan
 from ._validate import Hint
@@ -47,6 +48,21 @@ def default_bounds(plan: StepPlan) -> list[int]:
     return [default_bound(plan, r) for r in range(plan.stages)]
 
 
+def _check_max_inflight(max_inflight: object, p: int) -> list[int]:
+    """``max_inflight`` as one int per rank: an integer, or a sequence of ``p`` integers."""
+    if is_int(max_inflight):
+        return [check_int("max_inflight", max_inflight, error=HintError)] * p
+    if not is_sequence(max_inflight):
+        raise HintError(
+            "max_inflight must be an integer (every rank) or a sequence of one integer per"
+            f" rank, got {describe(max_inflight)}"
+        )
+    assert isinstance(max_inflight, Sequence)
+    if len(max_inflight) != p:
+        raise HintError(f"max_inflight needs one bound per rank ({p}), got {len(max_inflight)}")
+    return [check_int(f"max_inflight[{r}]", x, error=HintError) for r, x in enumerate(max_inflight)]
+
+
 def resolve_bounds(
     plan: StepPlan,
     hint: Hint,
@@ -63,26 +79,24 @@ def resolve_bounds(
     it outright (one int for every rank, or one per rank).
 
     Raises:
-        HintError: Both options given, a non-positive value, or a bound below the hint's own
-            peak (the hint could not run in order).
+        HintError: Both options given, a value of the wrong type (``max_inflight``: an
+            integer or a sequence of one integer per rank; ``memory_factor``: a finite
+            number > 0), a non-positive value, or a bound below the hint's own peak (the
+            hint could not run in order).
     """
     if max_inflight is not None and memory_factor is not None:
         raise HintError("give max_inflight or memory_factor, not both")
     p = plan.stages
     peaks = [hint_peak(hint[r]) for r in range(p)]
     if max_inflight is not None:
-        if isinstance(max_inflight, int):
-            bounds = [max_inflight] * p
-        else:
-            bounds = [int(x) for x in max_inflight]
-            if len(bounds) != p:
-                raise HintError(f"max_inflight needs one bound per rank ({p}), got {len(bounds)}")
+        bounds = _check_max_inflight(max_inflight, p)
     else:
         base = [max(default_bound(plan, r), peaks[r]) for r in range(p)]
         if memory_factor is not None:
-            if not memory_factor > 0:
-                raise HintError(f"memory_factor must be > 0, got {memory_factor!r}")
-            bounds = [max(1, int(memory_factor * b + 1e-9)) for b in base]
+            mf = check_real(
+                "memory_factor", memory_factor, minimum=0.0, strict_minimum=True, error=HintError
+            )
+            bounds = [max(1, int(mf * b + 1e-9)) for b in base]
         else:
             bounds = base
     for r, (b, pk) in enumerate(zip(bounds, peaks, strict=True)):

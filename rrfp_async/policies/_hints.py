@@ -33,11 +33,12 @@ except ``zb_h1`` (which defers it) and the list-scheduled ones (which place it b
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import TypeAlias
 
+from .._check import check_type, describe
 from .._costs import Durations
-from .._errors import HintError
+from .._errors import HintError, PlanError, RRFPError
 from .._tasks import StepPlan, Task
 from ._bounds import default_bounds, microbatches_per_round
 from ._listsched import list_schedule
@@ -335,8 +336,10 @@ def canonical_hint_name(name: str) -> str:
     """The canonical name of a hint (case-insensitive, ``-`` = ``_``, aliases resolved).
 
     Raises:
-        HintError: Unknown hint.
+        HintError: Unknown hint, or ``name`` is not a string.
     """
+    if not isinstance(name, str):
+        raise HintError(f"a hint name must be a string, got {describe(name)}")
     key = name.strip().lower().replace("-", "_")
     key = _ALIASES.get(key, key)
     if key not in HINTS:
@@ -357,9 +360,49 @@ def make_hint(
         durations: Declared durations for cost-aware hints (uniform when None).
 
     Raises:
-        HintError: Unknown name, a hint not applicable to the plan, or an invalid order.
+        HintError: Unknown name, a hint not applicable to the plan, an invalid order, or a
+            generator that raised (chained) or returned no ``{rank: [Task, ...]}`` mapping.
+        PlanError: ``plan`` is not a ``StepPlan`` or ``durations`` do not fit it.
     """
-    fn = HINTS[canonical_hint_name(name)] if isinstance(name, str) else name
-    hint = fn(plan, durations)
+    check_type("plan", plan, StepPlan, "a StepPlan")
+    check_durations(plan, durations)
+    if isinstance(name, str):
+        fn = HINTS[canonical_hint_name(name)]
+    elif callable(name):
+        fn = name
+    else:
+        raise HintError(
+            f"a hint generator must be a hint name or a callable (plan, durations) ->"
+            f" {{rank: [Task, ...]}}, got {describe(name)}"
+        )
+    gen = getattr(fn, "__name__", type(fn).__name__)
+    try:
+        hint = fn(plan, durations)
+    except RRFPError:
+        raise
+    except Exception as e:
+        raise HintError(f"hint generator {gen!r} raised {e!r}") from e
+    if not isinstance(hint, Mapping):
+        raise HintError(
+            f"hint generator {gen!r} returned {describe(hint)}; it must return"
+            " {rank: [Task, ...]} with one order per rank"
+        )
     validate_hint(plan, hint)
-    return hint
+    return {r: list(hint[r]) for r in range(plan.stages)}
+
+
+def check_durations(plan: StepPlan, durations: Durations | None) -> None:
+    """``durations`` None or ``Durations`` of ``plan``'s shape (virtual stages x microbatches).
+
+    Raises:
+        PlanError: Anything else.
+    """
+    if durations is None:
+        return
+    check_type("durations", durations, Durations, "Durations or None")
+    want = (plan.num_virtual, plan.microbatches)
+    if durations.shape != want:
+        raise PlanError(
+            f"durations are for {durations.shape[0]} virtual stages x {durations.shape[1]}"
+            f" microbatches, the plan has {want[0]} x {want[1]}"
+        )

@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
+from .._check import check_type, describe
 from .._costs import Durations
+from .._errors import HintError
 from .._tasks import StepPlan, Task
 from ._bounds import resolve_bounds
-from ._hints import HintFn, canonical_hint_name, make_hint
+from ._hints import HintFn, canonical_hint_name, check_durations, make_hint
 from ._listsched import strict_timeline
 from ._validate import Hint, validate_hint
 
@@ -133,18 +135,27 @@ class StepSchedule:
             memory_factor: Scale of the default admission bound.
 
         Raises:
-            HintError: An invalid hint or bound.
+            HintError: An invalid hint or bound, or a ``hint`` that is none of the three.
+            PlanError: ``plan`` is not a ``StepPlan``, or ``durations`` are not
+                ``Durations`` of the plan's shape.
         """
+        check_type("plan", plan, StepPlan, "a StepPlan")
+        check_durations(plan, durations)
         if isinstance(hint, str):
             name = canonical_hint_name(hint)
             orders: Hint = make_hint(name, plan, durations)
         elif callable(hint):
             name = getattr(hint, "__name__", "custom")
             orders = make_hint(hint, plan, durations)
-        else:
+        elif isinstance(hint, Mapping):
             name = "custom"
             validate_hint(plan, hint)
             orders = hint
+        else:
+            raise HintError(
+                "hint must be a hint name, a generator (plan, durations) -> {rank: [Task, ...]}"
+                f" or a {{rank: [Task, ...]}} mapping, got {describe(hint)}"
+            )
         bounds = resolve_bounds(
             plan, orders, max_inflight=max_inflight, memory_factor=memory_factor
         )

@@ -13,6 +13,7 @@ from collections.abc import Mapping, Sequence
 from typing import TypeAlias
 
 from .._admission import hint_peak
+from .._check import describe, is_int, is_sequence
 from .._errors import HintError
 from .._tasks import StepPlan, Task, format_tasks
 from ._listsched import strict_sweep
@@ -32,19 +33,44 @@ def validate_hint(plan: StepPlan, hint: Hint, bounds: Sequence[int] | None = Non
     rank's in-flight peak within its bound.
 
     Raises:
-        HintError: What is wrong, naming the rank and the task.
+        HintError: What is wrong, naming the rank and the task (also a hint that is no
+            ``{rank: [Task, ...]}`` mapping, or holds plain tuples or strings, not ``Task``).
     """
     p = plan.stages
-    if sorted(hint) != list(range(p)):
+    if not isinstance(hint, Mapping):
         raise HintError(
-            f"the hint must have one order per rank 0..{p - 1}, got ranks {sorted(hint)}"
+            f"a hint must be a mapping {{rank: [Task, ...]}} for ranks 0..{p - 1}, got"
+            f" {describe(hint)}"
+        )
+    keys = list(hint)
+    if not all(is_int(k) for k in keys) or sorted(keys) != list(range(p)):
+        raise HintError(
+            f"the hint must have one order per rank 0..{p - 1}, got ranks {keys[:16]!r}"
         )
     for r in range(p):
-        order = list(hint[r])
+        raw: object = hint[r]
+        if not is_sequence(raw):
+            raise HintError(
+                f"rank {r}: the order must be a sequence of Tasks, got {describe(raw)}"
+                + (" (parse text with rrfp_async.parse_tasks)" if isinstance(raw, str) else "")
+            )
+        order: list[object] = list(hint[r])
         seen: set[Task] = set()
         for i, t in enumerate(order):
-            if not isinstance(t, tuple) or len(t) != 3:
-                raise HintError(f"rank {r}: position {i} is not a Task: {t!r}")
+            if not isinstance(t, Task):
+                raise HintError(
+                    f"rank {r}: position {i} is not a Task: {describe(t)}"
+                    + (
+                        f"; write Task({t[0]!r}, {t[1]!r}, {t[2]!r})"
+                        if isinstance(t, tuple) and len(t) == 3
+                        else ""
+                    )
+                )
+            if not (is_int(t.stage) and is_int(t.mb) and t.kind in ("F", "B", "I", "W")):
+                raise HintError(
+                    f"rank {r}: position {i} is a Task with fields of the wrong type: {tuple(t)!r}"
+                    " (stage and mb must be ints, kind one of 'F', 'B', 'I', 'W')"
+                )
             if not plan.contains(t):
                 raise HintError(f"rank {r}: task {t} is not part of this step")
             if plan.rank_of(t) != r:
@@ -64,9 +90,9 @@ def validate_hint(plan: StepPlan, hint: Hint, bounds: Sequence[int] | None = Non
                 f"rank {r}: the hint misses {len(missing)} task(s): {format_tasks(missing[:8])}"
                 + (" ..." if len(missing) > 8 else "")
             )
-        if bounds is not None and hint_peak(order) > bounds[r]:
+        if bounds is not None and hint_peak(hint[r]) > bounds[r]:
             raise HintError(
-                f"rank {r}: the hint holds {hint_peak(order)} activations in flight, over the"
+                f"rank {r}: the hint holds {hint_peak(hint[r])} activations in flight, over the"
                 f" admission bound {bounds[r]}"
             )
     _check_no_cycle(plan, hint)

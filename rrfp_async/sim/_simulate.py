@@ -3,30 +3,77 @@
 The simulation runs the very same ``StageLoop``, policy and admission code as a real run,
 with a ``CostModelExecutor`` and an in-process channel, on a ``VirtualEventLoop``: the
 clock jumps from event to event, so a 16-stage, 128-microbatch step takes milliseconds.
+
+Guards. Nothing outside the loop can wake a simulation (it has no real I/O), so the loop
+runs with ``stall_when_idle``: the moment nothing is scheduled while a stage still waits
+(a policy awaiting an event nobody sets), the step is a ``DeadlockError`` that names the
+policy and what it awaits. A policy that keeps the clock moving without ever deciding (a
+``sleep`` loop) meets ``time_limit`` (virtual seconds), one that spins without moving it
+(``sleep(0)``) meets ``wall_limit`` (real seconds): both a ``StepTimeoutError``. Sizes are
+capped before anything is built (``MAX_CELLS``, ``MAX_CELLS_PER_RANK``).
 """
 
 from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
+import math
+import secrets
 import time
+import types
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from numbers import Integral
 from typing import Any
 
-from .._costs import CostModel, Durations, Microbatch, make_workload
-from .._errors import PlanError
+from .._check import check_bool, check_int, check_real, check_type, describe
+from .._costs import CostModel, Durations, Microbatch, check_jitter, make_workload
+from .._errors import DeadlockError, PlanError, PolicyError, RRFPError, StepTimeoutError
 from .._tasks import Placement, StepPlan, Task, Topology
 from ..loop import ExecutedTask, StageObserver, StepStats
+from ..loop._diagnostics import deadlock_grid
 from ..loop._executors import CostModelExecutor
 from ..loop._pipeline import LocalPipeline
-from ..loop._virtual import VirtualEventLoop
+from ..loop._stage import StageLoop
+from ..loop._virtual import VirtualClockStall, VirtualEventLoop, VirtualTimeLimit
 from ..observability import MultiObserver, TraceData, TraceRecorder, chrome_trace
-from ..policies._hints import canonical_hint_name
+from ..policies._hints import HintFn, canonical_hint_name, check_durations
 from ..policies._policy import Policy
 from ..policies._schedule import StepSchedule
+from ..policies._validate import Hint
 
-__all__ = ["SimResult", "compare", "lower_bound", "simulate"]
+__all__ = [
+    "DEFAULT_WALL_LIMIT",
+    "MAX_CELLS",
+    "MAX_CELLS_PER_RANK",
+    "SimResult",
+    "compare",
+    "lower_bound",
+    "simulate",
+]
+
+MAX_CELLS = 2**16
+"""Most (virtual stage, microbatch) pairs of a simulated step: ``stages x chunks x
+microbatches`` (each pair is 2 or 3 tasks). 64 x 512 takes about 6 s, 16 x 4096 about 40 s
+on one core of the development machine."""
+
+MAX_CELLS_PER_RANK = 2**12
+"""Most (chunk, microbatch) pairs per rank: ``chunks x microbatches``. The cost-aware hints
+and the admission scan grow faster than linearly in a rank's task count (2 x 8192 took 100 s)."""
+
+DEFAULT_WALL_LIMIT = 300.0
+"""Default ``wall_limit`` of ``simulate``: real seconds a simulated step may run."""
+
+TIME_LIMIT_FLOOR = 60.0
+TIME_LIMIT_FACTOR = 100.0
+"""Default ``time_limit`` of ``simulate``: ``max(TIME_LIMIT_FLOOR, TIME_LIMIT_FACTOR x the
+step's serial time)`` virtual seconds, the serial time being every task's realized duration
+and every message's latency one after the other (no schedule that progresses needs more)."""
+
+# What cancelled coroutines get to unwind after a failure, in real and in virtual seconds.
+_UNWIND_WALL = 1.0
+_UNWIND_TIME = 60.0
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -48,6 +95,8 @@ class SimResult:
         wall_time: Real seconds the simulation took.
         schedule: The schedule that ran.
         trace: The trace recording, with ``simulate(record=True)``.
+        seed: The seed of the sizes and the noise (drawn afresh for ``seed=None``): pass it
+            back to ``simulate`` to repeat this step exactly.
     """
 
     makespan: float
@@ -63,15 +112,16 @@ class SimResult:
     wall_time: float = 0.0
     schedule: StepSchedule | None = field(default=None, repr=False)
     trace: TraceData | None = field(default=None, repr=False)
+    seed: int = 0
 
     def chrome_trace(self) -> dict[str, Any]:
         """The Chrome-trace / Perfetto JSON of this step (needs ``simulate(record=True)``).
 
         Raises:
-            ValueError: The step was simulated without ``record=True``.
+            PlanError: The step was simulated without ``record=True`` (a ``ValueError``).
         """
         if self.trace is None:
-            raise ValueError("simulate(..., record=True) keeps the trace this needs")
+            raise PlanError("simulate(..., record=True) keeps the trace this needs")
         return chrome_trace(
             self.trace,
             clock="virtual",
@@ -92,6 +142,7 @@ class SimResult:
             "max_inflight": list(self.max_inflight),
             "deviations": list(self.deviations),
             "wall_time": self.wall_time,
+            "seed": self.seed,
         }
 
 
@@ -112,7 +163,14 @@ def lower_bound(plan: StepPlan, durations: Durations) -> float:
     The larger of (a) the critical path through the dependency graph, messages' latencies
     included, and (b) for every rank, the earliest any of its tasks can start, plus all of
     its work, plus the least work that must still follow its last task.
+
+    Raises:
+        PlanError: ``plan`` is not a ``StepPlan`` or ``durations`` not ``Durations`` of its
+            shape.
     """
+    check_type("plan", plan, StepPlan, "a StepPlan")
+    check_type("durations", durations, Durations, "Durations")
+    check_durations(plan, durations)
     order = _topo_order(plan)
     head: dict[Task, float] = {}
     for t in order:
@@ -137,11 +195,182 @@ def lower_bound(plan: StepPlan, durations: Durations) -> float:
     return best
 
 
-def _run_virtual(coro_fn: Any) -> Any:
-    def go() -> Any:
-        loop = VirtualEventLoop()
+# ---------------------------------------------------------------------- running the loop
+#
+# Design note
+# -----------
+# The step runs as one task on a fresh VirtualEventLoop with ``stall_when_idle`` and both
+# limits. When a guard fires, the loop raises out of ``run_until_complete`` with every
+# coroutine still suspended where it waits; ``_diagnose`` reads those coroutine chains
+# (``cr_await``) to say, per rank, which policy has not returned and what it awaits, then
+# ``_unwind`` cancels every task and runs the loop again (briefly, with a fresh wall limit)
+# so that they unwind before the loop closes. A policy that raises ``CancelledError``
+# itself ends its stage's task as *cancelled*, which a task group does not treat as a
+# failure: its peers then wait forever (a stall) or the step "returns" a cancellation;
+# either way ``_diagnose`` finds the rank that left its step without finishing it.
+
+
+def _frames(obj: Any) -> list[types.FrameType | None]:
+    """The frames of a suspended coroutine chain, outermost first (None: a bare future)."""
+    out: list[types.FrameType | None] = []
+    seen = 0
+    while obj is not None and seen < 200:
+        seen += 1
+        frame = getattr(obj, "cr_frame", None) or getattr(obj, "gi_frame", None)
+        out.append(frame)
+        nxt = getattr(obj, "cr_await", None)
+        if nxt is None:
+            nxt = getattr(obj, "gi_yieldfrom", None)
+        obj = nxt
+    return out
+
+
+def _where(frame: types.FrameType) -> str:
+    code = frame.f_code
+    return f"{code.co_qualname} ({code.co_filename}:{frame.f_lineno})"
+
+
+_DECIDE = (StageLoop._decide_and_run.__code__, StageLoop._follow.__code__)
+_STAGE_WAIT = StageLoop._wait.__code__
+_EXECUTE = StageLoop._execute.__code__
+
+
+def _policy_waits(loop: asyncio.AbstractEventLoop) -> dict[int, str]:
+    """For each rank whose policy was called and has not returned: what it awaits."""
+    out: dict[int, str] = {}
+    for task in asyncio.all_tasks(loop):
+        frames = _frames(task.get_coro())
+        for i, fr in enumerate(frames):
+            if fr is None or fr.f_code not in _DECIDE:
+                continue
+            stage = fr.f_locals.get("self")
+            rest = [f for f in frames[i + 1 :] if f is not None]
+            if not isinstance(stage, StageLoop) or not rest:
+                break
+            if rest[0].f_code in (_STAGE_WAIT, _EXECUTE):
+                break  # the stage itself waits (admission) or runs a task: no policy call
+            policy, leaf = rest[0], rest[-1]
+            if leaf is policy:
+                what = f"a future at {_where(policy)}"
+            else:
+                what = f"{leaf.f_code.co_qualname} ({leaf.f_code.co_filename}:{leaf.f_lineno})"
+                what += f", called from {_where(policy)}"
+            out[stage.rank] = what
+            break
+    return out
+
+
+def _describe(pipe: LocalPipeline, loop: asyncio.AbstractEventLoop) -> list[str]:
+    """One line per rank: finished, in its policy (and what that awaits), or waiting."""
+    policies = _policy_waits(loop)
+    lines = []
+    for s in pipe.stages:
+        st = s._st
+        if st is None:
+            lines.append(f"rank {s.rank}: finished its step")
+        elif s.rank in policies:
+            extra = f"; it waits for {st.why(st.awaited)}" if st.awaited >= 0 else ""
+            lines.append(
+                f"rank {s.rank}: policy {s.policy_name!r} was called and has not returned: it"
+                f" awaits {policies[s.rank]}{extra}"
+            )
+        else:
+            lines.append(f"rank {s.rank}: {st.stall_reason()}")
+    return lines
+
+
+def _cancelled_rank(pipe: LocalPipeline) -> StageLoop | None:
+    """A stage that left its step without finishing it and without an error: its coroutine
+    raised ``CancelledError`` that no one asked for (any other exception fails the step)."""
+    active = pipe._monitor.active
+    for s in pipe.stages:
+        if s._st is None and s.rank in active:
+            return s
+    return None
+
+
+def _policy_cancelled(stage: StageLoop) -> PolicyError:
+    return PolicyError(
+        f"policy {stage.policy_name!r} on rank {stage.rank} step 0 raised"
+        " asyncio.CancelledError, though nothing cancelled the step; a policy must return one"
+        " of view.ready (to give up, raise an ordinary exception)",
+        policy=stage.policy_name,
+        rank=stage.rank,
+        step=0,
+    )
+
+
+def _diagnose(
+    pipe: LocalPipeline, loop: asyncio.AbstractEventLoop, stop: RRFPError, limit_note: str
+) -> RRFPError:
+    """The typed error for a simulation the loop had to stop."""
+    gone = _cancelled_rank(pipe)
+    if gone is not None:
+        return _policy_cancelled(gone)
+    lines = "\n".join(_describe(pipe, loop))
+    if isinstance(stop, VirtualTimeLimit):
+        if stop.limit == "time_limit":
+            what = f"time_limit={stop.value:.6g} virtual seconds ({limit_note})"
+        else:
+            what = f"wall_limit={stop.value:.6g} real seconds (pass wall_limit= to change it)"
+        return StepTimeoutError(f"simulated step 0 ran past {what} without finishing:\n{lines}")
+    return DeadlockError(
+        "simulated step 0 cannot finish: nothing is scheduled (no task runs, no message is"
+        " in flight, no timer is set) while ranks still wait, so no event can ever come:\n"
+        f"{lines}\nrank x task grid (* = ready but not chosen or not admitted):",
+        step=0,
+        grid=deadlock_grid(pipe.stages),
+    )
+
+
+def _unwind(loop: VirtualEventLoop) -> None:
+    """Cancel every task of ``loop`` and let them unwind (bounded: the coroutines of a task
+    that ignores its cancellation are closed, which runs their ``finally`` blocks)."""
+    tasks = [t for t in asyncio.all_tasks(loop) if not t.done()]
+    if not tasks:
+        return
+    for t in tasks:
+        t.cancel()
+    loop.set_limits(time_limit=loop.time() + _UNWIND_TIME, wall_limit=_UNWIND_WALL)
+    try:
+        loop.run_until_complete(asyncio.gather(*tasks, return_exceptions=True))
+    except (VirtualClockStall, VirtualTimeLimit):
+        for t in asyncio.all_tasks(loop):
+            # The error that stopped the step is raised already; the task is dropped on
+            # purpose, not "destroyed but pending" by accident.
+            setattr(t, "_log_destroy_pending", False)  # noqa: B010
+            with contextlib.suppress(RuntimeError):  # it ignored GeneratorExit too
+                t.get_coro().close()
+
+
+def _run_virtual(
+    pipe: LocalPipeline,
+    microbatches: Sequence[Any],
+    *,
+    time_limit: float | None,
+    wall_limit: float | None,
+    limit_note: str,
+) -> list[StepStats]:
+    def go() -> list[StepStats]:
+        loop = VirtualEventLoop(
+            stall_when_idle=True,
+            time_limit=time_limit,
+            wall_limit=wall_limit,
+        )
         try:
-            return loop.run_until_complete(coro_fn())
+            task = loop.create_task(pipe.run_step(microbatches, step=0))
+            err: RRFPError
+            try:
+                return loop.run_until_complete(task)
+            except (VirtualClockStall, VirtualTimeLimit) as e:
+                err = _diagnose(pipe, loop, e, limit_note)
+                err.__cause__ = e
+            except asyncio.CancelledError as e:
+                gone = _cancelled_rank(pipe) or pipe.stages[0]
+                err = _policy_cancelled(gone)
+                err.__cause__ = e
+            _unwind(loop)
+            raise err
         finally:
             loop.close()
 
@@ -155,12 +384,53 @@ def _run_virtual(coro_fn: Any) -> Any:
         return pool.submit(go).result()
 
 
+# ---------------------------------------------------------------------- the public call
+
+
+def _check_microbatches(microbatches: Any) -> tuple[int, list[Microbatch] | None]:
+    """M and the given microbatches (None for a count)."""
+    if isinstance(microbatches, bool | str | bytes) or not isinstance(
+        microbatches, Integral | Sequence
+    ):
+        raise PlanError(
+            "microbatches must be an int >= 1 or a non-empty sequence of Microbatch, got"
+            f" {describe(microbatches)}"
+        )
+    if isinstance(microbatches, Integral):
+        return check_int("microbatches", microbatches, minimum=1), None
+    mbs = list(microbatches)
+    if not mbs:
+        raise PlanError("microbatches must be an int >= 1 or a non-empty sequence of Microbatch")
+    for i, mb in enumerate(mbs):
+        check_type(f"microbatches[{i}]", mb, Microbatch, "a Microbatch")
+    return len(mbs), mbs
+
+
+def _check_size(topo: Topology, m: int) -> None:
+    p, v = topo.stages, topo.chunks
+    cells = p * v * m
+    if cells > MAX_CELLS:
+        raise PlanError(
+            f"simulate: stages x chunks x microbatches = {p} x {v} x {m} = {cells} exceeds the"
+            f" limit of {MAX_CELLS} (MAX_CELLS); simulate a smaller step"
+        )
+    if v * m > MAX_CELLS_PER_RANK:
+        raise PlanError(
+            f"simulate: chunks x microbatches = {v} x {m} = {v * m} per rank exceeds the limit"
+            f" of {MAX_CELLS_PER_RANK} (MAX_CELLS_PER_RANK); simulate a smaller step"
+        )
+
+
+def _serial_time(plan: StepPlan, d: Durations) -> float:
+    return math.fsum(d.of(t) + d.latency(t) for t in plan.all_tasks())
+
+
 def simulate(
     *,
     stages: int,
     microbatches: int | Sequence[Microbatch],
     chunks: int = 1,
-    hint: str = "breadth_first_weighted",
+    hint: str | HintFn | Hint = "breadth_first_weighted",
     policy: str | Policy = "readiness_first",
     max_inflight: int | Sequence[int] | None = None,
     memory_factor: float | None = None,
@@ -168,7 +438,7 @@ def simulate(
     backward: Sequence[Sequence[float]] | None = None,
     workload: str | None = None,
     jitter: float = 0.0,
-    seed: int = 0,
+    seed: int | None = 0,
     split_backward: bool | None = None,
     ordered_weights: bool = False,
     placement: Placement = "interleaved",
@@ -178,6 +448,8 @@ def simulate(
     straggler_prob: float = 0.0,
     observer: StageObserver | None = None,
     record: bool = False,
+    time_limit: float | None = None,
+    wall_limit: float | None = DEFAULT_WALL_LIMIT,
 ) -> SimResult:
     """Simulate one pipeline step on a virtual clock with the real stage-loop code.
 
@@ -185,38 +457,81 @@ def simulate(
         stages: Pipeline ranks P.
         microbatches: Number of microbatches M, or the microbatches themselves (with sizes).
         chunks: Model chunks per rank V.
-        hint: Hint name (see ``rrfp_async.policies.HINTS``).
+        hint: Hint name (see ``rrfp_async.policies.HINTS``), a generator ``(plan,
+            durations) -> {rank: [Task]}``, or a ready-made ``{rank: [Task]}``.
         policy: Policy name or coroutine.
         max_inflight: Admission bound (one for all ranks, or per rank).
         memory_factor: Scale of the default admission bound.
         forward: Explicit forward seconds ``[virtual_stage][microbatch]`` (replay).
         backward: Explicit backward seconds (default 2x forward).
         workload: ``"uniform"``, ``"text"`` or ``"multimodal"`` (default uniform).
-        jitter: Sigma of the mean-one lognormal compute noise of the realized durations.
-        seed: Seed of the workload sizes and of the noise.
-        split_backward: Split backwards into I/W (default: only for ``zb_h1``).
+        jitter: Sigma of the mean-one lognormal compute noise of the realized durations,
+            in ``[0, MAX_JITTER]`` (3; see ``rrfp_async._costs.MAX_JITTER`` for why).
+        seed: Seed of the workload sizes and of the noise. None draws a fresh seed, which
+            the result reports (``SimResult.seed``) so that the step can be repeated.
+        split_backward: Split backwards into I/W (default: only for the ``zb_h1`` hint).
         ordered_weights: Run each stage's W tasks in microbatch order (needs a split).
         placement: ``"interleaved"`` or ``"vshape"``.
         cost_model: Override the workload's cost model (sizes still come from ``workload``).
         latency: Mean one-way message latency, seconds.
-        latency_jitter: Sigma of the lognormal noise of each message's latency.
+        latency_jitter: Sigma of the lognormal noise of each message's latency (like
+            ``jitter``, at most ``MAX_JITTER``).
         straggler_prob: Probability that a task runs 3x longer.
         observer: Optional observer of every stage transition (logging, tracing).
         record: Keep a trace recording in ``SimResult.trace`` (spans, messages, decisions).
+        time_limit: Virtual seconds the step may take before it fails (a policy that keeps
+            sleeping instead of deciding). None: ``max(60, 100 x the step's serial time)``,
+            the serial time being every realized task and message latency one after the
+            other; ``math.inf``: no limit.
+        wall_limit: Real seconds the simulated step may run (a policy that spins without
+            letting the clock move); default ``DEFAULT_WALL_LIMIT`` (300); None: no limit.
+
+    Sizes: at most ``MAX_CELLS`` (65536) pairs ``stages x chunks x microbatches`` and
+    ``MAX_CELLS_PER_RANK`` (4096) pairs ``chunks x microbatches``.
 
     Returns:
         The ``SimResult``. Hints are computed from the *declared* durations, the run meets
         the *realized* ones (declared x noise), identical for every policy given a seed.
 
     Raises:
-        PlanError: Invalid sizes or durations.
+        PlanError: Invalid sizes, durations, workload, cost model or flag, or a step over
+            the size limits.
         HintError: Invalid hint or bound.
+        PolicyError: The policy is no coroutine, raised (``CancelledError`` included) or
+            returned a task that is not ready.
+        DeadlockError: No rank can progress any more: every stage waits and nothing is
+            scheduled (the message names each rank's policy and what it awaits).
+        StepTimeoutError: The step ran past ``time_limit`` or ``wall_limit`` (named).
     """
     t_wall = time.perf_counter()
-    if split_backward is None:
-        split_backward = canonical_hint_name(hint) == "zb_h1"
-    m = microbatches if isinstance(microbatches, int) else len(microbatches)
     topo = Topology(stages=stages, chunks=chunks, placement=placement)
+    m, given = _check_microbatches(microbatches)
+    _check_size(topo, m)
+    if split_backward is not None:
+        check_bool("split_backward", split_backward)
+    check_bool("ordered_weights", ordered_weights)
+    check_bool("record", record)
+    jitter = check_jitter("jitter", jitter)
+    latency_jitter = check_jitter("latency_jitter", latency_jitter)
+    latency = check_real("latency", latency, minimum=0.0)
+    straggler_prob = check_real("straggler_prob", straggler_prob, minimum=0.0, maximum=1.0)
+    seed = secrets.randbits(32) if seed is None else check_int("seed", seed)
+    if time_limit is not None:
+        time_limit = check_real(
+            "time_limit", time_limit, minimum=0.0, strict_minimum=True, allow_inf=True
+        )
+    if wall_limit is not None:
+        wall_limit = check_real(
+            "wall_limit", wall_limit, minimum=0.0, strict_minimum=True, allow_inf=True
+        )
+        if math.isinf(wall_limit):
+            wall_limit = None
+    if cost_model is not None:
+        check_type("cost_model", cost_model, CostModel, "a CostModel or None")
+    if workload is not None:
+        check_type("workload", workload, str, "a workload name or None")
+    if split_backward is None:
+        split_backward = isinstance(hint, str) and canonical_hint_name(hint) == "zb_h1"
     plan = StepPlan(
         topology=topo,
         microbatches=m,
@@ -239,7 +554,7 @@ def simulate(
         if backward is not None:
             raise PlanError("backward durations need forward durations too")
         wl = make_workload(workload or "uniform", m, virtual_stages=topo.num_virtual, seed=seed)
-        mbs = wl.microbatches if isinstance(microbatches, int) else list(microbatches)
+        mbs = wl.microbatches if given is None else given
         cost = cost_model or wl.cost
         base = cost.declared(plan, mbs)
         noise = CostModel(
@@ -260,6 +575,15 @@ def simulate(
         latency=noise.latency,
         latency_jitter=noise.latency_jitter,
     )
+    if time_limit is None:
+        serial = _serial_time(plan, realized)
+        time_limit = max(TIME_LIMIT_FLOOR, TIME_LIMIT_FACTOR * serial)
+        limit_note = (
+            f"the default: max({TIME_LIMIT_FLOOR:g}, {TIME_LIMIT_FACTOR:g} x the step's serial"
+            f" time {serial:.6g} s); pass time_limit= to change it"
+        )
+    else:
+        limit_note = "pass time_limit= to change it"
     recorder = TraceRecorder() if record else None
     if recorder is not None:
         observer = MultiObserver(observer, recorder) if observer is not None else recorder
@@ -273,11 +597,13 @@ def simulate(
         latency=lambda step, task: realized.latency(task),
         observer=observer,
     )
-
-    async def main() -> list[StepStats]:
-        return await pipe.run_step(mbs, step=0)
-
-    stats: list[StepStats] = _run_virtual(main)
+    stats = _run_virtual(
+        pipe,
+        mbs,
+        time_limit=None if math.isinf(time_limit) else time_limit,
+        wall_limit=wall_limit,
+        limit_note=limit_note,
+    )
     start = min(s.started for s in stats)
     makespan = max(s.finished for s in stats) - start
     lb = lower_bound(plan, realized)
@@ -298,13 +624,29 @@ def simulate(
         wall_time=time.perf_counter() - t_wall,
         schedule=schedule,
         trace=None if recorder is None else recorder.data,
+        seed=seed,
     )
 
 
 def compare(
     policies: Sequence[str | Policy] = ("strict", "readiness_first"), **kwargs: Any
 ) -> dict[str, SimResult]:
-    """Simulate the same step (same sizes, same realized noise) under several policies."""
+    """Simulate the same step (same sizes, same realized noise) under several policies.
+
+    ``kwargs`` are ``simulate``'s; ``seed=None`` draws one fresh seed for all of them.
+
+    Raises:
+        PlanError: ``policies`` is not a sequence of policies (a single name, say), or
+            ``policy`` is among ``kwargs``; and whatever ``simulate`` raises.
+    """
+    if isinstance(policies, str | bytes) or not isinstance(policies, Sequence):
+        raise PlanError(
+            f"policies must be a sequence of policy names or policies, got {describe(policies)}"
+        )
+    if "policy" in kwargs:
+        raise PlanError("compare takes its policies in `policies`, not `policy`")
+    if kwargs.get("seed", 0) is None:
+        kwargs["seed"] = secrets.randbits(32)
     out: dict[str, SimResult] = {}
     for p in policies:
         r = simulate(policy=p, **kwargs)
