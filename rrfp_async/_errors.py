@@ -15,6 +15,9 @@ The hierarchy::
     │   └── PeerError               a peer died or closed the connection
     ├── DivergenceError             TP ranks of a stage would run different task sequences
     ├── StepTimeoutError            the watchdog fired: a step ran past its time limit
+    │   └── loop.VirtualTimeLimit   a simulated step ran past its virtual or wall limit
+    ├── loop.VirtualClockStall      (also a RuntimeError) nothing can ever wake the
+    │                               virtual loop (simulate turns it into DeadlockError)
     ├── ClosedError                 the pipeline or stage was closed (after a failure it
     │                               could not recover from, or by the user)
     ├── TraceError (ValueError)     a trace file is not a trace (wrong structure or values)

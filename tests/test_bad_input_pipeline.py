@@ -500,3 +500,32 @@ def test_a_latency_that_is_no_duration_fails_the_step_and_the_pipeline_recovers(
         run_virtual(pipe.run_step([0, 1]))
     bad[0] = False
     assert [x.step for x in run_virtual(pipe.run_step([0, 1]))] == [1, 1]
+
+
+@pytest.mark.timeout(30)
+def test_a_policy_raising_cancelled_error_is_a_policy_error_in_real_time() -> None:
+    """Not a cancellation of the step: a PolicyError at once, not a wait for the watchdog."""
+
+    async def cancels(view: rr.ReadyView) -> Task:
+        raise asyncio.CancelledError
+
+    plan = rr.StepPlan(topology=rr.Topology(stages=2), microbatches=2)
+    s = StepSchedule.build(plan, "1f1b")
+    d = rr.Durations.from_arrays(plan, [[0.001] * 2] * 2)
+    pipe = rr.LocalPipeline(
+        s, [rr.CostModelExecutor(d) for _ in range(2)], policy=cancels, step_timeout=20
+    )
+    with pytest.raises(PolicyError, match=r"raised asyncio\.CancelledError") as ei:
+        rr.run(pipe.run_step([0, 1]))
+    assert ei.value.rank == 0 and str(ei.value.policy).endswith("cancels")
+    # and the step is still cancellable from outside: that stays a CancelledError
+    pipe2 = rr.LocalPipeline(s, [rr.CostModelExecutor(d) for _ in range(2)], step_timeout=20)
+
+    async def cancel_outside() -> None:
+        run = asyncio.ensure_future(pipe2.run_step([0, 1]))
+        await asyncio.sleep(0)
+        run.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await run
+
+    rr.run(cancel_outside())

@@ -193,3 +193,25 @@ def test_bench_soak_reports_flat_and_refuses_bad_policy() -> None:
     assert "verdict: flat" in out.output and "live tasks [1]" in out.output
     bad = CliRunner().invoke(main, ["bench", "soak", "--steps", "5", "--policy", "nope"])
     assert bad.exit_code == 2 and "nope" in bad.output
+
+
+@pytest.mark.parametrize(
+    ("args", "code", "msg"),
+    [
+        (["--memory-factor", "inf"], 1, "memory_factor must be finite"),
+        (["--memory-factor", "nan"], 1, "memory_factor must be a number"),
+        (["--jitter", "50"], 1, "jitter must be a finite number in [0, 3.0]"),
+        (["-p", "1000000", "-m", "1000000"], 1, "exceeds the limit"),
+        (["--hint", "nope"], 1, "unknown hint 'nope'"),
+        (["--policy", "nope"], 2, "unknown policy 'nope'"),
+        (["--trace", "/proc/none/t.json"], 1, "No such file or directory"),
+        (["--png", "/proc/none/t.png"], 1, "No such file or directory"),
+    ],
+)
+def test_simulate_bad_input_is_an_error_line_not_a_traceback(
+    args: list[str], code: int, msg: str
+) -> None:
+    out = CliRunner().invoke(main, ["simulate", "-p", "2", "-m", "4", *args])
+    assert out.exit_code == code, out.output
+    assert "Error:" in out.output and msg in out.output, out.output
+    assert out.exception is None or isinstance(out.exception, SystemExit)

@@ -11,7 +11,12 @@ from ._stage import (
     StageObserver,
     StepStats,
 )
-from ._virtual import VirtualClockStall, VirtualEventLoop, new_virtual_event_loop
+from ._virtual import (
+    VirtualClockStall,
+    VirtualEventLoop,
+    VirtualTimeLimit,
+    new_virtual_event_loop,
+)
 
 __all__ = [
     "ComputeWorker",
@@ -24,6 +29,7 @@ __all__ = [
     "StepStats",
     "VirtualClockStall",
     "VirtualEventLoop",
+    "VirtualTimeLimit",
     "cuda_event_future",
     "loop_factory",
     "new_virtual_event_loop",

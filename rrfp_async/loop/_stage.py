@@ -643,6 +643,17 @@ class StageLoop:
                 task = await policy(view)
             except RRFPError:
                 raise
+            except asyncio.CancelledError as e:
+                cur = asyncio.current_task()
+                if cur is None or cur.cancelling():
+                    raise  # the step itself is being cancelled
+                raise PolicyError(
+                    f"policy {self.policy_name!r} on rank {self.rank} step {st.step} raised"
+                    " asyncio.CancelledError, though nothing cancelled the step",
+                    policy=self.policy_name,
+                    rank=self.rank,
+                    step=st.step,
+                ) from e
             except Exception as e:
                 raise PolicyError(
                     f"policy {self.policy_name!r} raised on rank {self.rank} step {st.step}: {e!r}",

@@ -6,6 +6,22 @@ channels) with a :class:`~rrfp_async.loop.CostModelExecutor` on a
 timeline is exact and reproducible.
 """
 
-from ._simulate import SimResult, compare, lower_bound, simulate
+from ._simulate import (
+    DEFAULT_WALL_LIMIT,
+    MAX_CELLS,
+    MAX_CELLS_PER_RANK,
+    SimResult,
+    compare,
+    lower_bound,
+    simulate,
+)
 
-__all__ = ["SimResult", "compare", "lower_bound", "simulate"]
+__all__ = [
+    "DEFAULT_WALL_LIMIT",
+    "MAX_CELLS",
+    "MAX_CELLS_PER_RANK",
+    "SimResult",
+    "compare",
+    "lower_bound",
+    "simulate",
+]
