@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import rrfp_async as rr
-from rrfp_async.distributed._stage import PlanDigest, plan_disagreement
+from rrfp_async.distributed._digest import PlanDigest, plan_disagreement
 
 # ---------------------------------------------------------------------- pure
 

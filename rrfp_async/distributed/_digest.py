@@ -1,0 +1,247 @@
+"""The plan digest: what every rank of a job must agree on, as a fixed-size int64 row.
+
+Every process builds its own ``StepSchedule``; nothing forces them to be equal, and ranks
+that disagree (8 microbatches here, 6 there; another hint or policy) used to fail late and
+obscurely: one rank finished, its peer reported a closed channel. So before a stage's first
+step, every rank all-gathers a fixed-size int64 *plan digest* (no pickle) over the control
+group (a gloo group of every rank, ``StageGroups.control``) and compares the rows: any
+difference is a ``PlanError`` on every rank, naming each differing field with the ranks on
+each side ("rank 0 has microbatches=8; rank 1 has microbatches=6"). A row holds the raw
+fields, strings as 32 bytes of UTF-8 (longer names are truncated for display; a hash of the
+full values catches a difference there too), and two scopes:
+
+* every rank of the job must agree on the layout, the plan (stages, chunks, placement,
+  microbatches, split backward), the hint's name, the policy and ``max_message_bytes``;
+* the ranks of one DP replica must also agree on the hint order and the admission bounds
+  (replicas may see other data, so a cost-aware hint may order them differently).
+
+The check costs one small all-gather (a few hundred µs on gloo), once per *plan*: it runs at
+the stage's first step and again only when a step's schedule changes the plan's key (the
+plan, the hint's name). A per-step schedule regenerated from this step's sizes
+(``with_durations``) keeps the key and is not re-checked. Whether to check is decided
+locally, so a rank whose schedule changes at a step where its peers' does not waits in the
+all-gather alone: the step watchdog ends that wait with a ``StepTimeoutError`` that says so.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import struct
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from .._errors import PlanError
+from ..policies._schedule import StepSchedule
+from ._layout import ProcessLayout
+
+__all__ = ["PlanDigest", "plan_disagreement"]
+
+_MAGIC = 0x504C414E  # "PLAN"
+_VERSION = 1
+_STR_BYTES = 32
+_STR_WORDS = _STR_BYTES // 8
+_WORLD = (
+    "pp",
+    "tp",
+    "dp",
+    "stages",
+    "chunks",
+    "placement",
+    "microbatches",
+    "split_backward",
+    "ordered_weights",
+    "hint",
+    "policy",
+    "max_message_bytes",
+)
+_REPLICA = ("hint_order", "bounds")
+_STRINGS = frozenset({"placement", "hint", "policy", "bounds"})
+_IDS = ("rank", "pp_rank", "tp_rank", "dp_rank")
+_ROW_LEN = 4 + len(_IDS) + sum(_STR_WORDS if f in _STRINGS else 1 for f in _WORLD + _REPLICA)
+
+
+def _h63(text: str) -> int:
+    """A 63-bit digest of ``text`` (the same in every process, unlike ``hash``)."""
+    h = hashlib.blake2b(text.encode(), digest_size=8).digest()
+    return int.from_bytes(h, "little") & ((1 << 63) - 1)
+
+
+def _pack(text: str) -> list[int]:
+    raw = text.encode()
+    if len(raw) > _STR_BYTES:
+        raw = raw[: _STR_BYTES - 3] + b"..."
+    return list(struct.unpack(f"<{_STR_WORDS}q", raw.ljust(_STR_BYTES, b"\0")))
+
+
+def _unpack(words: Sequence[int]) -> str:
+    raw = struct.pack(f"<{_STR_WORDS}q", *words)
+    return raw.rstrip(b"\0").decode(errors="ignore")
+
+
+@dataclass(frozen=True, kw_only=True)
+class PlanDigest:
+    """What one rank runs, as the plan check compares it (one fixed-size int64 row).
+
+    Every rank of the job must agree on the fields in ``_WORLD`` (layout, plan, hint name,
+    policy, ``max_message_bytes``); the ranks of one DP replica also on ``hint_order`` (a
+    digest of every rank's hint order) and ``bounds``. Strings travel as 32 bytes of UTF-8
+    (truncated with ``...``); ``world_hash`` and ``replica_hash`` cover the full values.
+    """
+
+    rank: int
+    pp_rank: int
+    tp_rank: int
+    dp_rank: int
+    pp: int
+    tp: int
+    dp: int
+    stages: int
+    chunks: int
+    placement: str
+    microbatches: int
+    split_backward: int
+    ordered_weights: int
+    hint: str
+    policy: str
+    max_message_bytes: int
+    hint_order: int
+    bounds: str
+    world_hash: int
+    replica_hash: int
+
+    @classmethod
+    def of(
+        cls,
+        schedule: StepSchedule,
+        *,
+        policy: str,
+        layout: ProcessLayout,
+        max_message_bytes: int,
+    ) -> PlanDigest:
+        """The digest of this rank's ``schedule`` run with ``policy`` at ``layout``."""
+        plan = schedule.plan
+        topo = plan.topology
+        order = ";".join(f"{r}:" + " ".join(map(str, schedule.hint[r])) for r in range(plan.stages))
+        bounds = "(" + ", ".join(map(str, schedule.bounds)) + ")"
+        world: dict[str, int | str] = {
+            "pp": layout.pp,
+            "tp": layout.tp,
+            "dp": layout.dp,
+            "stages": topo.stages,
+            "chunks": topo.chunks,
+            "placement": topo.placement,
+            "microbatches": plan.microbatches,
+            "split_backward": int(plan.split_backward),
+            "ordered_weights": int(plan.ordered_weights),
+            "hint": schedule.hint_name,
+            "policy": policy,
+            "max_message_bytes": max_message_bytes,
+        }
+        hint_order = _h63(order)
+        return cls(
+            rank=layout.rank,
+            pp_rank=layout.pp_rank,
+            tp_rank=layout.tp_rank,
+            dp_rank=layout.dp_rank,
+            hint_order=hint_order,
+            bounds=bounds,
+            world_hash=_h63(repr(sorted(world.items()))),
+            replica_hash=_h63(f"{hint_order}|{bounds}"),
+            **world,  # type: ignore[arg-type]
+        )
+
+    def encode(self) -> list[int]:
+        """The row: ``_ROW_LEN`` int64 values."""
+        row = [_MAGIC, _VERSION, self.world_hash, self.replica_hash]
+        row += [getattr(self, f) for f in _IDS]
+        for f in _WORLD + _REPLICA:
+            v = getattr(self, f)
+            row += _pack(v) if f in _STRINGS else [v]
+        return row
+
+    @classmethod
+    def decode(cls, row: Sequence[int], *, rank: int) -> PlanDigest:
+        """Read a row that global rank ``rank`` sent.
+
+        Raises:
+            PlanError: Not a plan digest of this version (another rrfp_async on that rank).
+        """
+        if len(row) != _ROW_LEN or row[0] != _MAGIC or row[1] != _VERSION:
+            raise PlanError(
+                f"global rank {rank} sent no plan digest of this version ({list(row[:2])}):"
+                " every rank must run the same rrfp_async"
+            )
+        values: dict[str, Any] = {"world_hash": row[2], "replica_hash": row[3]}
+        i = 4
+        for f in _IDS:
+            values[f] = row[i]
+            i += 1
+        for f in _WORLD + _REPLICA:
+            if f in _STRINGS:
+                values[f] = _unpack(row[i : i + _STR_WORDS])
+                i += _STR_WORDS
+            else:
+                values[f] = row[i]
+                i += 1
+        return cls(**values)
+
+
+def _show(field: str, value: object) -> str:
+    if field == "hint_order":
+        return f"hint order #{value:016x}"
+    if field == "bounds":
+        return f"bounds={value}"
+    return f"{field}={value!r}" if field in _STRINGS else f"{field}={value}"
+
+
+def _ranks(ranks: Sequence[int]) -> str:
+    if len(ranks) == 1:
+        return f"rank {ranks[0]} has"
+    shown = ", ".join(map(str, ranks[:6]))
+    more = f" and {len(ranks) - 6} more" if len(ranks) > 6 else ""
+    return f"ranks {shown}{more} have"
+
+
+def _differences(rows: Sequence[PlanDigest], fields: Iterable[str]) -> list[str]:
+    out = []
+    for f in fields:
+        sides: dict[object, list[int]] = {}
+        for d in rows:
+            sides.setdefault(getattr(d, f), []).append(d.rank)
+        if len(sides) > 1:
+            ordered = sorted(sides.items(), key=lambda kv: kv[1][0])
+            out.append(f"{f}: " + "; ".join(f"{_ranks(rs)} {_show(f, v)}" for v, rs in ordered))
+    return out
+
+
+def plan_disagreement(rows: Sequence[PlanDigest]) -> str | None:
+    """What the ranks disagree on, in words (global ranks), or None when they agree.
+
+    Differences every rank must agree on come first and alone (a different plan orders
+    the hint differently anyway); only when there are none, the hint orders and bounds of
+    each DP replica are compared.
+    """
+    if len({d.world_hash for d in rows}) > 1:
+        lines = _differences(rows, _WORLD) or [
+            "a name longer than 32 bytes differs (hint or policy; see each rank's own)"
+        ]
+        return "; ".join(lines)
+    lines = []
+    replicas = sorted({d.dp_rank for d in rows})
+    for dp in replicas:
+        rep = [d for d in rows if d.dp_rank == dp]
+        if len({d.replica_hash for d in rep}) > 1:
+            where = f"in DP replica {dp}, " if len(replicas) > 1 else ""
+            diff = _differences(rep, _REPLICA) or ["bounds: they differ past the 32 bytes shown"]
+            lines += [where + d for d in diff]
+    if not lines:
+        return None
+    # Same plan and hint name, other orders: say what usually causes it.
+    return "; ".join(lines) + (
+        " (a cost-aware hint is generated from declared durations: do these ranks see the"
+        " same microbatch sizes?)"
+    )
+
+
+# ---------------------------------------------------------------------- the stage
