@@ -167,5 +167,8 @@ def test_a_stopped_rank_is_named_when_the_watchdog_fires(tmp_path: Path) -> None
         assert "waiting for rank 1 (global 1;" in first, first
         # The watchdog counts from the step's start, a moment before the victim stopped.
         assert STEP_TIMEOUT - 1.0 < res["detected"][r] < STEP_TIMEOUT + 5.0, res["detected"]
-        # Nothing killed them: they ended by themselves, with an error.
-        assert res["exit"].get(r) == 1, res["exit"]
+        # Each ended non-zero: by itself (1), or, when the other survivor's exit came first
+        # (both time out in the same few ms), torn down by torchrun's agent (-SIGTERM) after
+        # it had raised and recorded its error (checked above).
+        assert res["exit"].get(r) in (1, -signal.SIGTERM), res["exit"]
+    assert 1 in (res["exit"].get(0), res["exit"].get(2)), res["exit"]
