@@ -15,15 +15,7 @@ The friendly public API, pulled together from the private modules and the layers
 """
 
 from ._admission import AdmissionLedger, hint_peak
-from ._costs import (
-    WORKLOADS,
-    CostModel,
-    Durations,
-    Microbatch,
-    StageProfile,
-    Workload,
-    make_workload,
-)
+from ._costs import CostModel, Durations, Microbatch, StageProfile
 from ._errors import (
     ChannelError,
     ClosedError,
@@ -40,6 +32,7 @@ from ._errors import (
     TraceError,
 )
 from ._tasks import Kind, Placement, StepPlan, Task, Topology, format_tasks, parse_tasks
+from ._workloads import WORKLOADS, Workload, make_workload
 from .distributed._layout import ProcessLayout, StageGroups, build_groups, pipeline_neighbors
 from .distributed._spawn import free_port, spawn
 from .distributed._stage import DistributedStage

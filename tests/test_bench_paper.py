@@ -8,8 +8,8 @@ import math
 import pytest
 from click.testing import CliRunner
 
-from rrfp_async._costs import PAPER_IMAGE_TOKENS, make_workload
 from rrfp_async._tasks import StepPlan, Topology
+from rrfp_async._workloads import PAPER_IMAGE_TOKENS, make_workload
 from rrfp_async.cli import _bench_paper as bp
 from rrfp_async.cli._main import main
 from rrfp_async.policies._hints import make_hint

@@ -45,17 +45,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import replace
 from typing import Any
 
-from .._costs import (
-    LLM_STAGE,
-    PAPER_IMAGE_TOKENS,
-    VISION_STAGE,
-    CostModel,
-    Microbatch,
-    StageProfile,
-    make_workload,
-    multimodal_paper_sizes,
-)
+from .._costs import LLM_STAGE, VISION_STAGE, CostModel, Microbatch, StageProfile
 from .._tasks import StepPlan, Topology
+from .._workloads import PAPER_IMAGE_TOKENS, make_workload, multimodal_paper_sizes
 from ..policies._bounds import default_bound
 from ..policies._hints import remaining_work
 from ..policies._listsched import list_schedule, strict_timeline

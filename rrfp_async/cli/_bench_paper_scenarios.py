@@ -12,7 +12,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from .._costs import PAPER_IMAGE_TOKENS
+from .._workloads import PAPER_IMAGE_TOKENS
 
 __all__ = [
     "BASELINE",

@@ -13,8 +13,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from .._costs import Durations, make_workload
+from .._costs import Durations
 from .._tasks import StepPlan, Topology
+from .._workloads import make_workload
 
 __all__ = [
     "TORCH_SCHEDULES",

@@ -44,9 +44,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from .._check import check_int, check_real, describe
-from .._costs import CostModel, Microbatch, StageProfile, make_workload
+from .._costs import CostModel, Microbatch, StageProfile
 from .._errors import PlanError
 from .._tasks import StepPlan, Task, Topology
+from .._workloads import make_workload
 from ..loop._executors import CostModelExecutor, TaskContext
 from ..loop._pipeline import LocalPipeline
 from ..loop._runner import run

@@ -24,9 +24,10 @@ from numbers import Integral
 from typing import Any
 
 from .._check import check_bool, check_int, check_real, check_type, describe
-from .._costs import CostModel, Durations, Microbatch, check_jitter, make_workload
+from .._costs import CostModel, Durations, Microbatch, check_jitter
 from .._errors import PlanError
 from .._tasks import Placement, StepPlan, Task, Topology
+from .._workloads import make_workload
 from ..loop import ExecutedTask, StageObserver, StepStats
 from ..loop._executors import CostModelExecutor
 from ..loop._pipeline import LocalPipeline
