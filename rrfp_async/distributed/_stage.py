@@ -35,7 +35,7 @@ import torch
 import torch.distributed as dist
 
 from .._bridges import work_future
-from .._errors import ChannelError, PeerError, PlanError, StepTimeoutError
+from .._errors import ChannelError, ClosedError, PeerError, PlanError, StepTimeoutError
 from ..channels._decisions import DecisionChannel
 from ..channels._p2p import P2PChannel
 from ..loop import StageLoop, StageObserver, StepStats
@@ -166,12 +166,17 @@ class DistributedStage:
         self._control_broken: BaseException | None = None
         self.plan_checks = 0
         self.plan_check_seconds = 0.0
+        self._state = "new"  # -> "open" (async with) -> "closed"
 
     async def __aenter__(self) -> DistributedStage:
+        if self._state != "new":
+            raise ClosedError(f"{self._who()}: a DistributedStage is opened once ({self._state})")
         self.channel.start()
+        self._state = "open"
         return self
 
     async def __aexit__(self, exc_type: object, *exc: object) -> None:
+        self._state = "closed"
         await self.channel.__aexit__(exc_type, *exc)
 
     def _who(self) -> str:
@@ -194,7 +199,18 @@ class DistributedStage:
             StepTimeoutError: The step (or the plan check) did not finish within
                 ``step_timeout``; the message opens with the ranks it waited for.
             PeerError: A peer died (the message names it) or failed.
+            ClosedError: The stage is not open (outside its ``async with`` block).
         """
+        if self._state != "open":
+            why = (
+                "was closed (its async with block ended)"
+                if self._state == "closed"
+                else ("is not open yet")
+            )
+            raise ClosedError(
+                f"{self._who()}: run_step on a DistributedStage that {why}; run steps inside"
+                " `async with DistributedStage(...) as stage:`"
+            )
         s = self._next_step if step is None else step
         self._next_step = s + 1
         self.channel.at_step(s)

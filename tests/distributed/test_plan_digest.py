@@ -107,6 +107,27 @@ def test_stage_defaults_are_finite_and_bounded() -> None:
         stage(step_timeout=-1.0)
 
 
+def test_a_stage_runs_steps_only_while_open() -> None:
+    plan = rr.StepPlan(topology=rr.Topology(stages=1), microbatches=2)
+    layout = rr.ProcessLayout(pp=1, rank=0)
+    sched = rr.StepSchedule.build(plan, "1f1b")
+    stage = rr.DistributedStage(layout, sched, _Tiny(), groups=rr.StageGroups(), verify_plan=False)
+
+    async def go() -> None:
+        with pytest.raises(rr.ClosedError, match="is not open yet"):
+            await stage.run_step([0, 1])
+        async with stage:
+            stats = await stage.run_step([0, 1])
+            assert [str(e.task) for e in stats.executed] == ["0F0", "0B0", "0F1", "0B1"]
+        with pytest.raises(rr.ClosedError, match="was closed"):
+            await stage.run_step([0, 1])
+        with pytest.raises(rr.ClosedError, match="opened once"):
+            async with stage:
+                pass
+
+    rr.run(go())
+
+
 # ---------------------------------------------------------------------- multi-process
 
 
