@@ -17,6 +17,7 @@ from ._errors import PlanError, RRFPError
 
 __all__ = [
     "check_bool",
+    "check_count",
     "check_int",
     "check_real",
     "check_type",
@@ -32,6 +33,16 @@ def describe(value: Any) -> str:
     if len(r) > 60:
         r = r[:57] + "..."
     return f"{r} ({type(value).__name__})"
+
+
+def check_count(name: str, value: Any, *, error: type[RRFPError] = PlanError) -> int:
+    """``value`` as an ``int`` if it is an int >= 1 (not a bool, not a float such as 2.0):
+    a count of stages, chunks or microbatches."""
+    if isinstance(value, bool) or not isinstance(value, Integral):
+        raise error(f"{name} must be an int >= 1, got {describe(value)}")
+    if value < 1:
+        raise error(f"{name} must be an int >= 1, got {value!r}")
+    return int(value)
 
 
 def check_int(

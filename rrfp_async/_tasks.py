@@ -16,10 +16,9 @@ import re
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from functools import cached_property
-from numbers import Integral
 from typing import Literal, NamedTuple, TypeAlias
 
-from ._check import check_bool, check_type, describe
+from ._check import check_bool, check_count, check_type, describe
 from ._errors import HintError, PlanError
 
 __all__ = [
@@ -135,8 +134,8 @@ class Topology:
     placement: Placement = "interleaved"
 
     def __post_init__(self) -> None:
-        _check_count("stages", self.stages)
-        _check_count("chunks", self.chunks)
+        check_count("stages", self.stages)
+        check_count("chunks", self.chunks)
         if not isinstance(self.placement, str) or self.placement not in ("interleaved", "vshape"):
             raise PlanError(
                 f"placement must be 'interleaved' or 'vshape', got {describe(self.placement)}"
@@ -165,14 +164,6 @@ class Topology:
     def stages_of(self, rank: int) -> tuple[int, ...]:
         """The virtual stages of ``rank``, in chunk order."""
         return tuple(v for v, r in enumerate(self._rank_of) if r == rank)
-
-
-def _check_count(name: str, value: object) -> None:
-    """``value`` must be an int >= 1 (not a bool, not a float such as 2.0 or 2.5)."""
-    if isinstance(value, bool) or not isinstance(value, Integral):
-        raise PlanError(f"{name} must be an int >= 1, got {describe(value)}")
-    if value < 1:
-        raise PlanError(f"{name} must be an int >= 1, got {value!r}")
 
 
 _DELTA = {"F": 1, "B": -1, "I": -1, "W": 0}
@@ -223,7 +214,7 @@ class StepPlan:
 
     def __post_init__(self) -> None:
         check_type("topology", self.topology, Topology, "a Topology")
-        _check_count("microbatches", self.microbatches)
+        check_count("microbatches", self.microbatches)
         check_bool("split_backward", self.split_backward)
         check_bool("ordered_weights", self.ordered_weights)
         if self.ordered_weights and not self.split_backward:

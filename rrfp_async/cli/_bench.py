@@ -168,7 +168,7 @@ def pipeline_step_times(
         (the others: see ``TrainConfig``)
     """
     from ..distributed._spawn import spawn
-    from ..distributed._train import TrainConfig, emulated_cost, train_worker
+    from ..distributed._train import TrainConfig, image_text_cost, train_worker
     from ..observability import TraceData
 
     cfg = TrainConfig(
@@ -180,7 +180,7 @@ def pipeline_step_times(
         policies=tuple(policies),
         hint=hint,
         memory_factor=memory_factor,
-        cost=emulated_cost(jitter=jitter),
+        cost=image_text_cost(jitter=jitter),
         seed=seed,
         return_params=False,
         trace_steps=() if trace_step is None else (trace_step,),

@@ -84,11 +84,6 @@ def image_text_cost(
     return CostModel(profiles=(vision,) if multimodal else (), default=llm, jitter=jitter)
 
 
-emulated_cost = image_text_cost
-"""The former private name of ``image_text_cost`` (read as too close to ``EmulatedCost``);
-kept only for ``cli/_bench.py`` and ``tests/distributed/test_observability.py``."""
-
-
 def fixed_microbatches(
     n: int, cfg: ImageTextConfig, *, seed: int, text: int = 24
 ) -> list[Microbatch]:

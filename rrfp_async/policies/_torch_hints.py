@@ -38,6 +38,7 @@ import inspect
 from collections.abc import Mapping, Sequence
 from typing import Any, cast
 
+from .._check import check_count
 from .._errors import HintError
 from .._tasks import Kind, Placement, StepPlan, Task, Topology
 from ._validate import validate_hint
@@ -131,12 +132,6 @@ def _generated_order(cls: type, stages: int, microbatches: int) -> dict[int, lis
     return None
 
 
-def _check_size(what: str, n: object) -> int:
-    if not isinstance(n, int) or isinstance(n, bool) or n < 1:
-        raise HintError(f"{what} must be an int >= 1, got {n!r}")
-    return n
-
-
 def _class_order(
     cls: type, stages: int | None, microbatches: int | None, chunks: int | None
 ) -> dict[int, list[Task]]:
@@ -151,10 +146,10 @@ def _class_order(
         raise HintError(
             f"hint_from_torch({name}) needs the pipeline size: stages=P and microbatches=M"
         )
-    p = _check_size("stages", stages)
-    m = _check_size("microbatches", microbatches)
+    p = check_count("stages", stages, error=HintError)
+    m = check_count("microbatches", microbatches, error=HintError)
     single = issubclass(cls, schedules.PipelineScheduleSingle)
-    v = _check_size("chunks", (1 if single else 2) if chunks is None else chunks)
+    v = check_count("chunks", (1 if single else 2) if chunks is None else chunks, error=HintError)
     if single and v != 1:
         raise HintError(f"torch's {name} runs one stage per rank (chunks=1), got chunks={v}")
     generated = _generated_order(cls, p, m)

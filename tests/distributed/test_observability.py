@@ -10,7 +10,7 @@ from click.testing import CliRunner
 
 import rrfp_async as rr
 from rrfp_async.cli._main import main
-from rrfp_async.distributed._train import TrainConfig, emulated_cost, train_worker
+from rrfp_async.distributed._train import TrainConfig, image_text_cost, train_worker
 from rrfp_async.observability import (
     TraceData,
     chrome_trace,
@@ -28,7 +28,7 @@ def test_real_run_trace_has_one_span_per_executed_task() -> None:
         steps=2,
         policies=("readiness_first",),
         memory_factor=2.0,
-        cost=emulated_cost(per_token=1e-5, jitter=0.3),
+        cost=image_text_cost(per_token=1e-5, jitter=0.3),
         trace_steps=(1,),
         return_params=False,
     )
