@@ -26,15 +26,21 @@ The lean path (what a message costs is what a step loses):
   unless it uses less than half of it (then it is copied out, so a stashed activation
   does not pin a large buffer). NCCL needs exact sizes: there the capacity stays at the
   header and every payload is a second message.
-* **One sender thread per outbound edge.** ``send`` packs the message where it is called
-  (the loop, or the stage's compute thread the moment the output exists) and queues it;
-  the edge's sender thread sends it and waits for it. A gloo ``isend`` writes to the socket
-  in the calling thread (about 0.5 ms for 200 KiB on this machine), so sending inline
-  would stall the computation or the loop that called it; a queue hand-off costs tens of
-  µs. One thread per edge keeps each edge a FIFO (the receiver checks sequence numbers)
-  and a slow peer from holding up the others. A failed send reaches the stage as
-  ``PeerError`` naming the edge and sequence number.
-* **One listener thread per inbound edge** blocks in the receive (``is_completed()`` never
+* **Small messages leave from the caller; large ones from the edge's sender thread.**
+  ``send`` packs the message where it is called (the loop, or the stage's compute thread
+  the moment the output exists; the header and an inline payload are ``memmove``d into one
+  buffer, a few µs). A message of at most ``inline_send_bytes`` (32 KiB by default) is
+  posted right there with the process group's own ``send`` (no ``torch.distributed``
+  wrapper, no thread hand-off) when nothing is queued ahead of it on the edge; its work is
+  reaped later, in order, by the edge's sender thread (woken once per 16 such messages, and
+  at close). A larger message is queued to the sender thread, which posts and waits for it:
+  a gloo send writes to the socket in the calling thread (about 0.5 ms for 200 KiB on this
+  machine), which would stall the computation or the loop that called it. Per edge, a lock
+  and a count of queued messages keep posts in ``send`` order (the receiver checks sequence
+  numbers), and a slow peer never holds up the other edges. A failed send reaches the
+  stage as ``PeerError`` naming the edge and sequence number.
+* **One listener thread per inbound edge** blocks in the receive (into a buffer it reuses
+  whenever the payload was copied out, header read with ``struct``) (``is_completed()`` never
   turns true without ``wait()``, and a timed wait that expires closes the pair) and hands
   each message to the loop with ``call_soon_threadsafe``: one thread per outstanding
   receive, so a late message never blocks an early one, and the loop never blocks.
@@ -101,10 +107,19 @@ from ._wire import (
     blame_text,
     encode_header,
     grow,
+    pack_inline,
+    read_header,
     size_text,
+    unpack_inline,
 )
 
 __all__ = ["P2PChannel"]
+
+DEFAULT_INLINE_SEND_BYTES = 1 << 15
+"""Largest payload ``send`` posts from the calling thread (gloo): writing 32 KiB costs
+about what a hand-off to the sender thread does."""
+_REAP_BATCH = 16
+"""Works of messages posted by ``send`` that wake the sender thread to reap them."""
 
 
 class _Edge:
@@ -132,6 +147,9 @@ class P2PChannel:
             same value: it sizes the peer's receive buffers.
         bound_name: How errors tell the user to raise ``max_bytes`` (``DistributedStage``
             passes its own argument's name).
+        inline_send_bytes: Largest payload ``send`` posts itself, from the calling thread
+            (gloo only; larger ones go through the edge's sender thread). 0: every payload
+            through the sender thread.
 
     Use as ``async with channel:`` (starts the threads on the running loop, then closes),
     or call ``start()`` / ``close()`` yourself. ``send`` may be called from any thread, one
@@ -153,6 +171,7 @@ class P2PChannel:
         max_bytes: int = DEFAULT_MAX_BYTES,
         inline_bytes: int = DEFAULT_INLINE_BYTES,
         bound_name: str = "P2PChannel(max_bytes=...)",
+        inline_send_bytes: int = DEFAULT_INLINE_SEND_BYTES,
     ) -> None:
         self._rank = rank
         self._global = dict(global_ranks)
@@ -161,8 +180,8 @@ class P2PChannel:
         for r in [rank, *self._inbound, *self._outbound]:
             if r not in self._global:
                 raise ValueError(f"pipeline rank {r} has no global rank in global_ranks")
-        if inline_bytes < 0 or max_bytes < 0:
-            raise ValueError("inline_bytes and max_bytes must be >= 0")
+        if inline_bytes < 0 or max_bytes < 0 or inline_send_bytes < 0:
+            raise ValueError("inline_bytes, max_bytes and inline_send_bytes must be >= 0")
         self._group = group
         self._device = torch.device(device)
         backend = dist.get_backend(group) if dist.is_initialized() else "gloo"
@@ -177,7 +196,13 @@ class P2PChannel:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._send_seq: dict[int, int] = {}
         self._send_cap: dict[int, int] = {}
-        self._queues: dict[int, queue.SimpleQueue[tuple[list[torch.Tensor], str] | None]] = {}
+        self._queues: dict[int, queue.SimpleQueue[Any]] = {}
+        self._locks: dict[int, threading.Lock] = {}
+        self._queued: dict[int, int] = {}
+        self._unreaped: dict[int, list[tuple[list[Any], tuple[int, Task]]]] = {}
+        self._pg: Any = None
+        self._peer_rank: dict[int, int] = {}  # pipeline rank -> rank in the group
+        self._inline_send = inline_send_bytes if self._growing else -1
         self._by_global = {g: r for r, g in self._global.items()}
         # (cause, step, global ranks to blame): what this rank's CLOSE says when it failed.
         self._cause: tuple[int, int, tuple[int, ...]] | None = None
@@ -191,6 +216,7 @@ class P2PChannel:
         self.sent = 0
         self.received = 0
         self.inline_sent = 0
+        self.direct_sent = 0  # posted by ``send`` itself, not the sender thread
 
     # ------------------------------------------------------------------ Endpoint
 
@@ -214,8 +240,8 @@ class P2PChannel:
     def send(self, dst: int, step: int, task: Task, payload: Any) -> None:
         """Send ``payload`` (a tensor or None), the input of ``task``, to rank ``dst``.
 
-        The message is packed now and sent by the edge's sender thread; a failure reaches
-        the stage.
+        The message is packed now; a small one is posted from here, a large one by the
+        edge's sender thread (see the design note). A failure reaches the stage.
         """
         if self._failed is not None:
             raise self._failed
@@ -230,8 +256,10 @@ class P2PChannel:
                 f"rank {self._rank}: {task}'s output must be a tensor or None to cross ranks,"
                 f" got {type(payload).__name__}"
             )
-        t = None if payload is None else payload.detach().contiguous()
-        nbytes = 0 if t is None else t.numel() * t.element_size()
+        t = None if payload is None else payload.detach()
+        if t is not None and not t.is_contiguous():
+            t = t.contiguous()
+        nbytes = 0 if t is None else t.nbytes
         if nbytes > self._max_bytes:
             assert t is not None
             raise ProtocolError(
@@ -241,28 +269,49 @@ class P2PChannel:
                 f" would refuse it. If messages this large are expected, raise the bound with"
                 f" {self._bound_name} on every rank"
             )
-        self._last_step = max(self._last_step, step)
+        if step > self._last_step:
+            self._last_step = step
         cap = self._send_cap[dst]
         inline = t is None or (self._growing and HEADER_BYTES + nbytes <= cap)
         header = encode_header(seq, step, task, t, inline=inline)
         self._send_seq[dst] = seq + 1
-        htensor = torch.tensor(header, dtype=torch.int64, device=self._hdr_device)
-        if inline and t is not None:
-            buf = torch.empty(HEADER_BYTES + nbytes, dtype=torch.uint8)
-            buf[:HEADER_BYTES].view(torch.int64).copy_(htensor)
-            buf[HEADER_BYTES:].view(t.dtype).view(t.shape).copy_(t)
-            msgs = [buf]
+        if inline and self._growing:
+            msgs = [pack_inline(header, t)]
             self.inline_sent += 1
         elif inline:
-            msgs = [htensor]
+            msgs = [torch.tensor(header, dtype=torch.int64, device=self._hdr_device)]
             self.inline_sent += 1
         else:
             assert t is not None  # only a payload can be too large to go inline
-            msgs = [htensor, t]
+            msgs = [torch.tensor(header, dtype=torch.int64, device=self._hdr_device), t]
             if self._growing:
                 self._send_cap[dst] = grow(cap, nbytes, self._max_bytes)
-        self._queues[dst].put((msgs, f"sending message seq {seq} ({task})"))
+        what = (seq, task)
+        with self._locks[dst]:
+            if nbytes <= self._inline_send and not self._queued[dst]:
+                # Nothing queued ahead on this edge: send from here (a small message costs
+                # a few µs to write), no hand-off; the sender thread reaps the works later.
+                try:
+                    works = [self._pg.send([m], self._peer_rank[dst], 0) for m in msgs]
+                except Exception as e:
+                    raise PeerError(self._send_failed(dst, what, e)) from e
+                self.direct_sent += 1
+                un = self._unreaped[dst]
+                un.append((works, what))
+                if len(un) >= _REAP_BATCH:
+                    self._queues[dst].put(("reap", un[:]))
+                    un.clear()
+            else:
+                self._queued[dst] += 1
+                self._queues[dst].put(("send", [(msgs, what)]))
         self.sent += 1
+
+    def _send_failed(self, dst: int, what: tuple[int, Task] | None, e: BaseException) -> str:
+        seq, task = what or (-1, None)
+        return (
+            f"{self._name(self._rank)} lost {self._name(dst)}: sending message seq {seq}"
+            f" ({task}) on {self._edge_out(dst)} failed: {e}"
+        )
 
     def _edge_out(self, dst: int) -> str:
         return _Edge(self._rank, dst, self._global[self._rank], self._global[dst]).text
@@ -308,10 +357,21 @@ class P2PChannel:
         if self._loop is not None:
             raise RuntimeError("the channel is already started")
         self._loop = loop or asyncio.get_running_loop()
+        peers = [*self._inbound, *self._outbound]
+        if peers:  # the process group's own send/recv, with ranks in the group
+            pg = dist.group.WORLD if self._group is None else self._group
+            if pg is None:
+                raise RuntimeError("P2PChannel.start: torch.distributed is not initialized")
+            self._pg = pg
+            for r in peers:
+                self._peer_rank[r] = dist.get_group_rank(pg, self._global[r])
         for dst in self._outbound:
             self._send_seq[dst] = 0
             self._send_cap[dst] = self._inline0
             self._queues[dst] = queue.SimpleQueue()
+            self._locks[dst] = threading.Lock()
+            self._queued[dst] = 0
+            self._unreaped[dst] = []
             self._spawn(self._sender, dst, f"rrfp-send-{self._rank}->{dst}")
         for src in self._inbound:
             self._spawn(self._listener, src, f"rrfp-recv-{src}->{self._rank}")
@@ -347,9 +407,16 @@ class P2PChannel:
             )
             hdr[2:5] = [cause, step, len(ranks)]
             hdr[5 : 5 + len(ranks)] = list(ranks)
-        for q in self._queues.values():
-            q.put(([torch.tensor(hdr, dtype=torch.int64, device=self._hdr_device)], ""))
-            q.put(None)
+        for dst, q in self._queues.items():
+            with self._locks[dst]:
+                un = self._unreaped[dst]
+                if un:
+                    q.put(("reap", list(un)))
+                    un.clear()
+                self._queued[dst] += 1
+                msg = torch.tensor(hdr, dtype=torch.int64, device=self._hdr_device)
+                q.put(("send", [([msg], None)]))
+                q.put(None)
 
     def close(self, timeout: float = 30.0) -> None:
         """Send CLOSE to every outbound peer (after the messages already posted), and wait
@@ -430,43 +497,57 @@ class P2PChannel:
 
     def _sender(self, dst: int) -> None:
         q = self._queues[dst]
-        gdst = self._global[dst]
-        edge = self._edge_out(dst)
+        peer = self._peer_rank[dst]
+        lock = self._locks[dst]
         while True:
             item = q.get()
             if item is None:
                 return
-            msgs, what = item
+            kind, entries = item
+            what = None
             try:
-                for m in msgs:
-                    dist.send(m, gdst, group=self._group)
+                if kind == "send":
+                    ((msgs, what),) = entries
+                    with lock:
+                        try:
+                            works = [self._pg.send([m], peer, 0) for m in msgs]
+                        finally:
+                            self._queued[dst] -= 1
+                    for w in works:
+                        w.wait()
+                else:  # reap what send() posted itself, in order
+                    for works, what in entries:  # noqa: B007 (named in the error)
+                        for w in works:
+                            w.wait()
             except Exception as e:
-                if not what:  # the CLOSE: the peer may be gone already
+                if what is None:  # the CLOSE: the peer may be gone already
                     return
-                self._post(
-                    self._lose,
-                    dst,
-                    PeerError(
-                        f"{self._name(self._rank)} lost {self._name(dst)}: {what} on {edge}"
-                        f" failed: {e}"
-                    ),
-                )
+                self._post(self._lose, dst, PeerError(self._send_failed(dst, what, e)))
                 return
 
     def _listener(self, src: int) -> None:
         gsrc = self._global[src]
+        peer = self._peer_rank[src]
+        recv = self._pg.recv
         edge = _Edge(src, self._rank, gsrc, self._global[self._rank]).text
         expect = 0
-        last = "before any message arrived"
+        prev: tuple[Task, int] | None = None  # the last message: (task, step)
+
+        def last() -> str:
+            if prev is None:
+                return "before any message arrived"
+            return f"the last one was seq {expect - 1}, {prev[0]} of step {prev[1]}"
+
         cap = self._inline0
+        raw: torch.Tensor | None = None  # reused while nothing kept a view of it
         while True:
-            if self._growing:
-                raw = torch.empty(cap, dtype=torch.uint8)
-                hbuf = raw[:HEADER_BYTES].view(torch.int64)
-            else:
-                raw = hbuf = torch.empty(HEADER_LEN, dtype=torch.int64, device=self._hdr_device)
+            if raw is None:
+                if self._growing:
+                    raw = torch.empty(cap, dtype=torch.uint8)
+                else:
+                    raw = torch.empty(HEADER_LEN, dtype=torch.int64, device=self._hdr_device)
             try:
-                dist.recv(raw, gsrc, group=self._group)
+                recv([raw], peer, 0).wait()
             except Exception as e:
                 if not self._closing:
                     self._post(
@@ -474,12 +555,12 @@ class P2PChannel:
                         src,
                         PeerError(
                             f"{self._name(self._rank)} lost {self._name(src)}: the connection"
-                            f" broke while waiting for message seq {expect} on {edge} ({last}):"
+                            f" broke while waiting for message seq {expect} on {edge} ({last()}):"
                             f" {e}"
                         ),
                     )
                 return
-            h = hbuf.tolist()
+            h = read_header(raw)
             try:
                 closing, task, step, dtype, shape = self._check(h, expect, edge)
             except ProtocolError as e:
@@ -494,8 +575,7 @@ class P2PChannel:
                 return
             payload = None
             if dtype is not None:
-                numel = math.prod(shape)
-                nbytes = numel * ITEMSIZE[dtype]
+                nbytes = math.prod(shape) * ITEMSIZE[dtype]
                 if h[1] == DATA_INLINE:
                     if HEADER_BYTES + nbytes > cap:
                         self._post(
@@ -507,14 +587,17 @@ class P2PChannel:
                             ),
                         )
                         return
-                    body = raw[HEADER_BYTES : HEADER_BYTES + nbytes]
                     if 2 * (HEADER_BYTES + nbytes) < cap:
-                        body = body.clone()  # do not pin the whole buffer
-                    payload = body.view(dtype).view(shape)
+                        # Copied out (the buffer is reused); a view would pin all of it.
+                        payload = unpack_inline(raw, dtype, shape, nbytes)
+                    else:
+                        body = raw[HEADER_BYTES : HEADER_BYTES + nbytes]
+                        payload = body.view(dtype).view(shape)
+                        raw = None  # the payload is a view of it
                 else:
                     payload = torch.empty(shape, dtype=dtype, device=self._device)
                     try:
-                        dist.recv(payload, gsrc, group=self._group)
+                        recv([payload], peer, 0).wait()
                     except Exception as e:
                         if not self._closing:
                             self._post(
@@ -529,11 +612,13 @@ class P2PChannel:
                         return
                     if self._growing:
                         cap = grow(cap, nbytes, self._max_bytes)
+                        raw = None  # the next receive needs the larger buffer
                 if payload.device != self._device:
                     payload = payload.to(self._device)
             expect += 1
-            last = f"the last one was seq {expect - 1}, {task} of step {step}"
-            self._last_step = max(self._last_step, step)
+            prev = (task, step)
+            if step > self._last_step:
+                self._last_step = step
             self.received += 1
             self._post(self._deliver, step, task, payload, src)
 
