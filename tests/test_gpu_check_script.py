@@ -32,8 +32,6 @@ def test_cpu_dry_run_runs_a_two_rank_pipeline_under_both_policies() -> None:
 def test_without_cuda_it_says_so_and_exits_2() -> None:
     if torch.cuda.is_available():
         pytest.skip("a CUDA device is present")
-    done = subprocess.run(
-        [sys.executable, str(SCRIPT)], capture_output=True, text=True, timeout=50
-    )
+    done = subprocess.run([sys.executable, str(SCRIPT)], capture_output=True, text=True, timeout=50)
     assert done.returncode == 2, done.stdout + done.stderr
     assert "no CUDA device: nothing checked" in done.stdout
