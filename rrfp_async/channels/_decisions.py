@@ -6,37 +6,52 @@ Collectives inside a task (the TP all-reduces of a row-parallel linear) only mat
 TP rank of the stage runs the same task at the same position of its sequence. With
 readiness-first dispatch each rank would decide on its own, from its own (slightly
 different) view of what has arrived. So one rank, the *leader*, runs the policy; each
-decision, ``(step, seq, task)``, is broadcast over a small gloo group of the stage's TP
-ranks; *followers* run exactly that sequence, each task once it is ready locally.
+decision, ``(step, seq, task)``, goes to the stage's other TP ranks over a small gloo group;
+*followers* run exactly that sequence, each task once it is ready locally.
 
-* The group is dedicated to decisions: model collectives on another group can never
-  interleave with them, so the order of broadcasts is the same on every rank.
-* The leader never waits for its broadcast: it enqueues it (``async_op=True``) and
-  computes. Followers keep up to ``depth`` broadcasts posted ahead, so a decision is usually
-  there before the follower finishes its previous task: coordination stays off the
-  critical path but for one small broadcast.
+* **Point-to-point, no collective per decision.** The leader ``send``s each decision (an
+  ``int64[6]`` row) to every follower from the loop thread, through the group's own
+  ``send``: a write to a socket, about 20-50 µs here. A gloo *broadcast* instead goes
+  through the process group's worker thread, and waking that thread cost the caller
+  ~110 µs per decision on this 2-core VM (9 µs when the thread is busy already: the woken
+  thread runs on the caller's core first); the follower paid the same to post each
+  receive. Each follower has one *listener thread* that keeps a receive posted and hands
+  every decision to the loop (``call_soon_threadsafe``); the follower's loop posts
+  nothing. One FIFO per leader -> follower pair: decisions arrive in order.
+* The group is dedicated to decisions (p2p on tag 0, plus the end-of-step digest
+  all-gather): model collectives on another group never interleave with them.
+* The leader never waits for a send; its works are waited at ``end_step`` (on a helper
+  thread), where a failed send surfaces.
 * A follower validates every decision: a wrong step or a sequence gap raises
   ``DivergenceError``; so does a task the follower does not know or already ran (checked by
-  the stage loop).
+  the stage loop). Decisions of an earlier (failed) step still queued are dropped when the
+  next step begins.
 * At the end of a step every TP rank can cross-check a digest of the sequence it executed
   (``verify_sequence``): with coordination switched off, that is how a divergence is caught.
+* ``close()``: the leader sends a CLOSE row down every pair, so the followers' listeners
+  end; a lost leader (broken connection) fails the follower's next ``receive`` with
+  ``PeerError``.
 """
 
 from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import ctypes
+import datetime
 import hashlib
 import struct
+import threading
+import time
 from collections.abc import Sequence
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from .._bridges import work_future
-from .._errors import DivergenceError
+from .._bridges import run_blocking, work_future
+from .._errors import ClosedError, DivergenceError, PeerError
 from .._tasks import Kind, Task
 
 __all__ = ["DecisionChannel", "sequence_digest"]
@@ -44,7 +59,13 @@ __all__ = ["DecisionChannel", "sequence_digest"]
 _KINDS: tuple[Kind, ...] = ("F", "B", "I", "W")
 _CODE = {k: i for i, k in enumerate(_KINDS)}
 _MAGIC = 0x44454349  # "DECI"
+_MAGIC_CLOSE = 0x434C4F53  # "CLOS": the leader closed
 _ROW = struct.Struct("=6q")  # [magic, step, seq, stage, kind, mb]
+
+
+def _wait_all(works: list[Any]) -> None:
+    for w in works:
+        w.wait()
 
 
 def sequence_digest(tasks: Sequence[Task]) -> int:
@@ -57,16 +78,20 @@ class DecisionChannel:
     """The decision channel of one stage's TP ranks.
 
     Args:
-        group: A process group of exactly the stage's TP ranks, used for nothing else.
+        group: A gloo process group of exactly the stage's TP ranks, used for nothing else.
         leader: The global rank of the TP leader (the rank whose policy decides).
         rank: This process's global rank.
         tp_rank: This process's rank inside the TP group (for messages).
         stage: The pipeline rank of the stage (for messages).
-        depth: Broadcasts a follower keeps posted ahead.
+        depth: Kept for compatibility; a follower's listener always has one receive posted
+            and queues what arrives, without limit.
 
     Attributes:
         waiting: What this rank waits for on the decision group right now (text, for the
             error of a step that timed out), or None.
+
+    Only one channel per group may be in use at a time (a follower's listener takes every
+    decision sent on the group): ``close()`` one on every rank before using another.
     """
 
     def __init__(
@@ -86,15 +111,18 @@ class DecisionChannel:
         self.stage = stage
         self.is_leader = rank == leader
         self.depth = max(1, depth)
-        self._posted: collections.deque[tuple[torch.Tensor, asyncio.Future[None]]] = (
-            collections.deque()
-        )
-        self._sent: collections.deque[tuple[torch.Tensor, Any]] = collections.deque()
-        self._to_post = 0
         self.published = 0
         self.waiting: str | None = None
-        # The group's own broadcast (no torch.distributed wrapper: tens of µs per decision).
         self._root = dist.get_group_rank(group, leader)
+        self._followers = [r for r in range(dist.get_world_size(group)) if r != self._root]
+        self._sent: list[Any] = []  # the leader's send works of the current step
+        self._rows: collections.deque[tuple[int, ...]] = collections.deque()
+        self._waiter: asyncio.Future[None] | None = None
+        self._failed: BaseException | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._listener: threading.Thread | None = None
+        self._closed = False
+        self._used = False  # a step began: the followers listen (the leader sends CLOSE)
 
     def _who(self) -> str:
         role = "leader" if self.is_leader else "follower"
@@ -103,51 +131,100 @@ class DecisionChannel:
     # ------------------------------------------------------------------ per step
 
     def begin_step(self, step: int, decisions: int) -> None:
-        """A step with ``decisions`` dispatches starts: followers post their receives."""
-        self._to_post = decisions
-        if not self.is_leader:
-            self._post_ahead()
-
-    def _post_ahead(self) -> None:
-        while self._to_post > 0 and len(self._posted) < self.depth:
-            buf = torch.empty(6, dtype=torch.int64)
-            work = self.group.broadcast(buf, self._root)
-            self._posted.append((buf, work_future(work)))
-            self._to_post -= 1
+        """A step with ``decisions`` dispatches starts: a follower's listener starts (first
+        step), and decisions of earlier steps still queued are dropped."""
+        self._used = True
+        if self.is_leader:
+            return
+        if self._listener is None:
+            self._loop = asyncio.get_running_loop()
+            self._listener = threading.Thread(
+                target=self._listen, name=f"rrfp-decisions-{self.rank}", daemon=True
+            )
+            self._listener.start()
+        while self._rows and self._rows[0][1] < step:
+            self._rows.popleft()
 
     def publish(self, step: int, seq: int, task: Task) -> None:
-        """Leader: broadcast decision ``seq`` of ``step`` without waiting for it."""
+        """Leader: send decision ``seq`` of ``step`` to every follower, without waiting."""
         buf = torch.empty(6, dtype=torch.int64)
         row = _ROW.pack(_MAGIC, step, seq, task.stage, _CODE[task.kind], task.mb)
         ctypes.memmove(buf.data_ptr(), row, _ROW.size)
-        work = self.group.broadcast(buf, self._root)
-        self._sent.append((buf, work))
+        send = self.group.send
+        for f in self._followers:
+            self._sent.append(send([buf], f, 0))
         self.published += 1
-        # Reap completed broadcasts (collectives' is_completed works) and surface errors.
-        while self._sent and self._sent[0][1].is_completed():
-            _, w = self._sent.popleft()
-            w.wait()
+
+    # ------------------------------------------------------------------ follower side
+
+    def _listen(self) -> None:
+        """Follower thread: receive rows from the leader until CLOSE or a broken pair."""
+        recv = self.group.recv
+        buf = torch.empty(6, dtype=torch.int64)
+        ptr = buf.data_ptr()
+        while True:
+            try:
+                recv([buf], self._root, 0).wait()
+            except Exception as e:
+                if not self._closed:
+                    self._post(
+                        self._fail,
+                        PeerError(
+                            f"{self._who()} lost the TP leader (global rank {self.leader}):"
+                            f" the connection broke while waiting for a decision: {e}"
+                        ),
+                    )
+                return
+            row = _ROW.unpack(ctypes.string_at(ptr, _ROW.size))
+            if row[0] == _MAGIC_CLOSE:
+                self._post(self._fail, ClosedError(f"{self._who()}: the TP leader closed"))
+                return
+            self._post(self._arrived, row)
+
+    def _post(self, fn: Any, *args: Any) -> None:
+        loop = self._loop
+        if loop is None or loop.is_closed():
+            return
+        with contextlib.suppress(RuntimeError):  # the loop closed in between
+            loop.call_soon_threadsafe(fn, *args)
+
+    def _wake(self) -> None:
+        w = self._waiter
+        if w is not None and not w.done():
+            w.set_result(None)
+
+    def _arrived(self, row: tuple[int, ...]) -> None:
+        self._rows.append(row)
+        self._wake()
+
+    def _fail(self, exc: BaseException) -> None:
+        if self._failed is None:
+            self._failed = exc
+        self._wake()
 
     async def receive(self, step: int, seq: int) -> Task:
         """Follower: the leader's decision ``seq`` of ``step``.
 
         Raises:
             DivergenceError: The decision is for another step or has a sequence gap.
+            PeerError: The connection to the leader broke.
+            ClosedError: The leader closed its channel before sending this decision.
         """
-        if not self._posted:
-            self._post_ahead()
-        if not self._posted:
-            raise DivergenceError(
-                f"{self._who()} step {step}: asked for decision {seq} beyond the step's decisions"
+        if self._listener is None:
+            raise DivergenceError(f"{self._who()} step {step}: receive before begin_step")
+        while not self._rows:
+            if self._failed is not None:
+                raise self._failed
+            self.waiting = (
+                f"the TP leader (global rank {self.leader})'s decision {seq} of step {step}"
             )
-        buf, fut = self._posted.popleft()
-        self.waiting = f"the TP leader (global rank {self.leader})'s decision {seq} of step {step}"
-        try:
-            await fut
-        finally:
-            self.waiting = None
-        self._post_ahead()
-        row = _ROW.unpack(ctypes.string_at(buf.data_ptr(), _ROW.size))
+            self._waiter = asyncio.get_running_loop().create_future()
+            try:
+                await self._waiter
+            finally:
+                self._waiter = None
+                self.waiting = None
+        row = self._rows.popleft()
         magic, s, q, stage, kind, mb = row
         if magic != _MAGIC or not 0 <= kind < len(_KINDS):
             raise DivergenceError(f"{self._who()} step {step}: corrupt decision {list(row)}")
@@ -159,14 +236,40 @@ class DecisionChannel:
         return Task(stage, _KINDS[kind], mb)
 
     async def end_step(self) -> None:
-        """Leader: wait until every broadcast of the step went out (errors surface here)."""
+        """Leader: wait until every decision of the step went out (errors surface here)."""
+        sent, self._sent = self._sent, []
+        if not sent:
+            return
         self.waiting = "the TP followers to receive this step's decisions"
         try:
-            while self._sent:
-                _, w = self._sent.popleft()
-                await work_future(w)
+            await run_blocking(_wait_all, sent, name="rrfp-decisions-sent")
+        except Exception as e:
+            raise PeerError(
+                f"{self._who()}: sending this step's decisions to the TP followers failed: {e}"
+            ) from e
         finally:
             self.waiting = None
+
+    def close(self, timeout: float = 5.0) -> None:
+        """Leader: send CLOSE to every follower. Follower: wait (up to ``timeout`` s) until the
+        listener has received it and ended. Blocking: call it from a helper thread. One
+        channel per decision group may listen at a time; close it before another one
+        starts on the same group."""
+        if self._closed:
+            return
+        self._closed = True
+        if not self.is_leader:
+            if self._listener is not None:  # ends with the leader's CLOSE
+                self._listener.join(timeout)
+            return
+        if not self._used:  # no step began: no follower listens
+            return
+        buf = torch.tensor([_MAGIC_CLOSE, 0, 0, 0, 0, 0], dtype=torch.int64)
+        with contextlib.suppress(Exception):  # followers may be gone already
+            works = [self.group.send([buf], f, 0) for f in self._followers]
+            deadline = time.monotonic() + timeout
+            for w in works:
+                w.wait(datetime.timedelta(seconds=max(0.0, deadline - time.monotonic())))
 
     async def verify_sequence(self, step: int, executed: Sequence[Task]) -> None:
         """Every TP rank: all-gather a digest of the executed sequence and compare.

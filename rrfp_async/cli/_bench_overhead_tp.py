@@ -100,6 +100,8 @@ def _tp_rank(
         for _ in range(batches):
             raw.append(raw_batch())
             chan.append(await channel_batch())
+        # The stages below get channels of their own on the same group.
+        await asyncio.get_running_loop().run_in_executor(None, ch.close)
 
         async def stage_times(seconds: float) -> tuple[list[float], list[float], int]:
             """Step times of a coordinated and an uncoordinated stage, steps alternating."""

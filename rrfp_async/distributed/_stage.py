@@ -177,7 +177,14 @@ class DistributedStage:
 
     async def __aexit__(self, exc_type: object, *exc: object) -> None:
         self._state = "closed"
-        await self.channel.__aexit__(exc_type, *exc)
+        try:
+            if self.decisions is not None:
+                timeout = 5.0 if exc_type is None else 0.5
+                await asyncio.get_running_loop().run_in_executor(
+                    None, self.decisions.close, timeout
+                )
+        finally:
+            await self.channel.__aexit__(exc_type, *exc)
 
     def _who(self) -> str:
         return f"rank {self.layout.pp_rank} (global {self.layout.rank})"
