@@ -139,7 +139,7 @@ class DecisionChannel:
         if self._listener is None:
             self._loop = asyncio.get_running_loop()
             self._listener = threading.Thread(
-                target=self._listen, name=f"rrfp-decisions-{self.rank}", daemon=True
+                target=self._listen, name=f"rrfp-decisions-listen-{self.rank}", daemon=True
             )
             self._listener.start()
         while self._rows and self._rows[0][1] < step:
