@@ -22,7 +22,6 @@ stream and returns only when the task's kernels have finished.
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import contextlib
 import functools
 import os
@@ -321,6 +320,19 @@ def cuda_event_future(
     return afut
 
 
+class _Job:
+    """A call queued on a ``ComputeWorker`` and the future its result goes to."""
+
+    __slots__ = ("call", "fut", "loop")
+
+    def __init__(
+        self, call: Callable[[], Any], fut: asyncio.Future[Any], loop: asyncio.AbstractEventLoop
+    ) -> None:
+        self.call = call
+        self.fut = fut
+        self.loop = loop
+
+
 class ComputeWorker:
     """One compute thread (a "stream"): tasks run one at a time, in submission order.
 
@@ -367,9 +379,13 @@ class ComputeWorker:
             initializer = functools.partial(torch.cuda.set_device, dev)
         self._device = dev
         self._closed = False
-        self._executor = concurrent.futures.ThreadPoolExecutor(
-            max_workers=1, thread_name_prefix=name, initializer=initializer
-        )
+        self._initializer = initializer
+        self._name = f"{name}_0"
+        # One dedicated thread fed by a queue: a ThreadPoolExecutor + wrap_future costs about
+        # twice the hand-off (BENCHMARKS.md, "Thread hand-off").
+        self._jobs: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
+        self._thread: threading.Thread | None = None
+        self._lock = threading.Lock()
 
     @property
     def device(self) -> torch.device | None:
@@ -408,7 +424,7 @@ class ComputeWorker:
             raise RuntimeError("ComputeWorker is closed")
         stream = self._stream
         if stream is None:
-            return await asyncio.wrap_future(self._executor.submit(fn, *args, **kwargs))
+            return await self._submit(functools.partial(fn, *args, **kwargs))
         caller_stream = torch.cuda.current_stream(stream.device)
 
         def _on_side_stream() -> tuple[T, torch.cuda.Event]:
@@ -421,9 +437,39 @@ class ComputeWorker:
                 event.record(stream)
             return out, event
 
-        out, event = await asyncio.wrap_future(self._executor.submit(_on_side_stream))
+        out, event = await self._submit(_on_side_stream)
         await cuda_event_future(event, mode=self._event_mode)
         return out
+
+    def _submit(self, call: Callable[[], T]) -> asyncio.Future[T]:
+        loop = asyncio.get_running_loop()
+        fut: asyncio.Future[T] = loop.create_future()
+        if self._thread is None:
+            with self._lock:
+                if self._thread is None:
+                    self._thread = threading.Thread(target=self._work, name=self._name, daemon=True)
+                    self._thread.start()
+        self._jobs.put(_Job(call, fut, loop))
+        return fut
+
+    def _work(self) -> None:
+        if self._initializer is not None:
+            self._initializer()
+        jobs = self._jobs
+        while True:
+            job = jobs.get()
+            if job is None:
+                return
+            fut, loop = job.fut, job.loop
+            if self._closed or fut.cancelled():  # closed before it started, or dropped
+                _post(loop, fut.cancel)
+                continue
+            try:
+                out = job.call()
+            except BaseException as e:
+                _post(loop, functools.partial(_reject, fut, e))
+            else:
+                _post(loop, functools.partial(_resolve, fut, out))
 
     def close(self) -> None:
         """Stop the worker thread: queued tasks are cancelled, a running one is waited for.
@@ -431,13 +477,18 @@ class ComputeWorker:
         Idempotent. Blocks while a task runs: from a coroutine, prefer :meth:`aclose`.
         """
         self._closed = True
-        self._executor.shutdown(wait=True, cancel_futures=True)
+        self._jobs.put(None)
+        t = self._thread
+        if t is not None and t is not threading.current_thread():
+            t.join()
 
     async def aclose(self) -> None:
         """:meth:`close` without blocking the event loop (waits on a helper thread)."""
         self._closed = True
-        self._executor.shutdown(wait=False, cancel_futures=True)
-        await run_blocking(self._executor.shutdown, True, name="rrfp-compute-close")
+        self._jobs.put(None)
+        t = self._thread
+        if t is not None:
+            await run_blocking(t.join, name="rrfp-compute-close")
 
     def __enter__(self) -> Self:
         return self
