@@ -83,8 +83,6 @@ class DecisionChannel:
         rank: This process's global rank.
         tp_rank: This process's rank inside the TP group (for messages).
         stage: The pipeline rank of the stage (for messages).
-        depth: Kept for compatibility; a follower's listener always has one receive posted
-            and queues what arrives, without limit.
 
     Attributes:
         waiting: What this rank waits for on the decision group right now (text, for the
@@ -102,7 +100,6 @@ class DecisionChannel:
         rank: int,
         tp_rank: int,
         stage: int,
-        depth: int = 4,
     ) -> None:
         self.group = group
         self.leader = leader
@@ -110,7 +107,6 @@ class DecisionChannel:
         self.tp_rank = tp_rank
         self.stage = stage
         self.is_leader = rank == leader
-        self.depth = max(1, depth)
         self.published = 0
         self.waiting: str | None = None
         self._root = dist.get_group_rank(group, leader)

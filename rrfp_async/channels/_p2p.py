@@ -299,7 +299,9 @@ class P2PChannel:
                 try:
                     works = [self._pg.send([m], self._peer_rank[dst], 0) for m in msgs]
                 except Exception as e:
-                    raise PeerError(self._send_failed(dst, what, e)) from e
+                    err = PeerError(self._send_failed(dst, what, e))
+                    self._post(self._lose, dst, err)  # blame the peer, like a queued send
+                    raise err from e
                 self.direct_sent += 1
                 un = self._unreaped[dst]
                 un.append((works, what))

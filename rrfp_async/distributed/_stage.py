@@ -78,7 +78,6 @@ class DistributedStage:
             compiles, a very large model).
         observer: Observer of the stage's transitions.
         device: Where received tensors are allocated.
-        decision_depth: TP decisions a follower keeps posted ahead.
         max_message_bytes: Largest activation or gradient this rank sends or accepts
             (default 256 MiB). A header that announces more is refused before anything is
             allocated, so a corrupt or hostile header cannot make a rank allocate
@@ -108,7 +107,6 @@ class DistributedStage:
         step_timeout: float | None = DEFAULT_STEP_TIMEOUT,
         observer: StageObserver | None = None,
         device: torch.device | str = "cpu",
-        decision_depth: int = 4,
         max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
         verify_plan: bool = True,
     ) -> None:
@@ -146,7 +144,6 @@ class DistributedStage:
                 rank=layout.rank,
                 tp_rank=layout.tp_rank,
                 stage=layout.pp_rank,
-                depth=decision_depth,
             )
         self.stage = StageLoop(
             layout.pp_rank,
