@@ -38,6 +38,7 @@ __all__ = [
     "ComputeWorker",
     "EventMode",
     "cuda_event_future",
+    "post",
     "run_blocking",
     "torch_future",
     "work_future",
@@ -55,11 +56,13 @@ _POLL_FIRST_S = 20e-6
 _POLL_MAX_S = 1e-3
 
 
-def _post(loop: asyncio.AbstractEventLoop, fn: Callable[[], object]) -> None:
-    """Schedule ``fn`` on ``loop`` from any thread; drop it if the loop is closed."""
-    # RuntimeError: "Event loop is closed": nobody is left to receive the result.
-    with contextlib.suppress(RuntimeError):
-        loop.call_soon_threadsafe(fn)
+def post(loop: asyncio.AbstractEventLoop | None, fn: Callable[..., object], *args: Any) -> None:
+    """Schedule ``fn(*args)`` on ``loop`` from any thread; drop it when there is no loop or
+    it is closed (nobody is left to receive the result)."""
+    if loop is None or loop.is_closed():
+        return
+    with contextlib.suppress(RuntimeError):  # "Event loop is closed" in between
+        loop.call_soon_threadsafe(fn, *args)
 
 
 def _resolve(afut: asyncio.Future[T], value: T) -> None:
@@ -101,7 +104,7 @@ def _bridge(fut: torch.futures.Future[T], transform: Callable[[T], U]) -> asynci
     def _on_done(f: torch.futures.Future[T]) -> None:
         # Runs on whichever thread completes ``fut`` (a gloo worker for collectives), or
         # inline here if it completed in between; only call_soon_threadsafe is safe.
-        _post(loop, functools.partial(_copy_outcome, f, afut, transform))
+        post(loop, _copy_outcome, f, afut, transform)
 
     fut.add_done_callback(_on_done)
     return afut
@@ -219,9 +222,9 @@ def run_blocking(fn: Callable[[*Ts], T], *args: *Ts, name: str | None = None) ->
         try:
             value = fn(*args)
         except BaseException as e:  # every failure becomes the future's exception
-            _post(loop, functools.partial(_reject, afut, e))
+            post(loop, _reject, afut, e)
         else:
-            _post(loop, functools.partial(_resolve, afut, value))
+            post(loop, _resolve, afut, value)
 
     _threads.start(_target, name if name is not None else "rrfp-blocking")
     return afut
@@ -462,14 +465,14 @@ class ComputeWorker:
                 return
             fut, loop = job.fut, job.loop
             if self._closed or fut.cancelled():  # closed before it started, or dropped
-                _post(loop, fut.cancel)
+                post(loop, fut.cancel)
                 continue
             try:
                 out = job.call()
             except BaseException as e:
-                _post(loop, functools.partial(_reject, fut, e))
+                post(loop, _reject, fut, e)
             else:
-                _post(loop, functools.partial(_resolve, fut, out))
+                post(loop, _resolve, fut, out)
 
     def close(self) -> None:
         """Stop the worker thread: queued tasks are cancelled, a running one is waited for.

@@ -50,7 +50,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .._bridges import run_blocking, work_future
+from .._bridges import post, run_blocking, work_future
 from .._errors import ClosedError, DivergenceError, PeerError
 from .._tasks import Kind, Task
 
@@ -178,11 +178,7 @@ class DecisionChannel:
             self._post(self._arrived, row)
 
     def _post(self, fn: Any, *args: Any) -> None:
-        loop = self._loop
-        if loop is None or loop.is_closed():
-            return
-        with contextlib.suppress(RuntimeError):  # the loop closed in between
-            loop.call_soon_threadsafe(fn, *args)
+        post(self._loop, fn, *args)
 
     def _wake(self) -> None:
         w = self._waiter

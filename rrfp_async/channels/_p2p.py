@@ -72,7 +72,6 @@ Trust and loss
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import math
 import queue
 import threading
@@ -83,6 +82,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from .._bridges import post
 from .._errors import PeerError, ProtocolError, RRFPError
 from .._tasks import Task
 from ._base import Sink
@@ -437,11 +437,7 @@ class P2PChannel:
     # ------------------------------------------------------------------ threads
 
     def _post(self, fn: Any, *args: Any) -> None:
-        loop = self._loop
-        if loop is None or loop.is_closed():
-            return
-        with contextlib.suppress(RuntimeError):  # the loop closed in between
-            loop.call_soon_threadsafe(fn, *args)
+        post(self._loop, fn, *args)
 
     def _fail(self, exc: RRFPError) -> None:
         if self._failed is None:
