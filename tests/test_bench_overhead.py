@@ -101,3 +101,6 @@ def test_tp_coordination_rows() -> None:
     assert r["step_decisions"] == 4  # 2 microbatches x (F, B) on the one stage
     assert r["published"] == 10 + 2  # warm-up batch of 2 decisions + 5 batches of 2
     assert 0 < r["share"] < 1
+    # The verdict is on the measured share of step time (the formula is a worst case).
+    assert -1 < r["share_measured"] < 1
+    assert r["met_share"] == (r["share_measured"] < ov.TP_SHARE_TARGET)

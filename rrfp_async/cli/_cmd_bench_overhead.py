@@ -250,9 +250,10 @@ def _tp_table(rows: Rows, compute_ms: float) -> Table:
         "channel: DecisionChannel publish -> receive; slowest rank, lower decile of"
         " interleaved batches (paired: median of adjacent-batch ratios); in stage:"
         " (coordinated - uncoordinated step time) / decisions of a DistributedStage with"
-        f" no-op tasks; share (formula) = channel / (channel + {compute_ms:g} ms); share"
-        " (measured) = (coordinated - uncoordinated) / coordinated step time with tasks"
-        f" that wait {compute_ms:g} ms"
+        f" no-op tasks; share (formula) = channel / (channel + {compute_ms:g} ms), as if"
+        " never overlapped with compute; share (measured, the target) = median over step"
+        " pairs of (coordinated - uncoordinated) / coordinated step time, tasks sleeping"
+        f" {compute_ms:g} ms on a compute thread (emulated GPU time)"
     )
     return t
 
