@@ -294,8 +294,8 @@ class P2PChannel:
         what = (seq, task)
         with self._locks[dst]:
             if nbytes <= self._inline_send and not self._queued[dst]:
-                # Nothing queued ahead on this edge: send from here (a small message costs
-                # a few µs to write), no hand-off; the sender thread reaps the works later.
+                # Nothing queued ahead on this edge: post it from here (no hand-off); the
+                # sender thread reaps the works later.
                 try:
                     works = [self._pg.send([m], self._peer_rank[dst], 0) for m in msgs]
                 except Exception as e:
