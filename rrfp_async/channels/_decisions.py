@@ -24,8 +24,8 @@ decision, ``(step, seq, task)``, goes to the stage's other TP ranks over a small
   thread), where a failed send surfaces.
 * A follower validates every decision: a wrong step or a sequence gap raises
   ``DivergenceError``; so does a task the follower does not know or already ran (checked by
-  the stage loop). Decisions of an earlier (failed) step still queued are dropped when the
-  next step begins.
+  the stage loop). Decisions of an earlier (failed) step, queued or arriving late, are
+  dropped by the next step's ``receive``.
 * At the end of a step every TP rank can cross-check a digest of the sequence it executed
   (``verify_sequence``): with coordination switched off, that is how a divergence is caught.
 * ``close()``: the leader sends a CLOSE row down every pair, so the followers' listeners
@@ -128,7 +128,7 @@ class DecisionChannel:
 
     def begin_step(self, step: int, decisions: int) -> None:
         """A step with ``decisions`` dispatches starts: a follower's listener starts (first
-        step), and decisions of earlier steps still queued are dropped."""
+        step). Decisions of earlier steps still queued are dropped by ``receive``."""
         self._used = True
         if self.is_leader:
             return
@@ -138,8 +138,6 @@ class DecisionChannel:
                 target=self._listen, name=f"rrfp-decisions-listen-{self.rank}", daemon=True
             )
             self._listener.start()
-        while self._rows and self._rows[0][1] < step:
-            self._rows.popleft()
 
     def publish(self, step: int, seq: int, task: Task) -> None:
         """Leader: send decision ``seq`` of ``step`` to every follower, without waiting."""
@@ -148,7 +146,13 @@ class DecisionChannel:
         ctypes.memmove(buf.data_ptr(), row, _ROW.size)
         send = self.group.send
         for f in self._followers:
-            self._sent.append(send([buf], f, 0))
+            try:
+                self._sent.append(send([buf], f, 0))
+            except Exception as e:
+                raise PeerError(
+                    f"{self._who()} step {step}: sending decision {seq} ({task}) to TP rank {f}"
+                    f" failed (the connection broke: the process died or was killed): {e}"
+                ) from e
         self.published += 1
 
     # ------------------------------------------------------------------ follower side
@@ -204,7 +208,12 @@ class DecisionChannel:
         """
         if self._listener is None:
             raise DivergenceError(f"{self._who()} step {step}: receive before begin_step")
-        while not self._rows:
+        rows = self._rows
+        while True:
+            while rows and rows[0][1] < step:  # a late decision of an earlier, failed step
+                rows.popleft()
+            if rows:
+                break
             if self._failed is not None:
                 raise self._failed
             self.waiting = (

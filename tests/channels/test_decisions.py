@@ -94,7 +94,7 @@ def _worker(rank: int, world: int) -> dict[str, Any]:
 def test_decision_channel_order_stale_close_and_gaps() -> None:
     leader, follower = rr.spawn(_worker, 2, timeout=100)
     assert follower["step0"] == "0F0"
-    # The stale step-0 decisions were dropped when step 1 began.
+    # The stale step-0 decisions were dropped by step 1's receive.
     assert follower["step1"] == ["0B7", "0F8"]
     assert follower["listeners_open"] == 1 and follower["listeners_closed"] == 0, follower
     assert leader["listeners_open"] == 0  # the leader never listens
