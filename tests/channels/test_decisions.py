@@ -86,6 +86,19 @@ def _worker(rank: int, world: int) -> dict[str, Any]:
             except rr.ClosedError as e:
                 out["closed"] = str(e)
             await close(ch3)
+        # 4. A send that fails where it is posted names the follower.
+        if rank == 0:
+            ch4 = DecisionChannel(group, leader=0, rank=0, tp_rank=0, stage=0)
+
+            class _Broken:
+                def send(self, *args: Any) -> Any:
+                    raise RuntimeError("Connection closed by peer")
+
+            ch4.group = _Broken()
+            try:
+                ch4.publish(0, 0, rr.Task(0, "F", 0))
+            except rr.PeerError as e:
+                out["send_failed"] = str(e)
 
     rr.run(main())
     return out
@@ -101,3 +114,4 @@ def test_decision_channel_order_stale_close_and_gaps() -> None:
     assert follower["second"] == "0W3"
     assert "received decision seq 1 of step 1 but expected seq 0 of step 1" in follower["gap"]
     assert "the TP leader closed" in follower["closed"]
+    assert "sending decision 0 (0F0) to TP rank 1 failed" in leader["send_failed"]
