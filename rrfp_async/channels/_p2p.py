@@ -288,6 +288,8 @@ class P2PChannel:
             self.inline_sent += 1
         else:
             assert t is not None  # only a payload can be too large to go inline
+            if self._growing and t.device.type != "cpu":
+                t = t.cpu()  # gloo carries CPU tensors (a CUDA payload is staged)
             msgs = [torch.tensor(header, dtype=torch.int64, device=self._hdr_device), t]
             if self._growing:
                 self._send_cap[dst] = grow(cap, nbytes, self._max_bytes)
@@ -598,7 +600,9 @@ class P2PChannel:
                         payload = body.view(dtype).view(shape)
                         raw = None  # the payload is a view of it
                 else:
-                    payload = torch.empty(shape, dtype=dtype, device=self._device)
+                    # gloo carries CPU tensors: a CUDA payload lands on the CPU first.
+                    where = "cpu" if self._growing else self._device
+                    payload = torch.empty(shape, dtype=dtype, device=where)
                     try:
                         recv([payload], peer, 0).wait()
                     except Exception as e:
