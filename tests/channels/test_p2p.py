@@ -10,7 +10,7 @@ import torch
 
 import rrfp_async as rr
 from rrfp_async.channels._p2p import P2PChannel
-from rrfp_async.channels._wire import HEADER_LEN, MAGIC, encode_header
+from rrfp_async.channels._wire import HEADER_LEN, LOST, MAGIC, encode_header
 
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(180)]
 
@@ -244,6 +244,57 @@ def test_direct_and_queued_sends_keep_their_order() -> None:
     # the reused receive buffer were not overwritten by the later messages.
     want = [(i, None if n == 0 else (n, sum(range(n)) + i * n)) for i, n in enumerate(sizes)]
     assert receiver["got"] == want
+
+
+class _BrokenGroup:
+    """A process group whose sends fail, like one whose peer died."""
+
+    def send(self, *args: Any) -> Any:
+        raise RuntimeError("Connection closed by peer")
+
+
+async def _direct_failure(rank: int) -> dict[str, Any]:
+    ch = P2PChannel(
+        rank,
+        global_ranks={0: 0, 1: 1},
+        inbound=[0] if rank else [],
+        outbound=[1] if rank == 0 else [],
+    )
+    sink = _Sink(1)
+    ch.bind(sink)
+    out: dict[str, Any] = {}
+    async with ch:
+        if rank == 0:
+            pg, ch._pg = ch._pg, _BrokenGroup()
+            try:
+                ch.send(1, 0, rr.Task(1, "F", 0), torch.ones(4))
+            except rr.PeerError as e:
+                out["raised"] = str(e)
+            await asyncio.sleep(0.05)  # the loss reaches the stage through the loop
+            out["stage_got"] = [str(e) for e in sink.errors]
+            out["cause"] = ch._cause
+            ch._pg = pg  # the CLOSE still goes out
+    return out
+
+
+def _direct_failure_worker(rank: int, world: int) -> dict[str, Any]:
+    return rr.run(_direct_failure(rank))
+
+
+def test_a_send_failing_where_it_is_posted_blames_the_peer() -> None:
+    sender, _ = rr.spawn(_direct_failure_worker, 2, timeout=120)
+    assert (
+        "rank 0 (global 0) lost rank 1 (global 1): sending message seq 0 (1F0)"
+        in (sender["raised"])
+    )
+    # Like a send that fails on the sender thread: the stage fails and the CLOSE says LOST.
+    assert sender["stage_got"] == [sender["raised"]]
+    assert sender["cause"][0] == LOST and sender["cause"][2] == (1,)  # global rank 1
+
+
+def test_inline_send_bytes_must_not_be_negative() -> None:
+    with pytest.raises(ValueError, match="inline_send_bytes must be >= 0"):
+        P2PChannel(0, global_ranks={0: 0}, inbound=[], outbound=[], inline_send_bytes=-1)
 
 
 # ---------------------------------------------------------------------- the trust bound

@@ -402,6 +402,43 @@ async def test_compute_worker_errors_close_and_reuse() -> None:
         await worker.run(lambda: 1)
 
 
+@pytest.mark.timeout(30)
+async def test_compute_worker_drops_a_cancelled_task_and_close_cancels_the_queue() -> None:
+    ran: list[str] = []
+    gate = threading.Event()
+
+    def task(name: str) -> str:
+        if name == "first":
+            gate.wait(10)
+        ran.append(name)
+        return name
+
+    worker = ComputeWorker()
+    first = asyncio.ensure_future(worker.run(task, "first"))
+    dropped = asyncio.ensure_future(worker.run(task, "dropped"))
+    kept = asyncio.ensure_future(worker.run(task, "kept"))
+    await asyncio.sleep(0.05)  # "first" runs and blocks; the other two wait in the queue
+    dropped.cancel()  # cancelled before it started: never runs
+    await asyncio.sleep(0)
+    gate.set()
+    assert await first == "first" and await kept == "kept"
+    assert ran == ["first", "kept"]
+    # close() while a task runs and another waits: the running one finishes, the queued one
+    # is cancelled and never runs.
+    gate.clear()
+    running = asyncio.ensure_future(worker.run(task, "first"))
+    queued = asyncio.ensure_future(worker.run(task, "queued"))
+    await asyncio.sleep(0.05)
+    closing = asyncio.ensure_future(worker.aclose())
+    await asyncio.sleep(0.05)
+    gate.set()
+    await closing
+    assert await running == "first"
+    with pytest.raises(asyncio.CancelledError):
+        await queued
+    assert ran == ["first", "kept", "first"]
+
+
 def test_compute_worker_sync_context_manager() -> None:
     with ComputeWorker(device="cpu") as worker:
         assert worker.device == torch.device("cpu") and worker.stream is None
