@@ -38,7 +38,6 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
-import ctypes
 import datetime
 import hashlib
 import struct
@@ -53,6 +52,7 @@ import torch.distributed as dist
 from .._bridges import post, run_blocking, work_future
 from .._errors import ClosedError, DivergenceError, PeerError
 from .._tasks import Kind, Task
+from ._wire import read_ints, write_ints
 
 __all__ = ["DecisionChannel", "sequence_digest"]
 
@@ -142,8 +142,7 @@ class DecisionChannel:
     def publish(self, step: int, seq: int, task: Task) -> None:
         """Leader: send decision ``seq`` of ``step`` to every follower, without waiting."""
         buf = torch.empty(6, dtype=torch.int64)
-        row = _ROW.pack(_MAGIC, step, seq, task.stage, _CODE[task.kind], task.mb)
-        ctypes.memmove(buf.data_ptr(), row, _ROW.size)
+        write_ints(_ROW, buf, (_MAGIC, step, seq, task.stage, _CODE[task.kind], task.mb))
         send = self.group.send
         for f in self._followers:
             try:
@@ -161,7 +160,6 @@ class DecisionChannel:
         """Follower thread: receive rows from the leader until CLOSE or a broken pair."""
         recv = self.group.recv
         buf = torch.empty(6, dtype=torch.int64)
-        ptr = buf.data_ptr()
         while True:
             try:
                 recv([buf], self._root, 0).wait()
@@ -175,7 +173,7 @@ class DecisionChannel:
                         ),
                     )
                 return
-            row = _ROW.unpack(ctypes.string_at(ptr, _ROW.size))
+            row = read_ints(_ROW, buf)
             if row[0] == _MAGIC_CLOSE:
                 self._post(self._fail, ClosedError(f"{self._who()}: the TP leader closed"))
                 return

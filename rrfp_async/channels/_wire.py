@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import ctypes
 import struct
+from collections.abc import Sequence
 
 import torch
 
@@ -86,6 +87,17 @@ def encode_header(
 _HEADER = struct.Struct(f"={HEADER_LEN}q")
 
 
+def write_ints(fmt: struct.Struct, buf: torch.Tensor, values: Sequence[int]) -> None:
+    """Write ``values`` packed as ``fmt`` at the start of ``buf`` (a CPU tensor of at least
+    ``fmt.size`` bytes): one ``memmove``, no torch call (a few µs less per message)."""
+    ctypes.memmove(buf.data_ptr(), fmt.pack(*values), fmt.size)
+
+
+def read_ints(fmt: struct.Struct, buf: torch.Tensor) -> tuple[int, ...]:
+    """The integers packed as ``fmt`` at the start of ``buf`` (a CPU tensor)."""
+    return fmt.unpack(ctypes.string_at(buf.data_ptr(), fmt.size))
+
+
 def pack_inline(header: list[int], payload: torch.Tensor | None) -> torch.Tensor:
     """One uint8 message: the header, then ``payload`` (contiguous) right behind it.
 
@@ -94,11 +106,10 @@ def pack_inline(header: list[int], payload: torch.Tensor | None) -> torch.Tensor
     """
     nbytes = 0 if payload is None else payload.nbytes
     buf = torch.empty(HEADER_BYTES + nbytes, dtype=torch.uint8)
-    ptr = buf.data_ptr()
-    ctypes.memmove(ptr, _HEADER.pack(*header), HEADER_BYTES)
+    write_ints(_HEADER, buf, header)
     if payload is not None and nbytes:
         if payload.device.type == "cpu" and payload.is_contiguous():
-            ctypes.memmove(ptr + HEADER_BYTES, payload.data_ptr(), nbytes)
+            ctypes.memmove(buf.data_ptr() + HEADER_BYTES, payload.data_ptr(), nbytes)
         else:
             buf[HEADER_BYTES:].view(payload.dtype).view(payload.shape).copy_(payload)
     return buf
@@ -107,7 +118,7 @@ def pack_inline(header: list[int], payload: torch.Tensor | None) -> torch.Tensor
 def read_header(raw: torch.Tensor) -> list[int]:
     """The header at the start of a received message (uint8 on the CPU, else int64)."""
     if raw.device.type == "cpu" and raw.dtype == torch.uint8:
-        return list(_HEADER.unpack(ctypes.string_at(raw.data_ptr(), HEADER_BYTES)))
+        return list(read_ints(_HEADER, raw))
     return raw[:HEADER_LEN].tolist()
 
 
