@@ -197,12 +197,15 @@ class StepPlan:
         microbatches: Number of microbatches M (>= 1).
         split_backward: When true the backward is split into ``I`` and ``W`` tasks.
         ordered_weights: Run each stage's ``W`` tasks in microbatch order.
+        forward_only: A forward-only (evaluation) step: ``F`` tasks only, nothing stashed
+            for a backward (see ``StepSchedule.forward_only``).
     """
 
     topology: Topology
     microbatches: int
     split_backward: bool = False
     ordered_weights: bool = False
+    forward_only: bool = False
     # Memo of producers/consumers: hint generators, validation and the stage programs ask
     # for them thousands of times per step schedule.
     _producers: dict[Task, tuple[Task, ...]] = field(
@@ -217,8 +220,11 @@ class StepPlan:
         check_count("microbatches", self.microbatches)
         check_bool("split_backward", self.split_backward)
         check_bool("ordered_weights", self.ordered_weights)
+        check_bool("forward_only", self.forward_only)
         if self.ordered_weights and not self.split_backward:
             raise PlanError("ordered_weights needs split_backward=True (W tasks to order)")
+        if self.forward_only and self.split_backward:
+            raise PlanError("a forward_only plan has no backward to split (split_backward=True)")
 
     @property
     def stages(self) -> int:
@@ -238,6 +244,8 @@ class StepPlan:
     @property
     def kinds(self) -> tuple[Kind, ...]:
         """The task kinds of this plan."""
+        if self.forward_only:
+            return ("F",)
         return ("F", "I", "W") if self.split_backward else ("F", "B")
 
     def rank_of(self, task: Task) -> int:
@@ -310,7 +318,8 @@ class StepPlan:
         if c is not None:
             out.append(c)
         if k == "F":
-            out.append(Task(v, self.backward_kind, m))
+            if not self.forward_only:
+                out.append(Task(v, self.backward_kind, m))
         elif k == "I":
             out.append(Task(v, "W", m))
         elif k == "W" and self.ordered_weights and m + 1 < self.microbatches:

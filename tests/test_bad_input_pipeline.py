@@ -304,10 +304,15 @@ def _stage(s: StepSchedule, rank: int = 0, **kw: Any) -> rr.StageLoop:
 
 
 _BAD_STEP_ARGS: list[tuple[dict[str, Any], str]] = [
-    ({"microbatches": [0, 1, 2]}, r"microbatches: the plan has 2 microbatches, got 3"),
-    ({"microbatches": []}, r"microbatches: the plan has 2 microbatches, got 0"),
-    ({"microbatches": 2}, r"microbatches must be a sequence of 2 microbatches, got 2 \(int\)"),
-    ({"schedule": sched(p=2, m=4)}, r"a per-step schedule must have the stage's plan .*, got"),
+    ({"microbatches": []}, r"microbatches: a step needs at least 1 microbatch, got 0"),
+    ({"microbatches": 2}, r"microbatches must be a sequence of microbatches .*, got 2 \(int\)"),
+    (
+        {"schedule": sched(p=2, m=4)},
+        r"(a per-step schedule must have the stage's topology .*, got"
+        r"|microbatches: the per-step schedule has 4 microbatches, got 2)",
+    ),
+    ({"schedule": sched(p=3, m=2)}, r"a per-step schedule must have the stage's topology"),
+    ({"train": 1}, r"train must be True or False, got 1"),
     ({"schedule": "1f1b"}, r"schedule must be a StepSchedule \(or None\), got '1f1b' \(str\)"),
     ({"step": "1"}, r"step must be an integer, got '1' \(str\)"),
     ({"step": -1}, r"step must be >= 0, got -1"),

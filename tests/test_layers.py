@@ -18,7 +18,19 @@ PACKAGE = Path(rrfp_async.__file__).parent
 
 #: Bottom first. A module may import its own layer and the layers below it, never above.
 LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
-    ("base", ("_errors", "_check", "_tasks", "_costs", "_workloads", "_admission", "_bridges")),
+    (
+        "base",
+        (
+            "_errors",
+            "_check",
+            "_tasks",
+            "_pytree",
+            "_costs",
+            "_workloads",
+            "_admission",
+            "_bridges",
+        ),
+    ),
     ("models", ("models",)),
     ("policies", ("policies",)),
     ("channels", ("channels",)),

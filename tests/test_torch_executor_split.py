@@ -54,7 +54,8 @@ def _example() -> tuple[dict[int, nn.Module], list[rr.Microbatch], list[Any]]:
             h: Any = mb.data
             for v in range(STAGES - 1):
                 h = modules[v](h)
-                per_stage.append(h)
+                # As it arrives from the previous stage: a leaf that requires grad.
+                per_stage.append(h.detach().requires_grad_(True))
             inputs.append(per_stage)
     return modules, mbs, inputs
 
@@ -91,8 +92,15 @@ def _tasks(
 ) -> list[Any]:
     """Run ``tasks`` in order through ``execute`` (the compute thread); their outputs."""
 
+    def arrived(t: rr.Task, d: Any) -> Any:
+        # A middle stage's input as a channel delivers it: a leaf that requires grad when
+        # the producer's output did (every float activation here).
+        if t.kind == "F" and t.stage > 0 and isinstance(d, torch.Tensor):
+            return d.detach().requires_grad_(d.is_floating_point())
+        return d
+
     async def go() -> list[Any]:
-        return [await ex.execute(t, d, ctx) for t, d in tasks]
+        return [await ex.execute(t, arrived(t, d), ctx) for t, d in tasks]
 
     return rr.run(go())
 

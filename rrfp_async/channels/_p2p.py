@@ -104,14 +104,18 @@ from ._wire import (
     MAX_BLAMED,
     MAX_NDIM,
     NO_PAYLOAD,
+    REQUIRES_GRAD,
+    TREE,
     TIMED_OUT,
     blame_text,
     encode_header,
     grow,
     pack_inline,
+    pack_tree,
     read_header,
     size_text,
     unpack_inline,
+    unpack_tree,
 )
 
 __all__ = ["P2PChannel"]
@@ -256,14 +260,23 @@ class P2PChannel:
                 f"rank {self._rank}: no open outbound edge to rank {dst} (outbound:"
                 f" {self._outbound}); is the channel started?"
             )
-        if payload is not None and not isinstance(payload, torch.Tensor):
-            raise ProtocolError(
-                f"rank {self._rank}: {task}'s output must be a tensor or None to cross ranks,"
-                f" got {type(payload).__name__}"
-            )
-        t = None if payload is None else payload.detach()
-        if t is not None and not t.is_contiguous():
-            t = t.contiguous()
+        tree: int | None = None
+        if payload is None or isinstance(payload, torch.Tensor):
+            t = payload
+            if t is not None:
+                rg = t.requires_grad
+                t = t.detach()
+                if not t.is_contiguous():
+                    t = t.contiguous()
+                if rg:  # the flag travels (REQUIRES_GRAD), not the graph
+                    t = t.view(t.shape).requires_grad_(True)
+        else:
+            try:
+                t, tree = pack_tree(payload)
+            except ProtocolError as e:
+                raise ProtocolError(
+                    f"rank {self._rank} step {step}: cannot send the output for {task}: {e}"
+                ) from None
         nbytes = 0 if t is None else t.nbytes
         if nbytes > self._max_bytes:
             assert t is not None
@@ -278,7 +291,7 @@ class P2PChannel:
             self._last_step = step
         cap = self._send_cap[dst]
         inline = t is None or (self._growing and HEADER_BYTES + nbytes <= cap)
-        header = encode_header(seq, step, task, t, inline=inline)
+        header = encode_header(seq, step, task, t, inline=inline, tree=tree)
         self._send_seq[dst] = seq + 1
         if inline and self._growing:
             msgs = [pack_inline(header, t)]
@@ -568,6 +581,9 @@ class P2PChannel:
             h = read_header(raw)
             try:
                 closing, task, step, dtype, shape = self._check(h, expect, edge)
+                code = h[7] & ~REQUIRES_GRAD if h[7] >= 0 else h[7]
+                rg = h[7] >= 0 and bool(h[7] & REQUIRES_GRAD)
+                tree_len = h[10] if code == TREE else 0
             except ProtocolError as e:
                 self._post(self._fail, e)
                 return
@@ -578,7 +594,7 @@ class P2PChannel:
                     n = min(max(h[4], 0), MAX_BLAMED)
                     self._post(self._peer_failed, src, h[2], h[3], tuple(h[5 : 5 + n]))
                 return
-            payload = None
+            payload: Any = None
             if dtype is not None:
                 nbytes = math.prod(shape) * ITEMSIZE[dtype]
                 if h[1] == DATA_INLINE:
@@ -620,8 +636,22 @@ class P2PChannel:
                     if self._growing:
                         cap = grow(cap, nbytes, self._max_bytes)
                         raw = None  # the next receive needs the larger buffer
-                if payload.device != self._device:
-                    payload = payload.to(self._device)
+                if code == TREE:
+                    try:
+                        payload = unpack_tree(payload, tree_len, self._device)
+                    except ProtocolError as e:
+                        self._post(
+                            self._fail,
+                            ProtocolError(
+                                f"{edge}: message seq {expect} ({task} of step {step}): {e}"
+                            ),
+                        )
+                        return
+                else:
+                    if payload.device != self._device:
+                        payload = payload.to(self._device)
+                    if rg and payload.is_floating_point():
+                        payload.requires_grad_(True)
             expect += 1
             prev = (task, step)
             if step > self._last_step:
@@ -652,7 +682,21 @@ class P2PChannel:
         task = Task(h[4], KINDS[h[5]], h[6])
         if h[7] == NO_PAYLOAD:
             return False, task, h[3], None, ()
-        if not 0 <= h[7] < len(DTYPES):
+        code = h[7] & ~REQUIRES_GRAD if h[7] >= 0 else h[7]
+        if code == TREE:
+            total, doc = h[9], h[10]
+            if h[8] != 2 or not 0 <= doc <= total:
+                raise bad(f"a pytree payload needs shape (total, structure), got {h[8:11]}")
+            if total > self._max_bytes:
+                raise ProtocolError(
+                    f"{edge}: message seq {expect} ({task} of step {h[3]}) announces a pytree"
+                    f" payload of {total} bytes, more than the bound of {self._max_bytes}"
+                    f" bytes ({size_text(self._max_bytes)}): refused before allocating it. If"
+                    f" messages this large are expected, raise the bound with"
+                    f" {self._bound_name} on every rank; header {h}"
+                )
+            return False, task, h[3], torch.uint8, (total,)
+        if not 0 <= code < len(DTYPES):
             raise bad(f"unknown dtype code {h[7]}")
         ndim = h[8]
         if not 0 <= ndim <= MAX_NDIM:
@@ -660,7 +704,7 @@ class P2PChannel:
         shape = tuple(h[9 : 9 + ndim])
         if any(d < 0 for d in shape):
             raise bad(f"negative dimension in {shape}")
-        dtype = DTYPES[h[7]]
+        dtype = DTYPES[code]
         size = math.prod(shape) * ITEMSIZE[dtype]
         if size > self._max_bytes:
             # Refused before anything is allocated: a header is not trusted with memory.

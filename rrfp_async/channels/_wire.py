@@ -6,12 +6,19 @@ message of its own)::
     [magic, kind, seq, step, stage, task kind, microbatch, dtype, ndim, d0 .. d6]
 
 A CLOSE carries its cause instead: ``[magic, CLOSE, cause, step, n, global rank 0 .. n-1]``.
-Pure data and functions; nothing here touches torch.distributed.
+
+The dtype field also carries ``REQUIRES_GRAD`` (a flag bit: the sender's tensor required
+grad, so the consumer's copy does too). A payload that is not one tensor (a tuple, a dict,
+``rr.Args``, nested: see ``rrfp_async._pytree``) travels as one uint8 payload with dtype code
+``TREE`` and shape ``(total bytes, structure bytes)``: its JSON structure, then each tensor
+leaf's bytes, each part starting at a multiple of 8 bytes (so every leaf is an aligned view
+of the received buffer). Pure data and functions; nothing here touches torch.distributed.
 """
 
 from __future__ import annotations
 
 import ctypes
+import math
 import struct
 from collections.abc import Sequence
 
@@ -60,24 +67,53 @@ DTYPES = (
 DTYPE_CODE = {d: i for i, d in enumerate(DTYPES)}
 ITEMSIZE = {d: torch.empty((), dtype=d).element_size() for d in DTYPES}
 NO_PAYLOAD = -1
+TREE = 127
+"""dtype code of a pytree payload (see the module docstring)."""
+REQUIRES_GRAD = 1 << 8
+"""Flag bit of the dtype field: the tensor required grad at the sender."""
+_ALIGN = 8
+
+
+def dtype_code(dtype: torch.dtype) -> int:
+    """The wire code of ``dtype``.
+
+    Raises:
+        ProtocolError: A dtype the wire does not carry.
+    """
+    code = DTYPE_CODE.get(dtype)
+    if code is None:
+        raise ProtocolError(f"unsupported dtype {dtype} (the wire carries {list(DTYPES)})")
+    return code
 
 
 def encode_header(
-    seq: int, step: int, task: Task, payload: torch.Tensor | None, *, inline: bool = False
+    seq: int,
+    step: int,
+    task: Task,
+    payload: torch.Tensor | None,
+    *,
+    inline: bool = False,
+    tree: int | None = None,
 ) -> list[int]:
     """The int64 header of a data message (pure; used by tests to forge bad ones).
 
     ``inline``: the payload follows in the same message (else as a message of its own).
+    ``tree``: the payload is a packed pytree (``pack_tree``) whose structure takes ``tree``
+    bytes.
     """
     shape: tuple[int, ...]
     if payload is None:
         dtype, shape = NO_PAYLOAD, ()
+    elif tree is not None:
+        dtype, shape = TREE, (payload.numel(), tree)
     else:
         if payload.dtype not in DTYPE_CODE:
             raise ProtocolError(f"cannot send {task}: unsupported dtype {payload.dtype}")
         if payload.dim() > MAX_NDIM:
             raise ProtocolError(f"cannot send {task}: {payload.dim()} dims > {MAX_NDIM}")
         dtype, shape = DTYPE_CODE[payload.dtype], tuple(payload.shape)
+        if payload.requires_grad:
+            dtype |= REQUIRES_GRAD
     kind = DATA_INLINE if inline else DATA
     h = [MAGIC, kind, seq, step, task.stage, KIND_CODE[task.kind], task.mb, dtype, len(shape)]
     h += list(shape) + [0] * (MAX_NDIM - len(shape))
@@ -130,6 +166,82 @@ def unpack_inline(
     if nbytes:
         ctypes.memmove(out.data_ptr(), raw.data_ptr() + HEADER_BYTES, nbytes)
     return out
+
+
+def _up(n: int) -> int:
+    return (n + _ALIGN - 1) // _ALIGN * _ALIGN
+
+
+def pack_tree(tree: object) -> tuple[torch.Tensor, int]:
+    """A pytree as one uint8 CPU payload and the length of its structure (see the module
+    docstring). Tensor leaves are copied in (from any device).
+
+    Raises:
+        ProtocolError: A leaf or container the wire does not carry, or an unsupported dtype.
+    """
+    from .._pytree import encode_structure
+
+    doc, leaves = encode_structure(tree, dtype_code)
+    offsets = []
+    off = _up(len(doc))
+    for t in leaves:
+        if t.dim() > 64:
+            raise ProtocolError(f"a tensor leaf has {t.dim()} dims")
+        offsets.append(off)
+        off = _up(off + t.numel() * t.element_size())
+    buf = torch.empty(off, dtype=torch.uint8)
+    base = buf.data_ptr()
+    ctypes.memmove(base, doc, len(doc))
+    for t, o in zip(leaves, offsets, strict=True):
+        n = t.numel() * t.element_size()
+        if not n:
+            continue
+        t = t.detach()
+        if t.device.type == "cpu" and t.is_contiguous():
+            ctypes.memmove(base + o, t.data_ptr(), n)
+        else:
+            buf[o : o + n].view(t.dtype).view(t.shape).copy_(t)
+    return buf, len(doc)
+
+
+def unpack_tree(raw: torch.Tensor, doc_len: int, device: torch.device) -> object:
+    """The pytree packed in ``raw`` (uint8, CPU) by ``pack_tree``; tensor leaves are views of
+    ``raw`` (moved to ``device`` if it is not the CPU), ``requires_grad`` as at the sender.
+
+    Raises:
+        ProtocolError: The structure is corrupt or its leaves do not fill ``raw`` exactly.
+    """
+    from .._pytree import decode_structure
+
+    total = raw.numel()
+    if not 0 <= doc_len <= total:
+        raise ProtocolError(f"structure of {doc_len} bytes in a payload of {total}")
+    doc = ctypes.string_at(raw.data_ptr(), doc_len)
+    off = _up(doc_len)
+
+    def make(code: int, shape: tuple[int, ...], rg: bool) -> torch.Tensor:
+        nonlocal off
+        if not 0 <= code < len(DTYPES) or len(shape) > 64:
+            raise ProtocolError(f"corrupt structure: dtype code {code}, shape {shape}")
+        dtype = DTYPES[code]
+        n = math.prod(shape) * ITEMSIZE[dtype]
+        if off + n > total:
+            raise ProtocolError(
+                f"corrupt structure: a {shape} {dtype} leaf at byte {off} overruns the"
+                f" payload of {total} bytes"
+            )
+        t = raw[off : off + n].view(dtype).view(shape)
+        off = _up(off + n)
+        if device.type != "cpu":
+            t = t.to(device)
+        if rg and t.is_floating_point():
+            t.requires_grad_(True)
+        return t
+
+    tree = decode_structure(doc, make)
+    if off != total:
+        raise ProtocolError(f"corrupt structure: its leaves end at byte {off}, payload {total}")
+    return tree
 
 
 def blame_text(cause: int, ranks: str) -> str:

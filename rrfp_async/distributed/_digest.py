@@ -38,7 +38,7 @@ from ._layout import ProcessLayout
 __all__ = ["PlanDigest", "plan_disagreement"]
 
 _MAGIC = 0x504C414E  # "PLAN"
-_VERSION = 1
+_VERSION = 2
 _STR_BYTES = 32
 _STR_WORDS = _STR_BYTES // 8
 _WORLD = (
@@ -51,6 +51,8 @@ _WORLD = (
     "microbatches",
     "split_backward",
     "ordered_weights",
+    "forward_only",
+    "ties",
     "hint",
     "policy",
     "max_message_bytes",
@@ -102,6 +104,8 @@ class PlanDigest:
     microbatches: int
     split_backward: int
     ordered_weights: int
+    forward_only: int
+    ties: int
     hint: str
     policy: str
     max_message_bytes: int
@@ -118,6 +122,7 @@ class PlanDigest:
         policy: str,
         layout: ProcessLayout,
         max_message_bytes: int,
+        ties: str = "",
     ) -> PlanDigest:
         """The digest of this rank's ``schedule`` run with ``policy`` at ``layout``."""
         plan = schedule.plan
@@ -134,6 +139,8 @@ class PlanDigest:
             "microbatches": plan.microbatches,
             "split_backward": int(plan.split_backward),
             "ordered_weights": int(plan.ordered_weights),
+            "forward_only": int(plan.forward_only),
+            "ties": _h63(ties) if ties else 0,
             "hint": schedule.hint_name,
             "policy": policy,
             "max_message_bytes": max_message_bytes,

@@ -181,42 +181,69 @@ def _walk(
 def _recompute_input(
     out: torch.Tensor,
     grad: torch.Tensor | None,
-    xi: torch.Tensor | None,
+    inputs: Sequence[torch.Tensor],
     params: Sequence[torch.Tensor],
-) -> tuple[torch.Tensor | None, WeightWork]:
-    """The fallback ``I``: input gradient only, the whole graph kept for ``W``."""
-    gx = None
-    if xi is not None:
-        (gx,) = torch.autograd.grad(out, [xi], grad, retain_graph=True)
+) -> tuple[list[torch.Tensor | None], WeightWork]:
+    """The fallback ``I``: input gradients only, the whole graph kept for ``W``."""
+    gx: list[torch.Tensor | None] = [None] * len(inputs)
+    if inputs and out.requires_grad:
+        gx = list(
+            torch.autograd.grad(out, list(inputs), grad, retain_graph=True, allow_unused=True)
+        )
     return gx, WeightWork([], [], {}, params, recompute=(out, grad))
 
 
+def _one_root(
+    outs: Sequence[torch.Tensor], grads: Sequence[torch.Tensor | None]
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """One tensor whose backward is the backward of every ``outs[i]`` from ``grads[i]``.
+
+    Several outputs (a tuple boundary) are joined as ``sum((o * g).sum())``: the gradient
+    that reaches each ``o`` is ``1.0 * g``, bitwise ``g``, so the split stays exact.
+    """
+    if len(outs) == 1:
+        return outs[0], grads[0]
+    with torch.enable_grad():
+        total = None
+        for o, g in zip(outs, grads, strict=True):
+            assert g is not None  # outputs without a gradient are left out by the caller
+            part = (o * g).sum()
+            total = part if total is None else total + part
+    assert total is not None
+    return total, None
+
+
 def input_backward(
-    out: torch.Tensor,
-    grad: torch.Tensor | None,
-    xi: torch.Tensor | None,
+    outs: Sequence[torch.Tensor],
+    grads: Sequence[torch.Tensor | None],
+    inputs: Sequence[torch.Tensor],
     params: Sequence[torch.Tensor],
-) -> tuple[torch.Tensor | None, WeightWork]:
-    """``I``: the gradient of ``xi`` and what ``W`` needs (see the module docstring).
+) -> tuple[list[torch.Tensor | None], WeightWork]:
+    """``I``: the gradients of ``inputs`` and what ``W`` needs (see the module docstring).
 
     Args:
-        out: The stage output (the loss on the last stage).
-        grad: The gradient of ``out`` (None for a scalar loss).
-        xi: The stage input leaf, or None (first stage: the input is data).
+        outs: The stage outputs that require grad (the loss on the last stage), at least one.
+        grads: The gradient of each output (None for a scalar loss).
+        inputs: The stage input leaves that require grad (none on a first stage, whose
+            input is data).
         params: The stage's parameters that require grad.
+
+    Returns:
+        The gradient of each input (None where none flows), and what ``W`` needs.
     """
+    out, grad = _one_root(outs, grads)
     root = out.grad_fn
     if not _SPLIT or root is None:
-        return _recompute_input(out, grad, xi, params)
-    inputs = [] if xi is None else [xi]
+        return _recompute_input(out, grad, inputs, params)
+    inputs = list(inputs)
     rflags, ops, below, leaves, top, ok = _walk(root, inputs, params)
     if not ok:
-        return _recompute_input(out, grad, xi, params)
+        return _recompute_input(out, grad, inputs, params)
     slot = out.output_nr
     if slot > top.get(root, 0):
         top[root] = slot
     edges = [_GradientEdge(m, k) for m, _ in ops for k in range(top.get(m, 0) + 1)]
-    gx = None
+    gx: list[torch.Tensor | None] = [None] * len(inputs)
     caps: Sequence[torch.Tensor | None] = ()
     if inputs or edges:
         res = torch.autograd.grad(
@@ -226,7 +253,7 @@ def input_backward(
             retain_graph=bool(ops) or rflags == _PARAM,
             allow_unused=True,
         )
-        gx = res[0] if inputs else None
+        gx = list(res[: len(inputs)])
         caps = res[len(inputs) :]
     kept = []
     i = 0

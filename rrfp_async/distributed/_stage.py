@@ -28,7 +28,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -39,11 +39,13 @@ from .._errors import ChannelError, ClosedError, PeerError, PlanError, StepTimeo
 from ..channels._decisions import DecisionChannel
 from ..channels._p2p import P2PChannel
 from ..loop import StageLoop, StageObserver, StepStats
+from ..loop._checks import check_step_args
 from ..loop._executors import Executor
 from ..policies._policy import Policy
 from ..policies._schedule import StepSchedule
 from ._digest import PlanDigest, plan_disagreement
 from ._layout import ProcessLayout, StageGroups, build_groups, pipeline_neighbors
+from ._ties import find_undeclared_ties, reduce_ties, tie_groups, ties_digest
 
 __all__ = [
     "DEFAULT_MAX_MESSAGE_BYTES",
@@ -84,6 +86,15 @@ class DistributedStage:
             gigabytes; every rank must use the same value (checked with the plan).
         verify_plan: Check at the first step (and when the plan changes) that every rank
             runs the same plan (see ``check_plan``).
+        check_ties: At the first training step, look for parameters on different ranks
+            that have the same shape and values (tied weights) without a declared tie, and
+            fail with a ``PlanError`` naming them (see ``_ties``). Switch it off when stages
+            are only initialised alike.
+        max_microbatches: The most microbatches a step may have (None: no limit).
+
+    Tied parameters declared by the executor (``TorchStageExecutor(shared=...)``) have their
+    gradients summed over every rank that holds them at the end of each training step,
+    before ``run_step`` returns (so before the optimizer).
 
     Raises:
         PlanError: The schedule does not fit the layout, ``max_message_bytes`` < 1, or
@@ -109,6 +120,8 @@ class DistributedStage:
         device: torch.device | str = "cpu",
         max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
         verify_plan: bool = True,
+        check_ties: bool = True,
+        max_microbatches: int | None = None,
     ) -> None:
         if schedule.plan.stages != layout.pp:
             raise PlanError(
@@ -156,7 +169,14 @@ class DistributedStage:
             coordinator=self.decisions,
             coordinate=coordinate_tp,
             verify_sequences=verify_tp,
+            max_microbatches=max_microbatches,
         )
+        self.check_ties = check_ties
+        self._tie_spec: dict[str, tuple[tuple[int, str], ...]] = dict(
+            getattr(executor, "shared_spec", None) or {}
+        )
+        self._tie_groups: dict[str, tuple[Any, list[int]]] | None = None
+        self._ties_checked = False
         self.step_timeout = self.stage.step_timeout  # as checked there (inf: None)
         self._next_step = 0
         self._agreed: tuple[object, ...] | None = None
@@ -192,11 +212,16 @@ class DistributedStage:
         *,
         step: int | None = None,
         schedule: StepSchedule | None = None,
+        train: bool = True,
     ) -> StepStats:
-        """Run this rank's tasks of one step (see ``StageLoop.run_step``).
+        """Run this rank's tasks of one step (see ``StageLoop.run_step``: any number of
+        microbatches, ``train=False`` for a forward-only step).
 
         The stage's first step, and a step whose schedule changes the plan or the hint's
-        name, first check that every rank runs the same plan (``check_plan``).
+        name (another number of microbatches, training vs evaluation), first check that
+        every rank runs the same plan (``check_plan``). The first training step also looks
+        for undeclared tied parameters (``check_ties``); every training step ends with the
+        reduction of the declared ties' gradients.
 
         Raises:
             PlanError: The ranks disagree on the plan (on every rank).
@@ -215,14 +240,30 @@ class DistributedStage:
                 f"{self._who()}: run_step on a DistributedStage that {why}; run steps inside"
                 " `async with DistributedStage(...) as stage:`"
             )
+        who = f"rank {self.stage.rank}"
+        check_step_args(
+            who, self.stage._base.plan, microbatches, step, schedule, self.stage.max_microbatches
+        )
+        base = self.stage._base if schedule is None or schedule.plan.forward_only else schedule
+        try:
+            sched = schedule if schedule is not None else base.for_microbatches(len(microbatches))
+            if not train:
+                sched = sched.forward_only()
+        except PlanError as e:
+            raise PlanError(f"{who}: {e}") from None
         s = self._next_step if step is None else step
         self._next_step = s + 1
         self.channel.at_step(s)
-        sched = schedule if schedule is not None else self.stage.schedule
         if self.verify_plan and self._key(sched) != self._agreed:
             await self.check_plan(sched, step=s)
+        training = not sched.plan.forward_only
+        if training and not self._ties_checked:
+            await self._prepare_ties(sched, s)
         try:
-            return await self.stage.run_step(microbatches, step=s, schedule=schedule)
+            stats = await self.stage.run_step(microbatches, step=s, schedule=sched, train=train)
+            if training and self._tie_groups is not None:
+                await self._reduce_ties(s)
+            return stats
         except StepTimeoutError as e:
             self._explain_timeout(e, s)
             raise
@@ -233,7 +274,42 @@ class DistributedStage:
     def _key(self, schedule: StepSchedule) -> tuple[object, ...]:
         """What decides whether a step's plan must be checked again (see the design note)."""
         p = schedule.plan
-        return (p.topology, p.microbatches, p.split_backward, p.ordered_weights, schedule.hint_name)
+        return (
+            p.topology,
+            p.microbatches,
+            p.split_backward,
+            p.ordered_weights,
+            p.forward_only,
+            schedule.hint_name,
+        )
+
+    async def _prepare_ties(self, schedule: StepSchedule, step: int) -> None:
+        """Before the first training step: look for undeclared ties (collective over the
+        control group), then build the declared ties' groups (see ``_ties``)."""
+        modules = getattr(self.stage.executor, "modules", None)
+        if self.check_ties and isinstance(modules, Mapping):
+            await find_undeclared_ties(
+                modules,
+                self._tie_spec,
+                self.layout,
+                self.groups.control,
+                timeout=self.step_timeout,
+                who=f"{self._who()} step {step}",
+            )
+        if self._tie_spec:
+            self._tie_groups = tie_groups(self._tie_spec, self.layout, schedule.plan.topology)
+        self._ties_checked = True
+
+    async def _reduce_ties(self, step: int) -> None:
+        shared = getattr(self.stage.executor, "shared_parameters", None)
+        assert self._tie_groups is not None
+        await reduce_ties(
+            {} if shared is None else shared(),
+            self._tie_groups,
+            timeout=self.step_timeout,
+            who=self._who(),
+            step=step,
+        )
 
     async def check_plan(self, schedule: StepSchedule | None = None, *, step: int = 0) -> None:
         """Check that every rank runs the same plan: all-gather each rank's ``PlanDigest``
@@ -259,6 +335,7 @@ class DistributedStage:
             policy=self.stage.policy_name,
             layout=self.layout,
             max_message_bytes=self.max_message_bytes,
+            ties=ties_digest(self._tie_spec),
         )
         group = self.groups.control
         on_cpu = group is not None or "gloo" in str(dist.get_backend())

@@ -26,10 +26,11 @@ runs that use it must say so.
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from torch import nn
@@ -37,6 +38,7 @@ from torch import nn
 from .._bridges import ComputeWorker
 from .._costs import CostModel, Durations, Microbatch
 from .._errors import PlanError
+from .._pytree import Args, call_module, map_tensors, tensor_leaves
 from .._tasks import StepPlan, Task
 from ..loop._executors import OutputHook, TaskContext
 from ._split_backward import WeightWork, input_backward, weight_backward
@@ -75,21 +77,82 @@ def _default_input(mb: Any) -> Any:
     return mb.data if isinstance(mb, Microbatch) else mb
 
 
+LossScale = Literal["microbatch", "tokens"]
+"""How a step's loss is made from the microbatches' losses: ``"microbatch"``, the mean of
+the microbatch losses (each ``/ M``); ``"tokens"``, weighted by each microbatch's token count
+(``loss_m * tokens_m / sum(tokens)``: with per-token mean losses this is the mean over every
+token of the step, what variable-length data needs)."""
+
+SideInputs = Callable[[int, Any], Mapping[str, Any]] | Sequence[str]
+"""Per-microbatch inputs a stage reads from its own rank's microbatch, not from the pipeline:
+a function ``(virtual stage, microbatch) -> {keyword: value}``, or the names of keys to take
+from each microbatch (a mapping, an ``rr.Args``' keywords, or a ``Microbatch`` whose ``data``
+is one) for every stage after the first."""
+
+SharedSpec = Mapping[str, Sequence[tuple[int, str]]]
+"""Tied parameters: tie name -> the places the parameter lives, as ``(virtual stage,
+parameter name inside that stage's module)``; the same mapping on every rank (see
+``rr.split_model``, which finds ties for you)."""
+
+_GRAD_LOCK = threading.Lock()  # W's `p.grad += g` for a parameter two compute threads share
+
+
+def _leaf(t: torch.Tensor) -> torch.Tensor:
+    """A received tensor as this stage's input leaf (grad wanted when the sender's was)."""
+    return t.detach().requires_grad_(t.requires_grad)
+
+
+def _sendable(t: torch.Tensor) -> torch.Tensor:
+    """An output tensor as it leaves the stage: no graph, its ``requires_grad`` kept."""
+    return t.detach().requires_grad_(True) if t.requires_grad else t.detach()
+
+
+def _detached(t: torch.Tensor) -> torch.Tensor:
+    return t.detach()
+
+
 class TorchStageExecutor:
     """Runs one rank's model chunks (one ``nn.Module`` per virtual stage).
 
+    A stage's input and output may be any pytree of tensors (a tensor, tuple, list, dict,
+    ``rr.Args``, nested, with None/bool/int/float/str leaves): the same structure reaches the
+    next stage, which is called as ``module(*value)`` for a tuple, ``module(*a, **kw)`` for
+    ``rr.Args(*a, **kw)`` and ``module(value)`` otherwise. Gradients flow back for the tensor
+    leaves that require grad; a stage whose parameters are frozen and whose input needs no
+    grad (a frozen embedding or encoder) runs its backward as a no-op.
+
     Args:
         modules: Virtual stage -> module, for the stages of this rank.
-        loss_fn: ``(last stage output, microbatch) -> scalar loss`` (mean over the
-            microbatch); the executor divides it by the number of microbatches.
+        loss_fn: ``(last stage output, microbatch) -> scalar loss`` (the mean over the
+            microbatch); the executor scales it (``loss_scale``). May be None for a rank
+            without the last stage, and for forward-only steps (then no loss is computed).
         emulate: Optional emulated GPU time (sleeps after the real compute).
         worker: The compute thread (default: a new CPU ``ComputeWorker``).
         rank: Global rank, for per-rank emulated noise.
         input_fn: Turns a microbatch into the first stage's input (default: ``mb.data``
-            for a ``Microbatch``, else the object itself).
+            for a ``Microbatch``, else the object itself); return ``rr.Args(...)`` to call
+            the first module with several arguments or keywords.
+        side_inputs: Per-microbatch keyword inputs read from this rank's own microbatch
+            (attention mask, position ids, packed-sequence boundaries; see ``SideInputs``):
+            each rank's loader provides them, nothing travels through the pipeline.
+        shared: Tied parameters (``SharedSpec``): their gradients are summed over every
+            place they live once per step, before the optimizer (``DistributedStage`` across
+            processes, ``LocalPipeline`` in one process).
+        loss_scale: ``"microbatch"`` (default) or ``"tokens"`` (see ``LossScale``).
+        tokens_fn: Tokens of a microbatch for ``loss_scale="tokens"`` (default:
+            ``Microbatch.tokens``).
+        return_outputs: Keep the last stage's outputs of training steps too (forward-only
+            steps always keep them); ``StepStats.outputs`` returns them.
+
+    Raises:
+        PlanError: No modules, a ``shared`` place that names no parameter of this rank's
+            modules, or a bad ``loss_scale``/``side_inputs``.
 
     Attributes:
-        losses: ``{microbatch: loss value}`` of the last step (on the last stage's rank).
+        losses: ``{microbatch: loss value}`` of the last step (on the last stage's rank),
+            unscaled (what ``loss_fn`` returned).
+        outputs: ``{microbatch: output}`` of the last step (last stage, see
+            ``return_outputs``), detached.
         output_hook: Set by a stage whose endpoint sends thread-safely: called on the
             compute thread with each task's output as soon as it exists (see ``Executor``).
     """
@@ -97,30 +160,55 @@ class TorchStageExecutor:
     def __init__(
         self,
         modules: Mapping[int, nn.Module],
-        loss_fn: Callable[[torch.Tensor, Any], torch.Tensor],
+        loss_fn: Callable[[Any, Any], torch.Tensor] | None = None,
         *,
         emulate: EmulatedCost | None = None,
         worker: ComputeWorker | None = None,
         rank: int = 0,
         input_fn: Callable[[Any], Any] = _default_input,
+        side_inputs: SideInputs | None = None,
+        shared: SharedSpec | None = None,
+        loss_scale: LossScale = "microbatch",
+        tokens_fn: Callable[[Any], int] | None = None,
+        return_outputs: bool = False,
     ) -> None:
         if not modules:
             raise PlanError("a TorchStageExecutor needs at least one module")
+        if loss_scale not in ("microbatch", "tokens"):
+            raise PlanError(f"loss_scale must be 'microbatch' or 'tokens', got {loss_scale!r}")
+        if side_inputs is not None and not callable(side_inputs):
+            if isinstance(side_inputs, str) or not all(isinstance(k, str) for k in side_inputs):
+                raise PlanError(
+                    "side_inputs must be a function (stage, microbatch) -> {keyword: value} or"
+                    f" a sequence of key names, got {side_inputs!r}"
+                )
+            side_inputs = tuple(side_inputs)
         self.modules = dict(modules)
         self.loss_fn = loss_fn
         self.emulate = emulate
         self.worker = worker if worker is not None else ComputeWorker(name=f"rrfp-compute-{rank}")
         self.rank = rank
         self.input_fn = input_fn
+        self.side_inputs = side_inputs
+        self.loss_scale = loss_scale
+        self.tokens_fn = tokens_fn
+        self.return_outputs = return_outputs
+        self.shared_spec: dict[str, tuple[tuple[int, str], ...]] = {}
+        self._shared: dict[str, list[nn.Parameter]] = {}
+        if shared is not None:
+            self._resolve_shared(shared)
         self.output_hook: OutputHook | None = None
         self._failed_step: int | None = None
         self.losses: dict[int, float] = {}
+        self.outputs: dict[int, Any] = {}
         self.compute_seconds = 0.0
         self.emulated_seconds = 0.0
-        self._stash: dict[tuple[int, int], tuple[Any, torch.Tensor]] = {}
+        # (stage, mb) -> (input leaves that require grad, output leaves that require grad)
+        self._stash: dict[tuple[int, int], tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
         self._kept: dict[tuple[int, int], WeightWork] = {}
         self._param_lists: dict[int, list[nn.Parameter]] = {}
         self._step: int | None = None
+        self._total_tokens = 0
         self._durations: Durations | None = None
         self._handlers: dict[str, Callable[[Task, Any, TaskContext], Any]] = {
             "F": self._forward,
@@ -129,8 +217,61 @@ class TorchStageExecutor:
             "W": self._weight_grad,
         }
 
+    def _resolve_shared(self, shared: SharedSpec) -> None:
+        if not isinstance(shared, Mapping):
+            raise PlanError(
+                "shared must map a tie name to [(virtual stage, parameter name), ...], got"
+                f" {type(shared).__name__}"
+            )
+        for name, places in shared.items():
+            if not isinstance(name, str):
+                raise PlanError(f"shared: tie names must be strings, got {name!r}")
+            spec: list[tuple[int, str]] = []
+            mine: list[nn.Parameter] = []
+            for place in places:
+                if (
+                    not isinstance(place, (tuple, list))
+                    or len(place) != 2
+                    or not isinstance(place[0], int)
+                    or not isinstance(place[1], str)
+                ):
+                    raise PlanError(
+                        f"shared[{name!r}]: each place is (virtual stage, parameter name), got"
+                        f" {place!r}"
+                    )
+                v, pname = int(place[0]), place[1]
+                spec.append((v, pname))
+                mod = self.modules.get(v)
+                if mod is None:
+                    continue
+                try:
+                    param = mod.get_parameter(pname)
+                except AttributeError:
+                    raise PlanError(
+                        f"shared[{name!r}]: virtual stage {v}'s module has no parameter"
+                        f" {pname!r} (its parameters: {[n for n, _ in mod.named_parameters()][:8]}"
+                        " ...)"
+                    ) from None
+                if all(param is not q for q in mine):
+                    mine.append(param)
+            if len(spec) < 2:
+                raise PlanError(f"shared[{name!r}] names {len(spec)} place(s); a tie needs >= 2")
+            self.shared_spec[name] = tuple(sorted(spec))
+            if mine:
+                self._shared[name] = mine
+
+    def shared_parameters(self) -> dict[str, list[nn.Parameter]]:
+        """Tie name -> the distinct parameter objects of this executor's modules in that tie."""
+        return {k: list(v) for k, v in self._shared.items()}
+
+    def step_results(self, step: int) -> tuple[dict[int, float], dict[int, Any]]:
+        """``(losses, outputs)`` of ``step`` on this rank, by microbatch (empty elsewhere)."""
+        if step != self._step:
+            return {}, {}
+        return dict(self.losses), dict(self.outputs)
+
     async def execute(self, task: Task, data: Any, ctx: TaskContext, /) -> Any:
-        """Run ``task`` on the compute thread; return the tensor to send on (or None)."""
+        """Run ``task`` on the compute thread; return the value to send on (or None)."""
         if task.stage not in self.modules:
             raise PlanError(f"rank {ctx.rank}: no module for virtual stage {task.stage}")
         return await self.worker.run(self._run, task, data, ctx)
@@ -165,44 +306,172 @@ class TorchStageExecutor:
             raise PlanError(f"rank {ctx.rank}: step {self._step} left activations {left}")
         self._step = ctx.step
         self.losses = {}
+        self.outputs = {}
         self._param_lists = {}  # requires_grad may change between steps
+        if self.loss_scale == "tokens":
+            self._total_tokens = sum(self._tokens(mb, i) for i, mb in enumerate(ctx.microbatches))
         if self.emulate is not None:
             self._durations = self.emulate.durations(
                 ctx.plan, ctx.microbatches, ctx.step, self.rank
             )
 
+    def _tokens(self, mb: Any, i: int) -> int:
+        n = self.tokens_fn(mb) if self.tokens_fn is not None else getattr(mb, "tokens", None)
+        if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+            src = "tokens_fn" if self.tokens_fn is not None else "Microbatch.tokens"
+            raise PlanError(
+                f"rank {self.rank}: loss_scale='tokens' needs a token count per microbatch"
+                f" ({src}); microbatch {i} gave {n!r} (pass rr.Microbatch objects or tokens_fn)"
+            )
+        return n
+
     def _is_last(self, task: Task, ctx: TaskContext) -> bool:
         return task.stage == ctx.plan.num_virtual - 1
 
+    def _side(self, task: Task, mb: Any) -> Mapping[str, Any]:
+        side = self.side_inputs
+        if side is None:
+            return {}
+        if callable(side):
+            got = side(task.stage, mb)
+            if not isinstance(got, Mapping):
+                raise PlanError(
+                    f"{task}: side_inputs returned {type(got).__name__}, not a mapping of"
+                    " keyword -> value"
+                )
+            return got
+        if task.stage == 0:
+            return {}
+        src = _default_input(mb)
+        if isinstance(src, Args):
+            src = src.kwargs
+        if not isinstance(src, Mapping):
+            raise PlanError(
+                f"{task}: side_inputs={list(side)} reads keys of each microbatch, but"
+                f" microbatch {task.mb} is a {type(src).__name__}, not a mapping"
+            )
+        missing = [k for k in side if k not in src]
+        if missing:
+            raise PlanError(f"{task}: microbatch {task.mb} has no side input(s) {missing}")
+        return {k: src[k] for k in side}
+
+    def _loss(self, task: Task, out: Any, mb: Any, ctx: TaskContext) -> torch.Tensor:
+        assert self.loss_fn is not None
+        loss = self.loss_fn(out, mb)
+        if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+            what = (
+                f"a tensor of shape {tuple(loss.shape)}"
+                if isinstance(loss, torch.Tensor)
+                else type(loss).__name__
+            )
+            raise PlanError(
+                f"rank {ctx.rank} step {ctx.step} {task}: loss_fn must return a scalar tensor"
+                f" (the mean loss of the microbatch), got {what}; reduce it (e.g. .mean())"
+            )
+        loss = loss.reshape(())
+        self.losses[task.mb] = float(loss.detach())
+        if self.loss_scale == "tokens":
+            tok = self._tokens(mb, task.mb)
+            return loss * (tok / self._total_tokens) if self._total_tokens else loss * 0.0
+        return loss / ctx.plan.microbatches
+
     def _forward(self, task: Task, data: Any, ctx: TaskContext) -> Any:
         mod = self.modules[task.stage]
+        mb = ctx.microbatches[task.mb]
+        inputs: list[torch.Tensor] = []
         if task.stage == 0:
-            x = self.input_fn(data)
+            x = self.input_fn(data)  # data, never a leaf that wants grad
         else:
-            if not isinstance(data, torch.Tensor):
-                raise PlanError(f"{task}: expected an activation tensor, got {type(data).__name__}")
-            x = data.detach().requires_grad_(data.is_floating_point())
+            x = map_tensors(data, _leaf)
+            inputs = [t for t in tensor_leaves(x) if t.requires_grad]
+        kwargs = self._side(task, mb)
+        last = self._is_last(task, ctx)
+        if ctx.plan.forward_only:
+            with torch.no_grad():
+                out = call_module(mod, x, kwargs)
+                if not last:
+                    return map_tensors(out, _detached)
+                self.outputs[task.mb] = map_tensors(out, _detached)
+                if self.loss_fn is not None:
+                    self._loss(task, out, mb, ctx)
+            return None
         with torch.enable_grad():
-            out = mod(x)
-            if self._is_last(task, ctx):
-                loss = self.loss_fn(out, ctx.microbatches[task.mb]) / ctx.plan.microbatches
-                self.losses[task.mb] = float(loss.detach()) * ctx.plan.microbatches
-                self._stash[(task.stage, task.mb)] = (x, loss)
+            out = call_module(mod, x, kwargs)
+            if last:
+                if self.loss_fn is None:
+                    raise PlanError(
+                        f"rank {ctx.rank} step {ctx.step} {task}: a training step needs a"
+                        " loss_fn on the last stage's executor (or run it with train=False)"
+                    )
+                loss = self._loss(task, out, mb, ctx)
+                if self.return_outputs:
+                    self.outputs[task.mb] = map_tensors(out, _detached)
+                self._check_grad(task, ctx, [loss] if loss.requires_grad else [], inputs, "loss")
+                self._stash[(task.stage, task.mb)] = (inputs, [loss] if loss.requires_grad else [])
                 return None
-        self._stash[(task.stage, task.mb)] = (x, out)
-        return out.detach()
+        outs = [t for t in tensor_leaves(out) if t.requires_grad]
+        self._check_grad(task, ctx, outs, inputs, "output")
+        self._stash[(task.stage, task.mb)] = (inputs, outs)
+        return map_tensors(out, _sendable)
 
-    def _input_of(self, x: Any) -> torch.Tensor | None:
-        return x if isinstance(x, torch.Tensor) and x.requires_grad else None
+    def _check_grad(
+        self,
+        task: Task,
+        ctx: TaskContext,
+        outs: list[torch.Tensor],
+        inputs: list[torch.Tensor],
+        what: str,
+    ) -> None:
+        """A stage with something to train must produce an output that carries grad."""
+        if outs or not (inputs or self._params(task.stage)):
+            return
+        why = "its input needs grad" if inputs else "it has parameters that require grad"
+        raise PlanError(
+            f"rank {ctx.rank} step {ctx.step} {task}: the stage's {what} needs no grad although"
+            f" {why}: its backward could not reach them (was it computed under"
+            " torch.no_grad(), detached, or from integer tensors only?). Freeze the stage's"
+            " parameters (requires_grad_(False)) if it is meant to be frozen"
+        )
+
+    def _grads_in(
+        self, task: Task, ctx: TaskContext, grad: Any, n: int
+    ) -> list[torch.Tensor | None]:
+        """The received gradient message as one gradient per output leaf that requires
+        grad (see ``rrfp_async._pytree``: a tensor for one leaf, a tuple for several)."""
+        if grad is None:
+            return [None] * n
+        if isinstance(grad, torch.Tensor):
+            got: list[Any] = [grad]
+        elif isinstance(grad, (tuple, list)):
+            got = list(grad)
+        else:
+            got = [None] * (n + 1)  # reported below
+        if len(got) != n or not all(g is None or isinstance(g, torch.Tensor) for g in got):
+            raise PlanError(
+                f"rank {ctx.rank} step {ctx.step} {task}: the gradient message does not match"
+                f" the stage's {n} output tensor(s) that require grad: got"
+                f" {type(grad).__name__} of {len(got)}"
+            )
+        return got
+
+    @staticmethod
+    def _grads_out(gx: Sequence[torch.Tensor | None]) -> Any:
+        """The input gradients as the message sent upstream (see ``_grads_in``)."""
+        if not gx or all(g is None for g in gx):
+            return None
+        return gx[0] if len(gx) == 1 else tuple(gx)
 
     def _backward(self, task: Task, grad: Any, ctx: TaskContext) -> Any:
-        x, out = self._stash.pop((task.stage, task.mb))
-        if self._is_last(task, ctx):
-            torch.autograd.backward(out)
-        else:
-            torch.autograd.backward(out, grad)
-        xi = self._input_of(x)
-        return None if xi is None else xi.grad
+        inputs, outs = self._stash.pop((task.stage, task.mb))
+        if outs:
+            if self._is_last(task, ctx):
+                torch.autograd.backward(outs)
+            else:
+                gs = self._grads_in(task, ctx, grad, len(outs))
+                live = [(o, g) for o, g in zip(outs, gs, strict=True) if g is not None]
+                if live:
+                    torch.autograd.backward([o for o, _ in live], [g for _, g in live])
+        return self._grads_out([t.grad for t in inputs])
 
     def _params(self, stage: int) -> list[nn.Parameter]:
         """The stage's parameters that require grad, listed once per step (walking the
@@ -216,15 +485,27 @@ class TorchStageExecutor:
 
     def _input_grad(self, task: Task, grad: Any, ctx: TaskContext) -> Any:
         key = (task.stage, task.mb)
-        x, out = self._stash.pop(key)
-        g = None if self._is_last(task, ctx) else grad
-        gx, self._kept[key] = input_backward(out, g, self._input_of(x), self._params(task.stage))
-        return gx
+        inputs, outs = self._stash.pop(key)
+        params = self._params(task.stage)
+        if self._is_last(task, ctx):
+            live: list[tuple[torch.Tensor, torch.Tensor | None]] = [(o, None) for o in outs]
+        else:
+            gs = self._grads_in(task, ctx, grad, len(outs))
+            live = [(o, g) for o, g in zip(outs, gs, strict=True) if g is not None]
+        if not live:
+            self._kept[key] = WeightWork([], [], {}, params)
+            return None
+        gx, self._kept[key] = input_backward(
+            [o for o, _ in live], [g for _, g in live], inputs, params
+        )
+        return self._grads_out(gx)
 
     def _weight_grad(self, task: Task, _: Any, ctx: TaskContext) -> Any:
         work = self._kept.pop((task.stage, task.mb))
+        if not work.ops and work.seed is None and work.recompute is None:
+            return None  # nothing flowed into this stage (frozen, or no gradient came)
         grads = weight_backward(work)
-        with torch.no_grad():
+        with torch.no_grad(), _GRAD_LOCK:
             for p, pg in zip(work.params, grads, strict=True):
                 if pg is None:
                     continue
@@ -255,7 +536,8 @@ def stage_inputs(
             x: Any = mb.data
             for s in range(stage):
                 x = modules[s](x)
-            inputs.append(x if stage == 0 else x.detach())
+            # As a received activation: the flag says it wants its gradient.
+            inputs.append(x if stage == 0 else x.detach().requires_grad_(x.is_floating_point()))
             if stage == last:
                 grads.append(None)
             else:

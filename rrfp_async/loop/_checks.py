@@ -30,33 +30,47 @@ def check_step_args(
     microbatches: Any,
     step: object,
     schedule: object,
+    max_microbatches: int | None = None,
 ) -> None:
     """The boundary checks of ``run_step`` (``who`` prefixes each message).
 
+    A step may have any number of microbatches >= 1 (up to ``max_microbatches`` when given):
+    the stage derives the schedule for that size (``StepSchedule.for_microbatches``). A
+    per-step ``schedule`` must have the stage's topology and exactly as many microbatches as
+    the step.
+
     Raises:
-        PlanError: ``microbatches`` is not a sized, indexable collection of the plan's
-            number of microbatches; ``step`` is not None or an integer >= 0; ``schedule``
-            is not None or a ``StepSchedule`` of the same plan.
+        PlanError: ``microbatches`` is not a sized, indexable collection of at least one
+            microbatch (at most ``max_microbatches``), or of another count than a given
+            ``schedule``'s; ``step`` is not None or an integer >= 0; ``schedule`` is not
+            None or a ``StepSchedule`` of the stage's topology.
     """
     if schedule is not None:
         if not isinstance(schedule, StepSchedule):
             raise PlanError(
                 f"{who}: schedule must be a StepSchedule (or None), got {describe(schedule)}"
             )
-        if schedule.plan != plan:
+        if schedule.plan.topology != plan.topology:
             raise PlanError(
-                f"{who}: a per-step schedule must have the stage's plan {plan}, got one for"
-                f" {schedule.plan}"
+                f"{who}: a per-step schedule must have the stage's topology {plan.topology},"
+                f" got one for {schedule.plan.topology}"
             )
     if step is not None:
         check_int(f"{who}: step", step, minimum=0)
     if not (hasattr(microbatches, "__len__") and hasattr(microbatches, "__getitem__")):
         raise PlanError(
-            f"{who}: microbatches must be a sequence of {plan.microbatches} microbatches, got"
-            f" {describe(microbatches)}"
+            f"{who}: microbatches must be a sequence of microbatches (the plan has"
+            f" {plan.microbatches}), got {describe(microbatches)}"
         )
     n = len(microbatches)
-    if n != plan.microbatches:
+    if schedule is not None and n != schedule.plan.microbatches:
         raise PlanError(
-            f"{who}: microbatches: the plan has {plan.microbatches} microbatches, got {n}"
+            f"{who}: microbatches: the per-step schedule has {schedule.plan.microbatches}"
+            f" microbatches, got {n}"
+        )
+    if n < 1:
+        raise PlanError(f"{who}: microbatches: a step needs at least 1 microbatch, got 0")
+    if max_microbatches is not None and n > max_microbatches:
+        raise PlanError(
+            f"{who}: microbatches: at most max_microbatches={max_microbatches} per step, got {n}"
         )

@@ -162,6 +162,14 @@ class CostModelExecutor:
         src = self._source
         if isinstance(src, Durations):
             d = src
+            want = (plan.num_virtual, plan.microbatches)
+            if d.shape != want:
+                raise PlanError(
+                    f"step {step}: this CostModelExecutor's fixed durations are for"
+                    f" {d.shape[0]} virtual stages x {d.shape[1]} microbatches, the step has"
+                    f" {want[0]} x {want[1]}; price steps of other sizes with a CostModel or a"
+                    " function (step, microbatches) -> Durations"
+                )
         elif isinstance(src, CostModel):
             if not all(isinstance(m, Microbatch) for m in microbatches):
                 raise PlanError("a CostModel executor needs Microbatch objects to price")

@@ -6,7 +6,7 @@ import asyncio
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from .._check import check_type
+from .._check import check_bool, check_type
 from .._errors import PlanError
 from ..channels._local import LatencyFn, LocalChannel
 from ..policies._policy import Policy
@@ -99,6 +99,7 @@ class LocalPipeline:
         latency: Optional message latency model ``(step, task) -> seconds``.
         observer: Optional observer of every stage's transitions.
         step_timeout: Watchdog per step, seconds on the loop clock (None: no watchdog).
+        max_microbatches: The most microbatches a step may have (None: no limit).
 
     Raises:
         PlanError: ``schedule`` is not a ``StepSchedule``; a list of executors of the wrong
@@ -116,6 +117,7 @@ class LocalPipeline:
         latency: LatencyFn | None = None,
         observer: StageObserver | None = None,
         step_timeout: float | None = None,
+        max_microbatches: int | None = None,
     ) -> None:
         check_type("schedule", schedule, StepSchedule, "a StepSchedule")
         step_timeout = check_step_timeout(step_timeout)
@@ -135,6 +137,8 @@ class LocalPipeline:
             execs = [executors(r) for r in range(p)]
         else:
             execs = [executors] * p  # type: ignore[list-item]
+        self._executors = execs
+        self.max_microbatches = max_microbatches
         self.stages = [
             StageLoop(
                 r,
@@ -145,6 +149,7 @@ class LocalPipeline:
                 monitor=self._monitor,
                 observer=observer,
                 step_timeout=step_timeout,
+                max_microbatches=max_microbatches,
             )
             for r in range(p)
         ]
@@ -155,8 +160,15 @@ class LocalPipeline:
         *,
         step: int | None = None,
         schedule: StepSchedule | None = None,
+        train: bool = True,
     ) -> list[StepStats]:
         """Run one step on every stage; return each rank's stats.
+
+        ``microbatches``, ``schedule`` and ``train`` as in ``StageLoop.run_step`` (a step may
+        have any number of microbatches; ``train=False`` is a forward-only step). After a
+        training step, the gradients of tied parameters that executors declare as distinct
+        copies (``TorchStageExecutor(shared=...)``) are summed into every copy; one parameter
+        object used by two stages accumulates its gradient by itself.
 
         A failing step raises one error, the first that happened (the others, e.g. every
         rank's watchdog, are attached as notes), never an ``ExceptionGroup``; the pipeline
@@ -173,12 +185,24 @@ class LocalPipeline:
                 f"run_step: step {self._running} of this pipeline is still running; a pipeline"
                 " runs one step at a time (await it before starting the next)"
             )
-        check_step_args("run_step", self.schedule.plan, microbatches, step, schedule)
+        check_step_args(
+            "run_step", self.schedule.plan, microbatches, step, schedule, self.max_microbatches
+        )
+        check_bool("run_step: train", train)
         mon = self._monitor
+        if schedule is None:  # derived once for every stage (and kept for later steps)
+            try:
+                schedule = self.schedule.for_microbatches(len(microbatches))
+            except PlanError as e:
+                raise PlanError(f"run_step: {e}") from None
+        if not schedule.plan.forward_only:
+            self.schedule = schedule
 
         async def one(stage: StageLoop) -> StepStats:
             try:
-                stats = await stage.run_step(microbatches, step=step, schedule=schedule)
+                stats = await stage.run_step(
+                    microbatches, step=step, schedule=schedule, train=train
+                )
             except BaseException:
                 # The task group cancels the other stages; a deadlock check now would
                 # only report the stages this failure left waiting.
@@ -206,7 +230,36 @@ class LocalPipeline:
             self._drop_in_flight()
             # Raised outside the handler so the root keeps its own cause and context.
             raise root
+        if train and not schedule.plan.forward_only:
+            self._reduce_shared()
         return [t.result() for t in tasks]
+
+    def _reduce_shared(self) -> None:
+        """Sum the gradients of each declared tie over its distinct parameter copies (one
+        object shared by two stages needs nothing: autograd accumulated into it)."""
+        ties: dict[str, list[Any]] = {}
+        seen: set[int] = set()
+        for ex in self._executors:
+            if id(ex) in seen:
+                continue
+            seen.add(id(ex))
+            shared = getattr(ex, "shared_parameters", None)
+            if shared is None:
+                continue
+            for name, params in shared().items():
+                got = ties.setdefault(name, [])
+                got.extend(p for p in params if all(p is not q for q in got))
+        for params in ties.values():
+            if len(params) < 2:
+                continue
+            grads = [p.grad for p in params if p.grad is not None]
+            if not grads:
+                continue
+            total = grads[0].clone()
+            for g in grads[1:]:
+                total += g
+            for p in params:
+                p.grad = total.clone()
 
     def _drop_in_flight(self) -> None:
         """After a failed step, every stage has left it (the task group waited for them):

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 from .._tasks import Task
 
@@ -34,6 +34,11 @@ class StepStats:
         max_inflight: The admission bound.
         decisions: Number of dispatch decisions (= tasks).
         deviations: Decisions that ran a task other than the next hinted one.
+        losses: On the rank of the last virtual stage, each microbatch's loss (what the
+            loss function returned, unscaled) in microbatch order, when the executor
+            reports them (``TorchStageExecutor``); else None.
+        outputs: On that rank, the last stage's outputs in microbatch order (detached),
+            for forward-only steps and when the executor keeps them; else None.
     """
 
     rank: int
@@ -47,6 +52,8 @@ class StepStats:
     max_inflight: int
     decisions: int
     deviations: int
+    losses: tuple[float, ...] | None = None
+    outputs: tuple[Any, ...] | None = None
 
     @property
     def busy(self) -> float:

@@ -163,6 +163,7 @@ class StageLoop:
             executed the same sequence (``DivergenceError`` otherwise).
         flight_recorder: How many recent events (message, start, end) to keep for the
             state dump of a failed step (0: none).
+        max_microbatches: The most microbatches a step may have (None: no limit).
 
     Use ``await stage.run_step(microbatches)`` for each step, inside any running loop.
 
@@ -195,6 +196,7 @@ class StageLoop:
         coordinate: bool = True,
         verify_sequences: bool = True,
         flight_recorder: int = 32,
+        max_microbatches: int | None = None,
     ) -> None:
         check_type("schedule", schedule, StepSchedule, "a StepSchedule")
         rank = check_int("rank", rank, minimum=0, maximum=schedule.plan.stages - 1)
@@ -211,6 +213,12 @@ class StageLoop:
         check_bool("verify_sequences", verify_sequences)
         self.rank = rank
         self.schedule = schedule
+        self._base = schedule  # what steps of other sizes (and eval steps) derive from
+        self.max_microbatches = (
+            None
+            if max_microbatches is None
+            else check_int("max_microbatches", max_microbatches, minimum=1)
+        )
         self.executor = executor
         self.endpoint = endpoint
         self.policy = get_policy(policy)
@@ -411,14 +419,21 @@ class StageLoop:
         *,
         step: int | None = None,
         schedule: StepSchedule | None = None,
+        train: bool = True,
     ) -> StepStats:
         """Run this rank's tasks of one step; return what it did.
 
         Args:
-            microbatches: The step's microbatches (the first stage's forwards read them).
+            microbatches: The step's microbatches (the first stage's forwards read them);
+                any number >= 1: a step of another size than the plan's runs the schedule
+                derived for it (``StepSchedule.for_microbatches``).
             step: The step number (default: one more than the last).
-            schedule: A schedule for this step only (e.g. a hint computed from this step's
-                microbatch sizes); it must have the same plan.
+            schedule: A schedule for this step (e.g. a hint computed from this step's
+                microbatch sizes); it must have the stage's topology and as many
+                microbatches as ``microbatches``, and later steps derive from it.
+            train: False runs a forward-only (evaluation) step: ``F`` tasks only
+                (``StepSchedule.forward_only``); the last stage's outputs come back in
+                ``StepStats.outputs`` when the executor keeps them.
 
         Raises:
             PlanError: ``microbatches``, ``step`` or ``schedule`` do not fit the stage's plan,
@@ -437,14 +452,23 @@ class StageLoop:
                 f"rank {self.rank}: run_step is already running step {self._st.step}; a stage"
                 " runs one step at a time (await the running step first)"
             )
-        check_step_args(f"rank {self.rank}", self.schedule.plan, microbatches, step, schedule)
+        who = f"rank {self.rank}"
+        check_step_args(who, self._base.plan, microbatches, step, schedule, self.max_microbatches)
+        check_bool(f"{who}: train", train)
         if step is not None and step in self._dead:
             raise PlanError(
                 f"rank {self.rank}: step {step} failed here before and its late messages are"
                 " dropped; run the retry under a new step number (the default)"
             )
-        if schedule is not None:
-            self.schedule = schedule
+        base = self._base if schedule is None or schedule.plan.forward_only else schedule
+        try:
+            sched = schedule if schedule is not None else base.for_microbatches(len(microbatches))
+            if not train:
+                sched = sched.forward_only()
+        except PlanError as e:
+            raise PlanError(f"{who}: {e}") from None
+        self._base = base
+        self.schedule = sched
         step = self._next_step if step is None else int(step)
         self._next_step = step + 1
         if not isinstance(self._failure, ChannelError):
@@ -749,7 +773,20 @@ class StageLoop:
             self._satisfy(st, nxt)
 
     def _stats(self, st: StepState) -> StepStats:
+        losses = outputs = None
+        results = getattr(self.executor, "step_results", None)
+        if results is not None and st.plan.rank_of(Task(st.plan.num_virtual - 1, "F", 0)) == (
+            self.rank
+        ):
+            got_losses, got_outputs = results(st.step)
+            m = st.plan.microbatches
+            if got_losses:
+                losses = tuple(got_losses.get(i, float("nan")) for i in range(m))
+            if got_outputs:
+                outputs = tuple(got_outputs.get(i) for i in range(m))
         return StepStats(
+            losses=losses,
+            outputs=outputs,
             rank=self.rank,
             step=st.step,
             policy=self.policy_name,

@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
-from .._check import check_type, describe
+from .._check import check_count, check_type, describe
 from .._costs import Durations
-from .._errors import HintError
+from .._errors import HintError, PlanError
 from .._tasks import StepPlan, Task
 from ._bounds import resolve_bounds
 from ._hints import HintFn, canonical_hint_name, check_durations, make_hint
@@ -109,6 +109,9 @@ class StepSchedule:
     hint_name: str = "custom"
     declared: Durations | None = field(default=None, repr=False)
     source: str | HintFn | None = field(default=None, repr=False)
+    memory_factor: float | None = field(default=None, repr=False)
+    max_inflight: int | tuple[int, ...] | None = field(default=None, repr=False)
+    _derived: dict[object, StepSchedule] = field(default_factory=dict, repr=False)
     _programs: dict[int, RankProgram] = field(default_factory=dict, repr=False)
     _plan: dict[int, tuple[tuple[float, ...], tuple[float, ...]]] = field(
         default_factory=dict, repr=False
@@ -166,6 +169,12 @@ class StepSchedule:
             hint_name=name,
             declared=durations,
             source=hint if isinstance(hint, str) or callable(hint) else None,
+            memory_factor=memory_factor,
+            max_inflight=(
+                max_inflight
+                if max_inflight is None or isinstance(max_inflight, int)
+                else tuple(max_inflight)
+            ),
         )
 
     def with_durations(self, durations: Durations) -> StepSchedule:
@@ -180,13 +189,72 @@ class StepSchedule:
         Raises:
             HintError: The regenerated hint does not fit the bounds.
         """
-        if self.source is None:
-            return StepSchedule.build(
-                self.plan, self.hint, durations=durations, max_inflight=list(self.bounds)
-            )
-        return StepSchedule.build(
-            self.plan, self.source, durations=durations, max_inflight=list(self.bounds)
+        src = self.hint if self.source is None else self.source
+        out = StepSchedule.build(self.plan, src, durations=durations, max_inflight=list(self.bounds))
+        # Steps of another size derive their bounds the way this schedule was built.
+        return replace(
+            out,
+            memory_factor=self.memory_factor,
+            max_inflight=self.max_inflight,
+            source=self.source,
+            _derived={},
         )
+
+    def for_microbatches(self, n: int) -> StepSchedule:
+        """This schedule for a step of ``n`` microbatches (a last partial batch, a larger
+        step): the same hint source and admission arguments on the same topology, built once
+        and cached. A cost-aware hint gets no durations here (it is then its cost-blind
+        order); give ``run_step`` a ``schedule=`` built with this step's durations instead.
+
+        Raises:
+            PlanError: ``n`` is not an integer >= 1, or the hint was given as a ready-made
+                ``{rank: [Task]}`` mapping (it cannot be regenerated for another size).
+        """
+        n = check_count("microbatches", n)
+        if n == self.plan.microbatches:
+            return self
+        got = self._derived.get(n)
+        if got is None:
+            if self.source is None:
+                raise PlanError(
+                    f"a step of {n} microbatches needs a schedule for {n}, and this one"
+                    f" ({self.plan.microbatches} microbatches) has a ready-made hint that"
+                    " cannot be regenerated: build the schedule from a hint name or generator,"
+                    " or pass run_step(..., schedule=...) for that step"
+                )
+            got = StepSchedule.build(
+                replace(self.plan, microbatches=n),
+                self.source,
+                memory_factor=self.memory_factor,
+                max_inflight=(
+                    list(self.max_inflight)
+                    if isinstance(self.max_inflight, tuple)
+                    else self.max_inflight
+                ),
+            )
+            if self.hint_name != got.hint_name:
+                got = replace(got, hint_name=self.hint_name)
+            self._derived[n] = got
+        return got
+
+    def forward_only(self) -> StepSchedule:
+        """The forward-only (evaluation) schedule of this plan: ``F`` tasks only, each rank
+        ordered by microbatch, then stage; no admission limit (nothing is stashed for a
+        backward). Built once and cached."""
+        if self.plan.forward_only:
+            return self
+        got = self._derived.get("forward")
+        if got is None:
+            plan = replace(
+                self.plan, forward_only=True, split_backward=False, ordered_weights=False
+            )
+            hint = {
+                r: sorted(plan.tasks_of(r), key=lambda t: (t.mb, t.stage))
+                for r in range(plan.stages)
+            }
+            got = replace(StepSchedule.build(plan, hint), hint_name="forward_only")
+            self._derived["forward"] = got
+        return got
 
     def program(self, rank: int) -> RankProgram:
         """The flattened program of ``rank`` (built once, then cached)."""

@@ -288,15 +288,62 @@ def test_early_messages_for_the_next_step_are_kept() -> None:
     assert [str(e.task) for e in stats.executed] == ["1F0", "1B0"]
 
 
-def test_wrong_microbatch_count() -> None:
+def test_fixed_durations_refuse_a_step_of_another_size() -> None:
     s = sched(p=1, m=2)
     stage = StageLoop(
         0, schedule=s, executor=CostModelExecutor(unit(s)), endpoint=LocalChannel(1).endpoint(0)
     )
-    with pytest.raises(
-        rr.PlanError, match="rank 0: microbatches: the plan has 2 microbatches, got 3"
-    ):
+    with pytest.raises(rr.PlanError, match="fixed durations are for 1 virtual stages x 2"):
         run_virtual(stage.run_step([0, 1, 2]))
+
+
+def _any_size(step: int, mbs: Any) -> Durations:
+    plan = StepPlan(topology=Topology(stages=2), microbatches=len(mbs))
+    return Durations.from_arrays(plan, [[1.0] * len(mbs) for _ in range(2)])
+
+
+@pytest.mark.parametrize("sizes", [[4, 3, 4], [4, 1, 6, 4], [2, 8]])
+def test_steps_of_any_size_run_without_rebuilding(sizes: list[int]) -> None:
+    s = sched(p=2, m=4)
+    pipe = LocalPipeline(s, CostModelExecutor(_any_size))
+    for n in sizes:
+        stats = run_virtual(pipe.run_step(list(range(n))))
+        for st in stats:  # every task of an n-microbatch step, once
+            assert sorted(map(str, (e.task for e in st.executed))) == sorted(
+                f"{st.rank}{k}{m}" for k in "FB" for m in range(n)
+            )
+    # the derived schedules are cached on the one the pipeline was built with
+    assert s.for_microbatches(3) is s.for_microbatches(3)
+
+
+def test_max_microbatches_refuses_a_larger_step_without_consuming_it() -> None:
+    s = sched(p=2, m=4)
+    pipe = LocalPipeline(s, CostModelExecutor(_any_size), max_microbatches=5)
+    with pytest.raises(rr.PlanError, match="at most max_microbatches=5 per step, got 6"):
+        run_virtual(pipe.run_step(list(range(6))))
+    assert [x.step for x in run_virtual(pipe.run_step(list(range(5))))] == [0, 0]
+
+
+def test_a_ready_made_hint_cannot_be_regenerated_for_another_size() -> None:
+    s = sched(p=2, m=2)
+    fixed = StepSchedule.build(s.plan, dict(s.hint))
+    pipe = LocalPipeline(fixed, CostModelExecutor(_any_size))
+    with pytest.raises(rr.PlanError, match="ready-made hint that cannot be regenerated"):
+        run_virtual(pipe.run_step([0, 1, 2]))
+
+
+def test_forward_only_step_runs_forwards_only() -> None:
+    s = sched(p=2, m=3)
+    pipe = LocalPipeline(s, CostModelExecutor(_any_size))
+    stats = run_virtual(pipe.run_step([0, 1, 2], train=False))
+    assert [sorted(str(e.task) for e in st.executed) for st in stats] == [
+        ["0F0", "0F1", "0F2"],
+        ["1F0", "1F1", "1F2"],
+    ]
+    assert all(st.hint == "forward_only" for st in stats)
+    # a training step after it runs the training plan again
+    stats = run_virtual(pipe.run_step([0, 1, 2]))
+    assert len(stats[0].executed) == 6 and stats[0].hint == "1f1b"
 
 
 def test_stats_account_busy_and_idle() -> None:
