@@ -31,6 +31,7 @@ from ._errors import (
     StepTimeoutError,
     TraceError,
 )
+from ._pytree import Args
 from ._tasks import Kind, Placement, StepPlan, Task, Topology, format_tasks, parse_tasks
 from ._workloads import WORKLOADS, Workload, make_workload
 from .distributed._layout import ProcessLayout, StageGroups, build_groups, pipeline_neighbors
@@ -74,6 +75,7 @@ __all__ = [
     "HINTS",
     "WORKLOADS",
     "AdmissionLedger",
+    "Args",
     "ChannelError",
     "ClosedError",
     "CostModel",
