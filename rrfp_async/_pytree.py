@@ -6,11 +6,16 @@ leaves are tensors or small plain values (``None``, ``bool``, ``int``, ``float``
 The same structure arrives at the consumer: in-process as the object itself, across
 processes as one message (see the channel's wire format).
 
-How a boundary value calls the next stage's module (torch pipelining's rule for tuples):
+How a boundary value (or a first stage's input) calls the module (torch pipelining's rule
+for tuples, and a dict microbatch's keys as keywords, as a Hugging Face model takes
+``input_ids=..., attention_mask=...``):
 
 * ``Args(*a, **kw)`` -> ``module(*a, **kw)``;
 * a ``tuple`` -> ``module(*value)``;
-* anything else (a tensor, a dict, a list) -> ``module(value)``.
+* a ``dict`` whose keys are all strings -> ``module(**value)``;
+* anything else (a tensor, a list, a dict with other keys) -> ``module(value)``.
+
+To pass a tuple or a dict as *one* argument, wrap it: ``Args(value)``.
 
 A dict subclass (``OrderedDict``, a Hugging Face ``ModelOutput``) travels as a plain ``dict``;
 a named tuple as a plain ``tuple``.
@@ -172,6 +177,8 @@ def call_module(module: Callable[..., Any], value: Any, kwargs: Mapping[str, Any
         return module(*value.args, **{**kwargs, **value.kwargs})
     if isinstance(value, tuple):
         return module(*value, **kwargs)
+    if isinstance(value, Mapping) and all(isinstance(k, str) for k in value):
+        return module(**{**kwargs, **value})
     return module(value, **kwargs)
 
 

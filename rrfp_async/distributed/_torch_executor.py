@@ -116,8 +116,10 @@ class TorchStageExecutor:
 
     A stage's input and output may be any pytree of tensors (a tensor, tuple, list, dict,
     ``rr.Args``, nested, with None/bool/int/float/str leaves): the same structure reaches the
-    next stage, which is called as ``module(*value)`` for a tuple, ``module(*a, **kw)`` for
-    ``rr.Args(*a, **kw)`` and ``module(value)`` otherwise. Gradients flow back for the tensor
+    next stage, which is called as ``module(*value)`` for a tuple, ``module(**value)`` for a
+    dict with string keys, ``module(*a, **kw)`` for ``rr.Args(*a, **kw)`` and
+    ``module(value)`` otherwise (the first stage's input follows the same rule, so a dict
+    microbatch gives its keys as keywords). Gradients flow back for the tensor
     leaves that require grad; a stage whose parameters are frozen and whose input needs no
     grad (a frozen embedding or encoder) runs its backward as a no-op.
 

@@ -394,12 +394,14 @@ class ImageTextStage(nn.Module):
         self.norm_f = _layer_norm(cfg, "norm_f") if last else None
         self.head = _linear(cfg, "head", cfg.d_model, cfg.vocab) if last else None
 
-    def forward(self, x: Mapping[str, Tensor] | Tensor) -> Tensor:
+    def forward(self, x: Mapping[str, Tensor] | Tensor | None = None, **data: Tensor) -> Tensor:
         """Run the stage.
 
         Args:
             x: Stage 0: the microbatch's ``data`` (``{"images": ..., "text": ...}``);
                 other stages: the hidden state ``[1, S, d_model]``.
+            data: Stage 0 may also take the data dict as keywords (``images=..., text=...``:
+                how a pipeline calls a module with a dict input).
 
         Returns:
             The hidden state ``[1, S, d_model]``, or logits ``[1, S, vocab]`` on the last stage.
@@ -407,6 +409,10 @@ class ImageTextStage(nn.Module):
         Raises:
             TypeError: Stage 0 got no mapping, or another stage got no tensor.
         """
+        if data:
+            if x is not None:
+                raise TypeError("give the data dict or its keywords, not both")
+            x = data
         if self.embed is not None:
             if not isinstance(x, Mapping):
                 raise TypeError(f"stage 0 takes the microbatch's data dict, got {type(x)}")
