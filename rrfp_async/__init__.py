@@ -7,7 +7,9 @@ The friendly public API, pulled together from the private modules and the layers
 * deciding (``rrfp_async.policies``): hints, ``StepSchedule``, policies;
 * running (``rrfp_async.loop``): ``StageLoop``, ``LocalPipeline``, ``run``, the bridges;
 * distributed: ``ProcessLayout``, ``build_groups``, ``DistributedStage``,
-  ``TorchStageExecutor``, ``EmulatedCost``, ``spawn``;
+  ``TorchStageExecutor``, ``EmulatedCost``, ``spawn``; splitting a model into stage
+  modules with the parameters they share: ``split_model``, ``from_stage_modules``,
+  ``from_pipe``, ``StageSplit``, ``StageModule``;
 * the training harness (what ``examples/train_image_text.py`` runs): ``TrainConfig``,
   ``train_worker``, ``TrainResult``, ``image_text_cost`` (the example model's cost model);
 * simulating: ``simulate``, ``compare``, ``SimResult``;
@@ -36,6 +38,13 @@ from ._tasks import Kind, Placement, StepPlan, Task, Topology, format_tasks, par
 from ._workloads import WORKLOADS, Workload, make_workload
 from .distributed._layout import ProcessLayout, StageGroups, build_groups, pipeline_neighbors
 from .distributed._spawn import free_port, spawn
+from .distributed._split import (
+    StageModule,
+    StageSplit,
+    from_pipe,
+    from_stage_modules,
+    split_model,
+)
 from .distributed._stage import DistributedStage
 from .distributed._torch_executor import EmulatedCost, TorchStageExecutor
 from .distributed._train import TrainConfig, TrainResult, image_text_cost, train_worker
@@ -107,7 +116,9 @@ __all__ = [
     "SpawnError",
     "StageGroups",
     "StageLoop",
+    "StageModule",
     "StageProfile",
+    "StageSplit",
     "StepPlan",
     "StepSchedule",
     "StepStats",
@@ -129,6 +140,8 @@ __all__ = [
     "configure_logging",
     "format_tasks",
     "free_port",
+    "from_pipe",
+    "from_stage_modules",
     "hint_from_torch",
     "hint_peak",
     "image_text_cost",
@@ -144,6 +157,7 @@ __all__ = [
     "run",
     "simulate",
     "spawn",
+    "split_model",
     "strict",
     "summarize",
     "train_worker",

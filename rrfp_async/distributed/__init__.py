@@ -1,9 +1,11 @@
 """The distributed wiring: process layout and groups, :class:`DistributedStage` (a
 :class:`~rrfp_async.loop.StageLoop` on gloo/NCCL channels), the torch stage executor, the
-local process spawner and the example training harness."""
+local process spawner, the model splitter (``split_model``: stage modules and the parameters
+they share) and the example training harness."""
 
 from ._layout import ProcessLayout, StageGroups, build_groups, pipeline_neighbors
 from ._spawn import free_port, spawn
+from ._split import StageModule, StageSplit, from_pipe, from_stage_modules, split_model
 from ._stage import DistributedStage
 from ._torch_executor import EmulatedCost, TorchStageExecutor
 from ._train import TrainConfig, TrainResult, fixed_microbatches, image_text_cost, train_worker
@@ -13,14 +15,19 @@ __all__ = [
     "EmulatedCost",
     "ProcessLayout",
     "StageGroups",
+    "StageModule",
+    "StageSplit",
     "TorchStageExecutor",
     "TrainConfig",
     "TrainResult",
     "build_groups",
     "fixed_microbatches",
     "free_port",
+    "from_pipe",
+    "from_stage_modules",
     "image_text_cost",
     "pipeline_neighbors",
     "spawn",
+    "split_model",
     "train_worker",
 ]
