@@ -82,9 +82,7 @@ class Args:
         self.kwargs = kwargs
 
     def __eq__(self, other: object) -> bool:
-        return (
-            isinstance(other, Args) and self.args == other.args and self.kwargs == other.kwargs
-        )
+        return isinstance(other, Args) and self.args == other.args and self.kwargs == other.kwargs
 
     __hash__ = None  # type: ignore[assignment]  # mutable contents
 
@@ -240,8 +238,7 @@ def encode_structure(
     doc = json.dumps(walk(tree, "", 0), separators=(",", ":")).encode()
     if len(doc) > MAX_STRUCTURE_BYTES:
         raise ProtocolError(
-            f"boundary value: its structure takes {len(doc)} bytes, more than"
-            f" {MAX_STRUCTURE_BYTES}"
+            f"boundary value: its structure takes {len(doc)} bytes, more than {MAX_STRUCTURE_BYTES}"
         )
     return doc, tensors
 

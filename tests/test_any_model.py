@@ -7,7 +7,7 @@ and each one is written so that it fails when the feature is missing (see the co
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import pytest
@@ -329,9 +329,7 @@ def test_training_step_returns_outputs_on_request() -> None:
 def test_steps_of_different_sizes_without_reopening() -> None:
     mods = build()
     plan = rr.StepPlan(topology=rr.Topology(stages=3), microbatches=4)
-    execs = [
-        rr.TorchStageExecutor({r: mods[r]}, loss_fn, input_fn=first_input) for r in range(3)
-    ]
+    execs = [rr.TorchStageExecutor({r: mods[r]}, loss_fn, input_fn=first_input) for r in range(3)]
     pipe = rr.LocalPipeline(rr.StepSchedule.build(plan), execs)
     ref = build()
     for n in (4, 2, 5):
@@ -410,5 +408,3 @@ def test_bad_tie_declarations_are_named() -> None:
     ex = rr.TorchStageExecutor({0: mods[0]}, shared={"t": [(0, "emb.weight"), (1, "weight")]})
     assert ex.shared_parameters() == {"t": [mods[0].emb.weight]}  # type: ignore[union-attr]
     ex.close()
-
-

@@ -11,7 +11,8 @@ fields, strings as 32 bytes of UTF-8 (longer names are truncated for display; a 
 full values catches a difference there too), and two scopes:
 
 * every rank of the job must agree on the layout, the plan (stages, chunks, placement,
-  microbatches, split backward), the hint's name, the policy and ``max_message_bytes``;
+  microbatches, split backward, forward-only), the declared tied parameters (a digest), the
+  hint's name, the policy and ``max_message_bytes``;
 * the ranks of one DP replica must also agree on the hint order and the admission bounds
   (replicas may see other data, so a cost-aware hint may order them differently).
 
@@ -199,6 +200,8 @@ def _show(field: str, value: object) -> str:
         return f"hint order #{value:016x}"
     if field == "bounds":
         return f"bounds={value}"
+    if field == "ties":
+        return "no tied parameters" if not value else f"tied parameters #{value:016x}"
     return f"{field}={value!r}" if field in _STRINGS else f"{field}={value}"
 
 

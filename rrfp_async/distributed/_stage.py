@@ -335,7 +335,7 @@ class DistributedStage:
             policy=self.stage.policy_name,
             layout=self.layout,
             max_message_bytes=self.max_message_bytes,
-            ties=ties_digest(self._tie_spec),
+            ties=ties_digest(self._tie_spec) + ("" if self.check_ties else "|unchecked"),
         )
         group = self.groups.control
         on_cpu = group is not None or "gloo" in str(dist.get_backend())

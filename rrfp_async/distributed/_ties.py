@@ -107,9 +107,7 @@ async def reduce_ties(
     for name in sorted(shared):
         params = shared[name]
         grads = [p.grad for p in params if p.grad is not None]
-        total = (
-            torch.zeros_like(params[0]) if not grads else grads[0].detach().clone()
-        )
+        total = torch.zeros_like(params[0]) if not grads else grads[0].detach().clone()
         for g in grads[1:]:
             total += g
         got = groups.get(name)

@@ -190,7 +190,9 @@ class StepSchedule:
             HintError: The regenerated hint does not fit the bounds.
         """
         src = self.hint if self.source is None else self.source
-        out = StepSchedule.build(self.plan, src, durations=durations, max_inflight=list(self.bounds))
+        out = StepSchedule.build(
+            self.plan, src, durations=durations, max_inflight=list(self.bounds)
+        )
         # Steps of another size derive their bounds the way this schedule was built.
         return replace(
             out,
