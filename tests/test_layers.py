@@ -38,8 +38,9 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("observability", ("observability",)),
     ("sim", ("sim",)),
     ("distributed", ("distributed",)),
+    ("integrations", ("integrations",)),
     ("cli", ("cli",)),
-    ("face", ("__init__", "__main__")),
+    ("face", ("__init__", "__main__", "pipelining")),
 )
 
 

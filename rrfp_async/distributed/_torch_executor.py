@@ -77,11 +77,12 @@ def _default_input(mb: Any) -> Any:
     return mb.data if isinstance(mb, Microbatch) else mb
 
 
-LossScale = Literal["microbatch", "tokens"]
+LossScale = Literal["microbatch", "tokens", "sum"]
 """How a step's loss is made from the microbatches' losses: ``"microbatch"``, the mean of
 the microbatch losses (each ``/ M``); ``"tokens"``, weighted by each microbatch's token count
 (``loss_m * tokens_m / sum(tokens)``: with per-token mean losses this is the mean over every
-token of the step, what variable-length data needs)."""
+token of the step, what variable-length data needs); ``"sum"``, their sum (no scaling; what
+torch pipelining does before it divides the gradients by M, ``scale_grads=True``)."""
 
 SideInputs = Callable[[int, Any], Mapping[str, Any]] | Sequence[str]
 """Per-microbatch inputs a stage reads from its own rank's microbatch, not from the pipeline:
@@ -140,7 +141,7 @@ class TorchStageExecutor:
         shared: Tied parameters (``SharedSpec``): their gradients are summed over every
             place they live once per step, before the optimizer (``DistributedStage`` across
             processes, ``LocalPipeline`` in one process).
-        loss_scale: ``"microbatch"`` (default) or ``"tokens"`` (see ``LossScale``).
+        loss_scale: ``"microbatch"`` (default), ``"tokens"`` or ``"sum"`` (see ``LossScale``).
         tokens_fn: Tokens of a microbatch for ``loss_scale="tokens"`` (default:
             ``Microbatch.tokens``).
         return_outputs: Keep the last stage's outputs of training steps too (forward-only
@@ -176,8 +177,10 @@ class TorchStageExecutor:
     ) -> None:
         if not modules:
             raise PlanError("a TorchStageExecutor needs at least one module")
-        if loss_scale not in ("microbatch", "tokens"):
-            raise PlanError(f"loss_scale must be 'microbatch' or 'tokens', got {loss_scale!r}")
+        if loss_scale not in ("microbatch", "tokens", "sum"):
+            raise PlanError(
+                f"loss_scale must be 'microbatch', 'tokens' or 'sum', got {loss_scale!r}"
+            )
         if side_inputs is not None and not callable(side_inputs):
             if isinstance(side_inputs, str) or not all(isinstance(k, str) for k in side_inputs):
                 raise PlanError(
@@ -375,6 +378,8 @@ class TorchStageExecutor:
         if self.loss_scale == "tokens":
             tok = self._tokens(mb, task.mb)
             return loss * (tok / self._total_tokens) if self._total_tokens else loss * 0.0
+        if self.loss_scale == "sum":
+            return loss
         return loss / ctx.plan.microbatches
 
     def _forward(self, task: Task, data: Any, ctx: TaskContext) -> Any:

@@ -1,0 +1,11 @@
+"""Adapters that let users of the peers keep their code (a layer above ``distributed/``).
+
+* :mod:`rrfp_async.pipelining`: ``ScheduleReadinessFirst``, torch.distributed.pipelining's
+  schedule API over the readiness-first runtime.
+
+The peers are imported lazily: ``import rrfp_async`` never imports them.
+"""
+
+from ._torch_pipelining import ScheduleInterleavedReadinessFirst, ScheduleReadinessFirst
+
+__all__ = ["ScheduleInterleavedReadinessFirst", "ScheduleReadinessFirst"]
