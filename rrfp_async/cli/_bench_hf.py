@@ -313,7 +313,7 @@ def hf_worker(rank: int, world: int, cfg: HFConfig) -> dict[str, Any]:
 
         t = _timed(go)
         if last:
-            results["torch padded"][1].append(statistics.fmean(float(x) for x in losses))
+            results["torch padded"][1].append(statistics.fmean(float(x.detach()) for x in losses))
         tmod.zero_grad(set_to_none=True)
         return t
 
