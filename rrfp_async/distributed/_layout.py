@@ -155,26 +155,38 @@ class StageGroups:
         dp: This position's data-parallel group (None when dp == 1).
         control: A gloo group of every rank, for ``DistributedStage``'s plan check (None:
             the check uses the default group).
+        p2p: This process's pipeline's own group for ``DistributedStage``'s activations and
+            gradients (None when pp == 1, or for groups built by hand: the default group).
+            One open stage per p2p group in a process: two users of one group's p2p mix
+            their messages (gloo aborts the process, or a peer hangs).
     """
 
     tp: Any = None
     decisions: Any = None
     dp: Any = None
     control: Any = None
+    p2p: Any = None
 
 
-def build_groups(layout: ProcessLayout, *, tp_group: Any = None) -> StageGroups:
-    """Create the TP, TP-decision, DP and control groups. Collective: every rank calls it,
-    in the same order relative to other ``new_group`` calls.
+def build_groups(
+    layout: ProcessLayout, *, tp_group: Any = None, p2p_backend: str = "gloo"
+) -> StageGroups:
+    """Create the TP, TP-decision, DP, control and pipeline p2p groups. Collective: every
+    rank calls it, in the same order relative to other ``new_group`` calls.
 
     The control group is a gloo group of every rank, used for nothing but the plan check
     at a stage's first step (so it never interleaves with model collectives, and works when
-    the default group is NCCL).
+    the default group is NCCL). Each pipeline (the pp ranks of one TP and DP index) gets a
+    p2p group of its own, so a stage's messages never meet another user of point-to-point
+    on the default group (torch pipelining, a second stage, the user's own sends): call
+    ``build_groups`` once per ``DistributedStage`` that is open at the same time.
 
     Args:
         layout: The layout.
         tp_group: An existing TP group for model collectives (e.g. ``mesh.get_group("tp")``);
             the decision group is always a new, dedicated gloo group.
+        p2p_backend: Backend of the pipelines' p2p groups: gloo (a CUDA payload is staged
+            through the CPU), or "nccl" for device-to-device activations on GPUs.
     """
     tp = decisions = dp = None
     if layout.tp > 1:
@@ -193,7 +205,15 @@ def build_groups(layout: ProcessLayout, *, tp_group: Any = None) -> StageGroups:
                 if layout.rank in ranks:
                     dp = g
     control = dist.new_group(list(range(layout.world_size)), backend="gloo")
-    return StageGroups(tp=tp, decisions=decisions, dp=dp, control=control)
+    p2p = None
+    if layout.pp > 1:  # one group per pipeline, created by every rank in the same order
+        for plane in layout.grid:
+            for t in range(layout.tp):
+                ranks = [row[t] for row in plane]
+                g = dist.new_group(ranks, backend=p2p_backend)
+                if layout.rank in ranks:
+                    p2p = g
+    return StageGroups(tp=tp, decisions=decisions, dp=dp, control=control, p2p=p2p)
 
 
 def pipeline_neighbors(plan: StepPlan, rank: int) -> tuple[list[int], list[int]]:

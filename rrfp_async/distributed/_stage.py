@@ -11,7 +11,26 @@ Usage, in every process of a PP x TP (x DP) job (torchrun, or ``rrfp_async.spawn
             stage.allreduce_gradients(params)          # DP, if any
             optimizer.step(); optimizer.zero_grad()
 
+or, from a synchronous training loop (the stage runs on an event loop thread of its own)::
+
+    with rr.DistributedStage(layout, schedule, executor, groups=groups) as stage:
+        for microbatches in loader:
+            stats = stage.run_step_sync(microbatches)
+            optimizer.step(); optimizer.zero_grad()
+
 The plan check before a stage's first step: see ``_digest``.
+
+Design note: one stage, one p2p group, one event loop
+-----------------------------------------------------
+A stage's channel keeps a receive posted on every inbound edge. Two users of point-to-point
+on one process group (two stages, or a stage next to torch pipelining on the default group)
+would take each other's messages: gloo aborts the process when a message is larger than
+the posted buffer, else a peer hangs. So ``build_groups`` gives each pipeline a p2p group of
+its own, and a stage refuses to open on a p2p group that another open stage of this process
+uses (``PlanError``). The channel's threads hand every message to the event loop the stage
+was opened on, so a step run on another loop would wait for messages that never reach it:
+``run_step`` refuses at once (``ClosedError`` naming both loops) instead of waiting for the
+watchdog.
 
 Design note: naming a lost rank
 -------------------------------
@@ -27,8 +46,10 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import threading
 import time
 from collections.abc import Iterable, Mapping, Sequence
+from types import TracebackType
 from typing import Any
 
 import torch
@@ -41,6 +62,7 @@ from ..channels._p2p import P2PChannel
 from ..loop import StageLoop, StageObserver, StepStats
 from ..loop._checks import check_step_args
 from ..loop._executors import Executor
+from ..loop._portal import SyncPortal
 from ..policies._policy import Policy
 from ..policies._schedule import StepSchedule
 from ._digest import PlanDigest, plan_disagreement
@@ -58,6 +80,19 @@ DEFAULT_STEP_TIMEOUT = 30.0
 DEFAULT_MAX_MESSAGE_BYTES = 256 << 20
 """Largest message a ``DistributedStage`` sends or accepts by default (256 MiB)."""
 
+_p2p_lock = threading.Lock()
+_p2p_users: dict[int, tuple[Any, str]] = {}
+"""id(p2p group) -> (the group, kept alive while in use; the open stage that uses it)."""
+
+
+def _loop_name(loop: asyncio.AbstractEventLoop | None) -> str:
+    """An event loop, told apart from others: its class, its id and whether it still runs."""
+    if loop is None:
+        return "no loop"
+    state = "closed" if loop.is_closed() else "running" if loop.is_running() else "not running"
+    cls = type(loop)
+    return f"{cls.__module__}.{cls.__qualname__} at {id(loop):#x} ({state})"
+
 
 class DistributedStage:
     """This process's stage: a ``StageLoop`` on a ``P2PChannel``, with TP coordination.
@@ -68,7 +103,9 @@ class DistributedStage:
             first step: see ``check_plan``).
         executor: Runs this rank's tasks (e.g. ``TorchStageExecutor``).
         groups: The process groups from ``build_groups`` (built here when None; that is a
-            collective call).
+            collective call). Their p2p group carries this stage's messages; a stage that
+            is open at the same time as another one in this process needs groups of its own
+            (a second ``build_groups``).
         policy: Policy name or coroutine (used by the TP leader; followers follow).
         coordinate_tp: Followers run the TP leader's decisions (switch off only to measure
             or to demonstrate divergence).
@@ -95,6 +132,9 @@ class DistributedStage:
     Tied parameters declared by the executor (``TorchStageExecutor(shared=...)``) have their
     gradients summed over every rank that holds them at the end of each training step,
     before ``run_step`` returns (so before the optimizer).
+
+    Use as ``async with stage:`` and ``await stage.run_step(...)`` on one event loop, or
+    from synchronous code as ``with stage:`` and ``stage.run_step_sync(...)``.
 
     Raises:
         PlanError: The schedule does not fit the layout, ``max_message_bytes`` < 1, or
@@ -140,11 +180,13 @@ class DistributedStage:
         self.verify_plan = verify_plan
         self._device = torch.device(device)
         inbound, outbound = pipeline_neighbors(schedule.plan, layout.pp_rank)
+        self._has_peers = bool(inbound or outbound)
         self.channel = P2PChannel(
             layout.pp_rank,
             global_ranks=layout.pipeline_peers(),
             inbound=inbound,
             outbound=outbound,
+            group=self.groups.p2p,
             device=device,
             max_bytes=max_message_bytes,
             bound_name="DistributedStage(max_message_bytes=...)",
@@ -183,12 +225,21 @@ class DistributedStage:
         self._control_broken: BaseException | None = None
         self.plan_checks = 0
         self.plan_check_seconds = 0.0
-        self._state = "new"  # -> "open" (async with) -> "closed"
+        self._state = "new"  # -> "open" (async with / with) -> "closed"
+        self._loop: asyncio.AbstractEventLoop | None = None  # the loop it was opened on
+        self._portal: SyncPortal | None = None  # the sync face's loop thread (with)
+        self._p2p_key: int | None = None
 
     async def __aenter__(self) -> DistributedStage:
         if self._state != "new":
             raise ClosedError(f"{self._who()}: a DistributedStage is opened once ({self._state})")
-        self.channel.start()
+        self._claim_p2p_group()
+        try:
+            self.channel.start()
+        except BaseException:
+            self._release_p2p_group()
+            raise
+        self._loop = asyncio.get_running_loop()
         self._state = "open"
         return self
 
@@ -201,7 +252,80 @@ class DistributedStage:
                     None, self.decisions.close, timeout
                 )
         finally:
-            await self.channel.__aexit__(exc_type, *exc)
+            try:
+                await self.channel.__aexit__(exc_type, *exc)
+            finally:
+                self._release_p2p_group()
+
+    def __enter__(self) -> DistributedStage:
+        """Open the stage for a synchronous training loop: start an event loop on a thread
+        of its own (anyio's blocking portal; uvloop when installed) and open the stage on
+        it; ``run_step_sync`` then runs steps there, and the end of the ``with`` block
+        closes the stage and stops the thread.
+
+        Raises:
+            ClosedError: The stage was opened before.
+            PlanError: Another open stage of this process uses the same p2p group.
+        """
+        if self._state != "new":
+            raise ClosedError(f"{self._who()}: a DistributedStage is opened once ({self._state})")
+        portal = SyncPortal()
+        try:
+            portal.call(self.__aenter__)
+        except BaseException:
+            portal.close()
+            raise
+        self._portal = portal
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        portal, self._portal = self._portal, None
+        if portal is None:  # not opened with ``with``
+            return
+        try:
+            portal.call(self.__aexit__, exc_type, exc, tb)
+        finally:
+            portal.close()
+
+    def _claim_p2p_group(self) -> None:
+        """Refuse to open on a p2p group that another open stage of this process uses (see
+        the design note); a stage without pipeline peers uses none."""
+        if not self._has_peers:
+            return
+        group = self.groups.p2p
+        key = id(group)  # None (the default group) has one id, like every group
+        me = (
+            f"{self._who()} of the pipeline of global ranks"
+            f" {list(self.layout.pipeline_peers().values())}"
+        )
+        with _p2p_lock:
+            other = _p2p_users.get(key)
+            if other is not None:
+                which = (
+                    "the default process group (these StageGroups have no p2p group)"
+                    if group is None
+                    else "the p2p group of these StageGroups"
+                )
+                raise PlanError(
+                    f"{me}: {which} is already used by another open DistributedStage in this"
+                    f" process ({other[1]}); two stages on one group take each other's"
+                    " messages (gloo aborts the process, or a peer hangs). Give each stage"
+                    " that is open at the same time its own groups: call"
+                    " rr.build_groups(layout) once per stage, on every rank in the same order"
+                )
+            _p2p_users[key] = (group, me)
+        self._p2p_key = key
+
+    def _release_p2p_group(self) -> None:
+        key, self._p2p_key = self._p2p_key, None
+        if key is not None:
+            with _p2p_lock:
+                _p2p_users.pop(key, None)
 
     def _who(self) -> str:
         return f"rank {self.layout.pp_rank} (global {self.layout.rank})"
@@ -228,7 +352,8 @@ class DistributedStage:
             StepTimeoutError: The step (or the plan check) did not finish within
                 ``step_timeout``; the message opens with the ranks it waited for.
             PeerError: A peer died (the message names it) or failed.
-            ClosedError: The stage is not open (outside its ``async with`` block).
+            ClosedError: The stage is not open (outside its ``async with`` block), or this
+                is not the event loop it was opened on (the message names both loops).
         """
         if self._state != "open":
             why = (
@@ -239,6 +364,16 @@ class DistributedStage:
             raise ClosedError(
                 f"{self._who()}: run_step on a DistributedStage that {why}; run steps inside"
                 " `async with DistributedStage(...) as stage:`"
+            )
+        loop = asyncio.get_running_loop()
+        if loop is not self._loop:
+            raise ClosedError(
+                f"{self._who()}: run_step on event loop {_loop_name(loop)}, but the stage was"
+                f" opened on event loop {_loop_name(self._loop)}; its channel hands every"
+                " message to that loop, so this step would wait for messages that never come."
+                " Run every step on the loop of the `async with` block (one `rr.run` around"
+                " the whole training loop, not one per step), or from synchronous code use"
+                " `with DistributedStage(...) as stage:` and `stage.run_step_sync(...)`"
             )
         who = f"rank {self.stage.rank}"
         check_step_args(
@@ -270,6 +405,48 @@ class DistributedStage:
         except ChannelError as e:
             self._add_peer_failures(e)
             raise
+
+    def run_step_sync(
+        self,
+        microbatches: Sequence[Any],
+        *,
+        step: int | None = None,
+        schedule: StepSchedule | None = None,
+        train: bool = True,
+    ) -> StepStats:
+        """``run_step`` for synchronous code, inside ``with DistributedStage(...) as stage:``:
+        the step runs on the stage's event loop thread and this call blocks until it ends.
+
+        Args:
+            microbatches: The step's microbatches (any number).
+            step: The step number (default: one more than the last).
+            schedule: A schedule for this step.
+            train: False for a forward-only step.
+
+        Returns:
+            This rank's stats.
+
+        Raises:
+            ClosedError: The stage is not open with ``with`` (not yet, no more, or with
+                ``async with``: there, ``await stage.run_step(...)``).
+            PlanError, StepTimeoutError, PeerError: As ``run_step`` raises them (the same
+                objects, not wrapped).
+        """
+        portal = self._portal
+        if portal is None:
+            if self._state == "open":
+                how = (
+                    "it was opened with `async with`: there, run steps with"
+                    " `await stage.run_step(...)`"
+                )
+            else:
+                how = "it is not open yet" if self._state == "new" else "it was closed"
+            raise ClosedError(
+                f"{self._who()}: run_step_sync runs steps inside"
+                f" `with DistributedStage(...) as stage:` (on that block's event loop"
+                f" thread); {how}"
+            )
+        return portal.call(self.run_step, microbatches, step=step, schedule=schedule, train=train)
 
     def _key(self, schedule: StepSchedule) -> tuple[object, ...]:
         """What decides whether a step's plan must be checked again (see the design note)."""

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import threading
 from collections.abc import Callable, Sequence
+from types import TracebackType
 from typing import Any
 
 from .._check import check_bool, check_type
@@ -14,6 +16,7 @@ from ..policies._schedule import StepSchedule
 from ._checks import check_step_args, check_step_timeout
 from ._diagnostics import make_deadlock
 from ._executors import Executor
+from ._portal import SyncPortal
 from ._records import StepStats
 from ._stage import StageLoop, StageObserver
 
@@ -91,6 +94,14 @@ class LocalPipeline:
     A failed step leaves the pipeline usable: the messages its stages had in flight are
     discarded (see ``LocalChannel.discard``), so the next ``run_step`` starts clean.
 
+    From synchronous code, ``run_step_sync`` runs the same step on an event loop thread of
+    the pipeline's own (started on first use; stopped by ``close()`` or at the end of a
+    ``with pipe:`` block)::
+
+        with rr.LocalPipeline(schedule, executors) as pipe:
+            for mbs in loader:
+                stats = pipe.run_step_sync(mbs)
+
     Args:
         schedule: The step schedule.
         executors: One executor per rank, one shared executor, or a factory ``rank ->
@@ -125,6 +136,8 @@ class LocalPipeline:
         self.schedule = schedule
         self.channel = LocalChannel(p, latency)
         self._monitor = _Monitor(self)
+        self._portal: SyncPortal | None = None  # the synchronous face's loop thread
+        self._portal_lock = threading.Lock()
         self._running: int | None = None  # the step being run
         if isinstance(executors, Sequence):
             if len(executors) != p:
@@ -260,6 +273,58 @@ class LocalPipeline:
                 total += g
             for p in params:
                 p.grad = total.clone()
+
+    def run_step_sync(
+        self,
+        microbatches: Sequence[Any],
+        *,
+        step: int | None = None,
+        schedule: StepSchedule | None = None,
+        train: bool = True,
+    ) -> list[StepStats]:
+        """``run_step`` for synchronous code: the step runs on the pipeline's own event
+        loop thread (anyio's blocking portal, uvloop when installed; started on first use,
+        stopped by ``close()``), and this call blocks until it ends. Real time: a simulated
+        step runs on a ``VirtualEventLoop`` through the async ``run_step``.
+
+        Args:
+            microbatches: The step's microbatches.
+            step: The step number (default: one more than the last).
+            schedule: A schedule for this step.
+            train: False for a forward-only step.
+
+        Returns:
+            Each rank's stats.
+
+        Raises:
+            PlanError, DeadlockError, PolicyError, ProtocolError, StepTimeoutError: As
+                ``run_step`` raises them (the same objects, not wrapped).
+        """
+        with self._portal_lock:
+            portal = self._portal
+            if portal is None:
+                portal = self._portal = SyncPortal()
+        return portal.call(self.run_step, microbatches, step=step, schedule=schedule, train=train)
+
+    def close(self) -> None:
+        """Stop the event loop thread of ``run_step_sync`` (after its running step, if any).
+        Idempotent; a later ``run_step_sync`` starts a new one. The async ``run_step`` needs
+        no closing."""
+        with self._portal_lock:
+            portal, self._portal = self._portal, None
+        if portal is not None:
+            portal.close()
+
+    def __enter__(self) -> LocalPipeline:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
 
     def _drop_in_flight(self) -> None:
         """After a failed step, every stage has left it (the task group waited for them):

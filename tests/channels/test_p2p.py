@@ -325,9 +325,9 @@ def _bound_worker(rank: int, world: int) -> dict[str, Any]:
     if rank == 0:
         header = encode_header(0, 0, rr.Task(1, "F", 0), torch.zeros(2))
         header[8:10] = [1, 1 << 29]  # 2**29 float32 = 2 GiB
-        dist.send(torch.tensor(header, dtype=torch.int64), 1)
+        dist.send(torch.tensor(header, dtype=torch.int64), 1, group=groups.p2p)
         close = torch.zeros(HEADER_LEN, dtype=torch.int64)
-        dist.recv(close, 1)  # the failed stage's CLOSE, with its cause
+        dist.recv(close, 1, group=groups.p2p)  # the failed stage's CLOSE, with its cause
         out["close"] = close.tolist()
     else:
         big: list[int] = []

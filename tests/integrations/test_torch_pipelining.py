@@ -163,5 +163,7 @@ def test_variable_length_microbatches_torch_cannot_take() -> None:
 def test_unsupported_features_are_named() -> None:
     from rrfp_async.pipelining import ScheduleReadinessFirst
 
-    with pytest.raises(rr.PlanError, match="takes the torch.distributed.pipelining PipelineStage"):
+    with pytest.raises(
+        rr.PlanError, match=r"takes the torch\.distributed\.pipelining PipelineStage"
+    ):
         ScheduleReadinessFirst(nn.Linear(2, 2), 4)
