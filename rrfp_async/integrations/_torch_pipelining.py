@@ -316,7 +316,14 @@ class ScheduleReadinessFirst:
         """A forward-only step (torch's ``eval``): outputs merged on the last stage, the
         losses computed when ``target`` and a ``loss_fn`` are given."""
         chunks = self._chunks(args, kwargs, target, None)
-        return self._sync(chunks, losses, True, train=False)
+        if target is not None or not self._has_last:
+            return self._sync(chunks, losses, True, train=False)
+        # No target: outputs only (the loss function would get None).
+        loss_fn, self._executor.loss_fn = self._executor.loss_fn, None
+        try:
+            return self._sync(chunks, losses, True, train=False)
+        finally:
+            self._executor.loss_fn = loss_fn
 
     def step_microbatches(
         self,
