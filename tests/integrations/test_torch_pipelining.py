@@ -19,7 +19,7 @@ import rrfp_async as rr
 
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(240)]
 
-D, N_MB, BATCH = 16, 4, 8
+D, N_MB, BATCH = 16, 6, 12  # M = 6: dividing by it is inexact (4 would hide where it happens)
 
 
 def full_model(n_stages: int) -> nn.Sequential:
