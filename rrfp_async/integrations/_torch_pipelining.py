@@ -37,12 +37,13 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from .._costs import Durations
 from .._errors import PlanError
 from .._pytree import Args
 from .._tasks import StepPlan, Task, Topology
 from ..distributed._layout import ProcessLayout, build_groups
 from ..distributed._stage import DEFAULT_STEP_TIMEOUT, DistributedStage
-from ..distributed._torch_executor import TorchStageExecutor
+from ..distributed._torch_executor import EmulatedCost, TorchStageExecutor
 from ..loop._records import StepStats
 from ..policies._schedule import StepSchedule
 from ..policies._torch_hints import hint_from_torch
@@ -123,6 +124,12 @@ class ScheduleReadinessFirst:
         memory_factor: Scale of the admission bound (default: what 1F1B holds).
         split_backward: Split each backward into input and weight gradients (``I``/``W``).
         step_timeout: Seconds a step may take before every rank fails it (None: no limit).
+        durations: ``(plan, microbatches) -> rr.Durations``: the declared durations of a
+            step's tasks from its microbatches (``_Chunk`` objects with ``args``,
+            ``kwargs``, ``target``), so that a cost-aware hint (the default
+            ``breadth_first_weighted``) orders the heavy microbatches first; every rank
+            must compute the same. Without it the default hint is cost-blind (1F1B's order).
+        emulate: Emulated GPU time for CPU benchmarks (``rr.EmulatedCost``).
         **stage_kwargs: Further ``rr.DistributedStage`` keywords (``observer``,
             ``check_ties``, ...).
 
@@ -147,6 +154,8 @@ class ScheduleReadinessFirst:
         memory_factor: float | None = None,
         split_backward: bool = False,
         step_timeout: float | None = DEFAULT_STEP_TIMEOUT,
+        durations: Callable[[StepPlan, Sequence[Any]], Durations] | None = None,
+        emulate: EmulatedCost | None = None,
         **stage_kwargs: Any,
     ) -> None:
         stages = list(stage) if isinstance(stage, (list, tuple)) else [stage]
@@ -221,7 +230,9 @@ class ScheduleReadinessFirst:
             loss_scale="sum",
             return_outputs=True,
             rank=dist.get_rank(),
+            emulate=emulate,
         )
+        self._durations = durations
         self._rr: DistributedStage | None = None
         self._mode: str | None = None  # "sync" or "async", once opened
         self.last_stats: StepStats | None = None
@@ -376,9 +387,7 @@ class ScheduleReadinessFirst:
             await self._rr.__aenter__()
             self._mode = "async"
         self._refuse("async")
-        stats = await self._rr.run_step(
-            chunks, schedule=self._schedule_for(len(chunks)), train=train
-        )
+        stats = await self._rr.run_step(chunks, schedule=self._schedule_for(chunks), train=train)
         return self._finish(stats, losses, return_outputs, train, merge=True, count=len(chunks))
 
     # ------------------------------------------------------------------ lifecycle
@@ -442,8 +451,11 @@ class ScheduleReadinessFirst:
             **self._stage_kwargs,
         )
 
-    def _schedule_for(self, n: int) -> StepSchedule:
-        return self._base.for_microbatches(n)
+    def _schedule_for(self, chunks: Sequence[_Chunk]) -> StepSchedule:
+        sched = self._base.for_microbatches(len(chunks))
+        if self._durations is not None:
+            sched = sched.with_durations(self._durations(sched.plan, chunks))
+        return sched
 
     def _sync(
         self,
@@ -469,9 +481,7 @@ class ScheduleReadinessFirst:
             self._rr = stage
             self._mode = "sync"
         self._refuse("sync")
-        stats = self._rr.run_step_sync(
-            chunks, schedule=self._schedule_for(len(chunks)), train=train
-        )
+        stats = self._rr.run_step_sync(chunks, schedule=self._schedule_for(chunks), train=train)
         return self._finish(stats, losses, return_outputs, train, merge=merge, count=len(chunks))
 
     def _finish(
