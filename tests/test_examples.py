@@ -1,13 +1,16 @@
 """The examples run (small sizes) and print what they claim: their numbers are parsed and
-checked, not just looked for. (``train_image_text.py``: tests/distributed.)"""
+checked, not just looked for. (``train_image_text.py``: tests/distributed;
+``train_hf_causal_lm.py`` runs here as a child process, since it spawns its ranks.)"""
 
 from __future__ import annotations
 
 import contextlib
 import io
 import math
+import os
 import re
 import runpy
+import subprocess
 import sys
 from pathlib import Path
 
@@ -115,3 +118,55 @@ def test_what_if_128_gpus(monkeypatch: pytest.MonkeyPatch) -> None:
         for seed in range(2)
     )
     assert float(rows[4][4]) == pytest.approx(slowest, abs=5e-4)
+
+
+HF_ROW = re.compile(
+    rf"step (\d+)  loss {NUM}  \(reference {NUM}\)  (\d+) microbatches of \[([0-9, ]+)\]"
+    r" tokens  (\d+) ms"
+)
+HF_END = re.compile(
+    r"max \|parameter - single-process reference\| = (\S+) over (\d+) tensors"
+    r" \(the reference with its microbatches reversed: (\S+)\)"
+)
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(240)
+def test_train_hf_causal_lm() -> None:
+    pytest.importorskip("transformers")
+    # A child process (the script spawns its ranks, which needs a real __main__), importing
+    # this checkout's rrfp_async, not whichever one is installed.
+    root = EXAMPLES.parent
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")]),
+    }
+    out = subprocess.run(
+        [sys.executable, str(EXAMPLES / "train_hf_causal_lm.py"), "--spawn", "--steps", "3"],
+        capture_output=True,
+        text=True,
+        timeout=200,
+        check=False,
+        env=env,
+        cwd=root,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    lines = out.stdout.splitlines()
+    rows = _match_all(HF_ROW.pattern, lines)
+    assert [int(m[1]) for m in rows] == [0, 1, 2]
+    for m in rows:
+        # The pipeline's step loss is the reference's (printed to 4 decimals).
+        assert m[2] == m[3], m[0]
+        assert int(m[4]) == 4 and int(m[6]) > 0
+        tokens = [int(t) for t in m[5].split(",")]
+        assert len(tokens) == 4 and len(set(tokens)) > 1, tokens  # variable lengths
+    # An untrained LM predicts about uniformly: cross-entropy ~ ln(vocab = 128).
+    assert abs(float(rows[0][2]) - math.log(128)) < 0.5
+    assert float(rows[-1][2]) < float(rows[0][2])  # it trains
+    (end,) = _match_all(HF_END.pattern, lines)
+    diff, tensors, reordered = float(end[1]), int(end[2]), float(end[3])
+    # GPT-2 with 4 blocks: wte, wpe, 12 per block, ln_f (lm_head is wte).
+    assert tensors == 2 + 12 * 4 + 2
+    # Rounding only (the reference reordered differs from itself by as much); without the
+    # tied weight's gradient reduction it would be ~1e-2.
+    assert diff < 1e-4 and reordered < 1e-4, (diff, reordered)

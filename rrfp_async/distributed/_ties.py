@@ -103,7 +103,8 @@ async def reduce_ties(
     step: int,
 ) -> None:
     """Sum each tie's gradient over its local copies and over the ranks holding it, and
-    write the sum into every copy (a copy without a gradient counts as zero)."""
+    write the sum into every copy that requires grad (a copy without a gradient counts as
+    zero; a frozen copy keeps ``.grad`` None)."""
     for name in sorted(shared):
         params = shared[name]
         grads = [p.grad for p in params if p.grad is not None]
@@ -130,8 +131,11 @@ async def reduce_ties(
                 ) from e
             if buf is not total:
                 total.copy_(buf)
-        for p in params:
-            p.grad = total.clone() if len(params) > 1 else total
+        # A frozen copy keeps .grad None, as autograd leaves it: a zero gradient would let
+        # an optimizer given every parameter (weight decay, momentum) move a frozen weight.
+        trainable = [p for p in params if p.requires_grad]
+        for p in trainable:
+            p.grad = total.clone() if len(trainable) > 1 else total
 
 
 async def find_undeclared_ties(

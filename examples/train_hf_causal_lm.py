@@ -1,0 +1,272 @@
+"""Train a Hugging Face causal LM (GPT-2) through a 2-process readiness-first pipeline.
+
+Without torchrun (the script spawns the processes itself on 127.0.0.1):
+
+    python examples/train_hf_causal_lm.py --spawn
+
+Under torchrun (one process per pipeline rank, gloo on CPU):
+
+    torchrun --nproc-per-node 2 --master-addr 127.0.0.1 --master-port 29512 \\
+        examples/train_hf_causal_lm.py
+
+The model is ``GPT2LMHeadModel`` from a small config with random weights (nothing is
+downloaded), split by hand: rank 0 embeds (``wte`` + ``wpe``) and runs the first blocks, the
+last rank runs the other blocks, ``ln_f`` and ``lm_head``. ``lm_head.weight`` *is*
+``wte.weight`` in GPT-2: each rank holds its own copy, and the library sums the two copies'
+gradients after every step because the executor declares the tie (``shared=``). Microbatches
+have different lengths (6-24 tokens) and rows padded within a microbatch; the attention mask
+reaches every stage as a side input.
+
+Each step prints the pipeline's mean loss next to the loss of a plain single-process
+reference (the whole model, autograd, same init and data); at the end, how far the
+pipeline's parameters are from that reference, next to how far the reference is from itself
+when each step's microbatches are summed in reverse order. Both are float rounding: the
+pipeline adds the same gradients in another order (the tied weight's two halves on two
+ranks), and AdamW, which divides by each gradient's running magnitude, turns the rounding
+noise of gradients that are mathematically zero (the attention's key bias: softmax ignores a
+constant shift) into updates of ~1e-5.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from transformers import GPT2Config, GPT2LMHeadModel
+from transformers.loss.loss_utils import ForCausalLMLoss
+from transformers.masking_utils import create_causal_mask
+
+import rrfp_async as rr
+
+VOCAB = 128
+
+
+def parse(argv: list[str] | None = None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--steps", type=int, default=5)
+    ap.add_argument("--microbatches", type=int, default=4)
+    ap.add_argument("--layers", type=int, default=4, help="GPT-2 blocks (split over the ranks)")
+    ap.add_argument("--policy", default="readiness_first")
+    ap.add_argument("--hint", default="breadth_first_weighted")
+    ap.add_argument("--split-backward", action="store_true", help="I and W instead of B")
+    ap.add_argument("--lr", type=float, default=3e-3)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--spawn", action="store_true", help="start 2 processes here (no torchrun)")
+    return ap.parse_args(argv)
+
+
+def build_model(args: argparse.Namespace) -> GPT2LMHeadModel:
+    """The whole model, from the seed: every rank builds the same one and keeps its stage."""
+    torch.manual_seed(args.seed)
+    cfg = GPT2Config(
+        n_layer=args.layers,
+        n_embd=64,
+        n_head=4,
+        vocab_size=VOCAB,
+        n_positions=64,
+        tie_word_embeddings=True,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+        bos_token_id=0,
+        eos_token_id=0,
+    )
+    model = GPT2LMHeadModel(cfg)
+    model.loss_type = "ForCausalLM"  # what model(labels=...) computes (silences a warning)
+    return model
+
+
+class GPT2Stage(nn.Module):
+    """Blocks ``lo:hi`` of the model; the first stage embeds, the last normalises and
+    projects to the vocabulary. Every stage builds the causal mask from the padding mask
+    the way ``GPT2Model.forward`` does."""
+
+    def __init__(self, model: GPT2LMHeadModel, lo: int, hi: int, *, first: bool, last: bool):
+        super().__init__()
+        tr = model.transformer
+        self.config, self.first, self.last = tr.config, first, last
+        if first:
+            self.wte, self.wpe = tr.wte, tr.wpe
+        self.h = nn.ModuleList(tr.h[lo:hi])
+        if last:
+            self.ln_f, self.lm_head = tr.ln_f, model.lm_head
+
+    def forward(self, x: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        pos = torch.arange(x.shape[1]).unsqueeze(0)
+        h = self.wte(x) + self.wpe(pos) if self.first else x
+        mask = create_causal_mask(
+            config=self.config,
+            inputs_embeds=h,
+            attention_mask=attention_mask,
+            cache=None,
+            position_ids=pos,
+        )
+        for block in self.h:
+            h = block(h, None, mask)
+        return self.lm_head(self.ln_f(h)) if self.last else h
+
+
+def split(model: GPT2LMHeadModel, stages: int) -> list[nn.Module]:
+    n = model.config.n_layer
+    cuts = [round(i * n / stages) for i in range(stages + 1)]
+    return [
+        GPT2Stage(model, cuts[i], cuts[i + 1], first=i == 0, last=i == stages - 1)
+        for i in range(stages)
+    ]
+
+
+def microbatches(args: argparse.Namespace, step: int) -> list[rr.Microbatch]:
+    """One step's microbatches: 2 rows of 6-24 tokens, the second row left-padded (mask 0,
+    label -100). ``tokens`` (the predicted labels) sizes the cost-aware default hint. The
+    text is learnable: each row counts up by a stride of 1-3 from a random start."""
+    g = torch.Generator().manual_seed(args.seed * 1000 + step)
+    out = []
+    for i in range(args.microbatches):
+        n = int(torch.randint(6, 25, (1,), generator=g))
+        start = torch.randint(1, VOCAB, (2, 1), generator=g)
+        stride = torch.randint(1, 4, (2, 1), generator=g)
+        ids = (start + stride * torch.arange(n)) % (VOCAB - 1) + 1
+        mask = torch.ones(2, n, dtype=torch.long)
+        mask[1, : int(torch.randint(1, n // 2, (1,), generator=g))] = 0
+        ids = ids.masked_fill(mask == 0, 0)
+        labels = ids.masked_fill(mask == 0, -100)
+        data = {"input_ids": ids, "attention_mask": mask, "labels": labels}
+        out.append(rr.Microbatch(index=i, tokens=int((labels[:, 1:] != -100).sum()), data=data))
+    return out
+
+
+def loss_fn(logits: torch.Tensor, mb: rr.Microbatch) -> torch.Tensor:
+    """The loss GPT2LMHeadModel computes from ``labels`` (Hugging Face's own function)."""
+    return ForCausalLMLoss(logits, mb.data["labels"], VOCAB)
+
+
+def first_input(mb: rr.Microbatch) -> rr.Args:
+    """Stage 0 is called ``stage(input_ids, attention_mask=mask)``."""
+    return rr.Args(mb.data["input_ids"], attention_mask=mb.data["attention_mask"])
+
+
+def reference(
+    args: argparse.Namespace, *, reverse: bool = False
+) -> tuple[GPT2LMHeadModel, list[float]]:
+    """The whole model trained in this process by plain autograd on the same microbatches
+    (loss / M per microbatch, like the pipeline), and its mean loss per step; with
+    ``reverse``, each step's microbatches in the opposite order (the same sums, rounded
+    differently)."""
+    model = build_model(args)
+    opt = torch.optim.AdamW(model.parameters(), lr=args.lr)
+    losses = []
+    for s in range(args.steps):
+        mbs = microbatches(args, s)
+        total = 0.0
+        for mb in reversed(mbs) if reverse else mbs:
+            loss = model(**mb.data).loss
+            total += float(loss.detach())
+            (loss / len(mbs)).backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(total / len(mbs))
+    return model, losses
+
+
+def train(rank: int, world: int, args: argparse.Namespace) -> None:
+    """Body of every process (``rr.spawn`` or torchrun): train this rank's stage, then
+    compare with the single-process reference. The last rank prints."""
+    layout = rr.ProcessLayout.from_world(pp=world)
+    model = build_model(args)
+    stage_module = split(model, world)[layout.pp_rank]
+    last = layout.pp_rank == world - 1
+    executor = rr.TorchStageExecutor(
+        {layout.pp_rank: stage_module},
+        loss_fn,
+        input_fn=first_input,
+        side_inputs=["attention_mask"],  # every stage after the first gets it as a keyword
+        shared={"wte": [(0, "wte.weight"), (world - 1, "lm_head.weight")]},
+        rank=layout.rank,
+    )
+    opt = torch.optim.AdamW(stage_module.parameters(), lr=args.lr)
+    plan = rr.StepPlan(
+        topology=rr.Topology(stages=world),
+        microbatches=args.microbatches,
+        split_backward=args.split_backward,
+        ordered_weights=args.split_backward,
+    )
+    cost = rr.CostModel()  # declared cost per token: sizes the default hint's order
+
+    def schedule(mbs: list[rr.Microbatch]) -> rr.StepSchedule:
+        return rr.StepSchedule.build(plan, args.hint, durations=cost.declared(plan, mbs))
+
+    ref_model, ref_losses = reference(args)
+
+    # TODO(run_step_sync): when DistributedStage.run_step_sync lands, this becomes a plain
+    # synchronous loop (`with rr.DistributedStage(...) as stage:` ... `stage.run_step_sync(mbs,
+    # schedule=...)`); until then the loop is an async function run by rr.run.
+    async def loop() -> None:
+        first = microbatches(args, 0)
+        async with rr.DistributedStage(
+            layout, schedule(first), executor, policy=args.policy
+        ) as stage:
+            for s in range(args.steps):
+                mbs = first if s == 0 else microbatches(args, s)
+                t0 = time.perf_counter()
+                stats = await stage.run_step(mbs, schedule=schedule(mbs))
+                ms = (time.perf_counter() - t0) * 1e3
+                opt.step()
+                opt.zero_grad()
+                if last:
+                    assert stats.losses is not None
+                    loss = sum(stats.losses) / len(stats.losses)
+                    print(
+                        f"step {s}  loss {loss:.4f}  (reference {ref_losses[s]:.4f})"
+                        f"  {len(mbs)} microbatches of {[mb.tokens for mb in mbs]} tokens"
+                        f"  {ms:.0f} ms",
+                        flush=True,
+                    )
+
+    try:
+        rr.run(loop())
+    finally:
+        executor.close()
+
+    # This rank's parameters against the reference's (the tied weight under its first name).
+    ref = dict(ref_model.named_parameters())
+    mine = {id(p) for p in stage_module.parameters()}
+    rev = dict(reference(args, reverse=True)[0].named_parameters())
+    worst = torch.tensor(
+        [
+            max(
+                (p - ref[n]).abs().max().item()
+                for n, p in model.named_parameters()
+                if id(p) in mine
+            ),
+            max((rev[n] - ref[n]).abs().max().item() for n in ref),
+        ],
+        dtype=torch.float64,
+    )
+    dist.all_reduce(worst, op=dist.ReduceOp.MAX)  # a tensor crosses the network, no object
+    if last:
+        print(
+            f"max |parameter - single-process reference| = {worst[0].item():.3g}"
+            f" over {len(ref)} tensors (the reference with its microbatches reversed:"
+            f" {worst[1].item():.3g})",
+            flush=True,
+        )
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse(argv)
+    if args.spawn:
+        rr.spawn(train, 2, args, timeout=300)
+        return
+    dist.init_process_group("gloo")  # torchrun's env:// rendezvous
+    try:
+        train(dist.get_rank(), dist.get_world_size(), args)
+        dist.barrier()  # nobody tears the group down while a peer still communicates
+    finally:
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
