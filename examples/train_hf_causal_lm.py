@@ -4,7 +4,8 @@ Without torchrun (the script spawns the processes itself on 127.0.0.1):
 
     python examples/train_hf_causal_lm.py --spawn
 
-Under torchrun (one process per pipeline rank, gloo on CPU):
+Under torchrun (one process per pipeline rank, gloo on CPU; the training loop is a plain
+synchronous loop in either case: ``with rr.DistributedStage(...)`` + ``run_step_sync``):
 
     torchrun --nproc-per-node 2 --master-addr 127.0.0.1 --master-port 29512 \\
         examples/train_hf_causal_lm.py
@@ -12,8 +13,9 @@ Under torchrun (one process per pipeline rank, gloo on CPU):
 The model is ``GPT2LMHeadModel`` from a small config with random weights (nothing is
 downloaded), split by hand: rank 0 embeds (``wte`` + ``wpe``) and runs the first blocks, the
 last rank runs the other blocks, ``ln_f`` and ``lm_head``. ``lm_head.weight`` *is*
-``wte.weight`` in GPT-2: each rank holds its own copy, and the library sums the two copies'
-gradients after every step because the executor declares the tie (``shared=``). Microbatches
+``wte.weight`` in GPT-2: ``rr.from_stage_modules`` finds that tie (one parameter object in
+two stage modules) and the executor declares it (``shared=``); each rank then holds its own
+copy, and the library sums the two copies' gradients after every step. Microbatches
 have different lengths (6-24 tokens) and rows padded within a microbatch; the attention mask
 reaches every stage as a side input.
 
@@ -176,14 +178,17 @@ def train(rank: int, world: int, args: argparse.Namespace) -> None:
     compare with the single-process reference. The last rank prints."""
     layout = rr.ProcessLayout.from_world(pp=world)
     model = build_model(args)
-    stage_module = split(model, world)[layout.pp_rank]
+    # Every stage module of the whole model; the tie (wte.weight is lm_head.weight: one
+    # object in two stages) is found here, then each rank keeps only its own stage.
+    stages = rr.from_stage_modules(split(model, world))
+    stage_module = stages.modules[layout.pp_rank]
     last = layout.pp_rank == world - 1
     executor = rr.TorchStageExecutor(
-        {layout.pp_rank: stage_module},
+        stages.modules_of([layout.pp_rank]),
         loss_fn,
         input_fn=first_input,
         side_inputs=["attention_mask"],  # every stage after the first gets it as a keyword
-        shared={"wte": [(0, "wte.weight"), (world - 1, "lm_head.weight")]},
+        shared=stages.shared,  # {"0:wte.weight": ((0, "wte.weight"), (1, "lm_head.weight"))}
         rank=layout.rank,
     )
     opt = torch.optim.AdamW(stage_module.parameters(), lr=args.lr)
@@ -200,18 +205,14 @@ def train(rank: int, world: int, args: argparse.Namespace) -> None:
 
     ref_model, ref_losses = reference(args)
 
-    # TODO(run_step_sync): when DistributedStage.run_step_sync lands, this becomes a plain
-    # synchronous loop (`with rr.DistributedStage(...) as stage:` ... `stage.run_step_sync(mbs,
-    # schedule=...)`); until then the loop is an async function run by rr.run.
-    async def loop() -> None:
-        first = microbatches(args, 0)
-        async with rr.DistributedStage(
-            layout, schedule(first), executor, policy=args.policy
-        ) as stage:
+    # A plain synchronous training loop: the stage runs on an event loop thread of its own.
+    first = microbatches(args, 0)
+    try:
+        with rr.DistributedStage(layout, schedule(first), executor, policy=args.policy) as stage:
             for s in range(args.steps):
                 mbs = first if s == 0 else microbatches(args, s)
                 t0 = time.perf_counter()
-                stats = await stage.run_step(mbs, schedule=schedule(mbs))
+                stats = stage.run_step_sync(mbs, schedule=schedule(mbs))
                 ms = (time.perf_counter() - t0) * 1e3
                 opt.step()
                 opt.zero_grad()
@@ -224,9 +225,6 @@ def train(rank: int, world: int, args: argparse.Namespace) -> None:
                         f"  {ms:.0f} ms",
                         flush=True,
                     )
-
-    try:
-        rr.run(loop())
     finally:
         executor.close()
 

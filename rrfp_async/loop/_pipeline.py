@@ -272,7 +272,8 @@ class LocalPipeline:
             for g in grads[1:]:
                 total += g
             for p in params:
-                p.grad = total.clone()
+                if p.requires_grad:  # a frozen copy keeps .grad None, as autograd leaves it
+                    p.grad = total.clone()
 
     def run_step_sync(
         self,
