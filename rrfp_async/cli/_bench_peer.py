@@ -98,6 +98,12 @@ def peer_worker(rank: int, world: int, cfg: PeerConfig) -> dict[str, Any]:
     loop = factory() if factory is not None else asyncio.new_event_loop()
     rr, closers = rr_runs(cfg, rank, steps, layout, groups, loop)
     runs += rr
+    if cfg.dropin_hints:
+        from ._bench_peer_dropin import dropin_runs
+
+        dropins, scheds = dropin_runs(cfg, rank, steps)
+        runs += dropins
+        closers += [sc.close for sc in scheds]
 
     fill_table(steps, 1)
     current = 1
@@ -201,6 +207,13 @@ def peer_benchmark(
             diff = max(diff, max(abs(a - b) for a, b in zip(ls, ref, strict=True)))
             checked += 1
         torch_row = key[0] == "torch"
+        note = f"cannot run: {err}" if err else "padded cost" if torch_row and key[2] else ""
+        native = ("rrfp_async", *key[1:])
+        if key[0] == "drop-in" and ok and native in keys:
+            # The adapter's cost: the native row at the same hint, policy and memory, paired.
+            nat = r0["times"][keys.index(native)][w:]
+            vs = statistics.median(n / t for n, t in zip(nat, steps_s, strict=True))
+            note = f"torch PipelineStage + ScheduleReadinessFirst; {vs:.2f}x the native row"
         rows.append(
             PeerRun(
                 system=key[0],
@@ -217,9 +230,7 @@ def peer_benchmark(
                 efficiency=eff,
                 peak_inflight=int(r0["peaks"][i]),
                 steps_s=steps_s if ok else (),
-                note=(
-                    f"cannot run: {err}" if err else "padded cost" if torch_row and key[2] else ""
-                ),
+                note=note,
             )
         )
     steps = make_steps(cfg)

@@ -58,6 +58,9 @@ class PeerConfig:
         hints: rrfp_async hints; ``interleaved_1f1b`` runs on 2 chunks per rank; ``name:split``
             runs the hint on a split backward (I/W), as ``zb_h1`` always does.
         policies: rrfp_async policies.
+        dropin_hints: Hints of the rows that step torch's own ``PipelineStage`` objects
+            through ``rr.pipelining.ScheduleReadinessFirst`` (x policies x memory factors);
+            empty: none.
         memory_factors: Admission bounds as multiples of 1F1B's.
         timeout: Seconds for the whole run.
     """
@@ -85,6 +88,7 @@ class PeerConfig:
         "zb_h1",
     )
     policies: tuple[str, ...] = ("strict", "readiness_first", "backfill")
+    dropin_hints: tuple[str, ...] = ("breadth_first_weighted",)
     memory_factors: tuple[float, ...] = (1.0, 2.0)
     timeout: float = 1200.0
 

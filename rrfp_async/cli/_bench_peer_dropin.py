@@ -1,0 +1,102 @@
+"""The drop-in side of the peer benchmark: torch's own ``PipelineStage`` objects around the
+same modules as rrfp_async's native rows, stepped by ``rr.pipelining.ScheduleReadinessFirst``
+(what a torch pipelining user gets by changing one line).
+
+It runs the same work as the native rows (``PeerStage`` without the weight-gradient sleep,
+which ``TableCost`` charges after the task's compute) and declares each step's durations to
+the cost-aware hint from the step's sizes, like the native rows' ``with_durations``. What
+differs is the adapter: torch's chunking API, the sync face's loop thread, the stage kept open
+across steps.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from .._costs import Durations
+from .._tasks import StepPlan
+from ._bench_peer_config import PeerConfig, Step, WorkerRun
+from ._bench_peer_stage import TableCost, make_inputs, make_modules, peer_loss
+
+__all__ = ["dropin_runs"]
+
+
+def dropin_runs(
+    cfg: PeerConfig, rank: int, steps: Sequence[Step]
+) -> tuple[list[WorkerRun], list[Any]]:
+    """This rank's drop-in runs (one per hint of ``cfg.dropin_hints`` x memory factor x
+    policy, single-chunk hints) and their schedules (the caller closes them)."""
+    runs: list[WorkerRun] = []
+    schedules: list[Any] = []
+    for hint in cfg.dropin_hints:
+        for mf in cfg.memory_factors:
+            for pol in cfg.policies:
+                run, sched = _dropin_run(cfg, rank, steps, hint, pol, mf)
+                runs.append(run)
+                schedules.append(sched)
+    return runs, schedules
+
+
+def _dropin_run(
+    cfg: PeerConfig, rank: int, steps: Sequence[Step], hint: str, pol: str, mf: float
+) -> tuple[WorkerRun, Any]:
+    from torch.distributed.pipelining import PipelineStage
+
+    from ..integrations import ScheduleReadinessFirst
+
+    mods = make_modules(cfg, rank, 1, "interleaved", False, weight_sleep=False)
+    ((v, mod),) = mods.items()
+    stage = PipelineStage(mod, v, cfg.stages, torch.device("cpu"))
+    done: list[int] = []  # steps run so far: the next one's index in ``steps``
+
+    def declared(plan: StepPlan, chunks: Sequence[Any]) -> Durations:
+        # This step's sizes, as the native rows declare them; every rank reads them off the
+        # step table (only the first rank has the inputs).
+        st = steps[len(done)]
+        per = [[cfg.us_per_token * 1e-6 * t for t in st.tokens]]
+        return Durations.from_arrays(plan, per * plan.num_virtual)
+
+    sched = ScheduleReadinessFirst(
+        stage,
+        cfg.microbatches,
+        loss_fn=peer_loss,
+        hint=hint,
+        policy=pol,
+        memory_factor=mf,
+        step_timeout=120,
+        durations=declared,
+        emulate=TableCost(steps=tuple(steps), chunks=1),
+    )
+    run = WorkerRun(("drop-in", hint, pol, mf), 1, "interleaved", None)
+
+    def run_dropin(s: int) -> float:
+        assert s == len(done), "the drop-in's step numbers follow the benchmark's"
+        xs = make_inputs(cfg, s, steps[s].tokens, None)
+        first, last = 0 in mods, cfg.stages - 1 in mods
+        losses: list[Any] = []
+        dist.barrier()
+        t0 = time.perf_counter()
+        sched.step_microbatches(
+            arg_mbs=[(x,) for x in xs] if first else None,
+            target_mbs=xs if last else None,
+            losses=losses,
+            n_microbatches=len(xs),
+        )
+        t = time.perf_counter() - t0
+        done.append(s)
+        if losses:
+            run.losses.append(sum(float(x) for x in losses) / cfg.microbatches)
+        stats = sched.last_stats
+        assert stats is not None
+        run.peak = max(run.peak, stats.peak_inflight)
+        for m in mods.values():
+            m.zero_grad(set_to_none=True)
+        return t
+
+    run.fn = run_dropin
+    return run, sched
