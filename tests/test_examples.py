@@ -170,3 +170,35 @@ def test_train_hf_causal_lm() -> None:
     # Rounding only (the reference reordered differs from itself by as much); without the
     # tied weight's gradient reduction it would be ~1e-2.
     assert diff < 1e-4 and reordered < 1e-4, (diff, reordered)
+
+
+def _run_example(name: str, *args: str) -> list[str]:
+    root = EXAMPLES.parent
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")]),
+    }
+    out = subprocess.run(
+        [sys.executable, str(EXAMPLES / name), *args],
+        capture_output=True,
+        text=True,
+        timeout=200,
+        check=False,
+        env=env,
+        cwd=root,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    return out.stdout.splitlines()
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(400)
+def test_torch_pipelining_dropin_example_matches_torch() -> None:
+    # The same script with torch's Schedule1F1B and with the one changed line: the same
+    # losses and (with torch's order, --strict) the same parameters to the last digit.
+    want = _run_example("torch_pipelining_dropin.py", "--spawn", "--torch", "--steps", "3")
+    got = _run_example("torch_pipelining_dropin.py", "--spawn", "--strict", "--steps", "3")
+    assert len([x for x in want if x.startswith("step ")]) == 3
+    assert [x for x in got if x.startswith(("step ", "parameter"))] == [
+        x for x in want if x.startswith(("step ", "parameter"))
+    ]

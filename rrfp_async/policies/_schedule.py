@@ -112,6 +112,7 @@ class StepSchedule:
     memory_factor: float | None = field(default=None, repr=False)
     max_inflight: int | tuple[int, ...] | None = field(default=None, repr=False)
     _derived: dict[object, StepSchedule] = field(default_factory=dict, repr=False)
+    _root: StepSchedule | None = field(default=None, repr=False)
     _programs: dict[int, RankProgram] = field(default_factory=dict, repr=False)
     _plan: dict[int, tuple[tuple[float, ...], tuple[float, ...]]] = field(
         default_factory=dict, repr=False
@@ -215,6 +216,9 @@ class StepSchedule:
         n = check_count("microbatches", n)
         if n == self.plan.microbatches:
             return self
+        root = self._root
+        if root is not None:  # derived ones derive from their root (one cache, no chains)
+            return root.for_microbatches(n)
         got = self._derived.get(n)
         if got is None:
             if self.source is None:
@@ -234,8 +238,7 @@ class StepSchedule:
                     else self.max_inflight
                 ),
             )
-            if self.hint_name != got.hint_name:
-                got = replace(got, hint_name=self.hint_name)
+            got = replace(got, hint_name=self.hint_name, _root=self)
             self._derived[n] = got
         return got
 

@@ -552,3 +552,11 @@ async def test_outputs_leave_from_the_compute_thread_once() -> None:
     )
     # ... and none of them from the loop's thread.
     assert all(ident != threading.get_ident() for ident, _ in log)
+
+
+def test_alternating_sizes_reuse_the_derived_schedules() -> None:
+    s = sched(p=2, m=4)
+    three = s.for_microbatches(3)
+    assert three.for_microbatches(4) is s  # back to the root, not a new schedule
+    assert three.for_microbatches(5) is s.for_microbatches(5)
+    assert three.plan.microbatches == 3 and three.hint_name == s.hint_name
