@@ -47,8 +47,12 @@ def test_peer_benchmark_runs_both_systems_on_the_same_work() -> None:
         ("torch", "Schedule1F1B", None),
         ("rrfp_async", "breadth_first_weighted", "strict"),
         ("rrfp_async", "breadth_first_weighted", "readiness_first"),
+        ("drop-in", "breadth_first_weighted", "strict"),
+        ("drop-in", "breadth_first_weighted", "readiness_first"),
     ]
     assert runs[0]["speedup_vs_torch_1f1b"] == 1.0 and runs[1]["note"] == "padded cost"
+    # the drop-in rows (torch's own PipelineStage objects) are paired with the native ones
+    assert all(r["note"].endswith("x native") for r in runs[4:]), [r["note"] for r in runs]
     for r in runs:
         assert len(r["steps_s"]) == 2 and r["step_s"] > 0
         assert 0 < r["efficiency"] <= 1.0 and not math.isnan(r["speedup_vs_torch_1f1b"])
@@ -56,4 +60,5 @@ def test_peer_benchmark_runs_both_systems_on_the_same_work() -> None:
     assert out["loss_max_diff"] < 1e-5 and out["losses_checked"] == len(runs)
     # The 1F1B bound on rank 0 of 2 is 2; torch's 1F1B holds as much.
     assert runs[0]["peak_inflight"] == 2 and runs[2]["peak_inflight"] <= 2
+    assert runs[4]["peak_inflight"] <= 2
     assert 0 < out["comm_share"] < 10

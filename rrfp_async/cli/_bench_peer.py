@@ -213,7 +213,7 @@ def peer_benchmark(
             # The adapter's cost: the native row at the same hint, policy and memory, paired.
             nat = r0["times"][keys.index(native)][w:]
             vs = statistics.median(n / t for n, t in zip(nat, steps_s, strict=True))
-            note = f"torch PipelineStage + ScheduleReadinessFirst; {vs:.2f}x the native row"
+            note = f"{vs:.2f}x native"
         rows.append(
             PeerRun(
                 system=key[0],

@@ -180,7 +180,9 @@ def bench_peer(
         t.caption = (
             f"efficiency = lower bound (emulated durations only) / step; losses of every"
             f" configuration equal torch's within {res['loss_max_diff']:.1e}; bfw ="
-            " breadth_first_weighted; ':split' = split backward (I/W)"
+            " breadth_first_weighted; ':split' = split backward (I/W); drop-in = torch's"
+            " PipelineStage stepped by rr.pipelining.ScheduleReadinessFirst, 'x native' = its"
+            " step time paired with the rrfp_async row of the same hint, policy and memory"
         )
         con.print(t)
 
