@@ -238,9 +238,9 @@ def split_spec(cfg: HFConfig) -> list[str] | int:
 
 def reference_losses(cfg: HFConfig, steps: Sequence[Sequence[Batch]]) -> list[float]:
     """Plain single-process forward of the whole model: each step's mean microbatch loss."""
-    import rrfp_async as rr
+    from ..distributed._split import split_model
 
-    split = rr.split_model(build_blocks(cfg), 1)
+    split = split_model(build_blocks(cfg), 1)
     out = []
     with torch.no_grad():
         for step in steps:
@@ -264,19 +264,22 @@ def hf_worker(rank: int, world: int, cfg: HFConfig) -> dict[str, Any]:
     """One process of ``hf_benchmark`` (module-level, so that ``spawn`` can pickle it)."""
     import torch.distributed.pipelining as tpp
 
-    import rrfp_async as rr
-
-    from ..distributed._layout import build_groups
+    from .._tasks import StepPlan, Topology
+    from ..distributed._layout import ProcessLayout, build_groups
+    from ..distributed._split import split_model
+    from ..distributed._stage import DistributedStage
+    from ..distributed._torch_executor import TorchStageExecutor
     from ..loop._runner import loop_factory
+    from ..policies._schedule import StepSchedule
 
     steps = make_steps(cfg)
     padded = [pad(s) for s in steps]
     last = rank == world - 1
-    layout = rr.ProcessLayout.from_world(pp=world)
+    layout = ProcessLayout.from_world(pp=world)
     groups = build_groups(layout)
 
     # -- torch: one stage + schedule per padded length, ties all-reduced after step().
-    tsplit = rr.split_model(build_blocks(cfg), split_spec(cfg))
+    tsplit = split_model(build_blocks(cfg), split_spec(cfg))
     tmod = tsplit.modules[rank]
     # torch's own p2p group: our stage's channel (open over the run) uses the default one.
     tgroup = dist.new_group(list(range(world)), backend="gloo")
@@ -318,17 +321,15 @@ def hf_worker(rank: int, world: int, cfg: HFConfig) -> dict[str, Any]:
         return t
 
     # -- ours: the default configuration, one stage kept open over the run.
-    osplit = rr.split_model(build_blocks(cfg), split_spec(cfg))
+    osplit = split_model(build_blocks(cfg), split_spec(cfg))
     omods = osplit.modules_of([rank])
-    ex = rr.TorchStageExecutor(
+    ex = TorchStageExecutor(
         omods, _batch_loss if last else None, rank=rank, input_fn=_batch_ids, shared=osplit.shared
     )
-    plan = rr.StepPlan(topology=rr.Topology(stages=world), microbatches=cfg.microbatches)
+    plan = StepPlan(topology=Topology(stages=world), microbatches=cfg.microbatches)
     factory = loop_factory()
     loop = factory() if factory is not None else asyncio.new_event_loop()
-    ds = rr.DistributedStage(
-        layout, rr.StepSchedule.build(plan), ex, groups=groups, step_timeout=300
-    )
+    ds = DistributedStage(layout, StepSchedule.build(plan), ex, groups=groups, step_timeout=300)
 
     def ours_step(mbs: Sequence[Batch], key: str) -> float:
         async def go() -> float:

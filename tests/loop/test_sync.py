@@ -98,7 +98,7 @@ def test_close_stops_the_loop_thread_and_a_later_call_starts_one() -> None:
 @pytest.mark.parametrize(
     ("make", "call", "error"),
     [
-        (lambda: _pipe(_Echo()), ([0, 1],), rr.PlanError),  # wrong number of microbatches
+        (lambda: _pipe(_Echo()), ([],), rr.PlanError),  # no microbatches
         (lambda: _pipe(_Echo(fail_on=Task(1, "F", 1))), ([0, 1, 2],), RuntimeError),
         (
             lambda: _pipe(_Echo(hang_on=Task(1, "B", 0), hang=30), step_timeout=0.3),
