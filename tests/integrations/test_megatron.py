@@ -1,0 +1,238 @@
+"""The megatron-core drop-in against Megatron's own 1F1B schedule.
+
+The worker is written the way a megatron-core script is (``parallel_state``, a
+``TransformerConfig``, ``forward_step_func(data_iterator, model) -> (output, loss_func)``,
+the keyword-only forward-backward call); the only line that differs between the runs is
+which ``get_forward_backward_func`` it calls. Every rank runs Megatron's schedule and the
+drop-in (strict 1F1B order, then the defaults) on the same stage and data, in one process
+pair (megatron's import dominates the cost of a spawn).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+import rrfp_async as rr
+
+pytestmark = [pytest.mark.distributed, pytest.mark.timeout(300)]
+
+D, M, B = 8, 6, 2  # M = 6: dividing by it is inexact (4 would hide where it happens)
+
+WHICH = ("megatron", "strict", "default")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _megatron() -> None:
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # TE / Apex missing
+        pytest.importorskip("megatron.core")
+
+
+def seq_len(m: int, variable: bool) -> int:
+    return 3 + 2 * m if variable else 5
+
+
+def data(variable: bool) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """M microbatches ``(x, y, mask)`` in Megatron's ``[seq, batch, hidden]`` layout."""
+    g = torch.Generator().manual_seed(7)
+    out = []
+    for m in range(M):
+        s = seq_len(m, variable)
+        x, y = torch.randn(s, B, D, generator=g), torch.randn(s, B, D, generator=g)
+        mask = (torch.rand(s, B, generator=g) > 0.3).float()
+        out.append((x, y, mask))
+    return out
+
+
+def make_stage(config: Any, rank: int, world: int) -> nn.Module:
+    from megatron.core.enums import ModelType
+    from megatron.core.transformer.module import MegatronModule
+
+    class Stage(MegatronModule):
+        """One pipeline stage: Linear + tanh, taking the received tensor as Megatron's
+        stages do (``set_input_tensor``)."""
+
+        def __init__(self) -> None:
+            super().__init__(config)
+            self.model_type = ModelType.encoder_or_decoder
+            self.pre_process = rank == 0
+            torch.manual_seed(100 + rank)
+            self.lin = nn.Linear(D, D)
+            self.input_tensor: torch.Tensor | None = None
+
+        def set_input_tensor(self, input_tensor: Any) -> None:
+            self.input_tensor = input_tensor[0] if isinstance(input_tensor, list) else input_tensor
+
+        def forward(self, x: torch.Tensor | None) -> torch.Tensor:
+            h = x if self.pre_process else self.input_tensor
+            assert h is not None
+            return torch.tanh(self.lin(h))
+
+    class Wrapper(nn.Module):  # as DDP wraps: the adapter must unwrap to set_input_tensor
+        def __init__(self, module: nn.Module) -> None:
+            super().__init__()
+            self.module = module
+
+        def forward(self, *a: Any) -> Any:
+            return self.module(*a)
+
+    return Wrapper(Stage())
+
+
+def loss_mean(y: torch.Tensor, mask: torch.Tensor, out: torch.Tensor) -> Any:
+    loss = ((out - y) ** 2).mean()
+    return loss, {"lm loss": loss.detach().clone()}
+
+
+def loss_tokens(y: torch.Tensor, mask: torch.Tensor, out: torch.Tensor) -> Any:
+    loss = (((out - y) ** 2).sum(-1) * mask).sum()
+    n = mask.sum().to(torch.int)
+    return loss, n, {"lm loss": torch.stack([loss.detach().clone(), n.float()])}
+
+
+def forward_step(kind: str, data_iterator: Iterator[Any] | None, model: nn.Module) -> Any:
+    assert data_iterator is not None
+    x, y, mask = next(data_iterator)
+    out = model(x)
+    return out, functools.partial(loss_mean if kind == "mean" else loss_tokens, y, mask)
+
+
+def worker(rank: int, world: int, kind: str, variable: bool, forward_only: bool) -> Any:
+    from tests.integrations import megatron_cpu
+
+    megatron_cpu.install()
+    from megatron.core import parallel_state as ps
+    from megatron.core.pipeline_parallel import get_forward_backward_func as megatron_fb
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    from rrfp_async.megatron import get_forward_backward_func as rr_fb
+
+    ps.initialize_model_parallel(pipeline_model_parallel_size=world)
+    events: list[Any] = []
+    backwards = [0]
+
+    @contextlib.contextmanager
+    def no_sync() -> Iterator[None]:
+        events.append(("enter", backwards[0]))
+        yield
+        events.append(("exit", backwards[0]))  # Megatron: right before the last backward
+
+    finalized: list[Any] = []
+
+    def finalize(models: list[nn.Module], num_tokens: Any, **kw: Any) -> None:
+        finalized.append((len(models), None if num_tokens is None else int(num_tokens)))
+        if num_tokens is not None and int(num_tokens) > 0:
+            for p in models[0].parameters():
+                p.grad /= int(num_tokens)
+
+    config = TransformerConfig(
+        num_layers=world,
+        hidden_size=D,
+        num_attention_heads=1,
+        pipeline_model_parallel_size=world,
+        pipeline_dtype=torch.float32,
+        variable_seq_lengths=variable,
+        moe_token_dispatcher_type="alltoall",
+        calculate_per_token_loss=kind == "tokens",
+    )
+    config.no_sync_func = no_sync
+    config.finalize_model_grads_func = finalize
+    config.grad_scale_func = lambda t: t * 3.0
+    model = make_stage(config, rank, world)
+    weight = next(iter(model.parameters()))  # counts the backwards that reached it
+    weight.register_hook(lambda g: (backwards.__setitem__(0, backwards[0] + 1), g)[1])
+    init = [p.detach().clone() for p in model.parameters()]
+    results: dict[str, Any] = {}
+    for which in WHICH:
+        with torch.no_grad():
+            for p, p0 in zip(model.parameters(), init, strict=True):
+                p.copy_(p0)
+                p.grad = None
+        events.clear()
+        finalized.clear()
+        backwards[0] = 0
+        if which == "megatron":  # the one line that differs
+            fb = megatron_fb()
+        elif which == "strict":
+            fb = rr_fb(policy="strict", hint="1f1b", step_timeout=60)
+        else:
+            fb = rr_fb(step_timeout=60)
+        losses = fb(
+            forward_step_func=functools.partial(forward_step, kind),
+            data_iterator=iter(data(variable)),
+            model=model,
+            num_microbatches=M,
+            seq_length=seq_len(0, variable),
+            micro_batch_size=B,
+            forward_only=forward_only,
+        )
+        results[which] = {
+            "losses": [{k: v.clone() for k, v in d.items()} for d in losses],
+            "grads": [None if p.grad is None else p.grad.clone() for p in model.parameters()],
+            "events": list(events),
+            "finalized": list(finalized),
+        }
+    for which in ("strict", "default"):
+        rr_fb(**({"policy": "strict", "hint": "1f1b"} if which == "strict" else {}),
+              step_timeout=60).close()
+    ps.destroy_model_parallel()
+    return results
+
+
+def check(res: list[Any], *, forward_only: bool) -> None:
+    last = len(res) - 1
+    for r, got in enumerate(res):
+        want = got["megatron"]
+        if r == last:
+            assert len(want["losses"]) == M
+        else:
+            assert want["losses"] == []
+        for which in ("strict", "default"):
+            mine = got[which]
+            assert len(mine["losses"]) == len(want["losses"])
+            for a, b in zip(mine["losses"], want["losses"], strict=True):
+                assert a.keys() == b.keys()
+                for k in a:
+                    if which == "strict":
+                        assert torch.equal(a[k], b[k]), (which, k, a[k], b[k])
+                    else:
+                        torch.testing.assert_close(a[k], b[k], rtol=0, atol=1e-5)
+            # Megatron leaves no_sync entered after a forward-only step; the drop-in leaves it.
+            closed = [("exit", 0)] if forward_only else []
+            assert mine["events"] == want["events"] + closed, (r, which)
+            assert mine["finalized"] == want["finalized"], (r, which)
+            for a, b in zip(mine["grads"], want["grads"], strict=True):
+                if forward_only:
+                    assert a is None and b is None
+                elif which == "strict":
+                    assert torch.equal(a, b), (r, (a - b).abs().max())  # bitwise: same order
+                else:
+                    torch.testing.assert_close(a, b, rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize(
+    ("kind", "variable"),
+    [("mean", False), ("tokens", True)],
+    ids=["loss_mean-fixed_len", "per_token-variable_len"],
+)
+def test_one_changed_line_same_losses_and_grads_as_megatron(kind: str, variable: bool) -> None:
+    res = rr.spawn(worker, 2, kind, variable, False, timeout=240)
+    check(res, forward_only=False)
+    want = res[1]["megatron"]
+    assert want["events"][0] == ("enter", 0) and want["events"][-1] == ("exit", M - 1)
+    assert res[0]["megatron"]["finalized"] == [(1, 0 if kind == "tokens" else None)]
+
+
+def test_forward_only_returns_loss_dicts_and_computes_no_grads() -> None:
+    res = rr.spawn(worker, 2, "mean", True, True, timeout=240)
+    check(res, forward_only=True)
+    assert res[1]["strict"]["finalized"] == []
