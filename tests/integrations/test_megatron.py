@@ -236,3 +236,86 @@ def test_forward_only_returns_loss_dicts_and_computes_no_grads() -> None:
     res = rr.spawn(worker, 2, "mean", True, True, timeout=240)
     check(res, forward_only=True)
     assert res[1]["strict"]["finalized"] == []
+
+
+class _Configured(nn.Module):
+    def __init__(self, config: dict[str, Any]) -> None:
+        super().__init__()
+        from megatron.core.transformer.transformer_config import TransformerConfig
+
+        import warnings
+
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # megatron's own deprecation notes
+            self.config = TransformerConfig(num_layers=1, hidden_size=D, num_attention_heads=1)
+        for k, v in config.items():
+            setattr(self.config, k, v)
+
+
+def call(fb: Any, **kw: Any) -> Any:
+    args: dict[str, Any] = {
+        "forward_step_func": functools.partial(forward_step, "mean"),
+        "data_iterator": iter([]),
+        "num_microbatches": M,
+        "seq_length": 5,
+        "micro_batch_size": B,
+    }
+    args.update(kw)
+    args.setdefault("model", _Configured(args.pop("config", {})))
+    return fb(**args)
+
+
+@pytest.mark.parametrize(
+    ("kw", "named"),
+    [
+        ({"model": [nn.Linear(1, 1), nn.Linear(1, 1)]}, r"model is a list of 2 model chunks"),
+        ({"data_iterator": [iter([]), iter([])]}, r"data_iterator is a list of 2 model chunks"),
+        ({"pg_collection": object()}, r"pg_collection: custom process groups"),
+        (
+            {"p2p_communicator": object(), "pg_collection": object()},
+            r"p2p_communicator and pg_collection: custom process groups",
+        ),
+        ({"collect_non_loss_data": True}, r"collect_non_loss_data=True in a training step"),
+        (
+            {"config": {"num_microbatches_with_partial_activation_checkpoints": 2}},
+            r"config\.num_microbatches_with_partial_activation_checkpoints: partial",
+        ),
+        (
+            {"config": {"defer_embedding_wgrad_compute": True}},
+            r"config\.defer_embedding_wgrad_compute",
+        ),
+        ({"num_microbatches": 0}, r"num_microbatches must be an int >= 1, got 0"),
+    ],
+    ids=lambda x: "-".join(x) if isinstance(x, dict) else None,
+)
+def test_unsupported_arguments_are_named(kw: dict[str, Any], named: str) -> None:
+    from rrfp_async.megatron import get_forward_backward_func
+
+    with pytest.raises(rr.PlanError, match=named):
+        call(get_forward_backward_func(), **kw)
+
+
+def test_interleaved_is_refused_by_name() -> None:
+    from rrfp_async.megatron import get_forward_backward_func
+
+    with pytest.raises(rr.PlanError, match=r"vp_size=2: the interleaved \(virtual pipeline\)"):
+        get_forward_backward_func(vp_size=2)
+
+
+def test_same_keywords_same_function() -> None:
+    """Megatron-LM calls get_forward_backward_func() every step: one stage, not one per step."""
+    from rrfp_async.megatron import MegatronForwardBackward, get_forward_backward_func
+
+    fb = get_forward_backward_func(policy="strict", hint="1f1b")
+    assert isinstance(fb, MegatronForwardBackward)
+    assert get_forward_backward_func(policy="strict", hint="1f1b") is fb
+    assert get_forward_backward_func() is not fb
+
+
+def test_import_rrfp_async_does_not_import_megatron() -> None:
+    import subprocess
+    import sys
+
+    code = "import sys, rrfp_async, rrfp_async.megatron; print('megatron' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"
