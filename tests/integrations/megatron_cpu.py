@@ -2,12 +2,15 @@
 
 megatron-core assumes a GPU: ``torch.cuda.current_device()``, ``torch.cuda.synchronize()``
 and a hard-coded ``torch.zeros(..., device="cuda")`` in its 1F1B schedule. In the test
-processes (never in the package) these are mapped to the CPU. The ``TorchFunctionMode``
-is per thread: it is entered on the thread that calls Megatron's schedule.
+processes (never in the package) these are mapped to the CPU. A ``TorchFunctionMode`` is
+per thread: it is entered on this thread and on every thread started afterwards (the
+drop-in runs the model on its compute thread; ``GPTModel``'s default causal mask is made
+with ``device="cuda"``).
 """
 
 from __future__ import annotations
 
+import threading
 import warnings
 from typing import Any
 
@@ -18,9 +21,7 @@ from torch.overrides import TorchFunctionMode
 class CudaToCpu(TorchFunctionMode):
     """Rewrites ``device="cuda"`` (and ``torch.device("cuda")``) to the CPU."""
 
-    def __torch_function__(
-        self, func: Any, types: Any, args: Any = (), kwargs: Any = None
-    ) -> Any:
+    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = dict(kwargs or {})
         dev = kwargs.get("device")
         if dev is not None and torch.device(dev).type == "cuda":
@@ -35,6 +36,13 @@ def install() -> CudaToCpu:
     torch.cuda.synchronize = lambda *a, **k: None  # type: ignore[assignment]
     mode = CudaToCpu()
     mode.__enter__()
+    run = threading.Thread.run
+
+    def run_on_cpu(self: threading.Thread) -> None:
+        with CudaToCpu():
+            run(self)
+
+    threading.Thread.run = run_on_cpu  # type: ignore[method-assign]
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         import megatron.core.pipeline_parallel  # noqa: F401
@@ -42,26 +50,10 @@ def install() -> CudaToCpu:
 
 
 def no_op_rng_tracker() -> None:
-    """A CUDA RNG tracker that forks nothing (GPTModel asks for one; dropout is 0)."""
+    """Megatron's CUDA RNG tracker forks nothing (GPTModel asks for it; dropout is 0)."""
     import contextlib
 
-    from megatron.core import tensor_parallel
+    from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
 
-    class _Tracker:
-        def fork(self, *a: Any, **k: Any) -> Any:
-            return contextlib.nullcontext()
-
-        def add(self, *a: Any, **k: Any) -> None:
-            pass
-
-        def get_states(self) -> dict[str, Any]:
-            return {}
-
-        def set_states(self, states: Any) -> None:
-            pass
-
-        def is_initialized(self) -> bool:
-            return True
-
-    tracker = _Tracker()
-    tensor_parallel.random.get_cuda_rng_tracker = lambda *a, **k: tracker  # type: ignore[attr-defined]
+    tracker = get_cuda_rng_tracker()
+    tracker.fork = lambda *a, **k: contextlib.nullcontext()

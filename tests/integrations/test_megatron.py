@@ -106,7 +106,57 @@ def forward_step(kind: str, data_iterator: Iterator[Any] | None, model: nn.Modul
     return out, functools.partial(loss_mean if kind == "mean" else loss_tokens, y, mask)
 
 
-def worker(rank: int, world: int, kind: str, variable: bool, forward_only: bool) -> Any:
+VOCAB = 32
+
+
+def make_gpt(config: Any, rank: int, world: int) -> nn.Module:
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+    from tests.integrations import megatron_cpu
+
+    megatron_cpu.no_op_rng_tracker()
+    torch.manual_seed(200 + rank)
+    return GPTModel(
+        config=config,
+        transformer_layer_spec=get_gpt_layer_local_spec(),
+        vocab_size=VOCAB,
+        max_sequence_length=32,
+        pre_process=rank == 0,
+        post_process=rank == world - 1,
+        share_embeddings_and_output_weights=False,
+    )
+
+
+def gpt_data(variable: bool) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """M microbatches ``(tokens, labels, loss_mask)``, ``[batch, seq]``."""
+    g = torch.Generator().manual_seed(7)
+    out = []
+    for m in range(M):
+        s = seq_len(m, variable)
+        tokens = torch.randint(0, VOCAB, (B, s + 1), generator=g)
+        mask = (torch.rand(B, s, generator=g) > 0.3).float()
+        out.append((tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous(), mask))
+    return out
+
+
+def gpt_forward_step(kind: str, data_iterator: Iterator[Any] | None, model: nn.Module) -> Any:
+    assert data_iterator is not None
+    tokens, labels, mask = next(data_iterator)
+    pos = torch.arange(tokens.shape[1]).unsqueeze(0).expand_as(tokens)
+    out = model(tokens, pos, None, labels=labels)  # per-token losses on the last stage
+
+    def loss_func(out: torch.Tensor) -> Any:  # Megatron-LM's three-tuple form
+        loss = (out.float() * mask).sum()
+        n = mask.sum().to(torch.int)
+        return loss, n, {"lm loss": torch.stack([loss.detach().clone(), n.float()])}
+
+    return out, loss_func
+
+
+def worker(
+    rank: int, world: int, kind: str, variable: bool, forward_only: bool, arch: str = "mlp"
+) -> Any:
     from tests.integrations import megatron_cpu
 
     megatron_cpu.install()
@@ -137,7 +187,9 @@ def worker(rank: int, world: int, kind: str, variable: bool, forward_only: bool)
     config = TransformerConfig(
         num_layers=world,
         hidden_size=D,
-        num_attention_heads=1,
+        num_attention_heads=2,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
         pipeline_model_parallel_size=world,
         pipeline_dtype=torch.float32,
         variable_seq_lengths=variable,
@@ -147,7 +199,7 @@ def worker(rank: int, world: int, kind: str, variable: bool, forward_only: bool)
     config.no_sync_func = no_sync
     config.finalize_model_grads_func = finalize
     config.grad_scale_func = lambda t: t * 3.0
-    model = make_stage(config, rank, world)
+    model = (make_stage if arch == "mlp" else make_gpt)(config, rank, world)
     weight = next(iter(model.parameters()))  # counts the backwards that reached it
     weight.register_hook(lambda g: (backwards.__setitem__(0, backwards[0] + 1), g)[1])
     init = [p.detach().clone() for p in model.parameters()]
@@ -167,8 +219,10 @@ def worker(rank: int, world: int, kind: str, variable: bool, forward_only: bool)
         else:
             fb = rr_fb(step_timeout=60)
         losses = fb(
-            forward_step_func=functools.partial(forward_step, kind),
-            data_iterator=iter(data(variable)),
+            forward_step_func=functools.partial(
+                forward_step if arch == "mlp" else gpt_forward_step, kind
+            ),
+            data_iterator=iter((data if arch == "mlp" else gpt_data)(variable)),
             model=model,
             num_microbatches=M,
             seq_length=seq_len(0, variable),
@@ -182,8 +236,9 @@ def worker(rank: int, world: int, kind: str, variable: bool, forward_only: bool)
             "finalized": list(finalized),
         }
     for which in ("strict", "default"):
-        rr_fb(**({"policy": "strict", "hint": "1f1b"} if which == "strict" else {}),
-              step_timeout=60).close()
+        rr_fb(
+            **({"policy": "strict", "hint": "1f1b"} if which == "strict" else {}), step_timeout=60
+        ).close()
     ps.destroy_model_parallel()
     return results
 
@@ -232,6 +287,19 @@ def test_one_changed_line_same_losses_and_grads_as_megatron(kind: str, variable:
     assert res[0]["megatron"]["finalized"] == [(1, 0 if kind == "tokens" else None)]
 
 
+@pytest.mark.parametrize(
+    ("kind", "variable"),
+    [("tokens_avg", False), ("tokens", True)],
+    ids=["three_tuple_averaged-fixed_len", "per_token-variable_len"],
+)
+def test_gpt_model_local_spec_same_as_megatron(kind: str, variable: bool) -> None:
+    """GPTModel (local layer spec): the 3-tuple loss divided by its tokens and M, and the
+    per-token path (``calculate_per_token_loss``, tokens to ``finalize_model_grads_func``)."""
+    res = rr.spawn(worker, 2, kind, variable, False, "gpt", timeout=240)
+    check(res, forward_only=False)
+    assert len(res[0]["megatron"]["grads"]) > 4  # the embedding and a transformer layer
+
+
 def test_forward_only_returns_loss_dicts_and_computes_no_grads() -> None:
     res = rr.spawn(worker, 2, "mean", True, True, timeout=240)
     check(res, forward_only=True)
@@ -241,9 +309,9 @@ def test_forward_only_returns_loss_dicts_and_computes_no_grads() -> None:
 class _Configured(nn.Module):
     def __init__(self, config: dict[str, Any]) -> None:
         super().__init__()
-        from megatron.core.transformer.transformer_config import TransformerConfig
-
         import warnings
+
+        from megatron.core.transformer.transformer_config import TransformerConfig
 
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # megatron's own deprecation notes
