@@ -155,7 +155,13 @@ def gpt_forward_step(kind: str, data_iterator: Iterator[Any] | None, model: nn.M
 
 
 def worker(
-    rank: int, world: int, kind: str, variable: bool, forward_only: bool, arch: str = "mlp"
+    rank: int,
+    world: int,
+    kind: str,
+    variable: bool,
+    forward_only: bool,
+    arch: str = "mlp",
+    pp: int | None = None,
 ) -> Any:
     from tests.integrations import megatron_cpu
 
@@ -166,7 +172,8 @@ def worker(
 
     from rrfp_async.megatron import get_forward_backward_func as rr_fb
 
-    ps.initialize_model_parallel(pipeline_model_parallel_size=world)
+    pp = world if pp is None else pp
+    ps.initialize_model_parallel(pipeline_model_parallel_size=pp)
     events: list[Any] = []
     backwards = [0]
 
@@ -185,12 +192,12 @@ def worker(
                 p.grad /= int(num_tokens)
 
     config = TransformerConfig(
-        num_layers=world,
+        num_layers=pp,
         hidden_size=D,
         num_attention_heads=2,
         hidden_dropout=0.0,
         attention_dropout=0.0,
-        pipeline_model_parallel_size=world,
+        pipeline_model_parallel_size=pp,
         pipeline_dtype=torch.float32,
         variable_seq_lengths=variable,
         moe_token_dispatcher_type="alltoall",
@@ -199,7 +206,9 @@ def worker(
     config.no_sync_func = no_sync
     config.finalize_model_grads_func = finalize
     config.grad_scale_func = lambda t: t * 3.0
-    model = (make_stage if arch == "mlp" else make_gpt)(config, rank, world)
+    model = (make_stage if arch == "mlp" else make_gpt)(
+        config, ps.get_pipeline_model_parallel_rank(), pp
+    )
     weight = next(iter(model.parameters()))  # counts the backwards that reached it
     weight.register_hook(lambda g: (backwards.__setitem__(0, backwards[0] + 1), g)[1])
     init = [p.detach().clone() for p in model.parameters()]
@@ -298,6 +307,14 @@ def test_gpt_model_local_spec_same_as_megatron(kind: str, variable: bool) -> Non
     res = rr.spawn(worker, 2, kind, variable, False, "gpt", timeout=240)
     check(res, forward_only=False)
     assert len(res[0]["megatron"]["grads"]) > 4  # the embedding and a transformer layer
+
+
+def test_two_data_parallel_pipelines() -> None:
+    """PP 2 x DP 2: the layout comes from parallel_state (each rank's place all-gathered)."""
+    res = rr.spawn(worker, 4, "mean", True, False, "mlp", 2, timeout=280)
+    # Megatron's default order ("tp-cp-ep-dp-pp"): the pipelines are ranks {0, 2} and {1, 3}.
+    check([res[0], res[2]], forward_only=False)
+    check([res[1], res[3]], forward_only=False)
 
 
 def test_forward_only_returns_loss_dicts_and_computes_no_grads() -> None:
