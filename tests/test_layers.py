@@ -40,7 +40,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("distributed", ("distributed",)),
     ("integrations", ("integrations",)),
     ("cli", ("cli",)),
-    ("face", ("__init__", "__main__", "pipelining")),
+    ("face", ("__init__", "__main__", "pipelining", "megatron")),
 )
 
 

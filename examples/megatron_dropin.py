@@ -1,0 +1,152 @@
+"""A megatron-core training loop on the readiness-first runtime: one changed line.
+
+Run:  python examples/megatron_dropin.py --spawn          (2 gloo processes on the CPU)
+      python examples/megatron_dropin.py --spawn --megatron   (Megatron's own 1F1B)
+
+The script is written as megatron-core's own examples are (``parallel_state``, a
+``TransformerConfig``, ``GPTModel``, ``forward_step_func`` returning ``(output,
+loss_func)``); ``--megatron`` swaps back the one import that differs. Needs
+``pip install rrfp-async[megatron]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import threading
+import warnings
+from typing import Any
+
+import torch
+
+import rrfp_async as rr
+
+VOCAB, HIDDEN, SEQ, MBS, N_MB, STEPS = 64, 32, 16, 2, 4, 3
+
+
+# --- Only needed without a GPU: megatron-core assumes CUDA. On a GPU machine delete this
+# block (and the call to cpu_shims below). -------------------------------------------------
+def cpu_shims() -> None:
+    from torch.overrides import TorchFunctionMode
+
+    class CudaToCpu(TorchFunctionMode):  # device="cuda" -> cpu (a causal mask, a counter)
+        def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None):  # type: ignore[no-untyped-def]
+            kwargs = dict(kwargs or {})
+            dev = kwargs.get("device")
+            if dev is not None and torch.device(dev).type == "cuda":
+                kwargs["device"] = "cpu"
+            return func(*args, **kwargs)
+
+    torch.cuda.current_device = lambda: torch.device("cpu")  # type: ignore[assignment]
+    torch.cuda.synchronize = lambda *a, **k: None  # type: ignore[assignment]
+    CudaToCpu().__enter__()
+    run = threading.Thread.run  # the mode is per thread: also on the compute threads
+
+    def run_on_cpu(self: threading.Thread) -> None:
+        with CudaToCpu():
+            run(self)
+
+    threading.Thread.run = run_on_cpu  # type: ignore[method-assign]
+
+
+def cpu_rng_tracker() -> None:
+    from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
+
+    get_cuda_rng_tracker().fork = lambda *a, **k: contextlib.nullcontext()  # dropout is 0
+
+
+# -------------------------------------------------------------------------------------------
+
+
+def batches(step: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(step)
+    toks = [torch.randint(0, VOCAB, (MBS, SEQ + 1), generator=g) for _ in range(N_MB)]
+    return [(t[:, :-1].contiguous(), t[:, 1:].contiguous()) for t in toks]
+
+
+def forward_step(data_iterator: Any, model: torch.nn.Module) -> Any:
+    tokens, labels = next(data_iterator)
+    pos = torch.arange(tokens.shape[1]).unsqueeze(0).expand_as(tokens)
+    out = model(tokens, pos, None, labels=labels)  # per-token losses on the last stage
+
+    def loss_func(losses: torch.Tensor) -> Any:
+        loss = losses.float().mean()
+        return loss, {"lm loss": loss.detach().clone()}  # Megatron scales `loss` in place
+
+    return out, loss_func
+
+
+def worker(rank: int, world: int, use_megatron: bool) -> list[float]:
+    cpu_shims()  # only without a GPU
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # "Transformer Engine / Apex not installed"
+        from megatron.core import parallel_state
+        from megatron.core.models.gpt import GPTModel
+        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+        from megatron.core.transformer.transformer_config import TransformerConfig
+
+        if use_megatron:
+            from megatron.core.pipeline_parallel import get_forward_backward_func
+        else:  # the one changed line
+            from rrfp_async.megatron import get_forward_backward_func
+
+        parallel_state.initialize_model_parallel(pipeline_model_parallel_size=world)
+        cpu_rng_tracker()  # only without a GPU
+        config = TransformerConfig(
+            num_layers=2 * world,
+            hidden_size=HIDDEN,
+            num_attention_heads=4,
+            hidden_dropout=0.0,
+            attention_dropout=0.0,
+            pipeline_model_parallel_size=world,
+            pipeline_dtype=torch.float32,
+        )
+        torch.manual_seed(rank)
+        model = GPTModel(
+            config=config,
+            transformer_layer_spec=get_gpt_layer_local_spec(),
+            vocab_size=VOCAB,
+            max_sequence_length=SEQ,
+            pre_process=parallel_state.is_pipeline_first_stage(),
+            post_process=parallel_state.is_pipeline_last_stage(),
+            share_embeddings_and_output_weights=False,
+        )
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    losses: list[float] = []
+    for step in range(STEPS):
+        forward_backward_func = get_forward_backward_func()
+        reduced = forward_backward_func(
+            forward_step_func=forward_step,
+            data_iterator=iter(batches(step)),
+            model=model,
+            num_microbatches=N_MB,
+            seq_length=SEQ,
+            micro_batch_size=MBS,
+            forward_only=False,
+        )
+        opt.step()
+        opt.zero_grad()
+        if reduced:  # the last pipeline stage
+            losses.append(sum(float(d["lm loss"]) for d in reduced) / len(reduced))
+    close = getattr(get_forward_backward_func(), "close", None)
+    if close is not None:
+        close()
+    parallel_state.destroy_model_parallel()
+    return losses
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--spawn", action="store_true", help="run 2 gloo processes here")
+    ap.add_argument("--megatron", action="store_true", help="Megatron's own 1F1B instead")
+    args = ap.parse_args()
+    if not args.spawn:
+        ap.error("run with --spawn (2 gloo processes on this machine)")
+    res = rr.spawn(worker, 2, args.megatron, timeout=300)
+    which = "megatron 1F1B" if args.megatron else "rrfp_async readiness-first"
+    for step, loss in enumerate(res[-1]):
+        print(f"{which}: step {step} mean lm loss {loss:.6f}")
+
+
+if __name__ == "__main__":
+    main()
