@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -80,12 +81,13 @@ class LocalChannel:
         else:
             delay = self.latency(step, task)
             try:
-                ok = delay >= 0  # False for NaN
+                ok = 0 <= delay < math.inf  # False for NaN; inf would never arrive
             except TypeError:
                 ok = False
             if not ok:
                 raise PlanError(
-                    f"latency({step}, {task}) must return seconds >= 0, got {describe(delay)}"
+                    f"latency({step}, {task}) must return finite seconds >= 0, got"
+                    f" {describe(delay)}"
                     f" (rank {src} sending to rank {dst})"
                 )
             if delay > 0:
