@@ -86,9 +86,9 @@ class LocalChannel:
                 ok = False
             if not ok:
                 raise PlanError(
-                    f"latency({step}, {task}) must return finite seconds >= 0, got"
-                    f" {describe(delay)}"
-                    f" (rank {src} sending to rank {dst})"
+                    f"latency({step}, {task}) must return seconds >= 0, got {describe(delay)}"
+                    f" (rank {src} sending to rank {dst}); a finite number (a message"
+                    " delayed forever would hang the step)"
                 )
             if delay > 0:
                 loop.call_later(delay, self._deliver, self._gen, src, dst, step, task, payload)

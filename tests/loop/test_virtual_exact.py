@@ -70,7 +70,7 @@ async def _step(latency: float) -> None:
 @pytest.mark.parametrize("latency", [math.inf, math.nan, -1.0])
 def test_a_latency_that_never_arrives_is_a_plan_error(latency: float) -> None:
     """Before: a latency of inf scheduled the message at t = inf, and the step hung."""
-    with pytest.raises(rr.PlanError, match="finite seconds >= 0"):
+    with pytest.raises(rr.PlanError, match=r"seconds >= 0, got .* a finite number"):
         run_virtual(asyncio.wait_for(_step(latency), 1e6))
 
 
