@@ -166,10 +166,14 @@ class CostModelExecutor:
     def durations_for(self, step: int, plan: StepPlan, microbatches: Sequence[Any]) -> Durations:
         """The durations this executor uses in ``step`` (computed once per step, plan and
         microbatches)."""
-        for i, (s, p, mbs, d) in enumerate(self._cache):
+        cache = self._cache
+        if cache:  # the common case first: the step that ran the last task
+            s, p, mbs, d = cache[0]
+            if s == step and mbs is microbatches and p is plan:
+                return d
+        for i, (s, p, mbs, d) in enumerate(cache):
             if s == step and mbs is microbatches and (p is plan or p == plan):
-                if i:
-                    self._cache.insert(0, self._cache.pop(i))
+                cache.insert(0, cache.pop(i))
                 return d
         src = self._source
         if isinstance(src, Durations):
