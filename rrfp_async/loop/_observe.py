@@ -40,6 +40,21 @@ StageLoop = Any
 __all__ = ["GuardedObserver", "attach_observer_error", "call_failed", "guard_observer"]
 
 
+class _Silent:
+    """What a guard forwards to once its observer raised: nothing, for the rest of the step
+    (the stage's loops hold the guard in locals, so the guard itself must go quiet)."""
+
+    def __getattr__(self, name: str) -> Any:
+        return _nothing
+
+
+def _nothing(*args: Any) -> None:
+    return None
+
+
+_SILENT = _Silent()
+
+
 def _broken(stage: StageLoop, observer: object, method: str, e: BaseException) -> None:
     """``observer.method`` raised ``e``: stop calling it this step and fail the step."""
     stage._obs = None
@@ -67,59 +82,63 @@ class GuardedObserver:
         self._inner = inner
         self._stage = stage
 
+    def _broke(self, method: str, e: BaseException) -> None:
+        inner, self._inner = self._inner, _SILENT
+        _broken(self._stage, inner, method, e)
+
     def step_start(self, stage: StageLoop) -> None:
         try:
             self._inner.step_start(stage)
         except Exception as e:
-            _broken(stage, self._inner, "step_start", e)
+            self._broke("step_start", e)
 
     def message(self, stage: StageLoop, task: Task, src: int) -> None:
         try:
             self._inner.message(stage, task, src)
         except Exception as e:
-            _broken(stage, self._inner, "message", e)
+            self._broke("message", e)
 
     def ready(self, stage: StageLoop, task: Task) -> None:
         try:
             self._inner.ready(stage, task)
         except Exception as e:
-            _broken(stage, self._inner, "ready", e)
+            self._broke("ready", e)
 
     def decision(self, stage: StageLoop, task: Task, ready: Sequence[Task], idle: float) -> None:
         try:
             self._inner.decision(stage, task, ready, idle)
         except Exception as e:
-            _broken(stage, self._inner, "decision", e)
+            self._broke("decision", e)
 
     def task_start(self, stage: StageLoop, task: Task) -> None:
         try:
             self._inner.task_start(stage, task)
         except Exception as e:
-            _broken(stage, self._inner, "task_start", e)
+            self._broke("task_start", e)
 
     def task_end(self, stage: StageLoop, task: Task, start: float, end: float) -> None:
         try:
             self._inner.task_end(stage, task, start, end)
         except Exception as e:
-            _broken(stage, self._inner, "task_end", e)
+            self._broke("task_end", e)
 
     def stall(self, stage: StageLoop, reason: str) -> None:
         try:
             self._inner.stall(stage, reason)
         except Exception as e:
-            _broken(stage, self._inner, "stall", e)
+            self._broke("stall", e)
 
     def tp_decision(self, stage: StageLoop, task: Task, seq: int, sent: bool) -> None:
         try:
             self._inner.tp_decision(stage, task, seq, sent)
         except Exception as e:
-            _broken(stage, self._inner, "tp_decision", e)
+            self._broke("tp_decision", e)
 
     def step_end(self, stage: StageLoop, stats: StepStats) -> None:
         try:
             self._inner.step_end(stage, stats)
         except Exception as e:
-            _broken(stage, self._inner, "step_end", e)
+            self._broke("step_end", e)
 
 
 def guard_observer(stage: StageLoop) -> GuardedObserver | None:
