@@ -8,7 +8,7 @@ from collections.abc import Callable
 from typing import Any
 
 from .._check import check_int, describe
-from .._errors import PlanError, ProtocolError, RRFPError
+from .._errors import PlanError, ProtocolError
 from .._tasks import Task
 from ._base import Sink
 
@@ -105,8 +105,8 @@ class LocalChannel:
             raise ProtocolError(f"rank {dst} has no stage bound; message {task} from {src} lost")
         try:
             sink.deliver(step, task, payload, src)
-        except RRFPError as e:  # raised inside a loop callback: route it to the stage
-            sink.fail(e)
+        except Exception as e:  # raised inside a loop callback: route it to the stage (in
+            sink.fail(e)  # the loop's exception handler it would be lost, the step hang)
 
 
 class LocalEndpoint:

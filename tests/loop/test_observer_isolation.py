@@ -140,3 +140,24 @@ async def test_active_property_that_raises_is_an_observer_error() -> None:
     with pytest.raises(ObserverError, match="raised in active"):
         async with asyncio.timeout(10):
             await pipe.run_step([None] * 4)
+
+
+async def test_any_error_inside_a_local_delivery_reaches_the_stage() -> None:
+    """Not only RRFPErrors: whatever a delivery raises inside the loop callback goes to the
+    stage's ``fail`` (in the loop's exception handler it would be lost and the step hang)."""
+    from rrfp_async.channels import LocalChannel
+
+    failed: list[BaseException] = []
+
+    class Sink:
+        def deliver(self, step: int, task: Task, payload: Any, src: int) -> None:
+            raise KeyError("a bug in a sink")
+
+        def fail(self, exc: BaseException) -> None:
+            failed.append(exc)
+
+    ch = LocalChannel(2)
+    ch.endpoint(1).bind(Sink())  # type: ignore[arg-type]
+    ch.endpoint(0).send(1, 0, Task(1, "F", 0), None)
+    await asyncio.sleep(0)
+    assert len(failed) == 1 and isinstance(failed[0], KeyError)
