@@ -259,16 +259,39 @@ def _real_or_none(value: object) -> float | None:
 
 
 def _check_finite(d: Durations) -> None:
-    """Every duration and latency finite (a huge cost model or straggler factor overflows)."""
+    """Every duration and latency finite, and so is their sum (the step's serial time): a
+    huge cost model, latency or straggler factor overflows a float."""
+    sums: list[float] = []
     for what, tables in (("duration", d._t), ("latency", d._lat or {})):
         for k, t in tables.items():
             for v, row in enumerate(t):
-                if not math.isfinite(math.fsum(row)):
-                    m = next(i for i, x in enumerate(row) if not math.isfinite(x))
+                try:
+                    total = math.fsum(row)
+                except OverflowError:  # finite values whose sum is not
+                    total = math.inf
+                if not math.isfinite(total):
+                    m = next((i for i, x in enumerate(row) if not math.isfinite(x)), None)
+                    if m is None:
+                        break  # each finite, the sum not: said below
                     raise PlanError(
                         f"the {what} of task {v}{k}{m} is {row[m]}: the cost model's numbers"
-                        " overflow a float (smaller sizes, per-token costs or straggler_factor)"
+                        " overflow a float (smaller sizes, per-token costs, latency or"
+                        " straggler_factor)"
                     )
+                sums.append(total)
+            else:
+                continue
+            sums.append(math.inf)
+    try:
+        total = math.fsum(sums)
+    except OverflowError:
+        total = math.inf
+    if not math.isfinite(total):
+        raise PlanError(
+            "the step's durations and latencies add up to more than a float holds (the serial"
+            " time of the step overflows): smaller sizes, per-token costs, latency or"
+            " straggler_factor"
+        )
 
 
 def _as_number(name: str, x: Any) -> float:

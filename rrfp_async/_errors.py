@@ -14,6 +14,8 @@ The hierarchy::
     │   ├── ProtocolError           a corrupt or unexpected header / message
     │   └── PeerError               a peer died or closed the connection
     ├── DivergenceError             TP ranks of a stage would run different task sequences
+    ├── ObserverError               an observer (tracing, logging) raised during a step; the
+    │                               step fails with it only when nothing else failed first
     ├── StepTimeoutError            the watchdog fired: a step ran past its time limit
     │   └── loop.VirtualTimeLimit   a simulated step ran past its virtual or wall limit
     ├── loop.VirtualClockStall      (also a RuntimeError) nothing can ever wake the
@@ -34,6 +36,7 @@ __all__ = [
     "DeadlockError",
     "DivergenceError",
     "HintError",
+    "ObserverError",
     "PeerError",
     "PlanError",
     "PolicyError",
@@ -136,6 +139,29 @@ class DivergenceError(RRFPError):
     not know, and by the optional post-step cross-check. Collectives inside a task would
     not match, so nothing is computed silently.
     """
+
+
+class ObserverError(RRFPError):
+    """An observer of a stage (``StageObserver``: tracing, logging, dumps) raised.
+
+    The stage catches it where the observer was called (also inside a message delivery,
+    where it would otherwise be lost in the event loop's exception handler), stops calling
+    that observer for the rest of the step and fails the step with this error, whose
+    ``__cause__`` is the observer's own exception. When the step had already failed for
+    another reason, that error stays the root cause and this one is attached to it as a
+    note: an observer never hides or replaces the real error.
+
+    Attributes:
+        rank: The pipeline rank whose observer raised.
+        step: The step number.
+        method: The observer method that raised (``"message"``, ``"failed"``, ...).
+    """
+
+    def __init__(self, message: str, *, rank: int, step: int | None, method: str) -> None:
+        super().__init__(message)
+        self.rank = rank
+        self.step = step
+        self.method = method
 
 
 class StepTimeoutError(RRFPError):

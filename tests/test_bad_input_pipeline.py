@@ -487,7 +487,12 @@ def test_an_infinite_step_timeout_means_no_watchdog() -> None:
 @pytest.mark.timeout(30)
 @pytest.mark.parametrize(
     ("delay", "shown"),
-    [(-1.0, r"-1.0 \(float\)"), (math.nan, r"nan \(float\)"), ("1", r"'1' \(str\)")],
+    [
+        (-1.0, r"-1.0 \(float\)"),
+        (math.nan, r"nan \(float\)"),
+        (math.inf, r"inf \(float\)"),
+        ("1", r"'1' \(str\)"),
+    ],
 )
 def test_a_latency_that_is_no_duration_fails_the_step_and_the_pipeline_recovers(
     delay: Any, shown: str

@@ -190,7 +190,7 @@ def _bad_traces(good: dict[str, Any]) -> dict[str, tuple[str, str]]:
         "not json": ("xx{", "is not a JSON trace"),
         "no events": (json.dumps({"a": 1}), "no traceEvents list"),
         "events not objects": (json.dumps({"traceEvents": [1, 2]}), "must be a JSON object"),
-        "nan duration": (xs(dur=float("nan")), "bad ts/dur"),
+        "nan duration": (xs(dur=float("nan")), "NaN is not a number a trace may hold"),
         "negative duration": (xs(dur=-1.0), "bad ts/dur"),
         "name not a task": (xs(name=5), "is not a task"),
         "pid not an int": (xs(pid=[1]), "is not an integer"),

@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import asyncio
+import math
 from collections.abc import Callable
 from typing import Any
 
 from .._check import check_int, describe
-from .._errors import PlanError, ProtocolError, RRFPError
+from .._errors import PlanError, ProtocolError
 from .._tasks import Task
 from ._base import Sink
 
@@ -80,13 +81,14 @@ class LocalChannel:
         else:
             delay = self.latency(step, task)
             try:
-                ok = delay >= 0  # False for NaN
+                ok = 0 <= delay < math.inf  # False for NaN; inf would never arrive
             except TypeError:
                 ok = False
             if not ok:
                 raise PlanError(
                     f"latency({step}, {task}) must return seconds >= 0, got {describe(delay)}"
-                    f" (rank {src} sending to rank {dst})"
+                    f" (rank {src} sending to rank {dst}); a finite number (a message"
+                    " delayed forever would hang the step)"
                 )
             if delay > 0:
                 loop.call_later(delay, self._deliver, self._gen, src, dst, step, task, payload)
@@ -103,8 +105,8 @@ class LocalChannel:
             raise ProtocolError(f"rank {dst} has no stage bound; message {task} from {src} lost")
         try:
             sink.deliver(step, task, payload, src)
-        except RRFPError as e:  # raised inside a loop callback: route it to the stage
-            sink.fail(e)
+        except Exception as e:  # raised inside a loop callback: route it to the stage (in
+            sink.fail(e)  # the loop's exception handler it would be lost, the step hang)
 
 
 class LocalEndpoint:

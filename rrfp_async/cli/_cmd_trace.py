@@ -40,6 +40,7 @@ def trace_cmd(file: str, png_path: str | None, as_json: bool) -> None:
                 },
                 indent=2,
                 default=str,
+                allow_nan=False,  # load_trace refused non-finite values: valid JSON only
             )
         )
         return

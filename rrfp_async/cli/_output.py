@@ -8,11 +8,19 @@ and task) and the operating system's (a file that cannot be read or written). An
 is a bug and keeps its traceback. A command that knows another exception type is a user
 error too (``trace`` and a file that is not a trace) says so around that one call with
 :func:`clean_errors`.
+
+With ``--json`` on the command line, a script reads stdout, so every error, a refused
+option value included, is one JSON object there, ``{"error": {"type": ..., "message":
+...}}``, with the same exit code (1; 2 for a usage error); an unexpected one also keeps its
+traceback on stderr.
 """
 
 from __future__ import annotations
 
 import errno
+import json
+import sys
+import traceback
 from collections.abc import Collection, Iterable, Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -23,7 +31,7 @@ from rich.table import Table
 
 from .._errors import RRFPError
 
-__all__ = ["CLEAN_ERRORS", "CleanErrorsGroup", "clean_errors", "console", "table"]
+__all__ = ["CLEAN_ERRORS", "CleanErrorsGroup", "clean_errors", "console", "json_error", "table"]
 
 #: Exceptions reported as ``Error: <message>`` (exit code 1) instead of a traceback.
 CLEAN_ERRORS: tuple[type[Exception], ...] = (RRFPError, OSError)
@@ -46,13 +54,34 @@ def clean_errors(*also: type[Exception]) -> Iterator[None]:
         raise click.ClickException(str(e)) from e
 
 
+def json_error(e: BaseException) -> str:
+    """The JSON error object a ``--json`` command prints on stdout for ``e``."""
+    msg = e.format_message() if isinstance(e, click.ClickException) else str(e)
+    return json.dumps({"error": {"type": type(e).__name__, "message": msg}})
+
+
 class CleanErrorsGroup(click.Group):
     """A click group whose commands (and subgroups' commands) report :data:`CLEAN_ERRORS` as
-    ``Error: <message>``."""
+    ``Error: <message>``, or, with ``--json``, every error as a JSON object on stdout."""
 
     def invoke(self, ctx: click.Context) -> Any:
-        with clean_errors():
-            return super().invoke(ctx)
+        rest = [*getattr(ctx, "_protected_args", ()), *ctx.args]
+        if "--json" not in rest:
+            with clean_errors():
+                return super().invoke(ctx)
+        try:
+            with clean_errors():
+                return super().invoke(ctx)
+        except click.exceptions.Exit:
+            raise
+        except click.ClickException as e:
+            cause = e.__cause__ if isinstance(e.__cause__, Exception) else e
+            click.echo(json_error(cause))
+            ctx.exit(e.exit_code)
+        except Exception as e:  # a bug: its traceback on stderr, still JSON on stdout
+            traceback.print_exc(file=sys.stderr)
+            click.echo(json_error(e))
+            ctx.exit(1)
 
 
 def console() -> Console:

@@ -153,12 +153,28 @@ class CostModelExecutor:
     ) -> None:
         self._source = durations
         self._seed = seed
-        self._cache: tuple[int, Durations] | None = None
+        # The durations of a step depend on its number (the seed), its plan and its
+        # microbatches, so that is the key: one executor shared by two pipelines running
+        # steps of the same number but other sizes (or microbatches) must not hand one the
+        # other's durations. Microbatches are compared by identity (they may be tensors),
+        # and each entry keeps its sequence alive so that an id is never reused under it.
+        # A few entries: pipelines that share the executor interleave their tasks.
+        self._cache: list[tuple[int, StepPlan, Sequence[Any], Durations]] = []
+
+    _CACHED = 8
 
     def durations_for(self, step: int, plan: StepPlan, microbatches: Sequence[Any]) -> Durations:
-        """The durations this executor uses in ``step`` (computed once per step)."""
-        if self._cache is not None and self._cache[0] == step:
-            return self._cache[1]
+        """The durations this executor uses in ``step`` (computed once per step, plan and
+        microbatches)."""
+        cache = self._cache
+        if cache:  # the common case first: the step that ran the last task
+            s, p, mbs, d = cache[0]
+            if s == step and mbs is microbatches and p is plan:
+                return d
+        for i, (s, p, mbs, d) in enumerate(cache):
+            if s == step and mbs is microbatches and (p is plan or p == plan):
+                cache.insert(0, cache.pop(i))
+                return d
         src = self._source
         if isinstance(src, Durations):
             d = src
@@ -176,7 +192,8 @@ class CostModelExecutor:
             d = src.realize(plan, microbatches, seed=hash((self._seed, step)) & 0xFFFFFFFF)
         else:
             d = src(step, microbatches)
-        self._cache = (step, d)
+        self._cache.insert(0, (step, plan, microbatches, d))
+        del self._cache[self._CACHED :]
         return d
 
     async def execute(self, task: Task, data: Any, ctx: TaskContext, /) -> Any:

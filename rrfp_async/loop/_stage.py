@@ -35,6 +35,7 @@ from ..policies._schedule import StepSchedule
 from ._checks import check_step_args, check_step_timeout
 from ._diagnostics import dump
 from ._executors import Executor, TaskContext, check_awaitable, check_executor
+from ._observe import attach_observer_error, call_failed, guard_observer
 from ._records import ExecutedTask, StepStats
 from ._state import NO_DATA, StepState
 from ._view import StageView
@@ -61,6 +62,11 @@ class StageObserver(Protocol):
     An observer may also define ``failed(stage, exc, dump)``: called (active or not) when a
     step fails, with the stage's state as text (see :meth:`StageLoop.dump`);
     :class:`~rrfp_async.LogObserver` logs it as event ``stage_dump``.
+
+    An observer must not raise. If it does, the stage stops calling it for the rest of the
+    step and the step fails with an ``ObserverError`` (its cause: the observer's exception),
+    or, when the step had failed already, that error gets a note; an exception of
+    ``failed`` becomes a note on the step's error (see ``rrfp_async.loop._observe``).
     """
 
     def step_start(self, stage: StageLoop) -> None:
@@ -226,7 +232,8 @@ class StageLoop:
         self._hooks = self.policy if isinstance(self.policy, PolicyBase) else None
         self.monitor = monitor
         self.observer = observer
-        self._obs: StageObserver | None = None
+        self._obs: StageObserver | None = None  # the guarded observer of this step
+        self._obs_error: BaseException | None = None  # what it raised this step (_observe)
         self.step_timeout = step_timeout
         self.coordinator = coordinator
         self.coordinate = coordinate
@@ -494,6 +501,8 @@ class StageLoop:
             stats = self._stats(st)
             if self._obs is not None:
                 self._obs.step_end(self, stats)
+            if self._obs_error is not None:  # the observer raised after the last task
+                raise self._obs_error
             return stats
         except BaseException as e:
             self._dead.add(step)
@@ -541,10 +550,8 @@ class StageLoop:
         self._st = st
         if self._hooks is not None:
             self._hooks.on_step_start(self.rank, step)
-        obs = self.observer
-        # An observer that would write nothing (e.g. logging filtered out) is skipped for
-        # the whole step: disabled logging costs this one check.
-        self._obs = obs if obs is not None and getattr(obs, "active", True) else None
+        # Skipped for the whole step when inactive; guarded: see _observe.
+        self._obs = guard_observer(self)
         if self._obs is not None:
             self._obs.step_start(self)
         for task, payload, src in self._early.pop(step, ()):
@@ -816,8 +823,7 @@ class StageLoop:
         """Attach this rank's state to the error and hand it to the observer's ``failed``
         (:class:`~rrfp_async.LogObserver` logs it as event ``stage_dump``)."""
         text = self.dump(recent=True)
-        failed = getattr(self.observer, "failed", None)
-        if failed is not None:
-            failed(self, exc, text)
+        attach_observer_error(self, exc)
+        call_failed(self, exc, text)  # a hook that raises adds a note, never replaces exc
         if not isinstance(exc, DeadlockError):  # a deadlock carries every rank's grid
             exc.add_note(f"state of rank {self.rank} when the step failed:\n{text}")

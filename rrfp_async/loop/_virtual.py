@@ -23,12 +23,23 @@ them unwind):
   coroutine that sleeps in a loop forever;
 * ``wall_limit`` (``VirtualTimeLimit``): the loop has run this many real seconds, e.g. a
   coroutine that yields (``sleep(0)``) in a loop forever.
+
+Exact time. asyncio runs every timer whose time is below ``clock + _clock_resolution``. A
+fixed resolution is wrong at both ends of the scale: 1e-9 s made timers 1e-12 s apart run
+together (tasks that short looked 2.5 times faster than possible), and beyond ~2**24 s,
+where neighbouring floats lie further apart than that, ``clock + (when - clock)`` could
+round below ``when`` and the clock never reached the timer. So the clock jumps to the next
+timer's own time (``_advance``), and the resolution is the spacing of floats at the
+current clock (``math.ulp``): a timer is due exactly when its time is <= the clock, with
+relative precision at any magnitude (a 1e-12 s task near t = 0, a 1e6 s task anywhere).
+It costs one ``ulp`` per clock jump.
 """
 
 from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import math
 import selectors
 import time
 from collections.abc import Callable
@@ -142,9 +153,8 @@ class VirtualEventLoop(asyncio.SelectorEventLoop):
         sel.stall_timeout = stall_timeout
         sel.loop = self
         self._vtime = start
-        # Timers due within the resolution count as due; the virtual clock is exact, so keep
-        # it tiny but nonzero to absorb float rounding of (when - now) + now.
-        self._clock_resolution = 1e-9
+        # See "Exact time" in the module's note: a timer is due when its time <= the clock.
+        self._clock_resolution = math.ulp(start)
         self.stall_when_idle = bool(stall_when_idle)
         self._jobs = 0
         self.time_limit = time_limit
@@ -182,7 +192,12 @@ class VirtualEventLoop(asyncio.SelectorEventLoop):
         self._jobs -= 1
 
     def _advance(self, dt: float) -> None:
-        t = self._vtime + dt
+        # Jump to the next timer's own time, not to clock + dt: asyncio computed dt as
+        # (when - clock), capped at a day, and clock + (when - clock) can round below when.
+        scheduled: list[asyncio.TimerHandle] = self._scheduled  # type: ignore[attr-defined]
+        t = scheduled[0].when() if scheduled else self._vtime + dt
+        if t <= self._vtime:  # never backwards, never stuck: the least step a float has
+            t = math.nextafter(self._vtime, math.inf)
         if self.time_limit is not None and t > self.time_limit:
             self._vtime = self.time_limit
             raise VirtualTimeLimit(
@@ -192,6 +207,7 @@ class VirtualEventLoop(asyncio.SelectorEventLoop):
                 value=self.time_limit,
             )
         self._vtime = t
+        self._clock_resolution = math.ulp(t)
 
     def _check_wall(self) -> None:
         if self.wall_limit is None:

@@ -32,9 +32,69 @@ from .._tasks import Kind, Task
 from ._records import TraceData
 from ._summary import summarize
 
-__all__ = ["chrome_trace", "load_trace", "validate_chrome_trace", "write_trace"]
+__all__ = [
+    "MAX_TRACE_BYTES",
+    "MAX_TRACE_DEPTH",
+    "MAX_TRACE_EVENTS",
+    "chrome_trace",
+    "load_trace",
+    "validate_chrome_trace",
+    "write_trace",
+]
 
 _KINDS = frozenset(get_args(Kind))
+
+MAX_TRACE_BYTES = 1 << 30
+"""Largest trace file ``load_trace`` reads (1 GiB; a 16 x 128 step's trace is ~2 MB)."""
+
+MAX_TRACE_EVENTS = 10_000_000
+"""Most events of a trace ``load_trace`` accepts."""
+
+MAX_TRACE_DEPTH = 32
+"""Deepest nesting of JSON arrays and objects in a trace (``chrome_trace`` writes 5)."""
+
+
+def _time(x: object) -> bool:
+    """A time or duration of a trace event: a finite number >= 0 (not a bool)."""
+    return (
+        isinstance(x, int | float) and not isinstance(x, bool) and 0 <= x < math.inf
+    )  # NaN fails both comparisons
+
+
+def _rank(x: object) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool) and x >= 0
+
+
+def _no_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not a number a trace may hold (times are finite)")
+
+
+def _too_deep(obj: object, limit: int) -> bool:
+    """Whether arrays/objects nest deeper than ``limit`` (iterative: no recursion)."""
+    stack: list[tuple[object, int]] = [(obj, 1)]
+    while stack:
+        o, d = stack.pop()
+        if d > limit:
+            return True
+        if isinstance(o, dict):
+            stack.extend((v, d + 1) for v in o.values() if isinstance(v, dict | list))
+        elif isinstance(o, list):
+            stack.extend((v, d + 1) for v in o if isinstance(v, dict | list))
+    return False
+
+
+def _finite(obj: object) -> bool:
+    """Every number in a JSON-like value is finite."""
+    stack = [obj]
+    while stack:
+        o = stack.pop()
+        if isinstance(o, float) and not math.isfinite(o):
+            return False
+        if isinstance(o, dict):
+            stack.extend(o.values())
+        elif isinstance(o, list | tuple):
+            stack.extend(o)
+    return True
 
 
 def chrome_trace(
@@ -166,19 +226,44 @@ def load_trace(path: str | Path) -> dict[str, Any]:
     """Read and check a trace JSON written by ``write_trace`` (Trace Event Format).
 
     Raises:
-        TraceError: The file is not JSON, not a trace (no ``traceEvents`` list), or its
-            events are malformed (missing keys, non-finite or negative times, names that
-            are not tasks); the message names the file and the first problems.
+        TraceError: The file is not JSON (``NaN`` and ``Infinity`` included), is larger
+            than ``MAX_TRACE_BYTES``, nests deeper than ``MAX_TRACE_DEPTH``, has more than
+            ``MAX_TRACE_EVENTS`` events, is not a trace (no ``traceEvents`` list), or its
+            events are malformed (missing keys; times ``ts`` and durations ``dur`` that are
+            not finite numbers >= 0, or whose sum overflows; ranks ``pid`` that are not
+            integers >= 0; names that are not tasks), or its summary overflows; the
+            message names the file and the first problems.
         OSError: The file cannot be read.
     """
+    size = Path(path).stat().st_size
+    if size > MAX_TRACE_BYTES:
+        raise TraceError(
+            f"{path} has {size} bytes, more than a trace may have (MAX_TRACE_BYTES ="
+            f" {MAX_TRACE_BYTES})"
+        )
     try:
-        obj = json.loads(Path(path).read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        obj = json.loads(Path(path).read_text(), parse_constant=_no_constant)
+    except (json.JSONDecodeError, UnicodeDecodeError, ValueError) as e:
         raise TraceError(f"{path} is not a JSON trace: {e}") from e
+    except RecursionError:
+        raise TraceError(
+            f"{path} nests JSON arrays/objects too deeply to be a trace (at most"
+            f" {MAX_TRACE_DEPTH} levels)"
+        ) from None
+    if _too_deep(obj, MAX_TRACE_DEPTH):
+        raise TraceError(
+            f"{path} nests JSON arrays/objects deeper than {MAX_TRACE_DEPTH} levels"
+            " (MAX_TRACE_DEPTH); a trace is not that deep"
+        )
     if isinstance(obj, list):
         obj = {"traceEvents": obj}
     if not isinstance(obj, dict) or not isinstance(obj.get("traceEvents"), list):
         raise TraceError(f"{path} is not a Trace Event Format file (no traceEvents list)")
+    if len(obj["traceEvents"]) > MAX_TRACE_EVENTS:
+        raise TraceError(
+            f"{path} has {len(obj['traceEvents'])} events, more than a trace may have"
+            f" (MAX_TRACE_EVENTS = {MAX_TRACE_EVENTS})"
+        )
     if not all(isinstance(e, dict) for e in obj["traceEvents"]):
         raise TraceError(f"{path}: every entry of traceEvents must be a JSON object")
     other = obj.get("otherData", {})
@@ -189,16 +274,21 @@ def load_trace(path: str | Path) -> dict[str, Any]:
         more = f" (and {len(problems) - 5} more)" if len(problems) > 5 else ""
         raise TraceError(f"{path} is not a valid trace: " + "; ".join(problems[:5]) + more)
     try:  # what the schema check does not cover (step records, decision args) must read back
-        summarize(obj)
-    except (TypeError, KeyError, ValueError, AttributeError, IndexError) as e:
+        summ = summarize(obj)
+    except (TypeError, KeyError, ValueError, AttributeError, IndexError, OverflowError) as e:
         raise TraceError(f"{path} is not a valid trace: {type(e).__name__}: {e}") from e
+    if not _finite(summ):
+        raise TraceError(
+            f"{path} is not a valid trace: its times add up beyond a float (the summary overflows)"
+        )
     return obj
 
 
 def validate_chrome_trace(trace: Mapping[str, Any]) -> list[str]:
     """Schema check of a trace made by ``chrome_trace``; returns the problems (empty: ok).
 
-    Checks the required keys and types of every event, that compute spans of a rank do not
+    Checks the required keys and types of every event (times and durations finite numbers
+    >= 0 whose sums stay finite, ranks integers >= 0), that compute spans of a rank do not
     overlap, and that every flow has both ends.
     """
     problems: list[str] = []
@@ -222,20 +312,25 @@ def validate_chrome_trace(trace: Mapping[str, Any]) -> list[str]:
         for k in need[ph]:
             if k not in e:
                 problems.append(f"event {i} ({ph}): missing {k}")
+        if ph != "M" and "ts" in e and not _time(e["ts"]):
+            problems.append(
+                f"event {i} ({ph}): bad ts/dur: ts {e['ts']!r} is not a finite number >= 0"
+            )
+            continue
+        if ph != "M" and "pid" in e and not _rank(e["pid"]):
+            problems.append(f"event {i} ({ph}): pid {e['pid']!r} is not an integer >= 0")
+            continue
         if ph == "X":
-            if not (
-                isinstance(e.get("ts"), int | float)
-                and isinstance(e.get("dur"), int | float)
-                and e["dur"] >= 0
-                and math.isfinite(e["ts"])
-            ):
-                problems.append(f"event {i}: bad ts/dur")
+            if "ts" not in e:
+                continue
+            if not _time(e.get("dur")) or not _time(e["ts"] + e["dur"]):
+                problems.append(
+                    f"event {i}: bad ts/dur: dur {e.get('dur')!r} is not a finite number >= 0 (or"
+                    " ts + dur overflows)"
+                )
                 continue
             if e.get("cat") not in _KINDS:
                 problems.append(f"event {i}: cat {e.get('cat')!r} is not a task kind")
-            if not isinstance(e.get("pid"), int) or isinstance(e.get("pid"), bool):
-                problems.append(f"event {i}: pid {e.get('pid')!r} is not an integer")
-                continue
             try:
                 Task.parse(e["name"])
             except (ValueError, TypeError, AttributeError):

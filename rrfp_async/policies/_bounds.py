@@ -12,6 +12,7 @@ the hint itself could not run under. The cost-aware hint generators schedule und
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 from .._admission import hint_peak
@@ -96,7 +97,14 @@ def resolve_bounds(
             mf = check_real(
                 "memory_factor", memory_factor, minimum=0.0, strict_minimum=True, error=HintError
             )
-            bounds = [max(1, int(mf * b + 1e-9)) for b in base]
+            scaled = [mf * b + 1e-9 for b in base]
+            if not all(math.isfinite(x) for x in scaled):
+                raise HintError(
+                    f"memory_factor={mf!r} x the default admission bound overflows a float;"
+                    " give a smaller factor (any factor above the step's task count is"
+                    " already no bound)"
+                )
+            bounds = [max(1, int(x)) for x in scaled]
         else:
             bounds = base
     for r, (b, pk) in enumerate(zip(bounds, peaks, strict=True)):

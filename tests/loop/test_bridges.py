@@ -466,27 +466,29 @@ async def _dist_main(rank: int) -> dict[str, Any]:
 
     posted, ack = torch.zeros(1), torch.zeros(1)
 
-    # 1. An irecv posted before its send; the loop keeps running meanwhile.
+    # 1. An irecv posted before its send; the loop keeps running meanwhile. Shown by
+    # causality, not by counting ticks in a wall-time window (which fails under load): rank 0
+    # sends the data only after a message that rank 1's loop sends from a *new* task while
+    # the receive is outstanding, so that task must have run with the receive pending.
     if rank == 1:
         buf = torch.zeros(4)
         recv = post_recv(buf, 1)
-        ticks = 0
-
-        async def ticker() -> None:
-            nonlocal ticks
-            while True:
-                ticks += 1
-                await asyncio.sleep(0.005)
-
-        task = asyncio.create_task(ticker())
+        seen: list[tuple[str, bool]] = []
         await send(posted, 9)  # tell rank 0 the receive is posted
+        seen.append(("posted", recv.done()))
+
+        async def alive() -> None:
+            seen.append(("alive", recv.done()))
+            await send(posted, 7)  # rank 0 sends the data only after this
+
+        task = asyncio.create_task(alive())
         await asyncio.wait_for(recv, 30)
-        task.cancel()
+        await asyncio.wait_for(task, 30)
         out["early"] = buf.tolist()
-        out["ticks"] = ticks
+        out["seen"] = seen
     else:
         await asyncio.wait_for(post_recv(posted, 9), 30)
-        await asyncio.sleep(0.1)  # the receive waits a while on its own thread
+        await asyncio.wait_for(post_recv(posted, 7), 30)
         await send(torch.arange(4.0), 1)
 
     # 2. Two outstanding irecvs (tags 2 and 3): tag 3 is sent first, and tag 2 only after
@@ -538,7 +540,8 @@ def test_work_future_with_gloo_p2p_and_collectives() -> None:
     assert loops[0].startswith("asyncio") and loops[1].startswith("uvloop")
     for r0, r1 in zip(ranks[0], ranks[1], strict=True):
         assert r1["early"] == [0.0, 1.0, 2.0, 3.0]
-        assert r1["ticks"] >= 3
+        # The loop ran a new task while the receive was pending (rank 0 sent after it).
+        assert r1["seen"] == [("posted", False), ("alive", False)]
         assert r1["first"] == "tag3" and r1["f2_pending_after_f3"]
         assert r1["out_of_order"] == ([2.0, 2.0], [3.0, 3.0, 3.0])
         assert r0["all_reduce"] == r1["all_reduce"] == 3.0

@@ -1,0 +1,181 @@
+"""Observers are contained: what one raises never hangs, hides or replaces a step's error.
+
+Design note
+-----------
+A stage calls its observer at every transition, and two of those calls happen where an
+exception has nowhere useful to go: ``message`` and ``ready`` run inside a message
+delivery, which in a one-process pipeline is an event-loop callback, so an exception there
+ended in the loop's exception handler, the message was lost and the step waited for it
+forever (or the simulator reported a deadlock that was none). And ``failed`` runs while the
+step's real error is being raised, so an exception there replaced it.
+
+So the stage never calls its observer directly: it calls a :class:`GuardedObserver`, which
+forwards every call inside ``try``. When the observer raises, the guard stops calling it for
+the rest of the step (a broken observer would likely raise again), makes an
+:class:`~rrfp_async.ObserverError` whose cause is the observer's exception and hands it to
+the stage's ``fail``, exactly as a broken channel is handed over: the step's loop raises it
+at its next turn, or at once when it waits. The transition itself goes on (the message is
+still delivered, the task still counted), so the stage's state stays consistent. If the
+step had already failed, that error stays the root cause and the observer's is a note on
+it (``attach_observer_error``). ``failed`` itself is guarded the same way
+(``call_failed``). The guard costs one extra call per transition while an observer is
+active, and nothing when there is none or it is inactive.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from .._check import describe
+from .._errors import ObserverError
+from .._tasks import Task
+from ._records import StepStats
+
+# ``StageLoop`` (``_stage`` imports this module; a stage is typed ``Any`` here to keep the
+# import graph acyclic): the guard reads ``rank``, ``step``, ``observer`` and sets
+# ``_obs``, ``_obs_error``, and calls ``fail``.
+StageLoop = Any
+
+__all__ = ["GuardedObserver", "attach_observer_error", "call_failed", "guard_observer"]
+
+
+class _Silent:
+    """What a guard forwards to once its observer raised: nothing, for the rest of the step
+    (the stage's loops hold the guard in locals, so the guard itself must go quiet)."""
+
+    def __getattr__(self, name: str) -> Any:
+        return _nothing
+
+
+def _nothing(*args: Any) -> None:
+    return None
+
+
+_SILENT = _Silent()
+
+
+def _broken(stage: StageLoop, observer: object, method: str, e: BaseException) -> None:
+    """``observer.method`` raised ``e``: stop calling it this step and fail the step."""
+    stage._obs = None
+    err = ObserverError(
+        f"rank {stage.rank} step {stage.step}: observer {describe(observer)} raised in"
+        f" {method}(): {type(e).__name__}: {e}; the step fails (an observer must not raise:"
+        " catch what it cannot handle, e.g. LogObserver disables a failing log sink)",
+        rank=stage.rank,
+        step=stage.step,
+        method=method,
+    )
+    err.__cause__ = e
+    if stage._obs_error is None:
+        stage._obs_error = err
+    stage.fail(err)
+
+
+class GuardedObserver:
+    """Forwards every ``StageObserver`` call to ``inner``; an exception fails the step (see
+    the module's design note) instead of escaping where the call was made."""
+
+    __slots__ = ("_inner", "_stage")
+
+    def __init__(self, inner: Any, stage: StageLoop) -> None:
+        self._inner = inner
+        self._stage = stage
+
+    def _broke(self, method: str, e: BaseException) -> None:
+        inner, self._inner = self._inner, _SILENT
+        _broken(self._stage, inner, method, e)
+
+    def step_start(self, stage: StageLoop) -> None:
+        try:
+            self._inner.step_start(stage)
+        except Exception as e:
+            self._broke("step_start", e)
+
+    def message(self, stage: StageLoop, task: Task, src: int) -> None:
+        try:
+            self._inner.message(stage, task, src)
+        except Exception as e:
+            self._broke("message", e)
+
+    def ready(self, stage: StageLoop, task: Task) -> None:
+        try:
+            self._inner.ready(stage, task)
+        except Exception as e:
+            self._broke("ready", e)
+
+    def decision(self, stage: StageLoop, task: Task, ready: Sequence[Task], idle: float) -> None:
+        try:
+            self._inner.decision(stage, task, ready, idle)
+        except Exception as e:
+            self._broke("decision", e)
+
+    def task_start(self, stage: StageLoop, task: Task) -> None:
+        try:
+            self._inner.task_start(stage, task)
+        except Exception as e:
+            self._broke("task_start", e)
+
+    def task_end(self, stage: StageLoop, task: Task, start: float, end: float) -> None:
+        try:
+            self._inner.task_end(stage, task, start, end)
+        except Exception as e:
+            self._broke("task_end", e)
+
+    def stall(self, stage: StageLoop, reason: str) -> None:
+        try:
+            self._inner.stall(stage, reason)
+        except Exception as e:
+            self._broke("stall", e)
+
+    def tp_decision(self, stage: StageLoop, task: Task, seq: int, sent: bool) -> None:
+        try:
+            self._inner.tp_decision(stage, task, seq, sent)
+        except Exception as e:
+            self._broke("tp_decision", e)
+
+    def step_end(self, stage: StageLoop, stats: StepStats) -> None:
+        try:
+            self._inner.step_end(stage, stats)
+        except Exception as e:
+            self._broke("step_end", e)
+
+
+def guard_observer(stage: StageLoop) -> GuardedObserver | None:
+    """The guarded observer of ``stage`` for the step that starts, or None when it has none
+    or it is inactive (an observer that would write nothing, e.g. logging filtered out, is
+    skipped for the whole step: disabled logging costs this one check). An ``active``
+    property that raises counts as an observer error."""
+    stage._obs_error = None
+    obs = stage.observer
+    if obs is None:
+        return None
+    try:
+        active = getattr(obs, "active", True)
+    except Exception as e:
+        _broken(stage, obs, "active", e)
+        return None
+    return GuardedObserver(obs, stage) if active else None
+
+
+def call_failed(stage: StageLoop, exc: BaseException, text: str) -> None:
+    """Hand a failed step's state to the observer's ``failed`` hook; if the hook raises, its
+    error becomes a note on ``exc`` (which stays the error the step raises)."""
+    failed = getattr(stage.observer, "failed", None)
+    if failed is None:
+        return
+    try:
+        failed(stage, exc, text)
+    except Exception as e:
+        exc.add_note(
+            f"rank {stage.rank}: observer {describe(stage.observer)} also raised in failed():"
+            f" {type(e).__name__}: {e} (ignored: the step's error is the one above)"
+        )
+
+
+def attach_observer_error(stage: StageLoop, exc: BaseException) -> None:
+    """If the observer raised during a step that failed for another reason, say so on the
+    step's error (the root cause stays ``exc``)."""
+    err = stage._obs_error
+    if err is not None and err is not exc:
+        exc.add_note(f"the observer also raised: {err}")
