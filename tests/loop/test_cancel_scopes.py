@@ -130,7 +130,9 @@ def test_a_step_cancelled_by_a_scope_ends_at_the_deadline_and_the_next_step_runs
     if loop_kind == "virtual":
         assert took == DEADLINE  # cancelled exactly at the deadline
     else:
-        assert DEADLINE <= took < DEADLINE + 10  # promptly (within 0.3 s of real time)
+        # At the deadline (uvloop's clock has millisecond resolution, so a timer may fire
+        # up to 1 ms = 0.034 units "early" by loop.time()), and promptly (within 0.3 s).
+        assert DEADLINE - 0.05 <= took < DEADLINE + 10
     assert pipe.channel.inflight == 0
     assert [s.step for s in after] == [1] * P
     for s in after:
