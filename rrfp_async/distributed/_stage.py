@@ -56,7 +56,14 @@ import torch
 import torch.distributed as dist
 
 from .._bridges import work_future
-from .._errors import ChannelError, ClosedError, PeerError, PlanError, StepTimeoutError
+from .._errors import (
+    ChannelError,
+    ClosedError,
+    PeerError,
+    PeerStepError,
+    PlanError,
+    StepTimeoutError,
+)
 from ..channels._decisions import DecisionChannel
 from ..channels._p2p import P2PChannel
 from ..loop import StageLoop, StageObserver, StepStats
@@ -180,12 +187,15 @@ class DistributedStage:
         self.verify_plan = verify_plan
         self._device = torch.device(device)
         inbound, outbound = pipeline_neighbors(schedule.plan, layout.pp_rank)
-        self._has_peers = bool(inbound or outbound)
+        # Edges both ways, even where the plan sends one way only: a failed step's ABORT
+        # must reach every rank (see P2PChannel's design note).
+        neighbours = sorted({*inbound, *outbound})
+        self._has_peers = bool(neighbours)
         self.channel = P2PChannel(
             layout.pp_rank,
             global_ranks=layout.pipeline_peers(),
-            inbound=inbound,
-            outbound=outbound,
+            inbound=neighbours,
+            outbound=neighbours,
             group=self.groups.p2p,
             device=device,
             max_bytes=max_message_bytes,
@@ -221,6 +231,7 @@ class DistributedStage:
         self._ties_checked = False
         self.step_timeout = self.stage.step_timeout  # as checked there (inf: None)
         self._next_step = 0
+        self._running: int | None = None  # the step run_step runs now
         self._agreed: tuple[object, ...] | None = None
         self._control_broken: BaseException | None = None
         self.plan_checks = 0
@@ -375,6 +386,12 @@ class DistributedStage:
                 " the whole training loop, not one per step), or from synchronous code use"
                 " `with DistributedStage(...) as stage:` and `stage.run_step_sync(...)`"
             )
+        if self._running is not None:
+            # Refused before anything changes: the running step goes on undisturbed.
+            raise PlanError(
+                f"{self._who()}: run_step is already running step {self._running}; a stage runs"
+                " one step at a time (await the running step first). This call changed nothing"
+            )
         who = f"rank {self.stage.rank}"
         check_step_args(
             who, self.stage._base.plan, microbatches, step, schedule, self.stage.max_microbatches
@@ -387,24 +404,46 @@ class DistributedStage:
         except PlanError as e:
             raise PlanError(f"{who}: {e}") from None
         s = self._next_step if step is None else step
+        self.stage.check_step_number(s)
+        # Every check passed: from here on the step counts (it runs, or fails on every rank).
+        self._running = s
         self._next_step = s + 1
         self.channel.at_step(s)
-        if self.verify_plan and self._key(sched) != self._agreed:
-            await self.check_plan(sched, step=s)
-        training = not sched.plan.forward_only
-        if training and not self._ties_checked:
-            await self._prepare_ties(sched, s)
         try:
+            if self.stage.aborted(s) is None:  # else it failed elsewhere: run_step raises that
+                if self.verify_plan and self._key(sched) != self._agreed:
+                    await self.check_plan(sched, step=s)
+                training = not sched.plan.forward_only
+                if training and not self._ties_checked:
+                    await self._prepare_ties(sched, s)
             stats = await self.stage.run_step(microbatches, step=s, schedule=sched, train=train)
-            if training and self._tie_groups is not None:
+            if not sched.plan.forward_only and self._tie_groups is not None:
                 await self._reduce_ties(s)
             return stats
-        except StepTimeoutError as e:
-            self._explain_timeout(e, s)
+        except BaseException as e:
+            if isinstance(e, StepTimeoutError):
+                self._explain_timeout(e, s)
+            elif isinstance(e, ChannelError) and not isinstance(e, PeerStepError):
+                self._add_peer_failures(e)
+            self._announce(s, e)
             raise
-        except ChannelError as e:
-            self._add_peer_failures(e)
-            raise
+        finally:
+            self._running = None
+
+    def _announce(self, step: int, e: BaseException) -> None:
+        """Tell every rank of the pipeline that ``step`` failed here (the channel's ABORT:
+        see ``P2PChannel``'s design note), so that theirs fails too, at once."""
+        if isinstance(e, PeerStepError):  # failed elsewhere: the channel passed it on
+            self.channel.abort(step, e.cause, origin=e.origin)
+            return
+        if isinstance(e, asyncio.CancelledError):
+            cause = "the step was cancelled there (asyncio.CancelledError: a timeout or a cancel"
+            cause += " scope of its caller)"
+        else:
+            text = str(e).strip()
+            first = text.splitlines()[0] if text else ""
+            cause = f"{type(e).__name__}: {first}" if first else type(e).__name__
+        self.channel.abort(step, cause)
 
     def run_step_sync(
         self,
