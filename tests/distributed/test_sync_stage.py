@@ -1,5 +1,6 @@
 """``DistributedStage``'s synchronous face (``with stage:`` + ``run_step_sync``), a step run on
-another event loop, and a stage's step under anyio's ``move_on_after``.
+another event loop, and a stage's step under anyio's ``move_on_after`` (on one rank first:
+the other's step fails with the cancelled rank's ``PeerStepError``).
 
 The training test holds the sync face to the async one: the same model and microbatches,
 trained with ``run_step_sync`` in a plain ``for`` loop and with ``await run_step``, end at
@@ -254,8 +255,12 @@ def _cancelled_worker(rank: int, world: int) -> dict[str, Any]:
             await stage.run_step(list(range(M)))  # step 0, with the plan check
             dist.barrier()
             t0 = time.monotonic()
+            out["error"] = None
             with anyio.move_on_after(deadline) as scope:
-                await stage.run_step(list(range(M)))
+                try:
+                    await stage.run_step(list(range(M)))
+                except rr.PeerStepError as e:  # the other rank's cancel came first
+                    out["error"] = str(e)
             out["cancelled"] = scope.cancelled_caught
             out["took"] = time.monotonic() - t0
             out["step1_ran"] = sum(s == 1 for s, _ in ex.seen)
@@ -272,9 +277,13 @@ def _cancelled_worker(rank: int, world: int) -> dict[str, Any]:
 @pytest.mark.timeout(180)
 def test_a_distributed_step_under_move_on_after_is_cancelled_and_the_next_runs() -> None:
     res = rr.spawn(_cancelled_worker, 2, timeout=150)
-    for rank, r in enumerate(res):
-        assert r["cancelled"], r
-        assert DEADLINES[rank] <= r["took"] < DEADLINES[rank] + 0.5, r
+    # Rank 1 gives up first; rank 0 learns it from rank 1's ABORT, before its own deadline.
+    assert res[1]["cancelled"] and res[1]["error"] is None, res[1]
+    assert not res[0]["cancelled"], res[0]
+    assert "step 1 failed on rank 1 (global 1): the step was cancelled there" in res[0]["error"]
+    assert DEADLINES[1] <= res[0]["took"] < DEADLINES[0], res[0]
+    assert DEADLINES[1] <= res[1]["took"] < DEADLINES[1] + 0.5, res[1]
+    for r in res:
         assert 0 < r["step1_ran"] < 2 * M  # cut short mid-step (not vacuous)
         assert r["after"] == (2, 2 * M, []), r
     assert res[1]["late"] > 0  # step 1's messages landed in rank 1's step 2 (not vacuous)
