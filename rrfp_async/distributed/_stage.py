@@ -101,6 +101,25 @@ def _loop_name(loop: asyncio.AbstractEventLoop | None) -> str:
     return f"{cls.__module__}.{cls.__qualname__} at {id(loop):#x} ({state})"
 
 
+def _check_layout_rank(layout: ProcessLayout) -> None:
+    """Refuse a layout that places this process at another rank than torch.distributed's
+    (every process building ``ProcessLayout(pp=2, rank=0)``): otherwise two processes would
+    claim one pipeline rank and the other would see only "lost rank 1"."""
+    real, world = dist.get_rank(), dist.get_world_size()
+    if layout.rank != real:
+        raise PlanError(
+            f"the layout places this process at global rank {layout.rank}, but"
+            f" torch.distributed says it is global rank {real} (of {world}): every process"
+            " must build its layout with its own rank (rr.ProcessLayout.from_world(pp=...),"
+            " or rank=dist.get_rank()); two processes at one rank cannot form a pipeline"
+        )
+    if layout.world_size > world:
+        raise PlanError(
+            f"rank {real}: the layout has {layout.world_size} ranks (PP x TP x DP), but the"
+            f" torch.distributed world has {world}"
+        )
+
+
 class DistributedStage:
     """This process's stage: a ``StageLoop`` on a ``P2PChannel``, with TP coordination.
 
@@ -144,8 +163,9 @@ class DistributedStage:
     from synchronous code as ``with stage:`` and ``stage.run_step_sync(...)``.
 
     Raises:
-        PlanError: The schedule does not fit the layout, ``max_message_bytes`` < 1, or
-            ``step_timeout`` is not a positive number or None.
+        PlanError: The schedule does not fit the layout, ``max_message_bytes`` < 1,
+            ``step_timeout`` is not a positive number or None, or the layout's rank is not
+            this process's rank in torch.distributed (the message names both).
 
     Attributes:
         plan_checks: How many plan checks ran (one per distinct plan).
@@ -181,6 +201,8 @@ class DistributedStage:
             or max_message_bytes < 1
         ):
             raise PlanError(f"max_message_bytes must be an int >= 1, got {max_message_bytes!r}")
+        if dist.is_initialized() and layout.world_size > 1:
+            _check_layout_rank(layout)
         self.layout = layout
         self.groups = groups if groups is not None else build_groups(layout)
         self.max_message_bytes = max_message_bytes

@@ -687,7 +687,11 @@ class StageLoop:
                 if h < len(order) and (
                     st.missing[h] == 0 or (st.missing[h] == 1 and h in st.prog.local_next[running])
                 ):
-                    coord.publish(st.step, st.decisions, order[h])
+                    try:
+                        coord.publish(st.step, st.decisions, order[h])
+                    except Exception as e:  # a loop callback: fail the step, not the loop
+                        self.fail(e)
+                        return
                     if obs is not None:
                         obs.tp_decision(self, order[h], st.decisions, True)
                     pre = h

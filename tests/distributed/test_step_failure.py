@@ -80,7 +80,9 @@ def _scenario(rank: int, world: int, which: str) -> dict[str, Any]:
                 mod.boom = which == "raise" and rank == victim and k == FAILED
                 # Rank 0 is slow in step 1: the cancelled (or refused) rank is then idle,
                 # waiting for rank 0's first forward, when its caller cancels (or calls).
-                mod.sleep = 0.6 if which in ("cancel", "refuse") and rank == 0 and k == FAILED else 0.0
+                mod.sleep = (
+                    0.6 if which in ("cancel", "refuse") and rank == 0 and k == FAILED else 0.0
+                )
                 t0 = time.monotonic()
                 try:
                     if k == FAILED and rank == victim and which == "cancel":
