@@ -560,3 +560,30 @@ def test_alternating_sizes_reuse_the_derived_schedules() -> None:
     assert three.for_microbatches(4) is s  # back to the root, not a new schedule
     assert three.for_microbatches(5) is s.for_microbatches(5)
     assert three.plan.microbatches == 3 and three.hint_name == s.hint_name
+
+
+class _LostFollower(_LeaderLog):
+    """A leader whose TP follower is gone: every publish after the first fails."""
+
+    def publish(self, step: int, seq: int, task: Task) -> None:
+        if seq >= 1:
+            raise rr.PeerError(f"sending decision {seq} ({task}) to TP rank 1 failed")
+        super().publish(step, seq, task)
+
+
+def test_a_look_ahead_publish_that_fails_fails_the_step_not_the_loop() -> None:
+    # The look-ahead publish runs as a loop callback (call_soon): its error must end the
+    # step through fail(), never reach the loop's exception handler.
+    s = sched(p=1, m=4, hint="gpipe")
+    ended: list[Task] = []
+    handled: list[dict[str, Any]] = []
+
+    async def main() -> None:
+        asyncio.get_running_loop().set_exception_handler(lambda _, ctx: handled.append(ctx))
+        stage = _leader(s, _Ending(ended), "strict", _LostFollower(ended))
+        with pytest.raises(rr.PeerError, match=r"sending decision 1 \(0F1\) to TP rank 1 failed"):
+            await stage.run_step(list(range(4)))
+
+    run_virtual(main())
+    assert handled == []
+    assert ended == [Task(0, "F", 0)]  # the running task ended; nothing else started
