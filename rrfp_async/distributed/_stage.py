@@ -40,6 +40,19 @@ breaks nothing: the neighbours wait until the step watchdog fires (``step_timeou
 by default), and the ``StepTimeoutError`` then opens with the ranks whose messages of the
 step did not arrive (the plan says how many each must send; the channel counts what came).
 A failing rank's CLOSE carries its cause, so a rank further away names the lost rank too.
+
+Design note: a step fails everywhere or nowhere
+-----------------------------------------------
+When this rank's step fails (the executor raises, the watchdog fires, the caller cancels
+the step with ``asyncio.timeout`` or an anyio scope), ``run_step`` tells every rank of the
+pipeline before it re-raises: the channel's ABORT (step, origin, cause; see ``P2PChannel``'s
+design note) travels hop by hop, and each rank fails that step at once with
+``PeerStepError`` "step 3 failed on rank 1 (global 1): RuntimeError: boom", drops its late
+messages by number, and runs the next step with the others: the step numbers stay in
+lockstep, so a training loop that catches the error, zeroes the gradients and goes on
+trains on every rank as if the step had been skipped. A *refused* call (bad arguments, a
+second call while a step runs, a step number that failed here) is refused before anything
+changes: it consumes no step number, tells nobody, and leaves a running step alone.
 """
 
 from __future__ import annotations
@@ -384,7 +397,12 @@ class DistributedStage:
             PlanError: The ranks disagree on the plan (on every rank).
             StepTimeoutError: The step (or the plan check) did not finish within
                 ``step_timeout``; the message opens with the ranks it waited for.
+            PeerStepError: The step failed, was cancelled or was refused on another rank
+                (the message names it and its cause); the stage stays usable: run the next
+                step.
             PeerError: A peer died (the message names it) or failed.
+            PlanError: (refused, nothing changed) Bad arguments, a step already running on
+                this stage, a step number that failed here before.
             ClosedError: The stage is not open (outside its ``async with`` block), or this
                 is not the event loop it was opened on (the message names both loops).
         """
