@@ -580,7 +580,7 @@ class P2PChannel:
             return
         try:
             self._sink.deliver(step, task, payload, src)
-        except RRFPError as e:  # raised inside a loop callback: route it to the stage
+        except Exception as e:  # raised inside a loop callback: route it to the stage
             self._sink.fail(e)
 
     def _replay(self, step: int, task: Task, payload: Any, src: int) -> None:
@@ -588,7 +588,7 @@ class P2PChannel:
         assert self._sink is not None
         try:
             self._sink.deliver(step, task, payload, src)
-        except RRFPError as e:
+        except Exception as e:  # a loop callback too
             self._sink.fail(e)
 
     def _peer_closed(self, src: int) -> None:
