@@ -69,6 +69,7 @@ import torch
 import torch.distributed as dist
 
 from .._bridges import work_future
+from .._check import check_bool
 from .._errors import (
     ChannelError,
     ClosedError,
@@ -436,6 +437,7 @@ class DistributedStage:
         check_step_args(
             who, self.stage._base.plan, microbatches, step, schedule, self.stage.max_microbatches
         )
+        check_bool(f"{who}: train", train)
         base = self.stage._base if schedule is None or schedule.plan.forward_only else schedule
         try:
             sched = schedule if schedule is not None else base.for_microbatches(len(microbatches))
