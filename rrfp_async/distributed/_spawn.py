@@ -11,13 +11,13 @@ from __future__ import annotations
 import datetime
 import io
 import os
-import pickle
 import queue
 import socket
 import sys
 import time
 import traceback
 from collections.abc import Callable
+from multiprocessing.reduction import ForkingPickler
 from typing import Any, TypeVar
 
 from .._check import check_int
@@ -53,7 +53,7 @@ def _check_picklable(fn: Callable[..., Any], args: tuple[Any, ...]) -> None:
     function or argument, or a function of a ``__main__`` that a child cannot import (an
     interactive session, ``python -c``, a notebook)."""
     try:
-        pickle.dumps(fn)
+        ForkingPickler.dumps(fn)  # what starting a spawned process does with it
     except Exception as e:
         raise SpawnError(
             f"spawn needs a picklable, module-level function; {_name(fn)} cannot be pickled"
@@ -71,7 +71,7 @@ def _check_picklable(fn: Callable[..., Any], args: tuple[Any, ...]) -> None:
         )
     for i, a in enumerate(args):
         try:
-            pickle.dumps(a)
+            ForkingPickler.dumps(a)
         except Exception as e:
             raise SpawnError(
                 f"spawn: argument {i} of {_name(fn)} (a {type(a).__name__}) cannot be pickled"

@@ -287,3 +287,38 @@ def test_a_distributed_step_under_move_on_after_is_cancelled_and_the_next_runs()
         assert 0 < r["step1_ran"] < 2 * M  # cut short mid-step (not vacuous)
         assert r["after"] == (2, 2 * M, []), r
     assert res[1]["late"] > 0  # step 1's messages landed in rank 1's step 2 (not vacuous)
+
+
+# ---------------------------------------------------------------------- refused calls
+
+
+class _Slow:
+    async def execute(self, task: rr.Task, data: Any, ctx: rr.TaskContext, /) -> Any:
+        await asyncio.sleep(0.01)
+        return torch.zeros(2)
+
+
+@pytest.mark.timeout(30)
+def test_a_refused_run_step_changes_nothing() -> None:
+    """Bad arguments and a second call while a step runs are refused before the step counts:
+    no number is consumed, the running step goes on (and no peer would be told)."""
+    plan = rr.StepPlan(topology=rr.Topology(stages=1), microbatches=2)
+    layout = rr.ProcessLayout(pp=1, rank=0)
+    sched = rr.StepSchedule.build(plan, "1f1b")
+    stage = rr.DistributedStage(layout, sched, _Slow(), groups=rr.StageGroups(), verify_plan=False)
+
+    async def main() -> list[int]:
+        async with stage:
+            with pytest.raises(rr.PlanError, match="train must be True or False, got 1"):
+                await stage.run_step([0, 1], train=1)  # type: ignore[arg-type]
+            with pytest.raises(rr.PlanError, match="step must be <= 9223372036854775806"):
+                await stage.run_step([0, 1], step=2**63)
+            running = asyncio.ensure_future(stage.run_step([0, 1]))
+            await asyncio.sleep(0.005)  # inside its first task
+            with pytest.raises(rr.PlanError, match=r"already running step 0.*changed nothing"):
+                await stage.run_step([0, 1])
+            first = await running
+            assert len(first.executed) == 4
+            return [first.step, (await stage.run_step([0, 1])).step]
+
+    assert rr.run(main()) == [0, 1]
