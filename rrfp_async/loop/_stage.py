@@ -495,10 +495,6 @@ class StageLoop:
         who = f"rank {self.rank}"
         check_step_args(who, self._base.plan, microbatches, step, schedule, self.max_microbatches)
         check_bool(f"{who}: train", train)
-        aborted = self._aborted.pop(self._next_step if step is None else step, None)
-        if aborted is not None:  # it failed on another rank before it started here
-            self._next_step = (self._next_step if step is None else step) + 1
-            raise aborted
         if step is not None:
             self.check_step_number(step)
         base = self._base if schedule is None or schedule.plan.forward_only else schedule
@@ -508,9 +504,13 @@ class StageLoop:
                 sched = sched.forward_only()
         except PlanError as e:
             raise PlanError(f"{who}: {e}") from None
+        step = self._next_step if step is None else int(step)
+        aborted = self._aborted.pop(step, None)
+        if aborted is not None:  # it failed on another rank before it started here
+            self._next_step = step + 1
+            raise aborted
         self._base = base
         self.schedule = sched
-        step = self._next_step if step is None else int(step)
         self._next_step = step + 1
         if not isinstance(self._failure, ChannelError) or isinstance(self._failure, PeerStepError):
             self._failure = None  # a broken channel stays broken: every later step fails
