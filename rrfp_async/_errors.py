@@ -13,6 +13,8 @@ The hierarchy::
     ├── ChannelError                a message could not be moved
     │   ├── ProtocolError           a corrupt or unexpected header / message
     │   └── PeerError               a peer died or closed the connection
+    │       └── PeerStepError       a step failed, was cancelled or refused on another
+    │                               rank: this rank failed it too (the stage stays usable)
     ├── DivergenceError             TP ranks of a stage would run different task sequences
     ├── ObserverError               an observer (tracing, logging) raised during a step; the
     │                               step fails with it only when nothing else failed first
@@ -38,6 +40,7 @@ __all__ = [
     "HintError",
     "ObserverError",
     "PeerError",
+    "PeerStepError",
     "PlanError",
     "PolicyError",
     "ProtocolError",
@@ -130,6 +133,28 @@ class ProtocolError(ChannelError):
 
 class PeerError(ChannelError):
     """A peer process died, closed the connection, or stopped answering."""
+
+
+class PeerStepError(PeerError):
+    """A step failed, was cancelled or was refused on another rank, so it failed here too.
+
+    The rank where it failed told every rank of the pipeline (a small ABORT message on the
+    p2p edges, forwarded hop by hop); each fails that step at once with this error, drops
+    the step's late messages by its number, and runs the next step normally. Unlike other
+    ``PeerError``s it does not break the channel: catch it, discard what the step left
+    behind (``optimizer.zero_grad()``) and go on with the next step on every rank.
+
+    Attributes:
+        step: The failed step.
+        origin: The global rank where it failed first.
+        cause: Why it failed there (``"RuntimeError: boom"``, ``"cancelled"``).
+    """
+
+    def __init__(self, message: str, *, step: int, origin: int, cause: str) -> None:
+        super().__init__(message)
+        self.step = step
+        self.origin = origin
+        self.cause = cause
 
 
 class DivergenceError(RRFPError):

@@ -317,6 +317,8 @@ _BAD_STEP_ARGS: list[tuple[dict[str, Any], str]] = [
     ({"step": "1"}, r"step must be an integer, got '1' \(str\)"),
     ({"step": -1}, r"step must be >= 0, got -1"),
     ({"step": 1.5}, r"step must be an integer, got 1.5 \(float\)"),
+    # Step numbers travel as int64 (message headers): refused, not an OverflowError later.
+    ({"step": 2**63}, r"step must be <= 9223372036854775806, got 9223372036854775808"),
 ]
 
 

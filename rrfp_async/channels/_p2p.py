@@ -67,6 +67,31 @@ Trust and loss
   keeps the cause as text (``peer_failures``; ``DistributedStage`` appends it to the
   step's error) and passes the same cause on when it closes in turn, so a rank that is no
   neighbour of the lost one still names it. The cause is only ever text for a message.
+
+A step fails everywhere or nowhere
+----------------------------------
+Within one process a failed step is simple: every stage sees it. Across processes a rank
+whose step fails (its executor raises, its caller cancels the step, its watchdog fires)
+just stops sending that step's messages, and its peers would wait for them until their own
+watchdog fires; worse, they then stay a step apart for good. So the failing rank tells
+them: ``abort(step, cause)`` sends an ABORT (the step, the global rank where it failed and
+the cause as text; see ``_wire``) down every outbound edge. A rank that receives one for a
+step it has not heard of yet passes it on down its own outbound edges (except back to the
+sender) and hands the stage a ``PeerStepError`` (``step_aborted``): the stage fails that
+step at once if it runs, or the moment it starts if it has not started yet, and drops the
+step's messages by its number. Hop by hop, every rank of the pipeline learns it within a
+few message latencies, whatever its distance from the origin; each rank passes a step's
+ABORT on once, so the flood ends. This needs a path from every rank to every other, so a
+stage's channel has edges both ways between pipeline neighbours even when its plan sends
+only one way (a forward-only plan): an edge that carries no data costs a thread that waits
+for the CLOSE.
+
+An ABORT takes no sequence number of the edge (it is posted from the loop thread, while the
+compute thread may be sending outputs) and goes through the edge's sender thread. A broken
+channel (a lost peer) sends none: the CLOSE carries the cause then, as before. A step that
+already ended well on a rank when the ABORT arrives (the origin failed in its last task,
+after its last message) cannot fail there any more: the stage records it
+(``StageLoop.late_failures``).
 """
 
 from __future__ import annotations
@@ -83,10 +108,11 @@ import torch
 import torch.distributed as dist
 
 from .._bridges import post
-from .._errors import PeerError, ProtocolError, RRFPError
+from .._errors import PeerError, PeerStepError, ProtocolError, RRFPError
 from .._tasks import Task
 from ._base import Sink
 from ._wire import (
+    ABORT,
     CLEAN,
     CLOSE,
     DATA,
@@ -101,6 +127,7 @@ from ._wire import (
     KINDS,
     LOST,
     MAGIC,
+    MAX_ABORT_TEXT,
     MAX_BLAMED,
     MAX_NDIM,
     NO_PAYLOAD,
@@ -108,6 +135,7 @@ from ._wire import (
     TIMED_OUT,
     TREE,
     blame_text,
+    encode_abort,
     encode_header,
     grow,
     pack_inline,
@@ -218,6 +246,7 @@ class P2PChannel:
         self._last_step = -1  # the latest step of a message sent or received
         self._arrivals: dict[int, dict[int, int]] = {}  # step -> {src: messages}
         self._peer_failures: dict[int, str] = {}
+        self._aborted: set[int] = set()  # steps whose ABORT this rank sent or passed on
         self._threads: list[threading.Thread] = []
         self._started = False
         self._closing = False
@@ -328,11 +357,12 @@ class P2PChannel:
                 self._queues[dst].put(("send", [(msgs, what)]))
         self.sent += 1
 
-    def _send_failed(self, dst: int, what: tuple[int, Task] | None, e: BaseException) -> str:
+    def _send_failed(self, dst: int, what: tuple[int, object] | None, e: BaseException) -> str:
         seq, task = what or (-1, None)
+        which = f"message seq {seq} ({task})" if seq >= 0 else str(task)
         return (
-            f"{self._name(self._rank)} lost {self._name(dst)}: sending message seq {seq}"
-            f" ({task}) on {self._edge_out(dst)} failed: {e}"
+            f"{self._name(self._rank)} lost {self._name(dst)}: sending {which}"
+            f" on {self._edge_out(dst)} failed: {e}"
         )
 
     def _edge_out(self, dst: int) -> str:
@@ -370,6 +400,61 @@ class P2PChannel:
         if self._cause is None:
             g = tuple(self._global[r] for r in ranks if r in self._global)[:MAX_BLAMED]
             self._cause = (TIMED_OUT if timed_out else LOST, step, g)
+
+    def abort(self, step: int, cause: str, *, origin: int | None = None) -> bool:
+        """Tell every rank of the pipeline that ``step`` failed (see the design note): send
+        an ABORT down every outbound edge, once per step. ``origin`` is the global rank where
+        it failed (default: this one); ``cause`` says why (text, cut to 1 KiB). Loop thread.
+
+        Returns:
+            Whether it went out: False when this rank sent or passed on an ABORT of the step
+            before, or when the channel is not open or broken (a broken channel's CLOSE
+            carries the cause instead).
+        """
+        if step in self._aborted:
+            return False
+        self._aborted.add(step)
+        if not self._started or self._closing or self._failed is not None:
+            return False
+        self._send_abort(step, self._global[self._rank] if origin is None else origin, cause)
+        return True
+
+    def _send_abort(self, step: int, origin: int, cause: str, skip: int | None = None) -> None:
+        header, text = encode_abort(step, origin, cause)
+        what = (-1, f"the ABORT of step {step}")
+        for dst, q in self._queues.items():
+            if dst == skip:
+                continue
+            msgs = [torch.tensor(header, dtype=torch.int64, device=self._hdr_device)]
+            if text:
+                msgs.append(
+                    torch.frombuffer(bytearray(text), dtype=torch.uint8).to(self._hdr_device)
+                )
+            # Through the sender thread, behind everything posted on the edge: no sequence
+            # number, no capacity change (see the design note).
+            with self._locks[dst]:
+                self._queued[dst] += 1
+                q.put(("send", [(msgs, what)]))
+
+    def _peer_aborted(self, src: int, step: int, origin: int, cause: str) -> None:
+        """An ABORT of ``step`` came from ``src`` (loop thread): pass it on once, and fail the
+        step here (see the design note)."""
+        if step in self._aborted:
+            return
+        self._aborted.add(step)
+        if not self._closing and self._failed is None:
+            self._send_abort(step, origin, cause, skip=src)
+        where = self._name_global(origin)
+        exc = PeerStepError(
+            f"{self._name(self._rank)}: step {step} failed on {where}: {cause}; this rank fails"
+            " the step too (its late messages are dropped) and runs the next one",
+            step=step,
+            origin=origin,
+            cause=cause,
+        )
+        notify = getattr(self._sink, "step_aborted", None)
+        if notify is not None:
+            notify(step, exc)
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -495,7 +580,7 @@ class P2PChannel:
             return
         try:
             self._sink.deliver(step, task, payload, src)
-        except RRFPError as e:  # raised inside a loop callback: route it to the stage
+        except Exception as e:  # raised inside a loop callback: route it to the stage
             self._sink.fail(e)
 
     def _replay(self, step: int, task: Task, payload: Any, src: int) -> None:
@@ -503,7 +588,7 @@ class P2PChannel:
         assert self._sink is not None
         try:
             self._sink.deliver(step, task, payload, src)
-        except RRFPError as e:
+        except Exception as e:  # a loop callback too
             self._sink.fail(e)
 
     def _peer_closed(self, src: int) -> None:
@@ -579,6 +664,10 @@ class P2PChannel:
                     )
                 return
             h = read_header(raw)
+            if h[0] == MAGIC and h[1] == ABORT:
+                if not self._receive_abort(h, src, peer, edge):
+                    return
+                continue
             try:
                 closing, task, step, dtype, shape = self._check(h, expect, edge)
                 code = h[7] & ~REQUIRES_GRAD if h[7] >= 0 else h[7]
@@ -658,6 +747,38 @@ class P2PChannel:
                 self._last_step = step
             self.received += 1
             self._post(self._deliver, step, task, payload, src)
+
+    def _receive_abort(self, h: list[int], src: int, peer: int, edge: str) -> bool:
+        """Listener thread: an ABORT header arrived from ``src``; receive its text and hand
+        it to the loop. False when the listener must end (a bad header, a broken pair)."""
+        step, origin, n = h[3], h[4], h[5]
+        if step < 0 or origin < 0 or not 0 <= n <= MAX_ABORT_TEXT:
+            self._post(
+                self._fail,
+                ProtocolError(
+                    f"{edge}: corrupt ABORT header (step, origin, text bytes); header {h}"
+                ),
+            )
+            return False
+        cause = ""
+        if n:
+            text = torch.empty(n, dtype=torch.uint8, device=self._hdr_device)
+            try:
+                self._pg.recv([text], peer, 0).wait()
+            except Exception as e:
+                if not self._closing:
+                    self._post(
+                        self._lose,
+                        src,
+                        PeerError(
+                            f"{self._name(self._rank)} lost {self._name(src)}: the connection"
+                            f" broke while receiving the ABORT of step {step} on {edge}: {e}"
+                        ),
+                    )
+                return False
+            cause = bytes(text.cpu().tolist()).decode("utf-8", "replace")
+        self._post(self._peer_aborted, src, step, origin, cause)
+        return True
 
     def _check(
         self, h: list[int], expect: int, edge: str

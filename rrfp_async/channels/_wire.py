@@ -6,6 +6,10 @@ message of its own)::
     [magic, kind, seq, step, stage, task kind, microbatch, dtype, ndim, d0 .. d6]
 
 A CLOSE carries its cause instead: ``[magic, CLOSE, cause, step, n, global rank 0 .. n-1]``.
+An ABORT (a step failed on some rank: see ``P2PChannel``'s design note) is
+``[magic, ABORT, 0, step, origin global rank, n, 0 ..]`` followed, when ``n > 0``, by a
+message of ``n`` bytes: the cause as UTF-8 text (at most ``MAX_ABORT_TEXT`` bytes). It takes
+no sequence number of the edge: it may be posted from another thread than the data.
 
 The dtype field also carries ``REQUIRES_GRAD`` (a flag bit: the sender's tensor required
 grad, so the consumer's copy does too). A payload that is not one tensor (a tuple, a dict,
@@ -42,7 +46,10 @@ MAGIC = 0x52524650  # "RRFP"
 HEADER_LEN = 16
 HEADER_BYTES = HEADER_LEN * 8
 MAX_NDIM = HEADER_LEN - 9
-DATA, CLOSE, DATA_INLINE = 1, 2, 3
+DATA, CLOSE, DATA_INLINE, ABORT = 1, 2, 3, 4
+MAX_ABORT_TEXT = 1024
+"""Most bytes of cause text an ABORT carries (longer text is cut; a header announcing more
+is refused)."""
 DEFAULT_INLINE_BYTES = 1 << 16
 """Initial payload bytes an edge carries inline, behind the header (it grows as needed)."""
 DEFAULT_MAX_BYTES = 256 << 20
@@ -118,6 +125,14 @@ def encode_header(
     h = [MAGIC, kind, seq, step, task.stage, KIND_CODE[task.kind], task.mb, dtype, len(shape)]
     h += list(shape) + [0] * (MAX_NDIM - len(shape))
     return h
+
+
+def encode_abort(step: int, origin: int, cause: str) -> tuple[list[int], bytes]:
+    """The header of an ABORT of ``step`` (failed first on global rank ``origin``) and the
+    text that follows it (``cause``, cut to ``MAX_ABORT_TEXT`` bytes of UTF-8)."""
+    text = cause.encode("utf-8", "replace")[:MAX_ABORT_TEXT]
+    h = [MAGIC, ABORT, 0, step, origin, len(text)] + [0] * (HEADER_LEN - 6)
+    return h, text
 
 
 _HEADER = struct.Struct(f"={HEADER_LEN}q")

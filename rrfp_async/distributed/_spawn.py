@@ -13,11 +13,14 @@ import io
 import os
 import queue
 import socket
+import sys
 import time
 import traceback
 from collections.abc import Callable
+from multiprocessing.reduction import ForkingPickler
 from typing import Any, TypeVar
 
+from .._check import check_int
 from .._errors import SpawnError
 
 __all__ = ["free_port", "report_progress", "spawn"]
@@ -39,6 +42,42 @@ def _loads(data: bytes) -> Any:
     import torch
 
     return torch.load(io.BytesIO(data), weights_only=False)
+
+
+def _name(fn: Any) -> str:
+    return f"{getattr(fn, '__module__', '?')}.{getattr(fn, '__qualname__', repr(fn))}"
+
+
+def _check_picklable(fn: Callable[..., Any], args: tuple[Any, ...]) -> None:
+    """Refuse, in the parent, what the spawned processes could not receive: an unpicklable
+    function or argument, or a function of a ``__main__`` that a child cannot import (an
+    interactive session, ``python -c``, a notebook)."""
+    try:
+        ForkingPickler.dumps(fn)  # what starting a spawned process does with it
+    except Exception as e:
+        raise SpawnError(
+            f"spawn needs a picklable, module-level function; {_name(fn)} cannot be pickled"
+            f" ({type(e).__name__}: {e}): define it at the top level of a module (not a"
+            " lambda, a local function or a bound method of an unpicklable object)",
+            {},
+        ) from None
+    main = sys.modules.get("__main__")
+    if getattr(fn, "__module__", None) == "__main__" and not getattr(main, "__file__", None):
+        raise SpawnError(
+            f"spawn cannot start {_name(fn)}: it is defined in an interactive __main__"
+            " (a REPL, python -c, a notebook) that the spawned processes cannot import;"
+            " define it in a module file",
+            {},
+        )
+    for i, a in enumerate(args):
+        try:
+            ForkingPickler.dumps(a)
+        except Exception as e:
+            raise SpawnError(
+                f"spawn: argument {i} of {_name(fn)} (a {type(a).__name__}) cannot be pickled"
+                f" for the spawned processes: {type(e).__name__}: {e}",
+                {},
+            ) from None
 
 
 def free_port() -> int:
@@ -85,7 +124,19 @@ def _worker(
         results.put((rank, False, f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
         return  # the parent stops the other ranks
     buf = io.BytesIO()
-    torch.save(out, buf)  # tensors travel as bytes: no shared memory outliving this process
+    try:
+        torch.save(out, buf)  # tensors travel as bytes: no shared memory outliving this process
+    except Exception as e:
+        results.put(
+            (
+                rank,
+                False,
+                f"the result of {_name(fn)} (a {type(out).__name__}) cannot be sent back to the"
+                f" parent: pickling it failed: {type(e).__name__}: {e}. Return tensors, plain"
+                " values and containers of them, or objects of importable module-level classes",
+            )
+        )
+        return
     results.put((rank, True, buf.getvalue()))
     # A rank that finished must not tear the group down under ranks still communicating.
     try:
@@ -124,12 +175,15 @@ def spawn(
         ``fn``'s return values in rank order.
 
     Raises:
-        SpawnError: A rank raised, died or did not finish within ``timeout``.
+        PlanError: ``world_size`` is not an integer >= 1.
+        SpawnError: ``fn`` or an argument cannot reach the spawned processes (not
+            picklable, or defined in an interactive ``__main__``), a result cannot come back
+            (not picklable), or a rank raised, died or did not finish within ``timeout``.
     """
     import torch.multiprocessing as mp
 
-    if world_size < 1:
-        raise ValueError(f"world_size must be >= 1, got {world_size}")
+    world_size = check_int("spawn: world_size (the number of processes)", world_size, minimum=1)
+    _check_picklable(fn, args)
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     progress = ctx.Queue() if on_progress is not None else None
@@ -191,8 +245,9 @@ def spawn(
                             failed(
                                 r,
                                 f"process died with exit code {p.exitcode} (killed, or"
-                                " it failed before running: a script that calls spawn"
-                                " needs an `if __name__ == '__main__':` guard)",
+                                " it failed before running fn: see its traceback on"
+                                " stderr; a script that calls spawn needs an"
+                                " `if __name__ == '__main__':` guard)",
                             )
                         break
                 continue

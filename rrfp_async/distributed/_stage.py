@@ -40,6 +40,19 @@ breaks nothing: the neighbours wait until the step watchdog fires (``step_timeou
 by default), and the ``StepTimeoutError`` then opens with the ranks whose messages of the
 step did not arrive (the plan says how many each must send; the channel counts what came).
 A failing rank's CLOSE carries its cause, so a rank further away names the lost rank too.
+
+Design note: a step fails everywhere or nowhere
+-----------------------------------------------
+When this rank's step fails (the executor raises, the watchdog fires, the caller cancels
+the step with ``asyncio.timeout`` or an anyio scope), ``run_step`` tells every rank of the
+pipeline before it re-raises: the channel's ABORT (step, origin, cause; see ``P2PChannel``'s
+design note) travels hop by hop, and each rank fails that step at once with
+``PeerStepError`` "step 3 failed on rank 1 (global 1): RuntimeError: boom", drops its late
+messages by number, and runs the next step with the others: the step numbers stay in
+lockstep, so a training loop that catches the error, zeroes the gradients and goes on
+trains on every rank as if the step had been skipped. A *refused* call (bad arguments, a
+second call while a step runs, a step number that failed here) is refused before anything
+changes: it consumes no step number, tells nobody, and leaves a running step alone.
 """
 
 from __future__ import annotations
@@ -56,7 +69,15 @@ import torch
 import torch.distributed as dist
 
 from .._bridges import work_future
-from .._errors import ChannelError, ClosedError, PeerError, PlanError, StepTimeoutError
+from .._check import check_bool
+from .._errors import (
+    ChannelError,
+    ClosedError,
+    PeerError,
+    PeerStepError,
+    PlanError,
+    StepTimeoutError,
+)
 from ..channels._decisions import DecisionChannel
 from ..channels._p2p import P2PChannel
 from ..loop import StageLoop, StageObserver, StepStats
@@ -92,6 +113,25 @@ def _loop_name(loop: asyncio.AbstractEventLoop | None) -> str:
     state = "closed" if loop.is_closed() else "running" if loop.is_running() else "not running"
     cls = type(loop)
     return f"{cls.__module__}.{cls.__qualname__} at {id(loop):#x} ({state})"
+
+
+def _check_layout_rank(layout: ProcessLayout) -> None:
+    """Refuse a layout that places this process at another rank than torch.distributed's
+    (every process building ``ProcessLayout(pp=2, rank=0)``): otherwise two processes would
+    claim one pipeline rank and the other would see only "lost rank 1"."""
+    real, world = dist.get_rank(), dist.get_world_size()
+    if layout.rank != real:
+        raise PlanError(
+            f"the layout places this process at global rank {layout.rank}, but"
+            f" torch.distributed says it is global rank {real} (of {world}): every process"
+            " must build its layout with its own rank (rr.ProcessLayout.from_world(pp=...),"
+            " or rank=dist.get_rank()); two processes at one rank cannot form a pipeline"
+        )
+    if layout.world_size > world:
+        raise PlanError(
+            f"rank {real}: the layout has {layout.world_size} ranks (PP x TP x DP), but the"
+            f" torch.distributed world has {world}"
+        )
 
 
 class DistributedStage:
@@ -137,8 +177,9 @@ class DistributedStage:
     from synchronous code as ``with stage:`` and ``stage.run_step_sync(...)``.
 
     Raises:
-        PlanError: The schedule does not fit the layout, ``max_message_bytes`` < 1, or
-            ``step_timeout`` is not a positive number or None.
+        PlanError: The schedule does not fit the layout, ``max_message_bytes`` < 1,
+            ``step_timeout`` is not a positive number or None, or the layout's rank is not
+            this process's rank in torch.distributed (the message names both).
 
     Attributes:
         plan_checks: How many plan checks ran (one per distinct plan).
@@ -174,18 +215,23 @@ class DistributedStage:
             or max_message_bytes < 1
         ):
             raise PlanError(f"max_message_bytes must be an int >= 1, got {max_message_bytes!r}")
+        if dist.is_initialized() and layout.world_size > 1:
+            _check_layout_rank(layout)
         self.layout = layout
         self.groups = groups if groups is not None else build_groups(layout)
         self.max_message_bytes = max_message_bytes
         self.verify_plan = verify_plan
         self._device = torch.device(device)
         inbound, outbound = pipeline_neighbors(schedule.plan, layout.pp_rank)
-        self._has_peers = bool(inbound or outbound)
+        # Edges both ways, even where the plan sends one way only: a failed step's ABORT
+        # must reach every rank (see P2PChannel's design note).
+        neighbours = sorted({*inbound, *outbound})
+        self._has_peers = bool(neighbours)
         self.channel = P2PChannel(
             layout.pp_rank,
             global_ranks=layout.pipeline_peers(),
-            inbound=inbound,
-            outbound=outbound,
+            inbound=neighbours,
+            outbound=neighbours,
             group=self.groups.p2p,
             device=device,
             max_bytes=max_message_bytes,
@@ -221,6 +267,7 @@ class DistributedStage:
         self._ties_checked = False
         self.step_timeout = self.stage.step_timeout  # as checked there (inf: None)
         self._next_step = 0
+        self._running: int | None = None  # the step run_step runs now
         self._agreed: tuple[object, ...] | None = None
         self._control_broken: BaseException | None = None
         self.plan_checks = 0
@@ -351,7 +398,12 @@ class DistributedStage:
             PlanError: The ranks disagree on the plan (on every rank).
             StepTimeoutError: The step (or the plan check) did not finish within
                 ``step_timeout``; the message opens with the ranks it waited for.
+            PeerStepError: The step failed, was cancelled or was refused on another rank
+                (the message names it and its cause); the stage stays usable: run the next
+                step.
             PeerError: A peer died (the message names it) or failed.
+            PlanError: (refused, nothing changed) Bad arguments, a step already running on
+                this stage, a step number that failed here before.
             ClosedError: The stage is not open (outside its ``async with`` block), or this
                 is not the event loop it was opened on (the message names both loops).
         """
@@ -375,10 +427,17 @@ class DistributedStage:
                 " the whole training loop, not one per step), or from synchronous code use"
                 " `with DistributedStage(...) as stage:` and `stage.run_step_sync(...)`"
             )
+        if self._running is not None:
+            # Refused before anything changes: the running step goes on undisturbed.
+            raise PlanError(
+                f"{self._who()}: run_step is already running step {self._running}; a stage runs"
+                " one step at a time (await the running step first). This call changed nothing"
+            )
         who = f"rank {self.stage.rank}"
         check_step_args(
             who, self.stage._base.plan, microbatches, step, schedule, self.stage.max_microbatches
         )
+        check_bool(f"{who}: train", train)
         base = self.stage._base if schedule is None or schedule.plan.forward_only else schedule
         try:
             sched = schedule if schedule is not None else base.for_microbatches(len(microbatches))
@@ -387,24 +446,46 @@ class DistributedStage:
         except PlanError as e:
             raise PlanError(f"{who}: {e}") from None
         s = self._next_step if step is None else step
+        self.stage.check_step_number(s)
+        # Every check passed: from here on the step counts (it runs, or fails on every rank).
+        self._running = s
         self._next_step = s + 1
         self.channel.at_step(s)
-        if self.verify_plan and self._key(sched) != self._agreed:
-            await self.check_plan(sched, step=s)
-        training = not sched.plan.forward_only
-        if training and not self._ties_checked:
-            await self._prepare_ties(sched, s)
         try:
+            if self.stage.aborted(s) is None:  # else it failed elsewhere: run_step raises that
+                if self.verify_plan and self._key(sched) != self._agreed:
+                    await self.check_plan(sched, step=s)
+                training = not sched.plan.forward_only
+                if training and not self._ties_checked:
+                    await self._prepare_ties(sched, s)
             stats = await self.stage.run_step(microbatches, step=s, schedule=sched, train=train)
-            if training and self._tie_groups is not None:
+            if not sched.plan.forward_only and self._tie_groups is not None:
                 await self._reduce_ties(s)
             return stats
-        except StepTimeoutError as e:
-            self._explain_timeout(e, s)
+        except BaseException as e:
+            if isinstance(e, StepTimeoutError):
+                self._explain_timeout(e, s)
+            elif isinstance(e, ChannelError) and not isinstance(e, PeerStepError):
+                self._add_peer_failures(e)
+            self._announce(s, e)
             raise
-        except ChannelError as e:
-            self._add_peer_failures(e)
-            raise
+        finally:
+            self._running = None
+
+    def _announce(self, step: int, e: BaseException) -> None:
+        """Tell every rank of the pipeline that ``step`` failed here (the channel's ABORT:
+        see ``P2PChannel``'s design note), so that theirs fails too, at once."""
+        if isinstance(e, PeerStepError):  # failed elsewhere: the channel passed it on
+            self.channel.abort(step, e.cause, origin=e.origin)
+            return
+        if isinstance(e, asyncio.CancelledError):
+            cause = "the step was cancelled there (asyncio.CancelledError: a timeout or a cancel"
+            cause += " scope of its caller)"
+        else:
+            text = str(e).strip()
+            first = text.splitlines()[0] if text else ""
+            cause = f"{type(e).__name__}: {first}" if first else type(e).__name__
+        self.channel.abort(step, cause)
 
     def run_step_sync(
         self,

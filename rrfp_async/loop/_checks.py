@@ -9,7 +9,11 @@ from .._errors import PlanError
 from .._tasks import StepPlan
 from ..policies._schedule import StepSchedule
 
-__all__ = ["check_step_args", "check_step_timeout"]
+__all__ = ["MAX_STEP", "check_step_args", "check_step_timeout"]
+
+MAX_STEP = (1 << 63) - 2
+"""The largest step number: every step number travels as an int64 (in message headers), and
+so must the next one."""
 
 
 def check_step_timeout(value: object) -> float | None:
@@ -56,7 +60,7 @@ def check_step_args(
                 f" got one for {schedule.plan.topology}"
             )
     if step is not None:
-        check_int(f"{who}: step", step, minimum=0)
+        check_int(f"{who}: step", step, minimum=0, maximum=MAX_STEP)
     if not (hasattr(microbatches, "__len__") and hasattr(microbatches, "__getitem__")):
         raise PlanError(
             f"{who}: microbatches must be a sequence of microbatches (the plan has"

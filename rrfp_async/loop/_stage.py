@@ -22,6 +22,7 @@ from .._errors import (
     DeadlockError,
     DivergenceError,
     PeerError,
+    PeerStepError,
     PlanError,
     PolicyError,
     ProtocolError,
@@ -250,6 +251,9 @@ class StageLoop:
         self._early: dict[int, list[tuple[Task, Any, int]]] = {}
         # Steps that failed (or were cancelled) here: their late messages are dropped.
         self._dead: set[int] = set()
+        # Steps that failed on another rank before they started here (``step_aborted``).
+        self._aborted: dict[int, BaseException] = {}
+        self.late_failures: list[BaseException] = []
         self._next_step = 0
         self._view = StageView(self)
         # Outputs leave from the compute thread when both sides allow it (see Executor).
@@ -266,7 +270,9 @@ class StageLoop:
         """An input of ``task`` arrived from rank ``src`` (called by the channel)."""
         st = self._st
         if st is None or step != st.step:
-            if (st is None and step >= self._next_step) or (st is not None and step > st.step):
+            if step not in self._dead and (
+                (st is None and step >= self._next_step) or (st is not None and step > st.step)
+            ):
                 self._early.setdefault(step, []).append((task, payload, src))
                 return
             if step in self._dead:
@@ -328,6 +334,40 @@ class StageLoop:
         if w is not None and not w.done():
             w.set_exception(exc)
             self.blocked = False
+
+    def step_aborted(self, step: int, exc: BaseException) -> None:
+        """Step ``step`` failed on another rank (the channel's ABORT; ``exc`` says where and
+        why): fail it here now if it runs, or the moment it starts if it has not started;
+        drop its messages either way. A step that already ended well here cannot fail any
+        more: ``exc`` is kept in ``late_failures``."""
+        st = self._st
+        if st is not None and st.step == step:
+            self.fail(exc)
+        elif step in self._dead:
+            return  # it failed here too
+        elif (st is None and step >= self._next_step) or (st is not None and step > st.step):
+            self._aborted[step] = exc
+            self._dead.add(step)
+            self._early.pop(step, None)
+        else:
+            self.late_failures.append(exc)
+
+    def check_step_number(self, step: int) -> None:
+        """Refuse to run ``step`` again after it failed here (its late messages are dropped
+        by that number); a step that failed on another rank first is not refused (it fails).
+
+        Raises:
+            PlanError: ``step`` failed here before.
+        """
+        if step in self._dead and step not in self._aborted:
+            raise PlanError(
+                f"rank {self.rank}: step {step} failed here before and its late messages are"
+                " dropped; run the retry under a new step number (the default)"
+            )
+
+    def aborted(self, step: int) -> BaseException | None:
+        """Why step ``step`` failed on another rank before it started here (None if not)."""
+        return self._aborted.get(step)
 
     def peer_closed(self, src: int) -> None:
         """Rank ``src`` closed its channel: no message from it will come any more."""
@@ -462,11 +502,8 @@ class StageLoop:
         who = f"rank {self.rank}"
         check_step_args(who, self._base.plan, microbatches, step, schedule, self.max_microbatches)
         check_bool(f"{who}: train", train)
-        if step is not None and step in self._dead:
-            raise PlanError(
-                f"rank {self.rank}: step {step} failed here before and its late messages are"
-                " dropped; run the retry under a new step number (the default)"
-            )
+        if step is not None:
+            self.check_step_number(step)
         base = self._base if schedule is None or schedule.plan.forward_only else schedule
         try:
             sched = schedule if schedule is not None else base.for_microbatches(len(microbatches))
@@ -474,11 +511,15 @@ class StageLoop:
                 sched = sched.forward_only()
         except PlanError as e:
             raise PlanError(f"{who}: {e}") from None
+        step = self._next_step if step is None else int(step)
+        aborted = self._aborted.pop(step, None)
+        if aborted is not None:  # it failed on another rank before it started here
+            self._next_step = step + 1
+            raise aborted
         self._base = base
         self.schedule = sched
-        step = self._next_step if step is None else int(step)
         self._next_step = step + 1
-        if not isinstance(self._failure, ChannelError):
+        if not isinstance(self._failure, ChannelError) or isinstance(self._failure, PeerStepError):
             self._failure = None  # a broken channel stays broken: every later step fails
         if self._failure is not None:
             self._dead.add(step)
@@ -653,7 +694,11 @@ class StageLoop:
                 if h < len(order) and (
                     st.missing[h] == 0 or (st.missing[h] == 1 and h in st.prog.local_next[running])
                 ):
-                    coord.publish(st.step, st.decisions, order[h])
+                    try:
+                        coord.publish(st.step, st.decisions, order[h])
+                    except Exception as e:  # a loop callback: fail the step, not the loop
+                        self.fail(e)
+                        return
                     if obs is not None:
                         obs.tp_decision(self, order[h], st.decisions, True)
                     pre = h

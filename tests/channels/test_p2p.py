@@ -391,6 +391,6 @@ def test_messages_over_the_bound_are_refused_on_both_sides() -> None:
     assert "more than the bound of 1024 bytes (1 KiB)" in s["message"]
     assert "edge rank 0 -> rank 1 (global 0 -> 1)" in s["message"]
     assert "DistributedStage(max_message_bytes=...) on every rank" in s["message"]
-    assert r["error"] == "PeerError", r
-    assert "rank 0 closed its channel" in r["message"]
-    assert "rank 0 (global 0) failed at step 0 with an error of its own" in r["message"]
+    # The peer's step fails at once with the sender's cause (its ABORT), not its CLOSE.
+    assert r["error"] == "PeerStepError", r
+    assert "step 0 failed on rank 0 (global 0): ProtocolError: " + head in r["message"], r

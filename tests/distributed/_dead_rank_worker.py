@@ -9,6 +9,11 @@ Every rank writes, into ``--out``:
   it re-raises: the process exits non-zero by itself);
 * ``rank{r}.ok``: when every step succeeded.
 
+With ``--kill-or-stop RAISE`` the victim's executor raises instead, and every rank goes on
+after a failed step (as a training loop that zeroes its gradients would): it writes
+``rank{r}.steps.json``, one record per step (``{"step": ..., "ok": ...}`` or the error's
+``type``, ``message``, ``took`` seconds), then ``rank{r}.ok`` and exits 0.
+
     python -m torch.distributed.run --standalone --nproc-per-node 3 _dead_rank_worker.py \\
         --victim 1 --kill-or-stop STOP --step 2 --out DIR --step-timeout 5
 """
@@ -35,7 +40,7 @@ MICROBATCHES = 4
 class _TinyExecutor:
     """A few ms per task and a small tensor out; the victim signals itself in one task."""
 
-    def __init__(self, victim: bool, sig: signal.Signals, at_step: int, out: Path) -> None:
+    def __init__(self, victim: bool, sig: signal.Signals | None, at_step: int, out: Path) -> None:
         self.victim = victim
         self.sig = sig
         self.at_step = at_step
@@ -46,6 +51,8 @@ class _TinyExecutor:
         if self.victim and ctx.step == self.at_step and task.kind == "F" and task.mb == 1:
             # Mid-step: earlier microbatches are in flight, later ones not started.
             (self.out / "signal.json").write_text(json.dumps({"time": time.time()}))
+            if self.sig is None:
+                raise RuntimeError("boom")
             os.kill(os.getpid(), self.sig)
         return torch.full((4,), float(task.mb))
 
@@ -53,7 +60,7 @@ class _TinyExecutor:
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--victim", type=int, required=True)
-    p.add_argument("--kill-or-stop", choices=["KILL", "STOP"], required=True)
+    p.add_argument("--kill-or-stop", choices=["KILL", "STOP", "RAISE"], required=True)
     p.add_argument("--step", type=int, default=2)
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--out", type=Path, required=True)
@@ -68,22 +75,40 @@ def main() -> None:
     groups = rr.build_groups(layout)
     plan = rr.StepPlan(topology=rr.Topology(stages=world), microbatches=MICROBATCHES)
     schedule = rr.StepSchedule.build(plan, "1f1b")
-    sig = signal.SIGKILL if args.kill_or_stop == "KILL" else signal.SIGSTOP
+    sig = {"KILL": signal.SIGKILL, "STOP": signal.SIGSTOP}.get(args.kill_or_stop)
     executor = _TinyExecutor(rank == args.victim, sig, args.step, out)
+    records: list[dict[str, Any]] = []
 
     async def steps() -> None:
         async with rr.DistributedStage(
             layout, schedule, executor, groups=groups, step_timeout=args.step_timeout
         ) as stage:
             for _ in range(args.steps):
+                t0 = time.monotonic()
                 try:
-                    await stage.run_step(list(range(MICROBATCHES)))
+                    stats = await stage.run_step(list(range(MICROBATCHES)))
+                    records.append({"step": stats.step, "ok": True})
+                except Exception as e:
+                    if sig is None:  # RAISE: go on with the next step
+                        records.append(
+                            {
+                                "ok": False,
+                                "type": type(e).__name__,
+                                "message": str(e),
+                                "took": time.monotonic() - t0,
+                            }
+                        )
+                        continue
+                    err = {"time": time.time(), "type": type(e).__name__, "message": str(e)}
+                    (out / f"rank{rank}.err").write_text(json.dumps(err))
+                    raise
                 except BaseException as e:  # the moment the step failed: before the close
                     err = {"time": time.time(), "type": type(e).__name__, "message": str(e)}
                     (out / f"rank{rank}.err").write_text(json.dumps(err))
                     raise
 
     rr.run(steps())  # a failure propagates: the process exits non-zero by itself
+    (out / f"rank{rank}.steps.json").write_text(json.dumps(records))
     (out / f"rank{rank}.ok").write_text("ok")
     dist.barrier()
     dist.destroy_process_group()

@@ -172,3 +172,33 @@ def test_a_stopped_rank_is_named_when_the_watchdog_fires(tmp_path: Path) -> None
         # it had raised and recorded its error (checked above).
         assert res["exit"].get(r) in (1, -signal.SIGTERM), res["exit"]
     assert 1 in (res["exit"].get(0), res["exit"].get(2)), res["exit"]
+
+
+def test_a_step_that_raises_on_one_rank_fails_on_every_rank_and_all_go_on(tmp_path: Path) -> None:
+    """The victim's executor raises in step 2 (``--kill-or-stop RAISE``); every rank catches
+    its error and goes on: all fail step 2, naming rank 1 (the origin's ABORT, well within
+    ``step_timeout``), then run steps 3 and 4 together, and exit 0."""
+    out = tmp_path / "out"
+    out.mkdir()
+    env = dict(
+        os.environ,
+        GLOO_SOCKET_IFNAME="lo",
+        OMP_NUM_THREADS="1",
+        PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
+    )
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node"]
+    cmd += ["3", "--max-restarts", "0", str(WORKER), "--victim", "1", "--kill-or-stop"]
+    cmd += ["RAISE", "--out", str(out), "--step-timeout", "20"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=tmp_path, env=env, timeout=180)
+    log = (proc.stdout + proc.stderr)[-3000:]
+    assert proc.returncode == 0, log
+    for r in range(3):
+        recs = json.loads((out / f"rank{r}.steps.json").read_text())
+        assert [x.get("step") for x in recs] == [0, 1, None, 3, 4], (r, recs)
+        failed = recs[2]
+        if r == 1:
+            assert failed["type"] == "RuntimeError" and failed["message"] == "boom", failed
+        else:
+            assert failed["type"] == "PeerStepError", failed
+            assert "step 2 failed on rank 1 (global 1): RuntimeError: boom" in failed["message"]
+            assert failed["took"] < 5.0, failed  # the ABORT, not the 20 s watchdog

@@ -77,9 +77,11 @@ def test_a_failing_rank_takes_its_peers_down_with_reports() -> None:
     f = ei.value.failures
     assert "PolicyError" in f[0] and "policy bug on purpose" in f[0]
     assert "state of rank 0 when the step failed" in f[0]
-    # The peer does not hang: it sees the channel close and reports what it waited for.
-    assert "PeerError" in f[1] and "rank 0 closed its channel" in f[1]
-    assert "still waits for its message" in f[1] and "state of rank 1" in f[1]
+    # The peer does not hang: rank 0's ABORT fails its step with rank 0's cause, and its
+    # state dump says what it waited for.
+    assert "PeerStepError" in f[1], f[1]
+    assert "step 0 failed on rank 0 (global 0): PolicyError: policy 'explode' raised" in f[1]
+    assert "state of rank 1" in f[1]
 
 
 def test_a_hung_rank_is_stopped_by_the_watchdog() -> None:

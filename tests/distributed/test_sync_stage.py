@@ -1,5 +1,6 @@
 """``DistributedStage``'s synchronous face (``with stage:`` + ``run_step_sync``), a step run on
-another event loop, and a stage's step under anyio's ``move_on_after``.
+another event loop, and a stage's step under anyio's ``move_on_after`` (on one rank first:
+the other's step fails with the cancelled rank's ``PeerStepError``).
 
 The training test holds the sync face to the async one: the same model and microbatches,
 trained with ``run_step_sync`` in a plain ``for`` loop and with ``await run_step``, end at
@@ -254,8 +255,12 @@ def _cancelled_worker(rank: int, world: int) -> dict[str, Any]:
             await stage.run_step(list(range(M)))  # step 0, with the plan check
             dist.barrier()
             t0 = time.monotonic()
+            out["error"] = None
             with anyio.move_on_after(deadline) as scope:
-                await stage.run_step(list(range(M)))
+                try:
+                    await stage.run_step(list(range(M)))
+                except rr.PeerStepError as e:  # the other rank's cancel came first
+                    out["error"] = str(e)
             out["cancelled"] = scope.cancelled_caught
             out["took"] = time.monotonic() - t0
             out["step1_ran"] = sum(s == 1 for s, _ in ex.seen)
@@ -272,9 +277,48 @@ def _cancelled_worker(rank: int, world: int) -> dict[str, Any]:
 @pytest.mark.timeout(180)
 def test_a_distributed_step_under_move_on_after_is_cancelled_and_the_next_runs() -> None:
     res = rr.spawn(_cancelled_worker, 2, timeout=150)
-    for rank, r in enumerate(res):
-        assert r["cancelled"], r
-        assert DEADLINES[rank] <= r["took"] < DEADLINES[rank] + 0.5, r
+    # Rank 1 gives up first; rank 0 learns it from rank 1's ABORT, before its own deadline.
+    assert res[1]["cancelled"] and res[1]["error"] is None, res[1]
+    assert not res[0]["cancelled"], res[0]
+    assert "step 1 failed on rank 1 (global 1): the step was cancelled there" in res[0]["error"]
+    assert DEADLINES[1] <= res[0]["took"] < DEADLINES[0], res[0]
+    assert DEADLINES[1] <= res[1]["took"] < DEADLINES[1] + 0.5, res[1]
+    for r in res:
         assert 0 < r["step1_ran"] < 2 * M  # cut short mid-step (not vacuous)
         assert r["after"] == (2, 2 * M, []), r
     assert res[1]["late"] > 0  # step 1's messages landed in rank 1's step 2 (not vacuous)
+
+
+# ---------------------------------------------------------------------- refused calls
+
+
+class _Slow:
+    async def execute(self, task: rr.Task, data: Any, ctx: rr.TaskContext, /) -> Any:
+        await asyncio.sleep(0.01)
+        return torch.zeros(2)
+
+
+@pytest.mark.timeout(30)
+def test_a_refused_run_step_changes_nothing() -> None:
+    """Bad arguments and a second call while a step runs are refused before the step counts:
+    no number is consumed, the running step goes on (and no peer would be told)."""
+    plan = rr.StepPlan(topology=rr.Topology(stages=1), microbatches=2)
+    layout = rr.ProcessLayout(pp=1, rank=0)
+    sched = rr.StepSchedule.build(plan, "1f1b")
+    stage = rr.DistributedStage(layout, sched, _Slow(), groups=rr.StageGroups(), verify_plan=False)
+
+    async def main() -> list[int]:
+        async with stage:
+            with pytest.raises(rr.PlanError, match="train must be True or False, got 1"):
+                await stage.run_step([0, 1], train=1)  # type: ignore[arg-type]
+            with pytest.raises(rr.PlanError, match="step must be <= 9223372036854775806"):
+                await stage.run_step([0, 1], step=2**63)
+            running = asyncio.ensure_future(stage.run_step([0, 1]))
+            await asyncio.sleep(0.005)  # inside its first task
+            with pytest.raises(rr.PlanError, match=r"already running step 0.*changed nothing"):
+                await stage.run_step([0, 1])
+            first = await running
+            assert len(first.executed) == 4
+            return [first.step, (await stage.run_step([0, 1])).step]
+
+    assert rr.run(main()) == [0, 1]

@@ -560,3 +560,80 @@ def test_alternating_sizes_reuse_the_derived_schedules() -> None:
     assert three.for_microbatches(4) is s  # back to the root, not a new schedule
     assert three.for_microbatches(5) is s.for_microbatches(5)
     assert three.plan.microbatches == 3 and three.hint_name == s.hint_name
+
+
+class _LostFollower(_LeaderLog):
+    """A leader whose TP follower is gone: every publish after the first fails."""
+
+    def publish(self, step: int, seq: int, task: Task) -> None:
+        if seq >= 1:
+            raise rr.PeerError(f"sending decision {seq} ({task}) to TP rank 1 failed")
+        super().publish(step, seq, task)
+
+
+def test_a_look_ahead_publish_that_fails_fails_the_step_not_the_loop() -> None:
+    # The look-ahead publish runs as a loop callback (call_soon): its error must end the
+    # step through fail(), never reach the loop's exception handler.
+    s = sched(p=1, m=4, hint="gpipe")
+    ended: list[Task] = []
+    handled: list[dict[str, Any]] = []
+
+    async def main() -> None:
+        asyncio.get_running_loop().set_exception_handler(lambda _, ctx: handled.append(ctx))
+        stage = _leader(s, _Ending(ended), "strict", _LostFollower(ended))
+        with pytest.raises(rr.PeerError, match=r"sending decision 1 \(0F1\) to TP rank 1 failed"):
+            await stage.run_step(list(range(4)))
+
+    run_virtual(main())
+    assert handled == []
+    assert ended == [Task(0, "F", 0)]  # the running task ended; nothing else started
+
+
+def _peer_step_error(step: int) -> rr.PeerStepError:
+    return rr.PeerStepError(
+        f"rank 1: step {step} failed on rank 0 (global 0): RuntimeError: boom",
+        step=step,
+        origin=0,
+        cause="RuntimeError: boom",
+    )
+
+
+def test_a_step_that_failed_elsewhere_fails_here_now_later_or_is_recorded() -> None:
+    # What the p2p channel's ABORT hands the stage: the running step fails at once; a step
+    # not started yet fails when it starts (its early messages dropped), consuming its
+    # number; a step that already ended well here is only recorded; the stage stays usable.
+    s = sched(p=2, m=2)
+    stage = StageLoop(
+        1, schedule=s, executor=CostModelExecutor(unit(s)), endpoint=LocalChannel(2).endpoint(1)
+    )
+
+    async def step(n: int) -> rr.StepStats:
+        run = asyncio.ensure_future(stage.run_step([0, 1]))
+        await asyncio.sleep(0)
+        for mb in (0, 1):
+            stage.deliver(n, Task(1, "F", mb), None, 0)
+        return await run
+
+    async def main() -> None:
+        run = asyncio.ensure_future(stage.run_step([0, 1]))
+        stage.deliver(0, Task(1, "F", 0), None, 0)
+        await asyncio.sleep(0.5)
+        stage.step_aborted(0, _peer_step_error(0))
+        with pytest.raises(rr.PeerStepError, match="step 0 failed on rank 0"):
+            await run
+        stage.deliver(0, Task(1, "F", 1), None, 0)  # a late message of step 0: dropped
+        stage.step_aborted(2, _peer_step_error(2))
+        stage.deliver(2, Task(1, "F", 0), None, 0)  # an early message of step 2: dropped
+        assert stage.recent is not None
+        assert [w for _, w, _ in stage.recent if "dropped" in w] == [
+            "dropped (step 0 failed) message from rank 0 for",
+            "dropped (step 2 failed) message from rank 0 for",
+        ]
+        assert (await step(1)).step == 1
+        with pytest.raises(rr.PeerStepError, match="step 2 failed on rank 0"):
+            await stage.run_step([0, 1])  # fails at once, consuming number 2
+        assert (await step(3)).step == 3
+        stage.step_aborted(3, _peer_step_error(3))  # ended well here: recorded only
+        assert [e.step for e in stage.late_failures] == [3]  # type: ignore[attr-defined]
+
+    run_virtual(main())
