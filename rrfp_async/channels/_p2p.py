@@ -91,7 +91,8 @@ compute thread may be sending outputs) and goes through the edge's sender thread
 channel (a lost peer) sends none: the CLOSE carries the cause then, as before. A step that
 already ended well on a rank when the ABORT arrives (the origin failed in its last task,
 after its last message) cannot fail there any more: the stage records it
-(``StageLoop.late_failures``).
+(``StageLoop.late_failures``), and ``DistributedStage``'s end-of-step agreement fails it on
+every rank.
 """
 
 from __future__ import annotations

@@ -168,6 +168,10 @@ class DistributedStage:
             fail with a ``PlanError`` naming them (see ``_ties``). Switch it off when stages
             are only initialised alike.
         max_microbatches: The most microbatches a step may have (None: no limit).
+        agree_steps: End every step with a small all-reduce over the control group so that a
+            step that failed on any rank of the job (another pipeline, a rank that failed in
+            its last task after this one finished) fails on every rank (see the design note
+            at ``_post_agreement``); one int64[2] all-reduce per step.
 
     Tied parameters declared by the executor (``TorchStageExecutor(shared=...)``) have their
     gradients summed over every rank that holds them at the end of each training step,
@@ -203,6 +207,7 @@ class DistributedStage:
         verify_plan: bool = True,
         check_ties: bool = True,
         max_microbatches: int | None = None,
+        agree_steps: bool = True,
     ) -> None:
         if schedule.plan.stages != layout.pp:
             raise PlanError(
@@ -260,6 +265,7 @@ class DistributedStage:
             max_microbatches=max_microbatches,
         )
         self.check_ties = check_ties
+        self.agree_steps = check_bool("agree_steps", agree_steps)
         self._tie_spec: dict[str, tuple[tuple[int, str], ...]] = dict(
             getattr(executor, "shared_spec", None) or {}
         )
@@ -451,15 +457,19 @@ class DistributedStage:
         self._running = s
         self._next_step = s + 1
         self.channel.at_step(s)
+        agreed = False  # this step's end-of-step agreement is posted (once, on every rank)
         try:
-            if self.stage.aborted(s) is None:  # else it failed elsewhere: run_step raises that
-                if self.verify_plan and self._key(sched) != self._agreed:
-                    await self.check_plan(sched, step=s)
-                training = not sched.plan.forward_only
-                if training and not self._ties_checked:
-                    await self._prepare_ties(sched, s)
+            # The control group's collectives run in the same order on every rank, also for a
+            # step that failed elsewhere already (its run_step raises that right after).
+            if self.verify_plan and self._key(sched) != self._agreed:
+                await self.check_plan(sched, step=s)
+            training = not sched.plan.forward_only
+            if training and not self._ties_checked:
+                await self._prepare_ties(sched, s)
             stats = await self.stage.run_step(microbatches, step=s, schedule=sched, train=train)
-            if not sched.plan.forward_only and self._tie_groups is not None:
+            agreed = True
+            await self._agree(s)
+            if training and self._tie_groups is not None:
                 await self._reduce_ties(s)
             return stats
         except BaseException as e:
@@ -468,9 +478,73 @@ class DistributedStage:
             elif isinstance(e, ChannelError) and not isinstance(e, PeerStepError):
                 self._add_peer_failures(e)
             self._announce(s, e)
+            if not agreed:
+                self._post_agreement(failed=True)
             raise
         finally:
             self._running = None
+
+    # Design note: the end-of-step agreement
+    # --------------------------------------
+    # The ABORT messages tell a failed step to the ranks of this pipeline while they still
+    # run it. They cannot reach a rank that already finished the step (the failure was in
+    # the origin's last task), nor the ranks of other pipelines (DP replicas, the other TP
+    # indices), which share the step through the user's gradient all-reduce or the TP
+    # collectives. So every counted step ends, on every rank, with one small all-reduce
+    # (MAX) on the control group: [failed here, global rank]. A rank whose step succeeded
+    # waits for it and fails the step with ``PeerStepError`` when another rank's failed
+    # (before the tied gradients are reduced, so nothing half-reduced is left); a rank whose
+    # step failed posts it and raises at once (no second wait after a timeout or a cancel).
+    # Posting exactly once per counted step, whatever happened, keeps the group's
+    # collectives matched across ranks. Cost: one int64[2] all-reduce per step.
+
+    def _post_agreement(self, *, failed: bool) -> tuple[torch.Tensor, Any] | None:
+        """Post this step's agreement all-reduce (see the design note); None when switched
+        off or when the control group can no longer be used."""
+        if not self.agree_steps or self._control_broken is not None or self.layout.world_size == 1:
+            return None
+        group = self.groups.control
+        buf = torch.tensor([int(failed), self.layout.rank if failed else -1], dtype=torch.int64)
+        if group is None and "gloo" not in str(dist.get_backend()):
+            buf = buf.to(self._device)
+        try:
+            work = dist.all_reduce(buf, op=dist.ReduceOp.MAX, group=group, async_op=True)
+        except RuntimeError:
+            return None  # the group broke (a lost rank): the step fails anyway
+        return buf, work
+
+    async def _agree(self, step: int) -> None:
+        """Wait for this step's agreement; raise ``PeerStepError`` when a rank's step failed."""
+        posted = self._post_agreement(failed=False)
+        if posted is None:
+            return
+        buf, work = posted
+        try:
+            async with asyncio.timeout(self.step_timeout):
+                await work_future(work)
+        except TimeoutError:
+            self._control_broken = StepTimeoutError(
+                f"{self._who()} step {step}: the end-of-step agreement did not complete within"
+                f" {self.step_timeout} s: a rank is hung, stopped or lost, or it did not run"
+                " this step"
+            )
+            raise self._control_broken from None
+        except RuntimeError as e:
+            raise PeerError(
+                f"{self._who()} step {step}: the end-of-step agreement failed (a rank died or"
+                f" the group broke): {e}"
+            ) from e
+        failed, origin = (int(x) for x in buf.tolist())
+        if failed:
+            cause = "its step failed (see that rank's output)"
+            raise PeerStepError(
+                f"{self._who()}: step {step} failed on global rank {origin}: {cause}; it ended"
+                " well here, so its gradients are discarded like every rank's (zero_grad) and"
+                " every rank runs the next step",
+                step=step,
+                origin=origin,
+                cause=cause,
+            )
 
     def _announce(self, step: int, e: BaseException) -> None:
         """Tell every rank of the pipeline that ``step`` failed here (the channel's ABORT:
