@@ -50,7 +50,7 @@ import torch
 import torch.distributed as dist
 
 from .._bridges import post, run_blocking, work_future
-from .._errors import ClosedError, DivergenceError, PeerError
+from .._errors import ClosedError, DivergenceError, PeerError, PeerStepError
 from .._tasks import Kind, Task
 from ._wire import read_ints, write_ints
 
@@ -60,6 +60,7 @@ _KINDS: tuple[Kind, ...] = ("F", "B", "I", "W")
 _CODE = {k: i for i, k in enumerate(_KINDS)}
 _MAGIC = 0x44454349  # "DECI"
 _MAGIC_CLOSE = 0x434C4F53  # "CLOS": the leader closed
+_MAGIC_ABORT = 0x41424F52  # "ABOR": [magic, step, origin global rank, 0, 0, 0]: step failed
 _ROW = struct.Struct("=6q")  # [magic, step, seq, stage, kind, mb]
 
 
@@ -154,6 +155,19 @@ class DecisionChannel:
                 ) from e
         self.published += 1
 
+    def abort(self, step: int, origin: int) -> None:
+        """Leader: tell every follower that ``step`` failed (on global rank ``origin``), so
+        that a follower waiting for this step's next decision fails it at once instead of
+        waiting for its watchdog. Best effort: a follower that is gone is skipped."""
+        if not self.is_leader or self._closed:
+            return
+        buf = torch.empty(6, dtype=torch.int64)
+        write_ints(_ROW, buf, (_MAGIC_ABORT, step, origin, 0, 0, 0))
+        for f in self._followers:
+            with contextlib.suppress(Exception):
+                self._sent.append(self.group.send([buf], f, 0))
+        self._used = True
+
     # ------------------------------------------------------------------ follower side
 
     def _listen(self) -> None:
@@ -225,6 +239,15 @@ class DecisionChannel:
                 self.waiting = None
         row = self._rows.popleft()
         magic, s, q, stage, kind, mb = row
+        if magic == _MAGIC_ABORT and s == step:
+            cause = "it failed on the stage's TP leader or was told so (see that rank's output)"
+            raise PeerStepError(
+                f"{self._who()}: step {step} failed on global rank {q}: {cause}; this rank"
+                " fails the step too and runs the next one",
+                step=step,
+                origin=q,
+                cause=cause,
+            )
         if magic != _MAGIC or not 0 <= kind < len(_KINDS):
             raise DivergenceError(f"{self._who()} step {step}: corrupt decision {list(row)}")
         if s != step or q != seq:

@@ -549,6 +549,9 @@ class DistributedStage:
     def _announce(self, step: int, e: BaseException) -> None:
         """Tell every rank of the pipeline that ``step`` failed here (the channel's ABORT:
         see ``P2PChannel``'s design note), so that theirs fails too, at once."""
+        if self.decisions is not None:  # a TP leader tells its followers (one-way channel)
+            origin = e.origin if isinstance(e, PeerStepError) else self.layout.rank
+            self.decisions.abort(step, origin)
         if isinstance(e, PeerStepError):  # failed elsewhere: the channel passed it on
             self.channel.abort(step, e.cause, origin=e.origin)
             return

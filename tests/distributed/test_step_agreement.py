@@ -115,3 +115,53 @@ def test_a_failure_in_the_last_task_fails_the_step_where_it_already_ended() -> N
     res = rr.spawn(_job, 2, 0, f"0B{M - 1}", False, timeout=240)
     want = rr.spawn(_job, 2, 0, None, True, timeout=240)
     _check(res, want, origin=0)
+
+
+def _tp_job(rank: int, world: int, agree: bool) -> dict[str, Any]:
+    import time
+
+    layout = rr.ProcessLayout.from_world(pp=2, tp=2)
+    torch.manual_seed(100 + layout.pp_rank)
+    mod = nn.Linear(WIDTH, WIDTH)
+    ex = _Executor({layout.pp_rank: mod}, _loss, rank=rank)
+    if rank == layout.tp_ranks()[0] and layout.pp_rank == 1:  # stage 1's TP leader
+        ex.fail_at = rr.Task(1, "F", 1)
+    plan = rr.StepPlan(topology=rr.Topology(stages=2), microbatches=M)
+    out: dict[str, Any] = {"ok": [], "errors": {}}
+
+    async def main() -> None:
+        async with rr.DistributedStage(
+            layout, rr.StepSchedule.build(plan, "1f1b"), ex, step_timeout=30
+        ) as stage:
+            for k, mbs in enumerate(_batches(0)):
+                t0 = time.monotonic()
+                try:
+                    await stage.run_step(mbs)
+                except (rr.RRFPError, RuntimeError) as e:
+                    origin = e.origin if isinstance(e, rr.PeerStepError) else None
+                    out["errors"][k] = (type(e).__name__, origin, time.monotonic() - t0)
+                    continue
+                finally:
+                    mod.zero_grad()
+                out["ok"].append(k)
+
+    try:
+        rr.run(main())
+    finally:
+        ex.close()
+    return out
+
+
+def test_a_tp_leader_tells_its_followers_at_once() -> None:
+    # Global rank 2 leads stage 1 (ranks 2, 3) and fails step 1: its follower is waiting for
+    # the next decision and must fail at once (not after the 30 s watchdog), and so must the
+    # follower's own pipeline (rank 1); then every rank runs steps 2 and 3.
+    res = rr.spawn(_tp_job, 4, True, timeout=240)
+    for r, got in enumerate(res):
+        assert got["ok"] == [0, 2, 3], (r, got)
+        kind, origin, took = got["errors"][FAILED]
+        if r == 2:
+            assert kind == "RuntimeError", got
+        else:
+            assert (kind, origin) == ("PeerStepError", 2), (r, got)
+        assert took < 15.0, (r, took)  # the leader's ABORT, not the 30 s watchdog
