@@ -61,6 +61,7 @@ _CODE = {k: i for i, k in enumerate(_KINDS)}
 _MAGIC = 0x44454349  # "DECI"
 _MAGIC_CLOSE = 0x434C4F53  # "CLOS": the leader closed
 _MAGIC_ABORT = 0x41424F52  # "ABOR": [magic, step, origin global rank, 0, 0, 0]: step failed
+_FAILED_COUNT = -1  # a sequence check row [global rank, -1]: the step failed on that rank
 _ROW = struct.Struct("=6q")  # [magic, step, seq, stage, kind, mb]
 
 
@@ -120,6 +121,7 @@ class DecisionChannel:
         self._listener: threading.Thread | None = None
         self._closed = False
         self._used = False  # a step began: the followers listen (the leader sends CLOSE)
+        self._failed_checks: list[tuple[list[torch.Tensor], Any]] = []
 
     def _who(self) -> str:
         role = "leader" if self.is_leader else "follower"
@@ -293,6 +295,22 @@ class DecisionChannel:
             for w in works:
                 w.wait(datetime.timedelta(seconds=max(0.0, deadline - time.monotonic())))
 
+    def post_failed_sequence(self, step: int, origin: int | None = None) -> None:
+        """Every TP rank whose ``step`` failed before its sequence check: post the check's
+        all-gather anyway, without waiting, with the row ``[origin, -1]`` (no sequence has
+        length -1; ``origin``: the global rank where the step failed first, default this
+        one): the check's collectives stay matched across the TP ranks, and a rank whose
+        step went on fails it there with ``PeerStepError`` naming the origin."""
+        who = self.rank if origin is None else origin
+        mine = torch.tensor([who, _FAILED_COUNT], dtype=torch.int64)
+        size = dist.get_world_size(self.group)
+        outs = [torch.zeros(2, dtype=torch.int64) for _ in range(size)]
+        with contextlib.suppress(Exception):  # a broken group: the job is failing anyway
+            self._failed_checks.append(
+                (outs, dist.all_gather(outs, mine, group=self.group, async_op=True))
+            )
+        del self._failed_checks[:-4]  # keep the last few alive until they complete
+
     async def verify_sequence(self, step: int, executed: Sequence[Task]) -> None:
         """Every TP rank: all-gather a digest of the executed sequence and compare.
 
@@ -308,6 +326,16 @@ class DecisionChannel:
         finally:
             self.waiting = None
         digests = [tuple(o.tolist()) for o in outs]
+        failed = [d[0] for d in digests if d[1] == _FAILED_COUNT]
+        if failed:
+            cause = "its step failed on that TP rank of the stage (see that rank's output)"
+            raise PeerStepError(
+                f"{self._who()}: step {step} failed on global rank {failed[0]}: {cause}; this"
+                " rank fails the step too and runs the next one",
+                step=step,
+                origin=failed[0],
+                cause=cause,
+            )
         if len(set(digests)) != 1:
             differ = [i for i, d in enumerate(digests) if d != digests[0]]
             raise DivergenceError(

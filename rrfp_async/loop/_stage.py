@@ -239,6 +239,7 @@ class StageLoop:
         self.coordinator = coordinator
         self.coordinate = coordinate
         self.verify_sequences = verify_sequences
+        self._verified: int | None = None  # the last step whose TP sequence check was posted
         self.recent: collections.deque[tuple[float, str, Task]] | None = (
             collections.deque(maxlen=flight_recorder) if flight_recorder > 0 else None
         )
@@ -515,6 +516,7 @@ class StageLoop:
         aborted = self._aborted.pop(step, None)
         if aborted is not None:  # it failed on another rank before it started here
             self._next_step = step + 1
+            self._post_failed_sequence(step, aborted)
             raise aborted
         self._base = base
         self.schedule = sched
@@ -523,6 +525,7 @@ class StageLoop:
             self._failure = None  # a broken channel stays broken: every later step fails
         if self._failure is not None:
             self._dead.add(step)
+            self._post_failed_sequence(step, self._failure)
             raise self._failure
         try:
             # _begin inside: a step that fails while it starts (a bad early message, a
@@ -548,6 +551,7 @@ class StageLoop:
         except BaseException as e:
             self._dead.add(step)
             self._early.pop(step, None)
+            self._post_failed_sequence(step, e)
             step_failed = getattr(self.executor, "step_failed", None)
             if step_failed is not None:
                 step_failed(step)
@@ -611,7 +615,21 @@ class StageLoop:
             if coord is not None:
                 await coord.end_step()
         if self.coordinator is not None and self.verify_sequences:
+            self._verified = st.step  # posted once per step, whatever it raises
             await self.coordinator.verify_sequence(st.step, [e.task for e in st.executed])
+
+    def _post_failed_sequence(self, step: int, exc: BaseException) -> None:
+        """A step that failed here before its TP sequence check: take part in the check
+        anyway, without waiting (the coordinator's ``post_failed_sequence``), so that every
+        TP rank posts it exactly once per step (the decision group's collectives stay
+        matched) and a TP peer whose step went on learns there that it failed here."""
+        if self.coordinator is None or not self.verify_sequences or self._verified == step:
+            return
+        self._verified = step
+        post = getattr(self.coordinator, "post_failed_sequence", None)
+        if post is not None:  # where it failed first, when another rank told this one
+            origin = getattr(exc, "origin", None)
+            post(step, origin if isinstance(origin, int) else None)
 
     async def _follow(self, st: StepState, coord: Coordinator) -> None:
         """TP follower: run the leader's decisions in order, each once it is ready here."""

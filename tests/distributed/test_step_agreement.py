@@ -117,14 +117,14 @@ def test_a_failure_in_the_last_task_fails_the_step_where_it_already_ended() -> N
     _check(res, want, origin=0)
 
 
-def _tp_job(rank: int, world: int, agree: bool) -> dict[str, Any]:
+def _tp_job(rank: int, world: int, victim: int) -> dict[str, Any]:
     import time
 
     layout = rr.ProcessLayout.from_world(pp=2, tp=2)
     torch.manual_seed(100 + layout.pp_rank)
     mod = nn.Linear(WIDTH, WIDTH)
     ex = _Executor({layout.pp_rank: mod}, _loss, rank=rank)
-    if rank == layout.tp_ranks()[0] and layout.pp_rank == 1:  # stage 1's TP leader
+    if rank == victim:  # 2: stage 1's TP leader; 3: its follower
         ex.fail_at = rr.Task(1, "F", 1)
     plan = rr.StepPlan(topology=rr.Topology(stages=2), microbatches=M)
     out: dict[str, Any] = {"ok": [], "errors": {}}
@@ -152,16 +152,20 @@ def _tp_job(rank: int, world: int, agree: bool) -> dict[str, Any]:
     return out
 
 
-def test_a_tp_leader_tells_its_followers_at_once() -> None:
-    # Global rank 2 leads stage 1 (ranks 2, 3) and fails step 1: its follower is waiting for
-    # the next decision and must fail at once (not after the 30 s watchdog), and so must the
-    # follower's own pipeline (rank 1); then every rank runs steps 2 and 3.
-    res = rr.spawn(_tp_job, 4, True, timeout=240)
+@pytest.mark.parametrize("victim", [2, 3], ids=["leader", "follower"])
+def test_a_failed_tp_rank_fails_the_step_on_its_tp_peers_at_once(victim: int) -> None:
+    # Global rank 2 leads stage 1 (ranks 2, 3). The leader failing step 1: its follower,
+    # waiting for the next decision, fails at once (the leader's ABORT row). The follower
+    # failing it: the leader, which runs on, fails it at the step's TP sequence check (the
+    # follower posts its part of the check anyway). Either way not after the 30 s watchdog,
+    # and then every rank runs steps 2 and 3 (without these, the job fell out of step: steps 2
+    # and 3 timed out).
+    res = rr.spawn(_tp_job, 4, victim, timeout=240)
     for r, got in enumerate(res):
         assert got["ok"] == [0, 2, 3], (r, got)
         kind, origin, took = got["errors"][FAILED]
-        if r == 2:
+        if r == victim:
             assert kind == "RuntimeError", got
         else:
-            assert (kind, origin) == ("PeerStepError", 2), (r, got)
-        assert took < 15.0, (r, took)  # the leader's ABORT, not the 30 s watchdog
+            assert (kind, origin) == ("PeerStepError", victim), (r, got)
+        assert took < 15.0, (r, took)
