@@ -478,7 +478,8 @@ class DistributedStage:
             elif isinstance(e, ChannelError) and not isinstance(e, PeerStepError):
                 self._add_peer_failures(e)
             self._announce(s, e)
-            if not agreed:
+            lost = isinstance(e, ChannelError) and not isinstance(e, PeerStepError)
+            if not agreed and not lost:  # a lost rank: the job cannot go on, nor agree
                 self._post_agreement(failed=True)
             raise
         finally:
@@ -495,6 +496,9 @@ class DistributedStage:
     # waits for it and fails the step with ``PeerStepError`` when another rank's failed
     # (before the tied gradients are reduced, so nothing half-reduced is left); a rank whose
     # step failed posts it and raises at once (no second wait after a timeout or a cancel).
+    # A rank whose channel lost a peer posts nothing: that job cannot go on (every later
+    # step fails), and a collective left posted towards a dead rank can abort the process
+    # when its connections close.
     # Posting exactly once per counted step, whatever happened, keeps the group's
     # collectives matched across ranks. Cost: one int64[2] all-reduce per step.
 
