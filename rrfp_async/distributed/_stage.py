@@ -552,7 +552,12 @@ class DistributedStage:
 
     def _announce(self, step: int, e: BaseException) -> None:
         """Tell every rank of the pipeline that ``step`` failed here (the channel's ABORT:
-        see ``P2PChannel``'s design note), so that theirs fails too, at once."""
+        see ``P2PChannel``'s design note), so that theirs fails too, at once. A lost peer
+        is told by the CLOSE instead (it carries the cause; the channel is broken for good):
+        deciding here, not by the channel's state, keeps that choice free of races with the
+        listener thread that reports the loss."""
+        if isinstance(e, ChannelError) and not isinstance(e, PeerStepError):
+            return
         if self.decisions is not None:  # a TP leader tells its followers (one-way channel)
             origin = e.origin if isinstance(e, PeerStepError) else self.layout.rank
             self.decisions.abort(step, origin)
