@@ -402,6 +402,12 @@ class P2PChannel:
             g = tuple(self._global[r] for r in ranks if r in self._global)[:MAX_BLAMED]
             self._cause = (TIMED_OUT if timed_out else LOST, step, g)
 
+    @property
+    def broken(self) -> bool:
+        """Whether the channel failed for good (a lost peer, a corrupt message): every later
+        step fails, and its CLOSE carries the cause."""
+        return self._failed is not None
+
     def abort(self, step: int, cause: str, *, origin: int | None = None) -> bool:
         """Tell every rank of the pipeline that ``step`` failed (see the design note): send
         an ABORT down every outbound edge, once per step. ``origin`` is the global rank where

@@ -478,8 +478,9 @@ class DistributedStage:
             elif isinstance(e, ChannelError) and not isinstance(e, PeerStepError):
                 self._add_peer_failures(e)
             self._announce(s, e)
-            lost = isinstance(e, ChannelError) and not isinstance(e, PeerStepError)
-            if not agreed and not lost:  # a lost rank: the job cannot go on, nor agree
+            lost = isinstance(e, PeerError) and not isinstance(e, PeerStepError)
+            if not agreed and not lost and not self.channel.broken:
+                # (a lost rank or a broken channel: the job cannot go on, nor agree)
                 self._post_agreement(failed=True)
             raise
         finally:
@@ -496,9 +497,9 @@ class DistributedStage:
     # waits for it and fails the step with ``PeerStepError`` when another rank's failed
     # (before the tied gradients are reduced, so nothing half-reduced is left); a rank whose
     # step failed posts it and raises at once (no second wait after a timeout or a cancel).
-    # A rank whose channel lost a peer posts nothing: that job cannot go on (every later
-    # step fails), and a collective left posted towards a dead rank can abort the process
-    # when its connections close.
+    # A rank whose channel lost a peer or broke (a corrupt message) posts nothing: that job
+    # cannot go on (every later step fails; the CLOSE carries the cause), and a collective
+    # left posted towards a dead rank can abort the process when its connections close.
     # Posting exactly once per counted step, whatever happened, keeps the group's
     # collectives matched across ranks. Cost: one int64[2] all-reduce per step.
 
@@ -556,7 +557,7 @@ class DistributedStage:
         is told by the CLOSE instead (it carries the cause; the channel is broken for good):
         deciding here, not by the channel's state, keeps that choice free of races with the
         listener thread that reports the loss."""
-        if isinstance(e, ChannelError) and not isinstance(e, PeerStepError):
+        if isinstance(e, PeerError) and not isinstance(e, PeerStepError):
             return
         if self.decisions is not None:  # a TP leader tells its followers (one-way channel)
             origin = e.origin if isinstance(e, PeerStepError) else self.layout.rank
