@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -315,8 +315,3 @@ def decode_structure(
         raise bad(f"unknown tag {tag!r}")
 
     return walk(root, 0)
-
-
-def grads_of(leaves: Sequence[torch.Tensor]) -> list[torch.Tensor | None]:
-    """The ``.grad`` of each leaf that requires grad (None for the others)."""
-    return [t.grad if t.requires_grad else None for t in leaves]

@@ -102,7 +102,7 @@ import math
 import queue
 import threading
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import torch
@@ -637,8 +637,6 @@ class P2PChannel:
 
     def _listener(self, src: int) -> None:
         gsrc = self._global[src]
-        peer = self._peer_rank[src]
-        recv = self._pg.recv
         edge = _Edge(src, self._rank, gsrc, self._global[self._rank]).text
         expect = 0
         prev: tuple[Task, int] | None = None  # the last message: (task, step)
@@ -656,23 +654,16 @@ class P2PChannel:
                     raw = torch.empty(cap, dtype=torch.uint8)
                 else:
                     raw = torch.empty(HEADER_LEN, dtype=torch.int64, device=self._hdr_device)
-            try:
-                recv([raw], peer, 0).wait()
-            except Exception as e:
-                if not self._closing:
-                    self._post(
-                        self._lose,
-                        src,
-                        PeerError(
-                            f"{self._name(self._rank)} lost {self._name(src)}: the connection"
-                            f" broke while waiting for message seq {expect} on {edge} ({last()}):"
-                            f" {e}"
-                        ),
-                    )
+            # The text is built only on a failure, inside the call (before the loop moves on).
+            if not self._recv_or_lose(
+                raw,
+                src,
+                lambda: f"waiting for message seq {expect} on {edge} ({last()})",  # noqa: B023
+            ):
                 return
             h = read_header(raw)
             if h[0] == MAGIC and h[1] == ABORT:
-                if not self._receive_abort(h, src, peer, edge):
+                if not self._receive_abort(h, src, edge):
                     return
                 continue
             try:
@@ -715,19 +706,14 @@ class P2PChannel:
                     # gloo carries CPU tensors: a CUDA payload lands on the CPU first.
                     where = "cpu" if self._growing else self._device
                     payload = torch.empty(shape, dtype=dtype, device=where)
-                    try:
-                        recv([payload], peer, 0).wait()
-                    except Exception as e:
-                        if not self._closing:
-                            self._post(
-                                self._lose,
-                                src,
-                                PeerError(
-                                    f"{self._name(self._rank)} lost {self._name(src)}: the"
-                                    f" connection broke while receiving the payload of seq"
-                                    f" {expect} ({task} of step {step}) on {edge}: {e}"
-                                ),
-                            )
+                    if not self._recv_or_lose(
+                        payload,
+                        src,
+                        lambda: (
+                            f"receiving the payload of seq {expect} ({task} of step"  # noqa: B023
+                            f" {step}) on {edge}"  # noqa: B023
+                        ),
+                    ):
                         return
                     if self._growing:
                         cap = grow(cap, nbytes, self._max_bytes)
@@ -755,7 +741,22 @@ class P2PChannel:
             self.received += 1
             self._post(self._deliver, step, task, payload, src)
 
-    def _receive_abort(self, h: list[int], src: int, peer: int, edge: str) -> bool:
+    def _recv_or_lose(self, buf: torch.Tensor, src: int, doing: Callable[[], str]) -> bool:
+        """Listener thread: receive ``buf`` from ``src``; False (after blaming ``src``
+        unless this rank is closing) when the connection broke ``doing`` what it says."""
+        try:
+            self._pg.recv([buf], self._peer_rank[src], 0).wait()
+        except Exception as e:
+            if not self._closing:
+                err = PeerError(
+                    f"{self._name(self._rank)} lost {self._name(src)}: the connection broke"
+                    f" while {doing()}: {e}"
+                )
+                self._post(self._lose, src, err)
+            return False
+        return True
+
+    def _receive_abort(self, h: list[int], src: int, edge: str) -> bool:
         """Listener thread: an ABORT header arrived from ``src``; receive its text and hand
         it to the loop. False when the listener must end (a bad header, a broken pair)."""
         step, origin, n = h[3], h[4], h[5]
@@ -770,18 +771,9 @@ class P2PChannel:
         cause = ""
         if n:
             text = torch.empty(n, dtype=torch.uint8, device=self._hdr_device)
-            try:
-                self._pg.recv([text], peer, 0).wait()
-            except Exception as e:
-                if not self._closing:
-                    self._post(
-                        self._lose,
-                        src,
-                        PeerError(
-                            f"{self._name(self._rank)} lost {self._name(src)}: the connection"
-                            f" broke while receiving the ABORT of step {step} on {edge}: {e}"
-                        ),
-                    )
+            if not self._recv_or_lose(
+                text, src, lambda: f"receiving the ABORT of step {step} on {edge}"
+            ):
                 return False
             cause = bytes(text.cpu().tolist()).decode("utf-8", "replace")
         self._post(self._peer_aborted, src, step, origin, cause)
