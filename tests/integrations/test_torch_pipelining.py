@@ -167,3 +167,41 @@ def test_unsupported_features_are_named() -> None:
         rr.PlanError, match=r"takes the torch\.distributed\.pipelining PipelineStage"
     ):
         ScheduleReadinessFirst(nn.Linear(2, 2), 4)
+
+
+def async_worker(rank: int, world: int) -> dict[str, Any]:
+    """The same script from an async training loop: ``await schedule.step_async(...)``."""
+    import torch.distributed.pipelining as tp
+    from torch.distributed.pipelining import PipelineStage
+
+    from rrfp_async.pipelining import ScheduleReadinessFirst
+
+    torch.set_num_threads(1)
+    model = full_model(world)
+    stage = PipelineStage(model[rank], rank, world, torch.device("cpu"))
+    schedule = ScheduleReadinessFirst(
+        stage, N_MB, loss_fn=loss_fn, hint=tp.Schedule1F1B, policy="strict"
+    )
+    opt = torch.optim.SGD(model[rank].parameters(), lr=0.1)
+
+    async def main() -> None:
+        for step in range(3):
+            x, y = data(step)
+            if rank == 0:
+                await schedule.step_async(x)
+            else:
+                await schedule.step_async(target=y, losses=[])
+            opt.step()
+            opt.zero_grad()
+        await schedule.aclose()
+
+    rr.run(main())
+    return {"params": [p.detach().clone() for p in model[rank].parameters()]}
+
+
+def test_step_async_trains_like_torch() -> None:
+    want = rr.spawn(worker, 2, "torch", 1, timeout=200)
+    got = rr.spawn(async_worker, 2, timeout=200)
+    for r in range(2):
+        for a, b in zip(got[r]["params"], want[r]["params"], strict=True):
+            assert torch.equal(a, b), (a - b).abs().max()
