@@ -7,7 +7,7 @@ import json
 import pytest
 from click.testing import CliRunner
 
-from rrfp_async.cli import _bench_overhead as ov
+from rrfp_async.bench import _overhead as ov
 from rrfp_async.cli._main import main
 
 

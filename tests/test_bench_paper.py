@@ -10,7 +10,7 @@ from click.testing import CliRunner
 
 from rrfp_async._tasks import StepPlan, Topology
 from rrfp_async._workloads import PAPER_IMAGE_TOKENS, make_workload
-from rrfp_async.cli import _bench_paper as bp
+from rrfp_async.bench import _paper as bp
 from rrfp_async.cli._main import main
 from rrfp_async.policies._hints import make_hint
 from rrfp_async.policies._listsched import strict_timeline

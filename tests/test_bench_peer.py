@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from rrfp_async.cli._bench_peer import PeerConfig, peer_benchmark, peer_simulated
+from rrfp_async.bench._peer import PeerConfig, peer_benchmark, peer_simulated
 
 
 def test_config_is_validated() -> None:

@@ -180,7 +180,7 @@ def test_an_unwritable_output_is_a_clean_error(tmp_path) -> None:  # type: ignor
 def test_the_command_line_loads_no_benchmark_until_one_runs() -> None:
     code = (
         "import sys, rrfp_async.cli; "
-        "print(sorted(m for m in sys.modules if m.startswith('rrfp_async.cli._bench')))"
+        "print(sorted(m for m in sys.modules if m.startswith('rrfp_async.bench')))"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"

@@ -39,6 +39,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("sim", ("sim",)),
     ("distributed", ("distributed",)),
     ("integrations", ("integrations",)),
+    ("bench", ("bench",)),
     ("cli", ("cli",)),
     ("face", ("__init__", "__main__", "pipelining", "megatron")),
 )

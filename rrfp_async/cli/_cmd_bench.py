@@ -2,7 +2,7 @@
 
 The two large subcommands live in their own modules (``_cmd_bench_peer``,
 ``_cmd_bench_overhead``) and are added to the group here. Every subcommand imports its
-measuring module (``_bench*``, which pulls in torch) inside its body, so that ``--help``
+measuring module (``rrfp_async.bench``, which pulls in torch) inside its body, so that ``--help``
 stays fast.
 """
 
@@ -59,7 +59,7 @@ bench.add_command(bench_hf)
 @log_options
 def bench_simulator(stages: int, microbatches: int, repeats: int, policies_table: bool) -> None:
     """Wall time of one simulated step, and simulated makespan ratios of the policies."""
-    from ._bench import simulator_policy_table, simulator_wall_time
+    from ..bench._local import simulator_policy_table, simulator_wall_time
 
     con = console()
     t = table(
@@ -120,7 +120,7 @@ def bench_pipeline(
     seed: int,
 ) -> None:
     """Step times of a real multi-process gloo pipeline training the example model."""
-    from ._bench import pipeline_step_times
+    from ..bench._local import pipeline_step_times
 
     names = policy_names(policies, ["strict", "readiness_first"])
     res = pipeline_step_times(
@@ -174,7 +174,7 @@ def bench_pipeline(
 @log_options
 def bench_bridges(repeats: int) -> None:
     """Cost of each awaitable bridge on this machine (µs per awaited operation)."""
-    from ._bench_bridges import bridge_overheads
+    from ..bench._bridges import bridge_overheads
 
     rows = bridge_overheads(repeats)
     keys = [k for k in rows[0] if k != "name"] if rows else []
@@ -195,7 +195,7 @@ def bench_bridges(repeats: int) -> None:
 @log_options
 def bench_logging(repeats: int) -> None:
     """Overhead of step-traced logging on a simulated 16 x 128 step (disabled and enabled)."""
-    from ._bench import logging_overhead
+    from ..bench._local import logging_overhead
 
     t = table(
         "simulated 16 x 128 step, wall time, median of interleaved runs",
@@ -228,7 +228,7 @@ def bench_paper(full: bool, seeds: int, conditions: bool, as_json: bool, markdow
     """Paper scale in simulation (PP 4-16 x TP 8, up to 128 GPUs): every hint/policy vs
     strict 1F1B, next to the RRFP preprint's 1.77x / 2.77x (virtual time, declared cost
     model)."""
-    from ._bench_paper import (
+    from ..bench._paper import (
         PAPER_FIGURES,
         condition_configs,
         condition_scenarios,
@@ -293,7 +293,7 @@ def bench_soak(
 ) -> None:
     """Run a local pipeline for many steps; resident memory, live tasks and threads must stay
     flat (exit code 1 if they do not)."""
-    from ._bench_soak import format_soak, soak
+    from ..bench._soak import format_soak, soak
 
     policy_names((policy,), [])
     res = soak(

@@ -90,7 +90,7 @@ def bench_overhead(
     as_json: bool,
 ) -> None:
     """Overheads in isolation, each against its raw baseline (ratios measured in one run)."""
-    from . import _bench_overhead as ov
+    from ..bench import _overhead as ov
 
     chosen = [s for s in _OVERHEAD_SECTIONS if not sections or s in sections]
     loop_names = list(loops or ("uvloop", "asyncio"))
@@ -131,7 +131,7 @@ def _verdict(ok: bool) -> str:
 
 
 def _decision_table(rows: Rows, loop_names: list[str], repeats: int) -> Table:
-    from ._bench_overhead import DECISION_TARGET_US
+    from ..bench._overhead import DECISION_TARGET_US
 
     cols = ["policy", "k", "mean k", *loop_names, "CPU"]
     cols += [f"{ln} +yield" for ln in loop_names] + ["worst / target", "target"]
@@ -169,7 +169,7 @@ def _decision_table(rows: Rows, loop_names: list[str], repeats: int) -> Table:
 
 
 def _message_table(rows: Rows) -> Table:
-    from ._bench_overhead import MESSAGE_TARGET_RATIO
+    from ..bench._overhead import MESSAGE_TARGET_RATIO
 
     t = table(
         "per message, one way (round trip / 2), µs, 2 processes, gloo on 127.0.0.1;"
@@ -211,7 +211,7 @@ def _message_table(rows: Rows) -> Table:
 
 
 def _tp_table(rows: Rows, compute_ms: float) -> Table:
-    from ._bench_overhead import TP_SHARE_TARGET, TP_TARGET_RATIO
+    from ..bench._overhead import TP_SHARE_TARGET, TP_TARGET_RATIO
 
     t = table(
         "TP coordination per decision, µs, vs raw blocking broadcast of int64[6] on the"
@@ -259,7 +259,7 @@ def _tp_table(rows: Rows, compute_ms: float) -> Table:
 
 
 def _split_table(rows: Rows) -> Table:
-    from ._bench_overhead import SPLIT_TARGET_RATIO
+    from ..bench._overhead import SPLIT_TARGET_RATIO
 
     t = table(
         "I + W vs B, middle stage of the example model, real CPU compute (1 torch"

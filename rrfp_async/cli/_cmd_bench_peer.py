@@ -93,7 +93,7 @@ def bench_peer(
     Real processes on gloo (127.0.0.1), real CPU compute plus EMULATED GPU time (each stage
     sleeps a declared, seeded duration per token), configurations interleaved step by step.
     """
-    from ._bench_peer_config import PeerConfig
+    from ..bench._peer_config import PeerConfig
 
     base = PeerConfig()
     try:
@@ -127,7 +127,7 @@ def bench_peer(
     if host_time:
         _peer_host_time(cfgs, as_json)
         return
-    from ._bench_peer import peer_benchmark
+    from ..bench._peer import peer_benchmark
 
     results = [peer_benchmark(cfg) for cfg in cfgs]
     if as_json:
@@ -188,7 +188,7 @@ def bench_peer(
 
 
 def _peer_host_time(cfgs: list[Any], as_json: bool) -> None:
-    from ._bench_peer_stage import module_host_time
+    from ..bench._peer_stage import module_host_time
 
     rows = [{"us_per_token": c.us_per_token, **module_host_time(c)} for c in cfgs]
     if as_json:
@@ -204,7 +204,7 @@ def _peer_host_time(cfgs: list[Any], as_json: bool) -> None:
 
 
 def _peer_simulated(cfgs: list[Any], latency: float, as_json: bool) -> None:
-    from ._bench_peer_sim import peer_simulated
+    from ..bench._peer_sim import peer_simulated
 
     out = [
         {"us_per_token": cfg.us_per_token, **row}

@@ -76,7 +76,7 @@ def demo_cmd(
         TimeElapsedColumn,
     )
 
-    from ._bench import pipeline_step_times
+    from ..bench._local import pipeline_step_times
 
     names = policy_names(policies, ["strict", "readiness_first", "backfill"])
     fmt, level = log_choice()

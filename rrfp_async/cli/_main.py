@@ -5,7 +5,7 @@ The layout, one module per role, imports running down this list:
 * ``_main``: the ``rrfp-async`` group, which every command is added to here;
 * ``_cmd_simulate``, ``_cmd_trace``, ``_cmd_demo``: one command each;
 * ``_cmd_bench`` (the ``bench`` group and its small subcommands), ``_cmd_bench_peer``,
-  ``_cmd_bench_overhead``: the benchmarks' commands; what they measure is in ``_bench*``,
+  ``_cmd_bench_overhead``: the benchmarks' commands; what they measure is in ``rrfp_async.bench``,
   imported inside each command so that ``--help`` does not load torch;
 * ``_options``: the options the commands share (``--policy``, ``--memory-factor``,
   ``--jitter``, ``--seed``, logging, ...), each defined once;

@@ -54,7 +54,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ._bench_peer_config import (
+from ._peer_config import (
     TORCH_SCHEDULES,
     PeerConfig,
     PeerRun,
@@ -62,10 +62,10 @@ from ._bench_peer_config import (
     make_steps,
     step_lower_bound,
 )
-from ._bench_peer_rr import rr_runs
-from ._bench_peer_sim import SIMULATED, peer_simulated
-from ._bench_peer_stage import META, PeerStage, TableCost, fill_table, module_host_time
-from ._bench_peer_torch import torch_runs
+from ._peer_rr import rr_runs
+from ._peer_sim import SIMULATED, peer_simulated
+from ._peer_stage import META, PeerStage, TableCost, fill_table, module_host_time
+from ._peer_torch import torch_runs
 
 __all__ = [
     "SIMULATED",
@@ -99,7 +99,7 @@ def peer_worker(rank: int, world: int, cfg: PeerConfig) -> dict[str, Any]:
     rr, closers = rr_runs(cfg, rank, steps, layout, groups, loop)
     runs += rr
     if cfg.dropin_hints:
-        from ._bench_peer_dropin import dropin_runs
+        from ._peer_dropin import dropin_runs
 
         dropins, scheds = dropin_runs(cfg, rank, steps)
         runs += dropins

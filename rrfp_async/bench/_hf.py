@@ -49,7 +49,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from ._bench_peer_stage import _Sleep
+from ._peer_stage import _Sleep
 
 __all__ = ["HFConfig", "hf_benchmark", "hf_worker", "make_steps"]
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from ._bench_overhead_common import Row, median_of
+from ._overhead_common import Row, median_of
 
 __all__ = ["SPLIT_TARGET_RATIO", "split_backward_cost", "split_backward_cost_isolated"]
 

@@ -8,7 +8,7 @@ import statistics
 from collections.abc import Sequence
 from typing import Any
 
-from ._bench_peer_config import PeerConfig, Step, make_steps
+from ._peer_config import PeerConfig, Step, make_steps
 
 __all__ = ["SIMULATED", "peer_simulated"]
 

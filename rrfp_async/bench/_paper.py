@@ -52,8 +52,8 @@ from ..policies._bounds import default_bound
 from ..policies._hints import remaining_work
 from ..policies._listsched import list_schedule, strict_timeline
 from ..sim._simulate import lower_bound, simulate
-from ._bench_paper_report import TextTable, best_rows, report_tables, to_markdown
-from ._bench_paper_scenarios import (
+from ._paper_report import TextTable, best_rows, report_tables, to_markdown
+from ._paper_scenarios import (
     BASELINE,
     CLAIRVOYANT,
     NOISE,

@@ -11,8 +11,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ._bench_peer_config import TORCH_SCHEDULES, PeerConfig, Step, WorkerRun
-from ._bench_peer_stage import PeerStage, make_inputs, make_modules, peer_loss
+from ._peer_config import TORCH_SCHEDULES, PeerConfig, Step, WorkerRun
+from ._peer_stage import PeerStage, make_inputs, make_modules, peer_loss
 
 __all__ = ["torch_runs"]
 

@@ -14,7 +14,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from .._bridges import ComputeWorker
-from ._bench_overhead_common import Row, median_of, transport_figures
+from ._overhead_common import Row, median_of, transport_figures
 
 __all__ = ["TP_SHARE_TARGET", "TP_TARGET_RATIO", "tp_coordination"]
 

@@ -14,8 +14,8 @@ import torch.distributed as dist
 
 from .._costs import Durations
 from .._tasks import StepPlan
-from ._bench_peer_config import PeerConfig, Step, WorkerRun, step_plan
-from ._bench_peer_stage import PeerStage, TableCost, make_inputs, make_modules, peer_loss
+from ._peer_config import PeerConfig, Step, WorkerRun, step_plan
+from ._peer_stage import PeerStage, TableCost, make_inputs, make_modules, peer_loss
 
 if TYPE_CHECKING:
     from ..distributed._layout import ProcessLayout, StageGroups

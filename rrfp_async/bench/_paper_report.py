@@ -9,7 +9,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from ._bench_paper_scenarios import BASELINE, CLAIRVOYANT, PAPER_FIGURES
+from ._paper_scenarios import BASELINE, CLAIRVOYANT, PAPER_FIGURES
 
 __all__ = ["TextTable", "best_rows", "report_tables", "to_markdown"]
 

@@ -11,7 +11,7 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from ._bench_overhead_common import Row, loop_kind, transport_figures
+from ._overhead_common import Row, loop_kind, transport_figures
 
 __all__ = ["MESSAGE_TARGET_RATIO", "message_cost"]
 

@@ -31,14 +31,14 @@ function of its section's module.
 
 from __future__ import annotations
 
-from ._bench_overhead_decision import DECISION_TARGET_US, decision_latency, decision_schedule
-from ._bench_overhead_message import MESSAGE_TARGET_RATIO, message_cost
-from ._bench_overhead_split import (
+from ._overhead_decision import DECISION_TARGET_US, decision_latency, decision_schedule
+from ._overhead_message import MESSAGE_TARGET_RATIO, message_cost
+from ._overhead_split import (
     SPLIT_TARGET_RATIO,
     split_backward_cost,
     split_backward_cost_isolated,
 )
-from ._bench_overhead_tp import TP_SHARE_TARGET, TP_TARGET_RATIO, tp_coordination
+from ._overhead_tp import TP_SHARE_TARGET, TP_TARGET_RATIO, tp_coordination
 
 __all__ = [
     "DECISION_TARGET_US",

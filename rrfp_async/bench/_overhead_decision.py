@@ -13,7 +13,7 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from ._bench_overhead_common import Row, loop_kind, median_of
+from ._overhead_common import Row, loop_kind, median_of
 
 __all__ = ["DECISION_TARGET_US", "decision_latency", "decision_schedule"]
 

@@ -17,7 +17,7 @@ from torch import nn
 from .._costs import CostModel, Durations
 from .._tasks import StepPlan, Topology
 from ..distributed._torch_executor import EmulatedCost
-from ._bench_peer_config import PeerConfig, Step, make_steps
+from ._peer_config import PeerConfig, Step, make_steps
 
 __all__ = [
     "META",

@@ -20,8 +20,8 @@ import torch.distributed as dist
 
 from .._costs import Durations
 from .._tasks import StepPlan
-from ._bench_peer_config import PeerConfig, Step, WorkerRun
-from ._bench_peer_stage import TableCost, make_inputs, make_modules, peer_loss
+from ._peer_config import PeerConfig, Step, WorkerRun
+from ._peer_stage import TableCost, make_inputs, make_modules, peer_loss
 
 __all__ = ["dropin_runs"]
 
