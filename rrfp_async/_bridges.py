@@ -323,6 +323,10 @@ def cuda_event_future(
     return afut
 
 
+def _noop() -> None:
+    return None
+
+
 class _Job:
     """A call queued on a ``ComputeWorker`` and the future its result goes to."""
 
@@ -443,6 +447,18 @@ class ComputeWorker:
         out, event = await self._submit(_on_side_stream)
         await cuda_event_future(event, mode=self._event_mode)
         return out
+
+    async def drain(self) -> None:
+        """Wait until every call submitted so far has ended (with CUDA: its kernels too).
+
+        A no-op call queued behind them, so a call still running when its ``run`` was
+        cancelled is waited for (a stage does this before a cancelled step returns, so that
+        no gradient of that step lands after the caller's ``zero_grad``). Returns at once
+        when the worker is closed or never started.
+        """
+        if self._closed or self._thread is None:
+            return
+        await self.run(_noop)
 
     def _submit(self, call: Callable[[], T]) -> asyncio.Future[T]:
         loop = asyncio.get_running_loop()

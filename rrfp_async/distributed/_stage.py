@@ -274,6 +274,8 @@ class DistributedStage:
         self.step_timeout = self.stage.step_timeout  # as checked there (inf: None)
         self._next_step = 0
         self._running: int | None = None  # the step run_step runs now
+        self._told: int | None = None  # the last step whose failure was told (_tell_failure)
+        self.stage.on_failure = self._tell_failure
         self._agreed: tuple[object, ...] | None = None
         self._control_broken: BaseException | None = None
         self.plan_checks = 0
@@ -473,11 +475,8 @@ class DistributedStage:
                 await self._reduce_ties(s)
             return stats
         except BaseException as e:
-            if isinstance(e, StepTimeoutError):
-                self._explain_timeout(e, s)
-            elif isinstance(e, ChannelError) and not isinstance(e, PeerStepError):
-                self._add_peer_failures(e)
-            self._announce(s, e)
+            if self._told != s:  # (not yet by the stage, before it waited for its task)
+                self._tell_failure(s, e)
             lost = isinstance(e, PeerError) and not isinstance(e, PeerStepError)
             if not agreed and not lost and not self.channel.broken:
                 # (a lost rank or a broken channel: the job cannot go on, nor agree)
@@ -550,6 +549,17 @@ class DistributedStage:
                 origin=origin,
                 cause=cause,
             )
+
+    def _tell_failure(self, step: int, e: BaseException) -> None:
+        """Step ``step`` failed here with ``e``: complete its message, tell the peers. Runs
+        once per step: as the stage's ``on_failure`` hook when the stage still waits for a
+        running task (so that the peers learn it at once), else when ``run_step`` raises."""
+        self._told = step
+        if isinstance(e, StepTimeoutError):
+            self._explain_timeout(e, step)
+        elif isinstance(e, ChannelError) and not isinstance(e, PeerStepError):
+            self._add_peer_failures(e)
+        self._announce(step, e)
 
     def _announce(self, step: int, e: BaseException) -> None:
         """Tell every rank of the pipeline that ``step`` failed here (the channel's ABORT:

@@ -297,6 +297,11 @@ class TorchStageExecutor:
             hook(task, out, ctx.step)
         return out
 
+    async def settle(self) -> None:
+        """Wait for the task still running on the compute thread (the stage calls this when
+        a step is cancelled while a task computes: see ``StageLoop.settle_timeout``)."""
+        await self.worker.drain()
+
     def step_failed(self, step: int) -> None:
         """The stage's step ``step`` failed: its stashed activations are dropped when the
         next step begins (on the compute thread, after any task of ``step`` still running)."""

@@ -70,6 +70,11 @@ class Executor(Protocol):
     An executor may also have ``step_failed(step)``: the stage calls it (on the loop
     thread) when a step fails, so that the executor can drop what it kept for that step
     (stashed activations) instead of refusing the next step.
+
+    And ``async def settle()``: wait until the task it is computing (if any) has ended. A
+    step cancelled while a task runs on a compute thread (a timeout, a cancel scope, Ctrl-C)
+    awaits it before ``run_step`` raises (at most ``StageLoop.settle_timeout`` seconds), so
+    that no gradient of the cancelled step lands after the caller's ``zero_grad``.
     """
 
     async def execute(self, task: Task, data: Any, ctx: TaskContext, /) -> Any:

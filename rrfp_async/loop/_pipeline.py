@@ -216,15 +216,17 @@ class LocalPipeline:
                 stats = await stage.run_step(
                     microbatches, step=step, schedule=schedule, train=train
                 )
-            except BaseException:
+            except BaseException as e:
                 # The task group cancels the other stages; a deadlock check now would
                 # only report the stages this failure left waiting.
                 mon.failed = True
+                notes.extend(getattr(e, "__notes__", ()))  # a task still running, say
                 raise
             mon.active.discard(stage.rank)
             mon.check()
             return stats
 
+        notes: list[str] = []
         mon.active = set(range(len(self.stages)))
         mon.failed = False
         self._running = self.stages[0]._next_step if step is None else step
@@ -234,8 +236,10 @@ class LocalPipeline:
                 tasks = [tg.create_task(one(s)) for s in self.stages]
         except BaseExceptionGroup as eg:
             root = unwrap_group(eg)
-        except BaseException:  # cancelled from outside: its stages were cancelled too
+        except BaseException as e:  # cancelled from outside: its stages were cancelled too
             self._drop_in_flight()
+            for note in notes:  # the stages' own CancelledErrors stay in the task group
+                e.add_note(note)
             raise
         finally:
             self._running = None

@@ -256,6 +256,12 @@ class StageLoop:
         self._aborted: dict[int, BaseException] = {}
         self.late_failures: list[BaseException] = []
         self._next_step = 0
+        #: How long a failed step waits for the task still running on the executor (see
+        #: ``_settle``), in seconds of the loop's clock.
+        self.settle_timeout = 30.0
+        #: Called as ``on_failure(step, exc)`` before that wait (``DistributedStage`` tells
+        #: the other ranks there, so that they need not wait for this rank's task).
+        self.on_failure: Callable[[int, BaseException], None] | None = None
         self._view = StageView(self)
         # Outputs leave from the compute thread when both sides allow it (see Executor).
         self._eager = bool(getattr(endpoint, "threadsafe_send", False)) and hasattr(
@@ -557,9 +563,56 @@ class StageLoop:
                 step_failed(step)
             if not isinstance(e, asyncio.CancelledError):
                 self._dump_on_failure(e)
+            st_now = self._computing()
+            if st_now is not None:
+                hook = self.on_failure
+                if hook is not None:  # tell the peers first: the wait below takes a task
+                    hook(step, e)
+                await self._settle(st_now, e)
             raise
         finally:
             self._st = None
+
+    def _computing(self) -> StepState | None:
+        """The running step's state while one of its tasks is on the executor, else None."""
+        st = self._st
+        return st if st is not None and st.running >= 0 else None
+
+    async def _settle(self, st: StepState, exc: BaseException) -> None:
+        """The step ends with ``exc`` while a task runs on the executor (it was cancelled,
+        or its watchdog fired): wait for that task to end before ``run_step`` raises, so
+        that nothing of this step (a gradient) lands after the caller's ``zero_grad``.
+
+        The wait is bounded (``settle_timeout``: a task that hangs must not turn a cancel
+        into a hang) and shielded: a cancel scope that cancels again (anyio's do, every
+        loop iteration) cannot cut it short. A task still running after the bound is
+        named in a note on ``exc``.
+        """
+        settle = getattr(self.executor, "settle", None)
+        if settle is None:
+            return
+        task = st.prog.order[st.running]
+        inner = asyncio.ensure_future(settle())
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.settle_timeout
+        while not inner.done():
+            left = deadline - loop.time()
+            if left <= 0:
+                break
+            try:
+                await asyncio.wait((inner,), timeout=left)
+            except asyncio.CancelledError:
+                continue  # cancelled again: the wait goes on until the bound
+        if not inner.done():
+            inner.cancel()
+            exc.add_note(
+                f"rank {self.rank} step {st.step}: task {task} was still running on the"
+                f" executor {self.settle_timeout} s after the step ended; what it writes (a"
+                " gradient) may land after the next zero_grad"
+            )
+        elif not inner.cancelled() and inner.exception() is not None:
+            err = inner.exception()
+            exc.add_note(f"rank {self.rank} step {st.step}: waiting for {task} raised {err!r}")
 
     def _forget_failed_steps(self) -> None:
         """The channel dropped every message still in flight (a local pipeline does after a
@@ -813,12 +866,14 @@ class StageLoop:
             # Runs once the executor has handed the task to its compute thread and yields:
             # a look-ahead broadcast must not delay the task's own start.
             asyncio.get_running_loop().call_soon(started, st.decisions, pos)
+        st.running = pos
         if self._exec_async:
             out = await self.executor.execute(task, data, st.ctx)
         else:  # see check_executor: a plain callable must hand back an awaitable
             aw = self.executor.execute(task, data, st.ctx)
             check_awaitable(aw, self.executor, task, st.ctx)
             out = await aw
+        st.running = -1
         t1 = self._now()
         if rec is not None:
             rec.append((t1, "end", task))

@@ -50,6 +50,7 @@ class StepState:
     ends: list[float] = field(default_factory=list)
     prefix_scan: int = 0
     prefix_end: float = 0.0
+    running: int = -1  # the position on the executor now, or -1
 
     def admitted(self) -> list[int]:
         """Ready positions the admission bound lets start now (cached per version)."""

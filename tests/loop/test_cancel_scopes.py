@@ -5,7 +5,9 @@ anyio cancels level-triggered (it cancels the task again at every ``await`` unti
 is left), asyncio edge-triggered (once); the step must not tell them apart. Each case runs on
 the virtual-time loop (exact deadlines, exact comparison with a fresh pipeline) and on real
 asyncio and uvloop loops (a unit of 30 ms, so the deadline falls 15 ms or more away from
-any event that decides what it cuts).
+any event that decides what it cuts). On the real loops the deadline is moved to "now" the
+moment 1F0 starts (the scope's own reschedule: ``Timeout.reschedule``, ``CancelScope.deadline``),
+so what it cuts is decided by causality, not by how busy the machine is.
 """
 
 from __future__ import annotations
@@ -40,9 +42,12 @@ class _Recording:
         self.inner = rr.CostModelExecutor(durations)
         self.seen: dict[tuple[int, Task], Any] = {}
         self.cancelled: list[tuple[int, Task]] = []
+        self.on_start: Callable[[int, Task], None] | None = None
 
     async def execute(self, task: Task, data: Any, ctx: TaskContext, /) -> Any:
         self.seen[(ctx.step, task)] = data
+        if self.on_start is not None:
+            self.on_start(ctx.step, task)
         try:
             await self.inner.execute(task, data, ctx)
         except asyncio.CancelledError:
@@ -69,22 +74,37 @@ def _pipeline(unit: float) -> tuple[rr.LocalPipeline, list[_Recording]]:
     return pipe, execs
 
 
-async def _under(scope: str, seconds: float, step: Callable[[], Awaitable[object]]) -> str:
-    """Run ``step`` under ``scope`` with a deadline ``seconds`` from now: what happened."""
+Expire = Callable[[], None]
+
+
+async def _under(
+    scope: str,
+    seconds: float,
+    step: Callable[[], Awaitable[object]],
+    arm: Callable[[Expire], None] | None = None,
+) -> str:
+    """Run ``step`` under ``scope`` with a deadline ``seconds`` from now: what happened.
+    ``arm`` receives a function that moves the deadline to now (through the scope's API)."""
     if scope == "asyncio.timeout":
         try:
-            async with asyncio.timeout(seconds):
+            async with asyncio.timeout(seconds) as cm:
+                if arm is not None:
+                    arm(lambda: cm.reschedule(asyncio.get_running_loop().time()))
                 await step()
         except TimeoutError:
             return "timed out"
     elif scope == "anyio.fail_after":
         try:
-            with anyio.fail_after(seconds):
+            with anyio.fail_after(seconds) as cs:
+                if arm is not None:
+                    arm(lambda: setattr(cs, "deadline", anyio.current_time()))
                 await step()
         except TimeoutError:
             return "timed out"
     else:
         with anyio.move_on_after(seconds) as cs:
+            if arm is not None:
+                arm(lambda: setattr(cs, "deadline", anyio.current_time()))
             await step()
         return "timed out" if cs.cancelled_caught else "finished"
     return "finished"
@@ -115,7 +135,19 @@ def test_a_step_cancelled_by_a_scope_ends_at_the_deadline_and_the_next_step_runs
         loop = asyncio.get_running_loop()
         t0 = loop.time()
 
-        outcome = await _under(scope, DEADLINE * unit, lambda: pipe.run_step(mbs0))
+        arm = None
+        if loop_kind != "virtual":
+
+            def arm(expire: Expire) -> None:
+                def at_start(step: int, task: Task) -> None:
+                    if (step, task) == (0, Task(1, "F", 0)):
+                        expire()  # while 1F0 runs, 0F1's output in flight (arrives at 4)
+
+                execs[1].on_start = at_start
+
+        seconds = (DEADLINE if arm is None else 100) * unit
+        outcome = await _under(scope, seconds, lambda: pipe.run_step(mbs0), arm)
+        execs[1].on_start = None
         took = (loop.time() - t0) / unit
         dropped.append(pipe.channel.dropped)
         after = await pipe.run_step(mbs1)  # the NEXT step, on the same pipeline
@@ -130,9 +162,9 @@ def test_a_step_cancelled_by_a_scope_ends_at_the_deadline_and_the_next_step_runs
     if loop_kind == "virtual":
         assert took == DEADLINE  # cancelled exactly at the deadline
     else:
-        # At the deadline (uvloop's clock has millisecond resolution, so a timer may fire
-        # up to 1 ms = 0.034 units "early" by loop.time()), and promptly (within 0.3 s).
-        assert DEADLINE - 0.05 <= took < DEADLINE + 10
+        # Not before 1F0 started (at 3 units; uvloop's clock has millisecond resolution, so
+        # a timer may fire up to 1 ms = 0.034 units "early" by loop.time()).
+        assert took >= 3 - 0.05
     assert pipe.channel.inflight == 0
     assert [s.step for s in after] == [1] * P
     for s in after:
