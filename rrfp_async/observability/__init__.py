@@ -11,6 +11,7 @@ The modules, one concept each (imports run down this list, never up):
 * ``_records``: the trace data model, ``TraceData`` and its named-tuple rows;
 * ``_recorder``: ``TraceRecorder`` (a ``TraceData`` from a running stage), ``MultiObserver``;
 * ``_summary``: ``summarize`` (busy / idle, bubble ratio, deviations) of a trace;
+* ``_stalls``: ``stalls`` (slow tasks, idle gaps, and the chain from each gap to its cause);
 * ``_chrome``: the Chrome-trace / Perfetto JSON export, its schema check and files;
 * ``_png``: ``render_png`` timelines.
 """
@@ -20,6 +21,7 @@ from ._logging import LogFormat, LogObserver, configure_logging
 from ._png import render_png
 from ._recorder import MultiObserver, TraceRecorder
 from ._records import Arrival, Decision, Ready, Send, Span, StepRecord, TraceData
+from ._stalls import stalls
 from ._summary import summarize
 
 __all__ = [
@@ -38,6 +40,7 @@ __all__ = [
     "configure_logging",
     "load_trace",
     "render_png",
+    "stalls",
     "summarize",
     "validate_chrome_trace",
     "write_trace",
