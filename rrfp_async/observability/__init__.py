@@ -12,11 +12,13 @@ The modules, one concept each (imports run down this list, never up):
 * ``_recorder``: ``TraceRecorder`` (a ``TraceData`` from a running stage), ``MultiObserver``;
 * ``_summary``: ``summarize`` (busy / idle, bubble ratio, deviations) of a trace;
 * ``_chrome``: the Chrome-trace / Perfetto JSON export, its schema check and files;
+* ``_merge``: ``merge_traces``, per-rank trace files of a multi-process run on one timeline;
 * ``_png``: ``render_png`` timelines.
 """
 
-from ._chrome import chrome_trace, load_trace, validate_chrome_trace, write_trace
+from ._chrome import chrome_trace, clock_origin, load_trace, validate_chrome_trace, write_trace
 from ._logging import LogFormat, LogObserver, configure_logging
+from ._merge import MergedTrace, merge_trace_files, merge_traces, rank_trace_path, trace_files
 from ._png import render_png
 from ._recorder import MultiObserver, TraceRecorder
 from ._records import Arrival, Decision, Ready, Send, Span, StepRecord, TraceData
@@ -27,6 +29,7 @@ __all__ = [
     "Decision",
     "LogFormat",
     "LogObserver",
+    "MergedTrace",
     "MultiObserver",
     "Ready",
     "Send",
@@ -35,10 +38,15 @@ __all__ = [
     "TraceData",
     "TraceRecorder",
     "chrome_trace",
+    "clock_origin",
     "configure_logging",
     "load_trace",
+    "merge_trace_files",
+    "merge_traces",
+    "rank_trace_path",
     "render_png",
     "summarize",
+    "trace_files",
     "validate_chrome_trace",
     "write_trace",
 ]
