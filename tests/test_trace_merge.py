@@ -157,13 +157,17 @@ def test_files_of_two_hosts_meet_on_the_wall_clock(tmp_path: Path) -> None:
         assert f["f"] - f["s"] == pytest.approx(want[k]["f"] - want[k]["s"], abs=0.01)
     s = summarize(merged.data)
     assert s["makespan"] == pytest.approx(summarize(whole)["makespan"], abs=1e-6)
-    # A host whose wall clock is 5 ms slow: messages to it seem to arrive before they were
-    # sent; the merge reports by how much (a lower bound on the offset: 5 ms minus the
-    # fastest message's 0.1 ms latency).
-    slow = {**host_b, "wall": HOST_A["wall"] - 0.005}
+    # A host whose wall clock is 2 s slow: messages to it seem to arrive before the tasks
+    # that produced them started; the merge reports by how much (a lower bound on the
+    # offset: 2 s less the shortest producer-start-to-arrival of a message to rank 1).
+    slow = {**host_b, "wall": HOST_A["wall"] - 2.0}
     paths = _write_parts(whole, tmp_path / "skew", origins={1: slow}, shifts={1: -5000.0})
+    start = {(s.step, s.task): s.start for s in whole.spans}
+    shortest = min(  # producers: 0F(m) for 1F(m), 2B(m) for 1B(m)
+        a.time - start[(a.step, f"{a.src}{a.task[1:]}")] for a in whole.arrivals if a.lane == 1
+    )
     gap = merge_trace_files(paths).causality_gap
-    assert 0.004 < gap <= 0.005
+    assert gap == pytest.approx(2.0 - shortest, abs=1e-6)
 
 
 def test_one_rank_file_alone_says_which_files_it_needs(tmp_path: Path) -> None:

@@ -99,7 +99,7 @@ def trace_cmd(files: tuple[str, ...], out: str | None, png_path: str | None, as_
         if merged.causality_gap > 0:
             con.print(
                 f"[yellow]clock offset of at least {merged.causality_gap * 1e3:.3f} ms:[/] a"
-                " message seems to arrive that much before it was sent"
+                " a message seems to arrive that much before the task that produced it started"
             )
         if merged.dropped:
             con.print(
