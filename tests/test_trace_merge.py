@@ -129,7 +129,11 @@ def test_per_rank_files_merge_into_the_whole_step(tmp_path: Path) -> None:
     for k, f in got.items():
         assert f["s"] == pytest.approx(want[k]["s"], abs=0.01)
         assert f["f"] == pytest.approx(want[k]["f"], abs=0.01)
-    # The summary is the whole step's (ready times included: "filled" matches too).
+    # Ready times travel too (the summary's "filled" needs them).
+    assert sorted((r.lane, r.task) for r in merged.data.ready) == sorted(
+        (r.lane, r.task) for r in whole.ready
+    )
+    # The summary is the whole step's.
     s, w = summarize(merged.data), summarize(whole)
     assert s["makespan"] == pytest.approx(w["makespan"], abs=1e-8)
     assert s["filled"] == pytest.approx(w["filled"], abs=1e-8) and w["filled"] > 0
