@@ -374,13 +374,15 @@ def _part_message(path: str | Path, trace: Mapping[str, Any]) -> str:
     here = ", ".join(map(str, sorted(lanes)))
     need = ", ".join(map(str, sorted(others)))
     folder = Path(path).parent
+    one = len(others) == 1
+    whose = "that rank's own trace file" if one else "those ranks' own trace files"
+    files = ", ".join(f"rank{r}.json" for r in sorted(others))
     return (
         f"{path} is one rank's part of a multi-process trace: it holds rank {here}, and"
         f" {n} of its messages went to or came from rank {need}, whose halves are in"
-        f" {'that rank' if len(others) == 1 else 'those ranks'}' own trace file"
-        f"{'' if len(others) == 1 else 's'}. Merge every rank's file into one timeline:"
-        f" rrfp-async trace {folder / 'rank*.json'} (a glob, a directory, or the files;"
-        " -o merged.json writes the result), or rr.merge_traces(paths) in code"
+        f" {whose} ({files} beside it, when written with trace_dir=). Merge every rank's file"
+        f" into one timeline: rrfp-async trace {folder / 'rank*.json'} (a glob, a directory, or the"
+        " files; -o merged.json writes the result), or rr.merge_traces(paths) in code"
     )
 
 
