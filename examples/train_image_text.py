@@ -39,6 +39,12 @@ def parse(argv: list[str] | None = None) -> tuple[argparse.Namespace, rr.TrainCo
     ap.add_argument("--memory-factor", type=float, default=None)
     ap.add_argument("--jitter", type=float, default=0.3)
     ap.add_argument("--spawn", action="store_true", help="start the processes here (no torchrun)")
+    ap.add_argument(
+        "--trace-dir",
+        default=None,
+        help="each process writes its trace of the last step to DIR/POLICY/rankR.json;"
+        " merge them with: rrfp-async trace DIR/POLICY",
+    )
     args = ap.parse_args(argv)
     cfg = rr.TrainConfig(
         pp=args.pp,
@@ -51,6 +57,7 @@ def parse(argv: list[str] | None = None) -> tuple[argparse.Namespace, rr.TrainCo
         policies=tuple(args.policy or ("strict", "readiness_first")),
         cost=rr.image_text_cost(jitter=args.jitter),
         return_params=False,
+        trace_dir=args.trace_dir,
     )
     return args, cfg
 

@@ -227,3 +227,64 @@ def test_trace_command_prints_broken_files_as_errors(tmp_path: Path) -> None:
         assert out.exit_code == 1, (name, out.output)
         assert "Error:" in out.output and msg in out.output, (name, out.output)
         assert "Traceback" not in out.output and "makespan nan" not in out.output
+
+
+def _legend_and_bars(*traces: tuple[str, Any]) -> tuple[list[str], list[Any], list[Any]]:
+    """The figure ``render_png`` would save: legend texts, legend patches, bar collections."""
+    import matplotlib.pyplot as plt
+
+    from rrfp_async.observability._png import _timeline_figure
+
+    fig = _timeline_figure(list(traces))
+    try:
+        (leg,) = fig.legends
+        texts = [t.get_text() for t in leg.get_texts()]
+        texts.insert(0, leg.get_title().get_text())
+        bars = [c for ax in fig.axes for c in ax.collections]
+        return texts, list(leg.legend_handles), bars
+    finally:
+        plt.close(fig)
+
+
+def test_png_legend_lists_the_kinds_drawn_and_names_microbatches() -> None:
+    res = rr.simulate(stages=2, microbatches=3, record=True)
+    assert res.trace is not None
+    texts, handles, bars = _legend_and_bars(("one chunk", res.trace))
+    assert texts == ["numbers on the bars: microbatch", "F forward", "B backward"]  # no I, W
+    assert all(h.get_hatch() is None for h in handles)
+    assert {b.get_hatch() for b in bars} == {None}
+    # Microbatch numbers are written on the bars.
+    import matplotlib.pyplot as plt
+
+    from rrfp_async.observability._png import _timeline_figure
+
+    fig = _timeline_figure([("x", res.trace)])
+    nums = sorted(t.get_text() for t in fig.axes[0].texts)
+    plt.close(fig)
+    assert nums == sorted([str(mb) for mb in range(3)] * 2 * 2)  # F, B on 2 stages
+    split = rr.simulate(stages=2, microbatches=2, split_backward=True, record=True)
+    assert split.trace is not None
+    texts, _, _ = _legend_and_bars(("split", split.trace))
+    assert texts[1:] == ["F forward", "I input grad", "W weight grad"]
+
+
+def test_png_tells_two_chunks_of_a_rank_apart() -> None:
+    from matplotlib.colors import to_rgba
+
+    from rrfp_async.observability._png import KIND_COLORS
+
+    res = rr.simulate(stages=2, chunks=2, microbatches=4, hint="interleaved", record=True)
+    assert res.trace is not None
+    texts, handles, bars = _legend_and_bars(("two chunks", res.trace))
+    assert texts[1:] == ["F chunk 0", "F chunk 1", "B chunk 0", "B chunk 1"]
+    by_label = dict(zip(texts[1:], handles, strict=True))
+    assert by_label["F chunk 0"].get_hatch() is None
+    assert by_label["F chunk 1"].get_hatch() == "//"
+    f0, f1 = (tuple(by_label[f"F chunk {c}"].get_facecolor()) for c in (0, 1))
+    assert f0 == to_rgba(KIND_COLORS["F"]) and f1 != f0
+    assert sum(f1[:3]) > sum(f0[:3])  # lighter
+    # Every rank draws its second chunk (stage r + 2) hatched and lighter, in the legend's
+    # style: one collection per rank x kind x chunk.
+    styles = {(b.get_hatch(), tuple(b.get_facecolor()[0])) for b in bars}
+    assert styles == {(h.get_hatch(), tuple(h.get_facecolor())) for h in handles}
+    assert len(bars) == 2 * 2 * 2

@@ -1,4 +1,5 @@
-"""``rrfp-async trace``: summarise a written trace and render its timeline."""
+"""``rrfp-async trace``: summarise a written trace (or merge per-rank trace files into one
+timeline first) and render its timeline."""
 
 from __future__ import annotations
 
@@ -8,7 +9,15 @@ from typing import Any
 
 import click
 
-from ..observability import load_trace, render_png, summarize
+from .._errors import TraceError
+from ..observability import (
+    load_trace,
+    merge_trace_files,
+    render_png,
+    summarize,
+    trace_files,
+    write_trace,
+)
 from ._options import json_option, log_options, png_option
 from ._output import console, table
 
@@ -16,27 +25,64 @@ __all__ = ["trace_cmd"]
 
 
 @click.command("trace")
-@click.argument("file", type=click.Path(exists=True, dir_okay=False))
+@click.argument("files", nargs=-1, required=True)
+@click.option(
+    "-o",
+    "--out",
+    "out",
+    type=click.Path(dir_okay=False),
+    default=None,
+    help="Write the (merged) Chrome / Perfetto trace there.",
+)
 @png_option("Render the trace's timeline to this PNG.")
 @json_option("Print the summary as JSON.")
 @log_options
-def trace_cmd(file: str, png_path: str | None, as_json: bool) -> None:
-    """Summarise a trace (per-rank busy / idle, bubble ratio, deviations) and render it."""
-    tr = load_trace(file)  # a file that is not a trace: TraceError, printed as "Error: ..."
+def trace_cmd(files: tuple[str, ...], out: str | None, png_path: str | None, as_json: bool) -> None:
+    """Summarise a trace (per-rank busy / idle, bubble ratio, deviations) and render it.
+
+    FILES: one trace file, or the per-rank files of a multi-process run (rank0.json
+    rank1.json ..., a glob such as 'out/rank*.json', or the directory that holds them),
+    merged into one timeline: messages joined across files, one clock.
+    """
+    try:
+        paths = trace_files(files)
+    except TraceError as e:  # an argument that names no file: a usage error (exit code 2)
+        raise click.BadParameter(str(e), param_hint="FILES") from None
+    merged = None
+    if len(paths) == 1:
+        tr = load_trace(paths[0])  # not a trace, or one rank's part: TraceError
+        name = str(paths[0])
+    else:
+        merged = merge_trace_files(paths)
+        tr = merged.chrome_trace()
+        name = f"{len(paths)} files merged"
     summ = summarize(tr)
     meta = tr.get("otherData", {}).get("rrfp", {})
+    if out is not None:
+        write_trace(out, tr)
     if png_path is not None:
-        render_png([(Path(file).name, tr)], png_path, title=_clock_title(meta))
+        render_png([(Path(name).name, tr)], png_path, title=_clock_title(meta))
+    report = None
+    if merged is not None:
+        report = {
+            "ranks": {str(r): str(p) for r, p in merged.ranks.items()},
+            "alignment": merged.alignment,
+            "causality_gap": merged.causality_gap,
+            "dropped": list(merged.dropped),
+        }
     if as_json:
         click.echo(
             json.dumps(
                 {
-                    "file": file,
+                    "file": name if merged is None else None,
+                    "files": [str(p) for p in paths],
                     "meta": {
                         k: meta.get(k) for k in ("clock", "emulated_gpu_time", "policy", "hint")
                     },
+                    "merged": report,
                     "summary": summ,
                     "png": png_path,
+                    "out": out,
                 },
                 indent=2,
                 default=str,
@@ -44,8 +90,24 @@ def trace_cmd(file: str, png_path: str | None, as_json: bool) -> None:
             )
         )
         return
+    con = console()
+    if merged is not None:
+        con.print(
+            f"merged {len(paths)} files (ranks {', '.join(map(str, merged.ranks))});"
+            f" clocks: {merged.alignment}"
+        )
+        if merged.causality_gap > 0:
+            con.print(
+                f"[yellow]clock offset of at least {merged.causality_gap * 1e3:.3f} ms:[/] a"
+                " a message seems to arrive that much before the task that produced it started"
+            )
+        if merged.dropped:
+            con.print(
+                f"note: {len(merged.dropped)} message(s) had one half only (a failed step's?),"
+                " left out: " + "; ".join(merged.dropped[:5])
+            )
     t = table(
-        f"{file}: {_clock_title(meta)}; policy {meta.get('policy', '?')}, hint"
+        f"{name}: {_clock_title(meta)}; policy {meta.get('policy', '?')}, hint"
         f" {meta.get('hint', '?')}; makespan {summ['makespan'] * 1e3:.2f} ms",
         (
             "rank",
@@ -69,12 +131,13 @@ def trace_cmd(file: str, png_path: str | None, as_json: bool) -> None:
             str(v["deviations"]),
             f"{v['filled'] * 1e3:.2f}",
         )
-    con = console()
     con.print(t)
     con.print(
         f"bubble ratio {summ['bubble_ratio']:.1%}, {summ['deviations']} deviations from"
         f" the hint filled {summ['filled'] * 1e3:.2f} ms of idle time"
     )
+    if out is not None:
+        con.print(f"wrote {out}")
     if png_path is not None:
         con.print(f"wrote {png_path}")
 

@@ -59,9 +59,11 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import logging
 import threading
 import time
 from collections.abc import Iterable, Mapping, Sequence
+from pathlib import Path
 from types import TracebackType
 from typing import Any
 
@@ -84,6 +86,14 @@ from ..loop import StageLoop, StageObserver, StepStats
 from ..loop._checks import check_step_args
 from ..loop._executors import Executor
 from ..loop._portal import SyncPortal
+from ..observability import (
+    MultiObserver,
+    TraceData,
+    TraceRecorder,
+    chrome_trace,
+    rank_trace_path,
+    write_trace,
+)
 from ..policies._policy import Policy
 from ..policies._schedule import StepSchedule
 from ._digest import PlanDigest, plan_disagreement
@@ -100,6 +110,8 @@ DEFAULT_STEP_TIMEOUT = 30.0
 """Seconds a step of a ``DistributedStage`` may take by default before its watchdog fires."""
 DEFAULT_MAX_MESSAGE_BYTES = 256 << 20
 """Largest message a ``DistributedStage`` sends or accepts by default (256 MiB)."""
+
+_log = logging.getLogger(__name__)
 
 _p2p_lock = threading.Lock()
 _p2p_users: dict[int, tuple[Any, str]] = {}
@@ -172,6 +184,13 @@ class DistributedStage:
             step that failed on any rank of the job (another pipeline, a rank that failed in
             its last task after this one finished) fails on every rank (see the design note
             at ``_post_agreement``); one int64[2] all-reduce per step.
+        trace_dir: Record every step and write it, when the step ends (also when it fails),
+            as a Chrome / Perfetto JSON file ``{trace_dir}/rank{global rank}.json``: each file
+            holds the last step its rank ran, and overwrites the previous one. Merge the
+            ranks' files into one timeline with ``rrfp-async trace {trace_dir}`` or
+            ``rr.merge_traces``. The write is part of ``run_step`` (on a loaded 2-core
+            machine: 4 ms for a rank's 32 tasks, 12 ms for 128); a write that fails is
+            logged (logger ``rrfp_async.distributed._stage``), never fails the step.
 
     Tied parameters declared by the executor (``TorchStageExecutor(shared=...)``) have their
     gradients summed over every rank that holds them at the end of each training step,
@@ -183,7 +202,8 @@ class DistributedStage:
     Raises:
         PlanError: The schedule does not fit the layout, ``max_message_bytes`` < 1,
             ``step_timeout`` is not a positive number or None, or the layout's rank is not
-            this process's rank in torch.distributed (the message names both).
+            this process's rank in torch.distributed (the message names both), or
+            ``trace_dir`` cannot be created.
 
     Attributes:
         plan_checks: How many plan checks ran (one per distinct plan).
@@ -208,6 +228,7 @@ class DistributedStage:
         check_ties: bool = True,
         max_microbatches: int | None = None,
         agree_steps: bool = True,
+        trace_dir: str | Path | None = None,
     ) -> None:
         if schedule.plan.stages != layout.pp:
             raise PlanError(
@@ -242,6 +263,17 @@ class DistributedStage:
             max_bytes=max_message_bytes,
             bound_name="DistributedStage(max_message_bytes=...)",
         )
+        self.trace_dir = None if trace_dir is None else Path(trace_dir)
+        self._recorder: TraceRecorder | None = None
+        if self.trace_dir is not None:
+            try:
+                self.trace_dir.mkdir(parents=True, exist_ok=True)
+            except OSError as e:
+                raise PlanError(
+                    f"rank {layout.rank}: cannot create trace_dir {str(trace_dir)!r}: {e}"
+                ) from None
+            self._recorder = TraceRecorder(layout.pipeline_peers())
+            observer = MultiObserver(observer, self._recorder)
         self.decisions: DecisionChannel | None = None
         if layout.tp > 1:
             self.decisions = DecisionChannel(
@@ -459,6 +491,8 @@ class DistributedStage:
         self._running = s
         self._next_step = s + 1
         self.channel.at_step(s)
+        if self._recorder is not None:
+            self._recorder.data = TraceData()  # each file holds one step
         agreed = False  # this step's end-of-step agreement is posted (once, on every rank)
         try:
             # The control group's collectives run in the same order on every rank, also for a
@@ -484,6 +518,30 @@ class DistributedStage:
             raise
         finally:
             self._running = None
+            if self._recorder is not None:
+                self._write_trace(s, sched)
+
+    def _write_trace(self, step: int, schedule: StepSchedule) -> None:
+        """Write this step's recording to ``trace_dir`` (see the class's Args); a failure is
+        logged and never fails the step."""
+        assert self._recorder is not None and self.trace_dir is not None
+        path = rank_trace_path(self.trace_dir, self.layout.rank)
+        try:
+            write_trace(
+                path,
+                chrome_trace(
+                    self._recorder.data,
+                    clock="real",
+                    emulated=getattr(self.stage.executor, "emulate", None) is not None,
+                    policy=self.stage.policy_name,
+                    hint=schedule.hint_name,
+                    title=f"{self._who()}, step {step}",
+                ),
+            )
+        except Exception as e:
+            _log.warning(
+                "%s: could not write its trace of step %d to %s: %r", self._who(), step, path, e
+            )
 
     # Design note: the end-of-step agreement
     # --------------------------------------

@@ -18,8 +18,10 @@ seeded jitter). Reports say so.
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -38,7 +40,10 @@ from ..observability import (
     MultiObserver,
     TraceData,
     TraceRecorder,
+    chrome_trace,
     configure_logging,
+    rank_trace_path,
+    write_trace,
 )
 from ..policies._schedule import StepSchedule
 from ._layout import ProcessLayout, build_groups
@@ -146,7 +151,13 @@ class TrainConfig:
         verify_tp: Cross-check the TP ranks' sequences after each step.
         step_timeout: Watchdog per step, seconds.
         return_params: Return the final parameters (for equivalence checks).
-        trace_steps: Steps (counting warm-up) whose trace is recorded and returned.
+        trace_steps: Steps (counting warm-up) whose trace is recorded and returned
+            (``TrainResult.trace``); with ``trace_dir`` and no ``trace_steps``, the last step.
+        trace_dir: Every process writes its recording of ``trace_steps`` (default: the last
+            step) as a Chrome / Perfetto JSON file ``{trace_dir}/{policy}/rank{r}.json`` (one
+            directory per policy, one file per global rank, written when the policy's
+            training ends, and when it fails). Merge a policy's files into one timeline with
+            ``rrfp-async trace {trace_dir}/{policy}`` or ``rr.merge_traces``.
         log_format: Configure step-traced logs in every process ("json" / "console").
         log_level: Their level.
         progress: Rank 0 reports ``(policy, step)`` after each step (``report_progress``).
@@ -174,6 +185,7 @@ class TrainConfig:
     step_timeout: float | None = 120.0
     return_params: bool = True
     trace_steps: tuple[int, ...] = ()
+    trace_dir: str | Path | None = None
     log_format: LogFormat | None = None
     log_level: str = "info"
     progress: bool = False
@@ -187,6 +199,11 @@ class TrainConfig:
             raise PlanError(f"TrainConfig.warmup_steps must be >= 0, got {self.warmup_steps!r}")
         if not self.policies:
             raise PlanError("TrainConfig.policies is empty: name at least one policy")
+        if self.trace_dir is not None and not isinstance(self.trace_dir, str | Path):
+            raise PlanError(
+                f"TrainConfig.trace_dir must be a directory path (str or Path), got"
+                f" {self.trace_dir!r}"
+            )
         if not self.lr > 0:
             raise PlanError(f"TrainConfig.lr must be > 0, got {self.lr!r}")
         bad = [s for s in self.trace_steps if not 0 <= s < self.warmup_steps + self.steps]
@@ -195,6 +212,14 @@ class TrainConfig:
                 f"TrainConfig.trace_steps {bad} are outside the"
                 f" {self.warmup_steps + self.steps} steps run (warm-up counted)"
             )
+
+    @property
+    def traced_steps(self) -> tuple[int, ...]:
+        """The steps recorded: ``trace_steps``, or the last step when only ``trace_dir`` is
+        given."""
+        if self.trace_steps or self.trace_dir is None:
+            return self.trace_steps
+        return (self.warmup_steps + self.steps - 1,)
 
     def batches(self, dp_rank: int = 0) -> list[list[Microbatch]]:
         """The microbatches of every step (warm-up steps first) of one DP replica.
@@ -237,7 +262,8 @@ class TrainResult:
         losses: ``{step: {microbatch: loss}}`` on the last stage's ranks.
         compute_seconds: Real torch compute seconds (all steps).
         emulated_seconds: Emulated GPU seconds slept (all steps).
-        trace: The recording of ``trace_steps`` on this process.
+        trace: The recording of the traced steps (``TrainConfig.traced_steps``) on this
+            process.
     """
 
     policy: str
@@ -285,9 +311,10 @@ async def _train_one(
             plan, cfg.hint, durations=declared, memory_factor=cfg.memory_factor
         )
 
-    recorder = TraceRecorder(layout.pipeline_peers()) if cfg.trace_steps else None
+    traced = cfg.traced_steps
+    recorder = TraceRecorder(layout.pipeline_peers()) if traced else None
     logger = LogObserver(rank=layout.rank) if cfg.log_format is not None else None
-    observer = MultiObserver(logger, _StepFilter(recorder, set(cfg.trace_steps)))
+    observer = MultiObserver(logger, _StepFilter(recorder, set(traced)))
     times: list[float] = []
     stats: list[StepStats] = []
     losses: dict[int, dict[int, float]] = {}
@@ -319,6 +346,16 @@ async def _train_one(
                     stats.append(st)
                 if cfg.progress and layout.rank == 0:
                     report_progress((policy, s))
+    except BaseException:
+        if recorder is not None and cfg.trace_dir is not None:
+            try:  # the failed step's trace helps most; the step's error stays the error
+                _write_rank_trace(cfg, layout.rank, policy, recorder.data)
+            except Exception as e:
+                _log.warning("rank %d: could not write its trace: %r", layout.rank, e)
+        raise
+    else:
+        if recorder is not None and cfg.trace_dir is not None:
+            _write_rank_trace(cfg, layout.rank, policy, recorder.data)
     finally:
         executor.close()
     return TrainResult(
@@ -374,6 +411,26 @@ def train_worker(rank: int, world: int, cfg: TrainConfig) -> list[TrainResult]:
         out.append(run(_train_one(cfg, layout, groups, policy, batches)))
         dist.barrier()
     return out
+
+
+_log = logging.getLogger(__name__)
+
+
+def _write_rank_trace(cfg: TrainConfig, rank: int, policy: str, data: TraceData) -> Path:
+    """``{trace_dir}/{policy}/rank{rank}.json``: this process's recording (see
+    ``TrainConfig.trace_dir``)."""
+    assert cfg.trace_dir is not None
+    steps = sorted({s.step for s in data.spans})
+    tr = chrome_trace(
+        data,
+        clock="real",
+        emulated=cfg.cost is not None,
+        policy=policy,
+        hint=cfg.hint,
+        title=f"rank {rank}, {policy}, steps {steps}: CPU compute"
+        + (" + EMULATED GPU time" if cfg.cost is not None else ""),
+    )
+    return write_trace(rank_trace_path(Path(cfg.trace_dir) / policy, rank), tr)
 
 
 class _StepFilter:

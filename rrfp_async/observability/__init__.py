@@ -13,11 +13,13 @@ The modules, one concept each (imports run down this list, never up):
 * ``_summary``: ``summarize`` (busy / idle, bubble ratio, deviations) of a trace;
 * ``_stalls``: ``stalls`` (slow tasks, idle gaps, and the chain from each gap to its cause);
 * ``_chrome``: the Chrome-trace / Perfetto JSON export, its schema check and files;
+* ``_merge``: ``merge_traces``, per-rank trace files of a multi-process run on one timeline;
 * ``_png``: ``render_png`` timelines.
 """
 
-from ._chrome import chrome_trace, load_trace, validate_chrome_trace, write_trace
+from ._chrome import chrome_trace, clock_origin, load_trace, validate_chrome_trace, write_trace
 from ._logging import LogFormat, LogObserver, configure_logging
+from ._merge import MergedTrace, merge_trace_files, merge_traces, rank_trace_path, trace_files
 from ._png import render_png
 from ._recorder import MultiObserver, TraceRecorder
 from ._records import Arrival, Decision, Ready, Send, Span, StepRecord, TraceData
@@ -29,6 +31,7 @@ __all__ = [
     "Decision",
     "LogFormat",
     "LogObserver",
+    "MergedTrace",
     "MultiObserver",
     "Ready",
     "Send",
@@ -37,11 +40,16 @@ __all__ = [
     "TraceData",
     "TraceRecorder",
     "chrome_trace",
+    "clock_origin",
     "configure_logging",
     "load_trace",
+    "merge_trace_files",
+    "merge_traces",
+    "rank_trace_path",
     "render_png",
     "stalls",
     "summarize",
+    "trace_files",
     "validate_chrome_trace",
     "write_trace",
 ]

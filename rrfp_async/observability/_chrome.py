@@ -7,12 +7,17 @@ ui.perfetto.dev read:
 * one complete event (``ph: "X"``) per executed task, ``cat`` = its kind (F/B/I/W), ``name``
   = its text form (``2F3``), ``args`` = stage, kind, microbatch, step;
 * one flow (``ph: "s"`` at the producer's end, ``ph: "f"`` at the consumer's next slice) per
-  message between ranks, ``cat: "message"``;
+  message between ranks, ``cat: "message"``; both halves carry the message's identity in
+  ``args`` (``step``, ``task`` = the consumer, ``from`` and ``to`` = the two ranks), so the
+  halves recorded by two processes join again when their files are merged
+  (``merge_traces``), whatever ``id`` each file gave them;
 * one instant event (``ph: "i"``, ``name: "decision"``) per dispatch decision, with the
   ready set and hint ranks, the hinted task and whether it deviated;
 * ``otherData.rrfp``: the clock ("virtual" or "real"), whether GPU time was emulated, the
-  policy, the hint, per-rank step statistics (``StepRecord`` rows as JSON lists) and the
-  summary.
+  policy, the hint, per-rank step statistics (``StepRecord`` rows as JSON lists), the ready
+  times (``Ready`` rows, seconds from ``t0``), the lanes (ranks) the file holds, ``t0`` (the
+  stage clock's reading at ``ts`` 0) and, for a real clock, ``clock_origin`` (see
+  ``clock_origin``: how this host's stage clock maps to wall-clock time), and the summary.
 
 Times are microseconds from the earliest event of the trace. ``from_chrome`` (in
 ``_records``) reads such a trace back.
@@ -23,6 +28,8 @@ from __future__ import annotations
 import itertools
 import json
 import math
+import socket
+import time
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, get_args
@@ -37,6 +44,7 @@ __all__ = [
     "MAX_TRACE_DEPTH",
     "MAX_TRACE_EVENTS",
     "chrome_trace",
+    "clock_origin",
     "load_trace",
     "validate_chrome_trace",
     "write_trace",
@@ -97,6 +105,36 @@ def _finite(obj: object) -> bool:
     return True
 
 
+def _boot_id() -> str:
+    try:
+        return Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+    except OSError:  # not Linux: the host name alone tells hosts apart
+        return ""
+
+
+def clock_origin() -> dict[str, Any]:
+    """How this host's stage clock maps to wall-clock time, sampled now.
+
+    A real stage clock is ``time.monotonic``: one clock for every process of a host (so the
+    files of one host line up exactly), but its zero is arbitrary, so files of different
+    hosts need the wall clock. Returns ``{"host", "boot", "monotonic", "wall"}``: the host
+    name, its boot id (Linux; ``""`` elsewhere: a reboot restarts the monotonic clock), and
+    a ``time.monotonic()`` / ``time.time()`` pair read together (the monotonic reading is
+    the mean of one before and one after the wall-clock read, so the pair is off by at most
+    half their gap, a microsecond or so). ``chrome_trace`` records it for a real clock;
+    ``merge_traces`` uses it.
+    """
+    m0 = time.monotonic()
+    wall = time.time()
+    m1 = time.monotonic()
+    return {
+        "host": socket.gethostname(),
+        "boot": _boot_id(),
+        "monotonic": (m0 + m1) / 2,
+        "wall": wall,
+    }
+
+
 def chrome_trace(
     data: TraceData,
     *,
@@ -105,8 +143,13 @@ def chrome_trace(
     policy: str = "",
     hint: str = "",
     title: str = "",
+    origin: Mapping[str, Any] | None = None,
 ) -> dict[str, Any]:
     """The Trace Event Format JSON (a dict) of ``data``; see the module docstring.
+
+    Export a real run's recording on the host that recorded it (the stage clock is that
+    host's ``time.monotonic``): the file then says how its times map to wall-clock time, and
+    per-rank files of a multi-host job merge onto one clock (``merge_traces``).
 
     Args:
         data: The records.
@@ -115,9 +158,11 @@ def chrome_trace(
         policy: The policy's name.
         hint: The hint's name.
         title: A free-text description.
+        origin: For a real clock, the stage clock's mapping to wall-clock time
+            (``clock_origin()``, sampled now when None); ignored for a virtual clock.
     """
     times = [s.start for s in data.spans] + [a.time for a in data.arrivals]
-    times += [d.time for d in data.decisions]
+    times += [d.time for d in data.decisions] + [s.time for s in data.sends]
     t0 = min(times) if times else 0.0
 
     def us(t: float) -> float:
@@ -157,9 +202,10 @@ def chrome_trace(
                 "cat": "message",
                 "ph": "s",
                 "id": fid,
-                "ts": us(send.time) - 0.001,
+                "ts": max(0.0, us(send.time) - 0.001),
                 "pid": send.lane,
                 "tid": 0,
+                "args": {"step": send.step, "task": send.task, "from": send.lane, "to": send.dst},
             }
         )
     for arr in data.arrivals:
@@ -173,7 +219,7 @@ def chrome_trace(
                 "ts": us(arr.time),
                 "pid": arr.lane,
                 "tid": 0,
-                "args": {"from": arr.src},
+                "args": {"step": arr.step, "task": arr.task, "from": arr.src, "to": arr.lane},
             }
         )
     for d in data.decisions:
@@ -207,7 +253,19 @@ def chrome_trace(
                 "hint": hint,
                 "title": title,
                 "t0": t0,
+                **({"clock_origin": dict(origin or clock_origin())} if clock == "real" else {}),
+                "lanes": sorted(
+                    {
+                        *lanes,
+                        *(
+                            r.lane
+                            for rows in (data.sends, data.arrivals, data.decisions)
+                            for r in rows
+                        ),
+                    }
+                ),
                 "steps": [list(rec) for rec in data.steps],
+                "ready": [[r.lane, r.step, r.task, r.time - t0] for r in data.ready],
                 "summary": summarize(data),
             }
         },
@@ -232,9 +290,18 @@ def load_trace(path: str | Path) -> dict[str, Any]:
             events are malformed (missing keys; times ``ts`` and durations ``dur`` that are
             not finite numbers >= 0, or whose sum overflows; ranks ``pid`` that are not
             integers >= 0; names that are not tasks), or its summary overflows; the
-            message names the file and the first problems.
+            message names the file and the first problems. A per-rank file of a
+            multi-process run (its messages' other halves are in the other ranks' files) is
+            refused with a message that names the ranks whose files it needs and how to
+            merge them (``merge_traces``, ``rrfp-async trace rank0.json rank1.json ...``).
         OSError: The file cannot be read.
     """
+    return _load(path, whole=True)
+
+
+def _load(path: str | Path, *, whole: bool) -> dict[str, Any]:
+    """``load_trace``; with ``whole=False``, a flow may miss its other half (a per-rank
+    file, to be merged)."""
     size = Path(path).stat().st_size
     if size > MAX_TRACE_BYTES:
         raise TraceError(
@@ -269,7 +336,11 @@ def load_trace(path: str | Path) -> dict[str, Any]:
     other = obj.get("otherData", {})
     if not isinstance(other, dict) or not isinstance(other.get("rrfp", {}), dict):
         raise TraceError(f"{path}: otherData.rrfp must be a JSON object")
-    problems = validate_chrome_trace(obj)
+    problems = _problems(obj, flows=whole)
+    if whole and problems and not _problems(obj, flows=False):
+        part = _part_message(path, obj)
+        if part:
+            raise TraceError(part)
     if problems:
         more = f" (and {len(problems) - 5} more)" if len(problems) > 5 else ""
         raise TraceError(f"{path} is not a valid trace: " + "; ".join(problems[:5]) + more)
@@ -284,6 +355,46 @@ def load_trace(path: str | Path) -> dict[str, Any]:
     return obj
 
 
+def _part_message(path: str | Path, trace: Mapping[str, Any]) -> str:
+    """What to tell about a per-rank file whose flows miss their other halves, or ``""``
+    when it is not one (a half whose other end is a rank of this very file, or a flow
+    without the message's identity: a broken trace, not a part)."""
+    lanes = {e["pid"] for e in trace["traceEvents"] if e.get("ph") in ("X", "s", "f", "i")}
+    others: set[int] = set()
+    halves = unpaired_flows(trace)
+    for e in halves:
+        a = e.get("args") or {}
+        other = a.get("to") if e["ph"] == "s" else a.get("from")
+        if not isinstance(other, int) or not _rank(other) or other in lanes:
+            return ""
+        others.add(other)
+    if not others:
+        return ""
+    n = len(halves)
+    here = ", ".join(map(str, sorted(lanes)))
+    need = ", ".join(map(str, sorted(others)))
+    folder = Path(path).parent
+    one = len(others) == 1
+    whose = "that rank's own trace file" if one else "those ranks' own trace files"
+    files = ", ".join(f"rank{r}.json" for r in sorted(others))
+    return (
+        f"{path} is one rank's part of a multi-process trace: it holds rank {here}, and"
+        f" {n} of its messages went to or came from rank {need}, whose halves are in"
+        f" {whose} ({files} beside it, when written with trace_dir=). Merge every rank's file"
+        f" into one timeline: rrfp-async trace {folder / 'rank*.json'} (a glob, a directory, or the"
+        " files; -o merged.json writes the result), or rr.merge_traces(paths) in code"
+    )
+
+
+def unpaired_flows(trace: Mapping[str, Any]) -> list[dict[str, Any]]:
+    """The flow events (``ph`` ``"s"`` / ``"f"``) of a trace whose id has only that half."""
+    ends: dict[object, set[str]] = {}
+    flows = [e for e in trace["traceEvents"] if e.get("ph") in ("s", "f")]
+    for e in flows:
+        ends.setdefault(e.get("id"), set()).add(e["ph"])
+    return [e for e in flows if ends[e.get("id")] != {"s", "f"}]
+
+
 def validate_chrome_trace(trace: Mapping[str, Any]) -> list[str]:
     """Schema check of a trace made by ``chrome_trace``; returns the problems (empty: ok).
 
@@ -291,6 +402,11 @@ def validate_chrome_trace(trace: Mapping[str, Any]) -> list[str]:
     >= 0 whose sums stay finite, ranks integers >= 0), that compute spans of a rank do not
     overlap, and that every flow has both ends.
     """
+    return _problems(trace, flows=True)
+
+
+def _problems(trace: Mapping[str, Any], *, flows: bool) -> list[str]:
+    """``validate_chrome_trace``; with ``flows=False``, a flow may lack its other half."""
     problems: list[str] = []
     evs = trace.get("traceEvents")
     if not isinstance(evs, list):
@@ -303,7 +419,7 @@ def validate_chrome_trace(trace: Mapping[str, Any]) -> list[str]:
         "i": ("name", "ts", "pid", "s"),
     }
     lanes: dict[int, list[tuple[float, float, str]]] = {}
-    flows: dict[int, set[str]] = {}
+    ends: dict[int, set[str]] = {}
     for i, e in enumerate(evs):
         ph = e.get("ph")
         if ph not in need:
@@ -341,7 +457,14 @@ def validate_chrome_trace(trace: Mapping[str, Any]) -> list[str]:
             if not isinstance(e.get("id"), int | str) or not isinstance(e.get("ts"), int | float):
                 problems.append(f"event {i} ({ph}): id must be an integer or string, ts a number")
                 continue
-            flows.setdefault(e["id"], set()).add(ph)
+            a = e.get("args")
+            if a is not None and not _identity(a):
+                problems.append(
+                    f"event {i} ({ph}): args must be the message's identity: step and from /"
+                    " to integers >= 0, task a task"
+                )
+                continue
+            ends.setdefault(e["id"], set()).add(ph)
         elif ph == "M" and not isinstance(e.get("args"), dict):
             problems.append(f"event {i} (M): args must be an object")
     for pid, spans in lanes.items():
@@ -349,7 +472,22 @@ def validate_chrome_trace(trace: Mapping[str, Any]) -> list[str]:
         for (_, e0, n0), (s1, _, n1) in itertools.pairwise(spans):
             if s1 < e0 - 0.01:  # µs; ts and dur are rounded separately
                 problems.append(f"rank {pid}: {n0} and {n1} overlap")
-    for fid, ends in flows.items():
-        if ends != {"s", "f"}:
-            problems.append(f"flow {fid} has only {sorted(ends)}")
+    for fid, halves in ends.items():
+        if flows and halves != {"s", "f"}:
+            problems.append(f"flow {fid} has only {sorted(halves)}")
     return problems
+
+
+def _identity(args: object) -> bool:
+    """A flow event's ``args``: nothing of the identity, or all of it, well typed."""
+    if not isinstance(args, dict):
+        return False
+    if "task" not in args:
+        return True  # written before flows carried their message's identity (or by hand)
+    if not all(k in args and _rank(args[k]) for k in ("step", "from", "to")):
+        return False
+    try:
+        Task.parse(args.get("task"))  # type: ignore[arg-type]
+    except (ValueError, TypeError):
+        return False
+    return True

@@ -159,12 +159,26 @@ class TraceData:
 
 
 def from_chrome(trace: Mapping[str, Any]) -> TraceData:
-    """The spans, decisions and step records of a Chrome trace made by ``chrome_trace``.
-
-    Messages and ready times are not read back. Times are seconds from the trace's start.
+    """The records of a Chrome trace made by ``chrome_trace``: spans, decisions, step
+    records, ready times, and the messages whose flow events carry their identity (``args``
+    ``step``, ``task``, ``from``, ``to``; traces written before they did have none, and
+    their messages are not read back). Times are seconds from the trace's start.
     """
     data = TraceData()
     for e in trace["traceEvents"]:
+        ph = e.get("ph")
+        if ph in ("s", "f"):
+            a = e.get("args") or {}
+            if "task" not in a:  # no identity: an older trace
+                continue
+            if ph == "s":  # the export put the start 1 ns before the send (see _chrome)
+                t = (e["ts"] + 0.001) / 1e6
+                data.sends.append(Send(a["from"], a["step"], a["task"], a["to"], t))
+            else:
+                data.arrivals.append(
+                    Arrival(a["to"], a["step"], a["task"], a["from"], e["ts"] / 1e6)
+                )
+            continue
         if e.get("ph") == "X":
             start = e["ts"] / 1e6
             data.spans.append(
@@ -191,4 +205,5 @@ def from_chrome(trace: Mapping[str, Any]) -> TraceData:
             )
     rr = trace.get("otherData", {}).get("rrfp", {})
     data.steps = _rows(StepRecord, rr.get("steps", []))
+    data.ready = _rows(Ready, rr.get("ready", []))
     return data

@@ -1,0 +1,382 @@
+"""One timeline from many processes: merge per-rank Chrome traces (JSON only).
+
+Under torchrun every process records its own ranks and writes its own file
+(``rank{r}.json``, see ``rank_trace_path``). A message crosses two files: its sender's holds
+the flow's start, its receiver's the end, and each file numbered its flows on its own. So
+the merge joins the halves by the message's identity, which ``chrome_trace`` writes into
+both halves' ``args``: (``step``, ``task`` = the consumer, ``from``, ``to``), and numbers
+the joined flows afresh. Nothing is unpickled: every input is checked JSON
+(``load_trace``'s rules, less the pairing of flows).
+
+Design note: one clock
+----------------------
+A real stage clock is ``time.monotonic``. On Linux that is ``CLOCK_MONOTONIC``: one clock
+for every process of a host until it reboots (containers too, unless one runs in a time
+namespace of its own), so the files of one host (same name, same boot id) line up exactly
+as recorded, with no correction and no error. Its zero is arbitrary,
+though, so hosts (or boots) disagree; for them each file records ``clock_origin`` (a monotonic and a
+wall-clock reading taken together when the file was written; see ``clock_origin``), and
+the merge puts every file on the wall clock: ``t - origin.monotonic + origin.wall`` (in
+practice onto the first file's host clock through it, which keeps sub-microsecond times). The
+error is then the hosts' wall-clock offsets (NTP keeps a LAN within about a millisecond,
+often far less; an unsynchronised host can be off by seconds) plus a microsecond or so of
+sampling. The merge measures what it can: a message cannot arrive before the task that
+produced it started, so the largest "arrival before the producer's start" over all joined
+messages is a lower bound on the offset between two hosts, and the merge reports it
+(``MergedTrace.causality_gap``; the CLI prints it). Not the send time: a flow starts where
+the producing task ends *as the sender's event loop saw it*, and an output leaves from the
+compute thread before the loop hears that the task ended (on one loaded host, a message
+arrived 1.5 ms before its producer's recorded end, on one clock). The bound does not try to
+correct the offset: a correction guessed from messages would also hide real delays. A
+real-clock file without a ``clock_origin`` (written by an older version) cannot be placed
+on the others' clock and is refused.
+"""
+
+from __future__ import annotations
+
+import glob
+import re
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from .._errors import TraceError
+from .._tasks import Task
+from ._chrome import _load, chrome_trace, validate_chrome_trace, write_trace
+from ._records import Arrival, Decision, Ready, Send, Span, StepRecord, TraceData, from_chrome
+
+__all__ = ["MergedTrace", "merge_trace_files", "merge_traces", "rank_trace_path", "trace_files"]
+
+_RANK_FILE = re.compile(r"rank(\d+)\.json$")
+
+
+def rank_trace_path(directory: str | Path, rank: int) -> Path:
+    """Where rank ``rank``'s trace goes in ``directory``: ``rank{rank}.json``."""
+    return Path(directory) / f"rank{rank}.json"
+
+
+def _natural(p: Path) -> tuple[str, int, str]:
+    m = _RANK_FILE.search(p.name)
+    return (str(p.parent), int(m.group(1)) if m else -1, p.name)
+
+
+def trace_files(specs: Iterable[str | Path]) -> list[Path]:
+    """The trace files named by ``specs``: files, directories (their ``rank*.json``) and
+    glob patterns (``out/rank*.json``, quoted so the shell leaves it), in rank order, each
+    once.
+
+    Raises:
+        TraceError: A spec names nothing (no such file, a pattern that matches no file, a
+            directory without ``rank*.json``; the message says which subdirectories hold
+            some), or no spec is given.
+    """
+    out: list[Path] = []
+    for spec in specs:
+        p = Path(spec)
+        if p.is_dir():
+            found = sorted(p.glob("rank*.json"), key=_natural)
+            if not found:
+                subs = sorted({q.parent.relative_to(p).as_posix() for q in p.glob("*/rank*.json")})
+                hint = (
+                    f"; its subdirectories {', '.join(s + '/' for s in subs)} hold some (one"
+                    " per policy, from TrainConfig(trace_dir=...)): name one"
+                    if subs
+                    else ""
+                )
+                raise TraceError(f"no per-rank trace files (rank*.json) in {p}{hint}")
+            out.extend(found)
+        elif p.is_file():
+            out.append(p)
+        elif glob.has_magic(str(spec)):
+            found = sorted(
+                (Path(q) for q in glob.glob(str(spec)) if Path(q).is_file()), key=_natural
+            )
+            if not found:
+                raise TraceError(f"no trace file matches {str(spec)!r}")
+            out.extend(found)
+        else:
+            raise TraceError(f"no such trace file or directory: {str(spec)!r}")
+    if not out:
+        raise TraceError("no trace files given: name the per-rank files, a glob or a directory")
+    seen: set[Path] = set()
+    unique = []
+    for p in out:
+        key = p.resolve()
+        if key not in seen:
+            seen.add(key)
+            unique.append(p)
+    return unique
+
+
+@dataclass(frozen=True)
+class MergedTrace:
+    """Per-rank trace files merged onto one clock.
+
+    Attributes:
+        data: The records of every file, times in seconds on the common clock (the stage
+            clock of the first file's host: on one host, every file's own).
+        files: The files, in the order read.
+        ranks: Rank (lane) -> the file that held it.
+        clock: ``"real"`` or ``"virtual"``.
+        alignment: How the files' clocks were put on one (see the module's design note).
+        causality_gap: Seconds by which the worst joined message arrived before the task
+            that produced it started, on the common clock (0.0 when none did): a lower bound
+            on the offset between two hosts' clocks (see the design note).
+        dropped: Messages sent but never received (or received, never sent) between ranks
+            whose files are all here: a failed step's; their half-flows are left out.
+        emulated: Whether any file says its GPU time was emulated.
+        policy: The policy of the run (every file's).
+        hint: The hint of the run (every file's).
+    """
+
+    data: TraceData
+    files: tuple[Path, ...]
+    ranks: dict[int, Path]
+    clock: str
+    alignment: str
+    causality_gap: float = 0.0
+    dropped: tuple[str, ...] = ()
+    emulated: bool = False
+    policy: str = ""
+    hint: str = ""
+    _origin: dict[str, Any] = field(default_factory=dict, repr=False)
+
+    def chrome_trace(self) -> dict[str, Any]:
+        """The merged Chrome / Perfetto trace (one lane per rank, flows joined and numbered
+        afresh); ``otherData.rrfp.merged`` says which files, how the clocks were aligned,
+        the causality gap and the dropped messages."""
+        tr = chrome_trace(
+            self.data,
+            clock=self.clock,
+            emulated=self.emulated,
+            policy=self.policy,
+            hint=self.hint,
+            title=f"{len(self.files)} per-rank trace files merged",
+            origin=self._origin or None,
+        )
+        tr["otherData"]["rrfp"]["merged"] = {
+            "files": [str(p) for p in self.files],
+            "alignment": self.alignment,
+            "causality_gap": self.causality_gap,
+            "dropped": list(self.dropped),
+        }
+        return tr
+
+
+def merge_traces(paths: Iterable[str | Path], *, out: str | Path | None = None) -> TraceData:
+    """One timeline from per-rank trace files (JSON; nothing is unpickled).
+
+    Messages are joined across files by their identity (step, consumer task, sending and
+    receiving rank); the clocks are aligned as ``MergedTrace.alignment`` says (one host:
+    exact; several: the wall clock, see the ``_merge`` design note). ``merge_trace_files``
+    returns the details (alignment, causality gap, dropped messages).
+
+    Args:
+        paths: Files, directories (their ``rank*.json``) or glob patterns.
+        out: Also write the merged Chrome / Perfetto trace there.
+
+    Returns:
+        The merged records, times in seconds on the common clock, the first file's host's
+        stage clock (``summarize`` it, render it with ``render_png``; ``out=`` or
+        ``merge_trace_files(...).chrome_trace()`` exports it with its clock origin).
+
+    Raises:
+        TraceError: A file is not a trace; a rank's messages go to or come from a rank
+            whose file is missing (the message names the ranks and the files); two files
+            hold the same rank; the files hold different steps or come from different
+            policies or clocks; a real-clock file has no ``clock_origin``.
+    """
+    merged = merge_trace_files(paths)
+    if out is not None:
+        write_trace(out, merged.chrome_trace())
+    return merged.data
+
+
+def _shift(data: TraceData, dt: float) -> TraceData:
+    """``data`` with every time moved by ``dt`` seconds (step stats keep their own clock)."""
+    return TraceData(
+        [Span(s.lane, s.step, s.task, s.start + dt, s.end + dt) for s in data.spans],
+        [Send(s.lane, s.step, s.task, s.dst, s.time + dt) for s in data.sends],
+        [Arrival(a.lane, a.step, a.task, a.src, a.time + dt) for a in data.arrivals],
+        [Ready(r.lane, r.step, r.task, r.time + dt) for r in data.ready],
+        [
+            Decision(d.lane, d.step, d.time + dt, d.chosen, d.hinted, d.ready, d.idle)
+            for d in data.decisions
+        ],
+        [StepRecord(*r) for r in data.steps],
+    )
+
+
+def _lanes(data: TraceData) -> set[int]:
+    rows: list[Iterable[Any]] = [data.spans, data.arrivals, data.decisions, data.ready, data.steps]
+    return {r.lane for rs in rows for r in rs} | {s.lane for s in data.sends}
+
+
+def _steps_of(data: TraceData, lane: int) -> set[int]:
+    rows: list[Iterable[Any]] = [data.spans, data.sends, data.arrivals, data.decisions]
+    return {r.step for rs in rows for r in rs if r.lane == lane}
+
+
+def _fmt(ranks: Iterable[int]) -> str:
+    rs = sorted(ranks)
+    return ("rank " if len(rs) == 1 else "ranks ") + ", ".join(map(str, rs))
+
+
+def merge_trace_files(paths: Iterable[str | Path]) -> MergedTrace:
+    """``merge_traces`` with the details: see ``MergedTrace`` and ``merge_traces``."""
+    files = trace_files([paths] if isinstance(paths, str | Path) else paths)
+    parts: list[tuple[Path, dict[str, Any], TraceData]] = []
+    for p in files:
+        tr = _load(p, whole=False)
+        flows = [e for e in tr["traceEvents"] if e.get("ph") in ("s", "f")]
+        if any("task" not in (e.get("args") or {}) for e in flows):
+            raise TraceError(
+                f"{p}: its message flows do not carry the message's identity (written by an"
+                " older rrfp_async): it cannot be merged with other files; record it again"
+            )
+        parts.append((p, tr, from_chrome(tr)))
+    metas = [(p, tr.get("otherData", {}).get("rrfp", {})) for p, tr, _ in parts]
+    for key in ("clock", "policy"):
+        seen = {str(m.get(key, "")) for _, m in metas}
+        if len(seen) > 1:
+            which = "; ".join(f"{m.get(key, '')!r} in {p}" for p, m in metas)
+            raise TraceError(f"the files come from different runs: {key} {which}")
+    clock = str(metas[0][1].get("clock", "real"))
+    shifts, alignment, origin = _align(metas, clock)
+    ranks: dict[int, Path] = {}
+    pieces = []
+    for (p, _, data), (_, meta), dt in zip(parts, metas, shifts, strict=True):
+        t0 = meta.get("t0", 0.0)
+        if not isinstance(t0, int | float) or isinstance(t0, bool):
+            raise TraceError(f"{p}: otherData.rrfp.t0 must be a number, got {t0!r}")
+        for lane in _lanes(data):
+            if lane in ranks:
+                raise TraceError(
+                    f"rank {lane} is in both {ranks[lane]} and {p}: give each rank's file once"
+                    " (a merged file and a part of it, or files of two runs?)"
+                )
+            ranks[lane] = p
+        pieces.append(_shift(data, t0 + dt))
+    data = TraceData.merge(pieces)
+    _check_steps(data, ranks)
+    data, dropped, gap = _join(data, ranks)
+    merged = MergedTrace(
+        data=data,
+        files=tuple(files),
+        ranks=dict(sorted(ranks.items())),
+        clock=clock,
+        alignment=alignment,
+        causality_gap=gap,
+        dropped=tuple(dropped),
+        emulated=any(bool(m.get("emulated_gpu_time")) for _, m in metas),
+        policy=str(metas[0][1].get("policy", "")),
+        hint=" / ".join(dict.fromkeys(str(m.get("hint", "")) for _, m in metas)),
+        _origin=origin,
+    )
+    problems = validate_chrome_trace(merged.chrome_trace())
+    if problems:  # pragma: no cover - every input was checked; a bug of the merge
+        raise TraceError("the merged trace is not valid: " + "; ".join(problems[:5]))
+    return merged
+
+
+def _align(
+    metas: list[tuple[Path, Mapping[str, Any]]], clock: str
+) -> tuple[list[float], str, dict[str, Any]]:
+    """Per file, the seconds to add to its stage-clock times; how; and the merged trace's
+    clock origin (see the design note)."""
+    if clock != "real":
+        return [0.0] * len(metas), f"{clock} clock: the files' own times, as recorded", {}
+    origins = []
+    for p, m in metas:
+        o = m.get("clock_origin")
+        if not (
+            isinstance(o, dict)
+            and all(
+                isinstance(o.get(k), int | float) and not isinstance(o.get(k), bool)
+                for k in ("monotonic", "wall")
+            )
+        ):
+            raise TraceError(
+                f"{p} has no clock_origin (written by an older rrfp_async, or edited): its"
+                " times cannot be placed on the other files' clock; record it again"
+            )
+        origins.append(o)
+    hosts = {(str(o.get("host", "")), str(o.get("boot", ""))) for o in origins}
+    if len(hosts) == 1:
+        host = next(iter(hosts))[0]
+        return (
+            [0.0] * len(metas),
+            f"one host ({host}): its monotonic clock, shared by every process; exact",
+            dict(origins[0]),
+        )
+    names = sorted({h for h, _ in hosts})  # one name twice: two boots (or containers)
+    # Onto the first file's host clock, through the wall clock: (wall - wall_ref) first, so
+    # that no time passes through a float of wall-clock size (1.7e9 s: 0.24 us steps).
+    ref = origins[0]
+    return (
+        [(o["wall"] - ref["wall"]) - (o["monotonic"] - ref["monotonic"]) for o in origins],
+        f"{len(hosts)} hosts ({', '.join(names)}): the wall clock (time.time() when each file"
+        " was written); off by the hosts' clock offsets (NTP: about a millisecond on a LAN,"
+        " often less)",
+        dict(ref),
+    )
+
+
+def _check_steps(data: TraceData, ranks: Mapping[int, Path]) -> None:
+    """Every rank's file must hold the same steps (flows of other steps cannot join)."""
+    steps = {lane: _steps_of(data, lane) for lane in ranks}
+    if len({frozenset(s) for s in steps.values()}) > 1:
+        which = "; ".join(
+            f"rank {lane} ({ranks[lane].name}): steps {sorted(s) or 'none'}"
+            for lane, s in sorted(steps.items())
+        )
+        raise TraceError(
+            f"the files hold different steps: {which}. Merge files of the same traced steps"
+            " (a rank whose step failed or hung may have written an earlier step)"
+        )
+
+
+def _join(data: TraceData, ranks: Mapping[int, Path]) -> tuple[TraceData, list[str], float]:
+    """Match every send with its arrival; name the missing files; drop (and report) halves
+    whose other end is in a file here but never happened; measure the causality gap."""
+    sends = {(s.step, s.task, s.lane, s.dst): s for s in data.sends}
+    arrivals = {(a.step, a.task, a.src, a.lane): a for a in data.arrivals}
+    missing: dict[int, set[int]] = {}  # absent rank -> the ranks that talked to it
+    dropped: list[str] = []
+    for key in sends.keys() ^ arrivals.keys():
+        step, task, src, dst = key
+        other = dst if key in sends else src
+        if other not in ranks:
+            missing.setdefault(other, set()).add(src if key in sends else dst)
+        else:
+            what = "sent, never received" if key in sends else "received, never sent"
+            dropped.append(f"step {step}: -> {task} from rank {src} to rank {dst} ({what})")
+    if missing:
+        need = _fmt(missing)
+        talk = sorted({r for rs in missing.values() for r in rs})
+        files = ", ".join(sorted({str(ranks[r]) for r in talk}))
+        raise TraceError(
+            f"the trace file of {need} is missing: {_fmt(talk)} ({files}) exchanged"
+            f" messages with {need}, whose halves are in {need}'s own file. Add it (or name"
+            " the directory, or a glob such as out/rank*.json, that holds every rank's file)"
+        )
+    both = sends.keys() & arrivals.keys()
+    starts = {(s.lane, s.step, s.task): s.start for s in data.spans}
+    gap = 0.0
+    for key in both:
+        step, task, src, _ = key
+        t = Task.parse(task)  # its producer: the previous stage's F, the next stage's B / I
+        producer = str(t._replace(stage=t.stage - 1 if t.kind == "F" else t.stage + 1))
+        start = starts.get((src, step, producer))
+        if start is not None:
+            gap = max(gap, start - arrivals[key].time)
+    kept = TraceData(
+        data.spans,
+        [s for k, s in sends.items() if k in both],
+        [a for k, a in arrivals.items() if k in both],
+        data.ready,
+        data.decisions,
+        data.steps,
+    )
+    return kept, sorted(dropped), gap

@@ -1,0 +1,167 @@
+"""Per-rank trace files written with one argument (``TrainConfig(trace_dir=...)``,
+``DistributedStage(trace_dir=...)``) and merged into one timeline (gloo, 127.0.0.1)."""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+from typing import Any
+
+import pytest
+from click.testing import CliRunner
+
+import rrfp_async as rr
+from rrfp_async.cli import main
+from rrfp_async.observability import load_trace, merge_trace_files, validate_chrome_trace
+from tests.distributed.test_groups import _schedule, _Tagged
+from tests.distributed.test_sync_stage import _single
+
+# ---------------------------------------------------------------------- pure (one stage)
+
+
+@pytest.mark.timeout(30)
+def test_a_stage_writes_its_last_step_and_never_fails_a_step_for_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    plan = rr.StepPlan(topology=rr.Topology(stages=1), microbatches=2)
+    sched = rr.StepSchedule.build(plan, "1f1b")
+    layout = rr.ProcessLayout(pp=1, rank=0)
+    stage = rr.DistributedStage(
+        layout,
+        sched,
+        _single().stage.executor,
+        groups=rr.StageGroups(),
+        verify_plan=False,
+        trace_dir=tmp_path / "t",
+    )
+    with stage:
+        for step in range(2):
+            stage.run_step_sync([0, 1])
+            tr = load_trace(tmp_path / "t" / "rank0.json")
+            steps = {e["args"]["step"] for e in tr["traceEvents"] if e["ph"] == "X"}
+            names = sorted(e["name"] for e in tr["traceEvents"] if e["ph"] == "X")
+            assert steps == {step}
+            assert names == ["0B0", "0B1", "0F0", "0F1"]  # one step's tasks, not two
+        assert tr["otherData"]["rrfp"]["policy"] == "readiness_first"
+        # A write that fails is logged; the step goes on.
+        import rrfp_async.distributed._stage as mod
+
+        def broken(*a: Any, **k: Any) -> None:
+            raise OSError("disk full")
+
+        monkeypatch.setattr(mod, "write_trace", broken)
+        with caplog.at_level(logging.WARNING, logger="rrfp_async.distributed._stage"):
+            st = stage.run_step_sync([0, 1])
+        assert st.step == 2
+        assert "could not write its trace of step 2" in caplog.text and "disk full" in caplog.text
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    with pytest.raises(rr.PlanError, match="cannot create trace_dir"):
+        rr.DistributedStage(
+            layout,
+            sched,
+            _single().stage.executor,
+            groups=rr.StageGroups(),
+            trace_dir=blocker / "t",
+        )
+
+
+def test_train_config_trace_dir() -> None:
+    cfg = rr.TrainConfig(pp=2, steps=3, warmup_steps=1, trace_dir="out/t")
+    assert cfg.traced_steps == (3,)  # the last step, warm-up counted
+    assert rr.TrainConfig(pp=2, steps=3, trace_dir="x", trace_steps=(0,)).traced_steps == (0,)
+    assert rr.TrainConfig(pp=2).traced_steps == ()
+    with pytest.raises(rr.PlanError, match="trace_dir must be a directory path"):
+        rr.TrainConfig(pp=2, trace_dir=3)  # type: ignore[arg-type]
+
+
+# ---------------------------------------------------------------------- two processes
+
+
+def _spans(tr: dict[str, Any]) -> dict[int, list[str]]:
+    out: dict[int, list[str]] = {}
+    for e in sorted((e for e in tr["traceEvents"] if e["ph"] == "X"), key=lambda e: e["ts"]):
+        out.setdefault(e["pid"], []).append(e["name"])
+    return out
+
+
+def _cross_file_flows(tr: dict[str, Any], ranks: dict[int, Path]) -> int:
+    """Flows whose two halves came from two different files."""
+    ends: dict[int, dict[str, int]] = {}
+    for e in tr["traceEvents"]:
+        if e["ph"] in ("s", "f"):
+            ends.setdefault(e["id"], {})[e["ph"]] = e["pid"]
+    assert all(set(v) == {"s", "f"} for v in ends.values())
+    return sum(ranks[v["s"]] != ranks[v["f"]] for v in ends.values())
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(300)
+def test_training_writes_per_rank_traces_that_merge(tmp_path: Path) -> None:
+    cfg = rr.TrainConfig(
+        pp=2,
+        microbatches=4,
+        steps=2,
+        policies=("readiness_first",),
+        memory_factor=2.0,
+        cost=rr.image_text_cost(per_token=1e-5, jitter=0.3),
+        trace_dir=tmp_path / "traces",
+        return_params=False,
+    )
+    results = rr.spawn(rr.train_worker, 2, cfg, timeout=240)
+    d = tmp_path / "traces" / "readiness_first"
+    assert sorted(p.name for p in d.iterdir()) == ["rank0.json", "rank1.json"]
+    with pytest.raises(rr.TraceError, match="holds rank 0, and 8 of its messages"):
+        load_trace(d / "rank0.json")
+    out = tmp_path / "merged.json"
+    res = CliRunner().invoke(main, ["trace", str(d), "-o", str(out), "--json"])
+    assert res.exit_code == 0, res.output
+    rep = json.loads(res.output)
+    assert rep["merged"]["alignment"].startswith("one host")
+    assert rep["merged"]["dropped"] == [] and rep["merged"]["causality_gap"] == 0.0
+    tr = load_trace(out)
+    assert validate_chrome_trace(tr) == []
+    # Every task of every rank in the last step, in the order it ran there.
+    spans = _spans(tr)
+    for r in results:
+        mine = r[0]
+        assert spans[mine.rank] == [str(x.task) for x in mine.stats[-1].executed]
+        assert rep["summary"]["ranks"][str(mine.rank)]["tasks"] == 2 * 4
+    merged = merge_trace_files([d])
+    assert _cross_file_flows(tr, merged.ranks) == 2 * 4  # F 0->1 and B 1->0 of 4 microbatches
+    # The same step as the recording each process returned (TrainResult.trace).
+    step = {s.step for r in results for s in r[0].trace.spans}  # type: ignore[union-attr]
+    assert step == {1} and {s.step for s in merged.data.spans} == step
+
+
+def _stage_worker(rank: int, world: int, trace_dir: str) -> list[list[str]]:
+    layout = rr.ProcessLayout.from_world(pp=2)
+    ex = _Tagged(1, delay=0.001)
+    stage = rr.DistributedStage(
+        layout, _schedule(4, "1f1b"), ex, step_timeout=60, trace_dir=trace_dir
+    )
+
+    async def go() -> list[list[str]]:
+        out = []
+        async with stage:
+            for _ in range(3):
+                st = await stage.run_step(list(range(4)))
+                out.append([str(x.task) for x in st.executed])
+        return out
+
+    return rr.run(go())
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(300)
+def test_a_distributed_stage_writes_per_rank_traces_that_merge(tmp_path: Path) -> None:
+    executed = rr.spawn(_stage_worker, 2, str(tmp_path / "t"), timeout=240)
+    out = tmp_path / "merged.json"
+    data = rr.merge_traces([str(tmp_path / "t" / "rank*.json")], out=out)
+    assert {s.step for s in data.spans} == {2}  # each file holds its rank's last step
+    tr = load_trace(out)
+    spans = _spans(tr)
+    for rank in (0, 1):
+        assert spans[rank] == executed[rank][-1]
+    assert _cross_file_flows(tr, merge_trace_files([tmp_path / "t"]).ranks) == 2 * 4
