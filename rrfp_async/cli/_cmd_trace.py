@@ -14,6 +14,7 @@ from ..observability import (
     load_trace,
     merge_trace_files,
     render_png,
+    stalls,
     summarize,
     trace_files,
     write_trace,
@@ -57,6 +58,7 @@ def trace_cmd(files: tuple[str, ...], out: str | None, png_path: str | None, as_
         tr = merged.chrome_trace()
         name = f"{len(paths)} files merged"
     summ = summarize(tr)
+    found = stalls(tr)
     meta = tr.get("otherData", {}).get("rrfp", {})
     if out is not None:
         write_trace(out, tr)
@@ -81,6 +83,7 @@ def trace_cmd(files: tuple[str, ...], out: str | None, png_path: str | None, as_
                     },
                     "merged": report,
                     "summary": summ,
+                    "stalls": found,
                     "png": png_path,
                     "out": out,
                 },
@@ -98,7 +101,7 @@ def trace_cmd(files: tuple[str, ...], out: str | None, png_path: str | None, as_
         )
         if merged.causality_gap > 0:
             con.print(
-                f"[yellow]clock offset of at least {merged.causality_gap * 1e3:.3f} ms:[/] a"
+                f"[yellow]clock offset of at least {merged.causality_gap * 1e3:.3f} ms:[/]"
                 " a message seems to arrive that much before the task that produced it started"
             )
         if merged.dropped:
@@ -136,10 +139,59 @@ def trace_cmd(files: tuple[str, ...], out: str | None, png_path: str | None, as_
         f"bubble ratio {summ['bubble_ratio']:.1%}, {summ['deviations']} deviations from"
         f" the hint filled {summ['filled'] * 1e3:.2f} ms of idle time"
     )
+    _print_stalls(con, found)
     if out is not None:
         con.print(f"wrote {out}")
     if png_path is not None:
         con.print(f"wrote {png_path}")
+
+
+#: How many waits the text output lists (all of them are in --json).
+WAITS_SHOWN = 10
+
+
+def _print_stalls(con: Any, found: dict[str, Any]) -> None:
+    """The slow tasks with the tasks that waited for them, then the longest waits."""
+    if found["slow"]:
+        t = table(
+            "slow tasks (over 2x their kind's median on their rank) and who waited for them",
+            ("step", "rank", "task", "ms", "median ms", "waited for it (rank:task)"),
+        )
+        for s in found["slow"]:
+            t.add_row(
+                str(s["step"]),
+                str(s["rank"]),
+                s["task"],
+                f"{s['seconds'] * 1e3:.2f}",
+                f"{s['median'] * 1e3:.2f}",
+                " ".join(s["waited_by"]) or "nobody",
+            )
+        con.print(t)
+    else:
+        con.print("no slow task (none over 2x its kind's median on its rank)")
+    waits = sorted(found["waits"], key=lambda w: -w["seconds"])[:WAITS_SHOWN]
+    if not waits:
+        return
+    t = table(
+        f"longest waits ({len(waits)} of {len(found['waits'])}; root: the slow task at the"
+        " end of the chain, '-' for the pipeline's own fill and drain)",
+        ("step", "rank", "task", "idle ms", "waited for", "root"),
+    )
+    for w in waits:
+        what = (
+            f"{w['waited_for']} (rank {w['from_rank']})"
+            if w["reason"] == "input"
+            else "held (ready: policy, admission or TP leader)"
+        )
+        t.add_row(
+            str(w["step"]),
+            str(w["rank"]),
+            w["task"],
+            f"{w['seconds'] * 1e3:.2f}",
+            what,
+            w["root"] or "-",
+        )
+    con.print(t)
 
 
 def _clock_title(meta: dict[str, Any]) -> str:
