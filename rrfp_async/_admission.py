@@ -108,6 +108,18 @@ class AdmissionLedger:
             out.append(k)
         return out
 
+    def reserve_before(self, k: int) -> int:
+        """The most activations the unstarted hint positions before ``k`` still add when
+        they run in order (their deltas' largest prefix sum, at least 0). A forward at ``k``
+        is admissible exactly when ``inflight + 1 + reserve_before(k) <= bound``: this is
+        the room the ledger keeps for the hint's earlier tasks (for diagnostics)."""
+        s = m = 0
+        for j in range(self._head, k):
+            if not self._started[j]:
+                s += self._delta[j]
+                m = max(m, s)
+        return m
+
     def admissible(self, task: Task) -> bool:
         """Whether ``task`` may start now (see the module's design note)."""
         return self.admissible_at(self._pos[task])

@@ -212,6 +212,14 @@ class DecisionChannel:
             self._failed = exc
         self._wake()
 
+    def has_decision(self, step: int) -> bool:
+        """Follower: whether ``receive`` for ``step`` would return (or raise) without
+        waiting: a row of ``step`` (or later) from the leader is queued, or the channel
+        failed. The stage loop reports a stall ("waits for the TP leader's decision") only
+        when this is false."""
+        rows = self._rows
+        return (bool(rows) and rows[-1][1] >= step) or self._failed is not None
+
     async def receive(self, step: int, seq: int) -> Task:
         """Follower: the leader's decision ``seq`` of ``step``.
 

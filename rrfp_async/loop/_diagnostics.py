@@ -41,6 +41,7 @@ def dump(stage: Diagnosed, recent: bool = False) -> str:
         f"  next hinted: {head}",
         f"  ready: {ready}",
         f"  admitted: {adm}",
+        f"  now: {st.stall_reason(stage.policy_name)}",
     ]
     lines += [f"  waits: {w}" for w in st.waiting_for(limit=6)]
     events = stage.recent
@@ -53,7 +54,7 @@ def dump(stage: Diagnosed, recent: bool = False) -> str:
 
 def deadlock_grid(stages: Sequence[Diagnosed], width: int = 8) -> str:
     """The rank x task grid of a deadlocked step: each rank's next unstarted tasks in hint
-    order (``*`` marks ready ones) and what the first of them waits for."""
+    order (``*`` marks ready ones) and why the rank starts nothing (``stall_reason``)."""
     lines = []
     for s in stages:
         st = s._st
@@ -69,10 +70,7 @@ def deadlock_grid(stages: Sequence[Diagnosed], width: int = 8) -> str:
             cells.append(f"{order[pos]!s:>6}{mark}")
             if len(cells) >= width:
                 break
-        if st.awaited >= 0:
-            first = f"policy {s.policy_name} waits for {st.why(st.awaited)}"
-        else:
-            first = next(iter(st.waiting_for(limit=1)), "")
+        first = st.stall_reason(s.policy_name)
         lines.append(
             f"rank {s.rank:>3} | {' '.join(cells)} | in flight {st.ledger.inflight}/"
             f"{st.ledger.bound} | {first}  <-- WAITING"

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import bisect
 import collections
+import functools
 import time
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, Protocol
@@ -102,7 +103,9 @@ class Coordinator(Protocol):
     """Makes the TP ranks of a stage run one task sequence (``channels.DecisionChannel``).
 
     The leader's policy decides and ``publish``es each decision; followers ``receive`` it
-    and run that task once it is ready locally.
+    and run that task once it is ready locally. Optional: ``has_decision(step) -> bool``
+    (whether ``receive`` would not wait) and ``leader`` (the leader's global rank) make a
+    follower's ``stall`` events say when, and for whom, it waits.
     """
 
     @property
@@ -415,9 +418,11 @@ class StageLoop:
             if self.monitor is not None:
                 self.monitor.unblocked(self)
 
-    async def _wait(self, reason: str, timeout: float | None = None) -> bool:
+    async def _wait(self, reason: Callable[[], str], timeout: float | None = None) -> bool:
         """Wait for the next change of the ready set; False if ``timeout`` passed first.
 
+        ``reason`` says why nothing starts (the observer's ``stall`` event); it is called
+        only when an observer listens, so an unobserved stall builds no text.
         Only an untimed wait counts as *blocked* for the deadlock monitor: a timed one
         has a wake-up of its own coming.
         """
@@ -427,7 +432,7 @@ class StageLoop:
         w: asyncio.Future[bool] = loop.create_future()
         self._waiter = w
         if self._obs is not None:
-            self._obs.stall(self, reason)
+            self._obs.stall(self, reason())
         timer = None
         if timeout is None:
             self.blocked = True
@@ -688,10 +693,19 @@ class StageLoop:
         """TP follower: run the leader's decisions in order, each once it is ready here."""
         obs = self._obs
         view = self._view
+        has_decision = getattr(coord, "has_decision", None)
+        st.leader = getattr(coord, "leader", None)
+        reason = functools.partial(st.stall_reason, self.policy_name)
         while st.left:
             if self._failure is not None:
                 raise self._failure
-            task = await coord.receive(st.step, st.decisions)
+            st.leader_wait = st.decisions
+            try:
+                if obs is not None and (has_decision is None or not has_decision(st.step)):
+                    obs.stall(self, reason())
+                task = await coord.receive(st.step, st.decisions)
+            finally:
+                st.leader_wait = -1
             if obs is not None:
                 obs.tp_decision(self, task, st.decisions, False)
             pos = st.prog.pos.get(task)
@@ -701,14 +715,18 @@ class StageLoop:
                     f"rank {self.rank} step {st.step}: the TP leader's decision {st.decisions}"
                     f" is {task}, which {why}"
                 )
-            while pos not in st.admitted():
-                if st.missing[pos] == 0:
-                    raise DivergenceError(
-                        f"rank {self.rank} step {st.step}: the TP leader chose {task}, which is"
-                        f" ready here but not admitted ({st.ledger.inflight}/{st.ledger.bound}"
-                        " in flight): the ranks' states diverged"
-                    )
-                await self._wait(f"TP follower waits for {task}: {st.why(pos)}")
+            st.decided = pos
+            try:
+                while pos not in st.admitted():
+                    if st.missing[pos] == 0:
+                        raise DivergenceError(
+                            f"rank {self.rank} step {st.step}: the TP leader chose {task},"
+                            f" which is ready here but {st.admission_refusal(pos)}: the ranks'"
+                            " states diverged"
+                        )
+                    await self._wait(reason)
+            finally:
+                st.decided = -1
             if obs is not None:
                 obs.decision(self, task, view.ready, self._now() - st.last_end)
             await self._execute(st, pos)
@@ -752,6 +770,7 @@ class StageLoop:
         obs = self._obs
         order = st.prog.order
         pre = -1  # a look-ahead decision already published for the next dispatch
+        reason = functools.partial(st.stall_reason, self.policy_name)
         look = None
         if coord is not None and getattr(policy, "chooses_ready_head", False):
 
@@ -784,7 +803,7 @@ class StageLoop:
                 await self._execute(st, pos, look)
                 continue
             if not st.admitted():
-                await self._wait(st.stall_reason())
+                await self._wait(reason)
                 continue
             try:
                 task = await policy(view)
@@ -827,7 +846,7 @@ class StageLoop:
             elif st.missing[pos]:
                 why = "is not ready (its inputs have not all arrived)"
             else:
-                why = "is held back by the admission bound"
+                why = f"is held back by admission: {st.admission_refusal(pos)}"
             raise PolicyError(
                 f"policy {self.policy_name!r} on rank {self.rank} step {st.step} returned"
                 f" {task!r}, which {why}; ready: {[str(t) for t in self._view.ready]}",
@@ -867,12 +886,16 @@ class StageLoop:
             # a look-ahead broadcast must not delay the task's own start.
             asyncio.get_running_loop().call_soon(started, st.decisions, pos)
         st.running = pos
-        if self._exec_async:
-            out = await self.executor.execute(task, data, st.ctx)
-        else:  # see check_executor: a plain callable must hand back an awaitable
-            aw = self.executor.execute(task, data, st.ctx)
-            check_awaitable(aw, self.executor, task, st.ctx)
-            out = await aw
+        try:
+            if self._exec_async:
+                out = await self.executor.execute(task, data, st.ctx)
+            else:  # see check_executor: a plain callable must hand back an awaitable
+                aw = self.executor.execute(task, data, st.ctx)
+                check_awaitable(aw, self.executor, task, st.ctx)
+                out = await aw
+        except Exception:
+            st.running = -1  # it failed: it no longer runs (a cancelled one was running)
+            raise
         st.running = -1
         t1 = self._now()
         if rec is not None:

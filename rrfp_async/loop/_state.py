@@ -47,10 +47,14 @@ class StepState:
     last_end: float = 0.0
     adm_cache: tuple[int, list[int]] = (-1, [])
     awaited: int = -1  # the position a policy waits for (wait_until_ready), or -1
+    changing: bool = False  # the policy waits for any change (wait_for_change)
+    running: int = -1  # the position of the task on the executor, or -1
+    leader_wait: int = -1  # TP follower: the decision it awaits from its leader, or -1
+    decided: int = -1  # TP follower: the leader's decided task, not ready here yet, or -1
+    leader: int | None = None  # TP follower: the leader's global rank, when known
     ends: list[float] = field(default_factory=list)
     prefix_scan: int = 0
     prefix_end: float = 0.0
-    running: int = -1  # the position on the executor now, or -1
 
     def admitted(self) -> list[int]:
         """Ready positions the admission bound lets start now (cached per version)."""
@@ -59,11 +63,14 @@ class StepState:
         return self.adm_cache[1]
 
     def why(self, pos: int) -> str:
-        """What the task at ``pos`` waits for, in words."""
+        """What the task at ``pos`` waits for, in words: the messages (which task, from
+        which rank) and local tasks it still needs, or why admission holds it back."""
         plan = self.plan
         task = self.prog.order[pos]
         if self.started[pos]:
-            return f"{task} already started"
+            if not self.finished[pos]:
+                return f"{task} is running (the executor is busy with it)"
+            return f"{task} already ran"
         why = []
         for dep in plan.producers(task):
             dpos = self.prog.pos.get(dep)
@@ -73,9 +80,22 @@ class StepState:
             elif not self.finished[dpos]:
                 why.append(f"local {dep}" + (" (running)" if self.started[dpos] else ""))
         if not why and self.missing[pos] == 0:
-            led = self.ledger
-            return f"{task} is ready but not admitted ({led.inflight}/{led.bound} in flight)"
+            if pos in self.admitted():
+                return f"{task} is ready and admitted"
+            return f"{task} is ready but admission holds it back: {self.admission_refusal(pos)}"
         return f"{task} <- " + (", ".join(why) if why else "a running task")
+
+    def admission_refusal(self, pos: int) -> str:
+        """Why the admission ledger holds the ready forward at ``pos`` back, with the real
+        count and bound (see ``_admission``'s design note)."""
+        led = self.ledger
+        if led.inflight + 1 > led.bound:
+            return f"the admission bound is reached ({led.inflight}/{led.bound} in flight)"
+        need = led.reserve_before(pos)
+        return (
+            f"{led.inflight}/{led.bound} in flight and the tasks hinted before"
+            f" {self.prog.order[pos]} that have not started still need {need} more"
+        )
 
     def waiting_for(self, limit: int | None = None) -> Iterator[str]:
         """What the next unstarted, not-ready tasks (in hint order) wait for, one line each."""
@@ -88,12 +108,75 @@ class StepState:
             if limit is not None and n >= limit:
                 return
 
-    def stall_reason(self) -> str:
-        """Why nothing can start now, in words."""
-        if self.ready:
-            return (
-                f"admission bound reached ({self.ledger.inflight}/{self.ledger.bound} in"
-                f" flight); held back: {' '.join(str(self.prog.order[p]) for p in self.ready)}"
-            )
+    def _tasks(self, positions: Sequence[int]) -> str:
+        return " ".join(str(self.prog.order[p]) for p in positions)
+
+    def _inputs(self) -> str:
         waits = list(self.waiting_for(limit=3))
         return "waiting for " + ("; ".join(waits) if waits else "nothing")
+
+    def stall_reason(self, policy: str = "the policy") -> str:
+        """Why this stage starts nothing now, in words, naming the actual blocker first.
+
+        In the order it is checked: a task running on the executor; a TP follower waiting
+        for its leader's decision, or for the task the leader decided to become ready here;
+        the policy waiting for one task (``wait_until_ready``: which task, what that task
+        waits for, and the ready tasks the policy holds back meanwhile) or for any change
+        (``wait_for_change``: the policy chose to wait); ready tasks that the admission bound
+        holds back (with the real count and bound); otherwise the inputs (messages and
+        local tasks) the next tasks in hint order wait for.
+
+        Args:
+            policy: The policy's name, to say whose choice a wait is.
+        """
+        order = self.prog.order
+        if self.running >= 0:
+            return f"{order[self.running]} is running (the executor is busy with it)"
+        if self.leader_wait >= 0:
+            leader = "" if self.leader is None else f" (global rank {self.leader})"
+            return (
+                f"TP follower waits for decision {self.leader_wait} of step {self.step} from"
+                f" the TP leader{leader}"
+            )
+        if self.decided >= 0:
+            return (
+                f"TP follower waits for {self.why(self.decided)} (the TP leader's decision"
+                f" {self.decisions})"
+            )
+        adm = self.admitted()
+        if self.awaited >= 0:
+            pos = self.awaited
+            hinted = " (the next hinted task)" if pos == self.ledger.head else ""
+            text = f"policy {policy} waits for {self.why(pos)}{hinted}"
+            if adm:
+                text += f"; it holds back ready {self._tasks(adm)}"
+            return text
+        if self.changing:
+            text = f"policy {policy} chose to wait (for a change of the ready set)"
+            if adm:
+                text += f"; it holds back ready {self._tasks(adm)}"
+            else:
+                text += f"; nothing is admitted: {self._stalled()}"
+            return text
+        if adm:  # not a stall: the loop is about to ask the policy
+            return f"ready and admitted: {self._tasks(adm)}"
+        return self._stalled()
+
+    def _stalled(self) -> str:
+        """Nothing is admitted: the admission bound holds ready tasks back, or the next
+        tasks' inputs have not arrived."""
+        held = [p for p in self.ready if p not in self.admitted()]
+        if not held:
+            return self._inputs()
+        led = self.ledger
+        if led.inflight + 1 > led.bound:
+            text = (
+                f"admission bound reached ({led.inflight}/{led.bound} in flight): it holds"
+                f" back ready {self._tasks(held)} until a backward frees an activation"
+            )
+        else:
+            text = (
+                f"admission holds back ready {self._tasks(held)}: {self.admission_refusal(held[0])}"
+            )
+        waits = list(self.waiting_for(limit=2))
+        return text + ("; waiting for " + "; ".join(waits) if waits else "")

@@ -22,7 +22,7 @@ class ViewedStage(Protocol):
     _st: StepState | None
     _now: Callable[[], float]
 
-    async def _wait(self, reason: str, timeout: float | None = None) -> bool: ...
+    async def _wait(self, reason: Callable[[], str], timeout: float | None = None) -> bool: ...
 
 
 class StageView:
@@ -147,7 +147,7 @@ class StageView:
                 left = None if deadline is None else deadline - now()
                 if left is not None and left <= 0:
                     return False
-                await self._s._wait(f"policy waits for {task}: " + st.stall_reason(), left)
+                await self._s._wait(self._reason, left)
         finally:
             st.awaited = -1
         return True
@@ -158,4 +158,12 @@ class StageView:
 
     async def wait_for_change(self, timeout: float | None = None) -> bool:
         st = self._st()
-        return await self._s._wait("policy waits for a change: " + st.stall_reason(), timeout)
+        st.changing = True
+        try:
+            return await self._s._wait(self._reason, timeout)
+        finally:
+            st.changing = False
+
+    def _reason(self) -> str:
+        """Why the policy's wait starts nothing (asked only when an observer listens)."""
+        return self._st().stall_reason(self._s.policy_name)

@@ -15,11 +15,33 @@ Cost: the stage calls an observer only while it is *active*; ``LogObserver.activ
 false when the logger filters out INFO, so disabled logging costs one check per step.
 Per-transition events are DEBUG; step start/end are INFO.
 
+Where the events go (a library's manners). Until someone configures structlog, the
+library's logger is a ``structlog.stdlib.BoundLogger`` on the standard library logger
+``logging.getLogger("rrfp_async")``: the application's handlers, levels and filters apply
+(with none configured, Python's last-resort handler prints warnings and above to stderr,
+and a ``LogObserver`` stays inactive, so debug events cost nothing and print nothing). A
+record's message renders as ``event key=value ...``; its ``msg`` is the event dict itself
+(a ``dict`` whose ``str`` is that text), so a ``structlog.stdlib.ProcessorFormatter`` on
+the application's handler renders the same fields as structured output. An application
+that configures structlog itself gets the library's events through its configuration
+(``structlog.get_logger("rrfp_async")``), and ``configure_logging`` is the one-call setup
+of the CLI and scripts: structlog straight to a stream, JSON or console.
+
+One record, one write. Several processes often share one stderr (a spawned job, torchrun
+under a pipe); a record written in pieces (``print`` writes the text and then the newline)
+can be glued to or cut by another process's record. ``configure_logging``'s writer
+(``LineWriter``) renders the whole line, newline included, and hands it to the operating
+system in one ``os.write`` on the stream's file descriptor (after flushing what the stream
+buffered before), or, for a stream without one, in one ``write`` and a ``flush`` under a
+lock. A single ``write(2)`` is never interleaved with another process's on a regular file;
+on a pipe POSIX guarantees it for up to ``PIPE_BUF`` bytes (4096 on Linux), which every
+per-transition event fits in (a long ``stage_dump`` may exceed it).
+
 Containment (ARCHITECTURE invariant 8: logging never breaks a step). A log sink can fail
-(a full disk: ``OSError(ENOSPC)``, a closed pipe). ``configure_logging`` wraps its stream so
-that the first failure is reported once on stderr and the stream is then disabled;
-``LogObserver`` does the same for whatever its logger raises (a logger of the
-application's). Training goes on without those log lines.
+(a full disk: ``OSError(ENOSPC)``, a closed pipe). ``configure_logging``'s writer reports
+the first failure once on stderr and is then disabled; ``LogObserver`` does the same for
+whatever its logger raises (a logger of the application's). Training goes on without
+those log lines.
 """
 
 from __future__ import annotations
@@ -27,7 +49,9 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
+import os
 import sys
+import threading
 from collections.abc import Callable, Sequence
 from typing import Any, Concatenate, Literal, ParamSpec, TextIO, TypeVar
 
@@ -66,50 +90,117 @@ def report_log_failure(what: str, exc: BaseException) -> None:
         )
 
 
-class SafeStream:
-    """A text stream whose first failing write or flush is reported once on stderr and
-    disables it: later lines are dropped (a full disk must not fail training steps).
+class LineWriter:
+    """A structlog logger that writes each rendered record as one whole line, in one write.
+
+    With a file descriptor (``stream.fileno()``), the line (newline included, encoded as
+    the stream encodes) goes out in one ``os.write`` after the stream is flushed (so what
+    the process printed before comes first); otherwise ``stream.write(line)`` and
+    ``stream.flush()`` run under a lock. The first failing write is reported once on
+    stderr and disables the writer: later lines are dropped (a full disk must not fail
+    training steps).
 
     Args:
         stream: The stream to write to.
+
+    Attributes:
+        broken: What the stream raised, once it did.
     """
 
     def __init__(self, stream: TextIO) -> None:
         self.stream = stream
         self.broken: BaseException | None = None
+        self._lock = threading.Lock()
+        self._encoding = getattr(stream, "encoding", None) or "utf-8"
+        try:
+            self._fd: int | None = stream.fileno()
+        except Exception:  # io.StringIO, a wrapper without a descriptor
+            self._fd = None
 
     def _failed(self, e: Exception) -> None:
         self.broken = e
         report_log_failure(f"the log stream {self.stream!r}", e)
 
-    def write(self, text: str) -> int:
-        """Write ``text`` (dropped once the stream failed); returns ``len(text)``."""
-        if self.broken is None:
+    def msg(self, message: str) -> None:
+        """Write ``message`` and a newline as one record (dropped once the stream failed)."""
+        if self.broken is not None:
+            return
+        line = message + "\n"
+        with self._lock:
             try:
-                self.stream.write(text)
-            except Exception as e:
-                self._failed(e)
-        return len(text)
-
-    def flush(self) -> None:
-        """Flush the stream (nothing once it failed)."""
-        if self.broken is None:
-            try:
+                if self._fd is None:
+                    self.stream.write(line)
+                    self.stream.flush()
+                    return
+                data = memoryview(line.encode(self._encoding, "backslashreplace"))
                 self.stream.flush()
+                while data:  # a blocking write is whole; a signal may cut it short
+                    data = data[os.write(self._fd, data) :]
             except Exception as e:
                 self._failed(e)
+
+    log = debug = info = warn = warning = error = critical = exception = fatal = msg
+
+
+def _render_for_stdlib(
+    logger: Any, method_name: str, event_dict: structlog.typing.EventDict
+) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """The last processor of the default (standard library) logger: the record's ``msg``
+    is the event dict, which prints as ``event key=value ...`` with any formatter and is
+    what a ``structlog.stdlib.ProcessorFormatter`` unpacks (``wrap_for_formatter``)."""
+    return (_Event(event_dict),), {"extra": {"_logger": logger, "_name": method_name}}
+
+
+class _Event(dict[str, Any]):
+    """An event dict whose text is ``event key=value ...`` (a log record's message)."""
+
+    def __str__(self) -> str:
+        rest = " ".join(f"{k}={v!r}" for k, v in self.items() if k != "event")
+        event = str(self.get("event", ""))
+        return f"{event} {rest}" if rest else event
+
+
+_STDLIB_LOGGER: Any = None
+
+
+def _stdlib_logger() -> Any:
+    global _STDLIB_LOGGER
+    if _STDLIB_LOGGER is None:
+        _STDLIB_LOGGER = structlog.stdlib.BoundLogger(
+            logging.getLogger("rrfp_async"),
+            [
+                structlog.stdlib.filter_by_level,
+                structlog.contextvars.merge_contextvars,
+                _render_for_stdlib,
+            ],
+            {},
+        )
+    return _STDLIB_LOGGER
 
 
 def get_logger() -> Any:
-    """The library's structlog logger (configured by the application, or by
-    ``configure_logging``)."""
-    return structlog.get_logger("rrfp_async")
+    """The library's structlog logger.
+
+    Returns:
+        ``structlog.get_logger("rrfp_async")`` once structlog is configured (by the
+        application, or by ``configure_logging``); before that, a
+        ``structlog.stdlib.BoundLogger`` on the standard library logger ``"rrfp_async"``,
+        so that the application's ``logging`` handlers and levels apply.
+    """
+    if structlog.is_configured():
+        return structlog.get_logger("rrfp_async")
+    return _stdlib_logger()
 
 
 def configure_logging(
     *, format: LogFormat = "console", level: str = "info", stream: TextIO | None = None
 ) -> None:
-    """Configure structlog for step-traced logs (an application-level choice).
+    """Configure structlog for step-traced logs (an application-level choice: the CLI's
+    ``--log-format`` / ``--log-level``). Without it, the library logs through the standard
+    library's ``logging`` (logger ``"rrfp_async"``).
+
+    Every record is one line written whole with one write (see ``LineWriter``), so several
+    processes can share one stream (``stderr`` of a spawned job) without gluing lines.
 
     Args:
         format: ``"json"`` (one JSON object per line) or ``"console"`` (coloured columns).
@@ -129,6 +220,7 @@ def configure_logging(
         renderer = structlog.dev.ConsoleRenderer(colors=False)
     else:
         raise ValueError(f"unknown log format {format!r}; choose 'json' or 'console'")
+    writer = LineWriter(stream or sys.stderr)
     structlog.configure(
         processors=[
             structlog.contextvars.merge_contextvars,
@@ -137,16 +229,16 @@ def configure_logging(
             renderer,
         ],
         wrapper_class=structlog.make_filtering_bound_logger(lvl),
-        logger_factory=structlog.PrintLoggerFactory(SafeStream(stream or sys.stderr)),  # type: ignore[arg-type]
+        logger_factory=lambda *args: writer,
         cache_logger_on_first_use=False,
     )
 
 
 def _enabled(log: Any, level: int) -> bool:
-    check = getattr(log, "is_enabled_for", None)
+    check = getattr(log, "is_enabled_for", None) or getattr(log, "isEnabledFor", None)
     if check is None:
         bound = log.bind()  # resolve a lazy proxy to the configured wrapper
-        check = getattr(bound, "is_enabled_for", None)
+        check = getattr(bound, "is_enabled_for", None) or getattr(bound, "isEnabledFor", None)
     return True if check is None else bool(check(level))
 
 
@@ -185,7 +277,9 @@ class LogObserver:
       ``timestamp`` stays wall-clock time.
 
     Args:
-        logger: A structlog logger (default: ``get_logger()``).
+        logger: A structlog logger (default: ``get_logger()``, looked up again at every
+            step, so that logging configured after the observer was made applies: the
+            standard library's ``"rrfp_async"`` logger until structlog is configured).
         rank: The global rank to log as ``rank`` (default: the stage's pipeline rank).
 
     Attributes:
@@ -194,6 +288,7 @@ class LogObserver:
     """
 
     def __init__(self, logger: Any = None, *, rank: int | None = None) -> None:
+        self._own = logger is None
         self.log = logger if logger is not None else get_logger()
         self.rank = rank
         self._debug = False
@@ -205,6 +300,8 @@ class LogObserver:
         if self.broken is not None:
             return False
         try:
+            if self._own:
+                self.log = get_logger()
             self._debug = _enabled(self.log, logging.DEBUG)
             return self._debug or _enabled(self.log, logging.INFO)
         except Exception as e:

@@ -81,6 +81,8 @@ def _policy_waits(loop: asyncio.AbstractEventLoop) -> dict[int, str]:
             if rest[0].f_code in (_STAGE_WAIT, _EXECUTE):
                 break  # the stage itself waits (admission) or runs a task: no policy call
             policy, leaf = rest[0], rest[-1]
+            if leaf.f_code is _STAGE_WAIT:
+                break  # the policy waits through its view: the stage's stall reason says it
             if leaf is policy:
                 what = f"a future at {_where(policy)}"
             else:
@@ -106,7 +108,7 @@ def _describe(pipe: LocalPipeline, loop: asyncio.AbstractEventLoop) -> list[str]
                 f" awaits {policies[s.rank]}{extra}"
             )
         else:
-            lines.append(f"rank {s.rank}: {st.stall_reason()}")
+            lines.append(f"rank {s.rank}: {st.stall_reason(s.policy_name)}")
     return lines
 
 
