@@ -46,6 +46,7 @@ def stalls(
     *,
     slow_factor: float = 2.0,
     min_wait: float = 0.5,
+    min_share: float = 0.02,
 ) -> dict[str, Any]:
     """Slow tasks and the waits they (or nothing unusual) caused; see the module docstring.
 
@@ -53,6 +54,9 @@ def stalls(
         trace: A recording or a Chrome trace (merged per-rank files too).
         slow_factor: A task is slow above this multiple of its kind's median on its rank.
         min_wait: An idle gap counts above this multiple of the rank's median task time.
+        min_share: A slow task also exceeds its median by at least this share of its
+            step's makespan (a short task's noise — 3 ms for a 1 ms backward on a busy
+            machine — is not what held the step up).
 
     Returns:
         ``{"slow": [...], "waits": [...]}``. A slow entry: ``rank, step, task, seconds,
@@ -65,7 +69,7 @@ def stalls(
         ``chain`` (the tasks from the wait to the root, as ``"<rank>:<task>"``).
     """
     data = trace if isinstance(trace, TraceData) else from_chrome(trace)
-    if slow_factor <= 1.0 or min_wait < 0:
+    if slow_factor <= 1.0 or min_wait < 0 or not 0 <= min_share < 1:
         raise ValueError(
             f"slow_factor must be > 1 and min_wait >= 0, got {slow_factor}, {min_wait}"
         )
@@ -77,9 +81,17 @@ def stalls(
     med_kind = {k: statistics.median(v) for k, v in by_kind.items()}
     med_lane = {k: statistics.median(v) for k, v in by_lane.items()}
 
+    first: dict[int, float] = {}
+    last: dict[int, float] = {}
+    for s in data.spans:
+        first[s.step] = min(first.get(s.step, s.start), s.start)
+        last[s.step] = max(last.get(s.step, s.end), s.end)
+
     def is_slow(s: Span) -> bool:
         m = med_kind[(s.lane, _kind(s.task))]
-        return s.end - s.start > slow_factor * m + _EPS
+        d = s.end - s.start
+        floor = min_share * (last[s.step] - first[s.step])
+        return d > slow_factor * m + _EPS and d - m > floor + _EPS
 
     lane_spans: dict[tuple[int, int], list[Span]] = defaultdict(list)
     for s in data.spans:
