@@ -13,6 +13,7 @@ The friendly public API, pulled together from the private modules and the layers
 * the training harness (what ``examples/train_image_text.py`` runs): ``TrainConfig``,
   ``train_worker``, ``TrainResult``, ``image_text_cost`` (the example model's cost model);
 * simulating: ``simulate``, ``compare``, ``SimResult``;
+* reporting a measured speedup honestly: ``paired_ratio``, ``PairedRatio``;
 * errors: ``RRFPError`` and its subclasses.
 """
 
@@ -55,11 +56,13 @@ from .loop._executors import CostModelExecutor, Executor, TaskContext
 from .observability import (
     LogObserver,
     MultiObserver,
+    PairedRatio,
     TraceData,
     TraceRecorder,
     chrome_trace,
     configure_logging,
     load_trace,
+    paired_ratio,
     render_png,
     summarize,
     validate_chrome_trace,
@@ -105,6 +108,7 @@ __all__ = [
     "Microbatch",
     "MultiObserver",
     "ObserverError",
+    "PairedRatio",
     "PeerError",
     "PeerStepError",
     "Placement",
@@ -153,6 +157,7 @@ __all__ = [
     "lower_bound",
     "make_hint",
     "make_workload",
+    "paired_ratio",
     "parse_tasks",
     "pipeline_neighbors",
     "readiness_first",

@@ -11,12 +11,14 @@ The modules, one concept each (imports run down this list, never up):
 * ``_records``: the trace data model, ``TraceData`` and its named-tuple rows;
 * ``_recorder``: ``TraceRecorder`` (a ``TraceData`` from a running stage), ``MultiObserver``;
 * ``_summary``: ``summarize`` (busy / idle, bubble ratio, deviations) of a trace;
+* ``_paired``: ``paired_ratio``, a speedup over paired steps with its spread and noise verdict;
 * ``_chrome``: the Chrome-trace / Perfetto JSON export, its schema check and files;
 * ``_png``: ``render_png`` timelines.
 """
 
 from ._chrome import chrome_trace, load_trace, validate_chrome_trace, write_trace
 from ._logging import LogFormat, LogObserver, configure_logging
+from ._paired import PairedRatio, paired_ratio
 from ._png import render_png
 from ._recorder import MultiObserver, TraceRecorder
 from ._records import Arrival, Decision, Ready, Send, Span, StepRecord, TraceData
@@ -28,6 +30,7 @@ __all__ = [
     "LogFormat",
     "LogObserver",
     "MultiObserver",
+    "PairedRatio",
     "Ready",
     "Send",
     "Span",
@@ -37,6 +40,7 @@ __all__ = [
     "chrome_trace",
     "configure_logging",
     "load_trace",
+    "paired_ratio",
     "render_png",
     "summarize",
     "validate_chrome_trace",
