@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import errno
 import json
+import os
 import sys
 import traceback
 from collections.abc import Collection, Iterable, Iterator
@@ -84,19 +85,38 @@ class CleanErrorsGroup(click.Group):
             ctx.exit(1)
 
 
-def console() -> Console:
-    """A rich console; 120 columns wide when output is not a terminal (files, pipes, tests)."""
-    c = Console()
+def console(*, stderr: bool = False) -> Console:
+    """A rich console (on stderr with ``stderr``).
+
+    On a terminal it is as wide as the terminal. Otherwise (files, pipes, tests) it is
+    ``$COLUMNS`` wide when that is set (``COLUMNS=80 rrfp-async ... | cat``), else 120.
+    Tables never cut a cell short at any width (see :func:`table`).
+    """
+    c = Console(stderr=stderr)
     if not c.is_terminal:
-        c = Console(width=120)
+        cols = os.environ.get("COLUMNS", "")
+        c = Console(stderr=stderr, width=int(cols) if cols.isdigit() and int(cols) > 0 else 120)
     return c
 
 
 def table(
-    title: str, columns: Iterable[str], *, left: Collection[str] = (), no_wrap: bool = False
+    title: str,
+    columns: Iterable[str],
+    *,
+    left: Collection[str] = (),
+    whole: Collection[str] = (),
 ) -> Table:
-    """A table titled on the left, its columns right-justified (numbers) except ``left``."""
-    t = Table(title=title, title_justify="left")
+    """A table titled on the left, its columns right-justified (numbers) except ``left``.
+
+    Nothing is cut short at any console width (``COLUMNS=80``, a pipe): a cell too long for
+    its column wraps at spaces and folds a word longer than the column onto the next line
+    (``overflow="fold"``), never ends in an ellipsis. The ``whole`` columns (short names: a
+    policy) are not narrowed while the others can wrap, so ``readiness_first`` stays on one
+    line. A header may hold a newline (``"step ms\nmedian of 4"``: what the column is over).
+    """
+    t = Table(title=title, title_justify="left", caption_justify="left")
     for c in columns:
-        t.add_column(c, justify="left" if c in left else "right", no_wrap=no_wrap)
+        t.add_column(
+            c, justify="left" if c in left else "right", no_wrap=c in whole, overflow="fold"
+        )
     return t
