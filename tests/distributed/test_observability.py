@@ -121,3 +121,25 @@ def test_demo_command_small(tmp_path: Path) -> None:
     for p in ("strict", "readiness_first", "backfill"):
         tr = rr.load_trace(tmp_path / f"trace_{p}.json")
         assert validate_chrome_trace(tr) == []
+
+
+def test_pipeline_step_times_pairs_each_policy_with_the_first_step_by_step() -> None:
+    from rrfp_async.bench._local import pipeline_step_times
+
+    res = pipeline_step_times(
+        stages=2,
+        microbatches=4,
+        steps=3,
+        policies=("strict", "readiness_first", "backfill"),
+        memory_factor=2.0,
+        timeout=240,
+    )
+    pols = res["policies"]
+    base = pols["strict"]["step_s"]
+    assert pols["strict"]["deviations"] == 0
+    for name, r in pols.items():
+        vs = r["vs_first"]
+        assert vs.ratios == tuple(b / t for b, t in zip(base, r["step_s"], strict=True)), name
+        # "same order" only for a policy that, like strict, never left the hint's order.
+        assert vs.same_order == (r["deviations"] == 0), name
+    assert pols["strict"]["vs_first"].ratios == (1.0, 1.0, 1.0)
