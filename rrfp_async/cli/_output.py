@@ -21,8 +21,9 @@ import errno
 import json
 import os
 import sys
+import time
 import traceback
-from collections.abc import Collection, Iterable, Iterator
+from collections.abc import Callable, Collection, Iterable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
@@ -32,7 +33,16 @@ from rich.table import Table
 
 from .._errors import RRFPError
 
-__all__ = ["CLEAN_ERRORS", "CleanErrorsGroup", "clean_errors", "console", "json_error", "table"]
+__all__ = [
+    "CLEAN_ERRORS",
+    "CleanErrorsGroup",
+    "Progress",
+    "clean_errors",
+    "console",
+    "json_error",
+    "progress",
+    "table",
+]
 
 #: Exceptions reported as ``Error: <message>`` (exit code 1) instead of a traceback.
 CLEAN_ERRORS: tuple[type[Exception], ...] = (RRFPError, OSError)
@@ -120,3 +130,56 @@ def table(
             c, justify="left" if c in left else "right", no_wrap=c in whole, overflow="fold"
         )
     return t
+
+
+#: ``update(description, advance)``: say what runs now; ``advance`` counts one unit done.
+Progress = Callable[[str, bool], None]
+
+
+@contextmanager
+def progress(total: int, *, enabled: bool = True) -> Iterator[Progress]:
+    """Progress of a long command on stderr (stdout keeps the results: tables or JSON).
+
+    On a terminal, a rich progress bar (gone when done); otherwise (a pipe, a file, a test)
+    one plain line per update, ``[done/total] description (elapsed s)``; nothing when not
+    ``enabled`` (``--json``).
+
+    Args:
+        total: Units of work (the bar's length).
+        enabled: Show anything at all.
+
+    Yields:
+        ``update(description, advance)``.
+    """
+    if not enabled:
+        yield lambda description, advance: None
+        return
+    con = console(stderr=True)
+    if not con.is_terminal:
+        t0 = time.perf_counter()
+        done = 0
+
+        def line(description: str, advance: bool) -> None:
+            nonlocal done
+            done += advance
+            click.echo(
+                f"[{done}/{total}] {description} ({time.perf_counter() - t0:.0f} s)", err=True
+            )
+
+        yield line
+        return
+    from rich.progress import BarColumn, MofNCompleteColumn, TextColumn, TimeElapsedColumn
+    from rich.progress import Progress as Bar
+
+    with Bar(
+        TextColumn("{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        console=con,
+        transient=True,
+    ) as bar:
+        task = bar.add_task("", total=total)
+        yield lambda description, advance: bar.update(
+            task, advance=int(advance), description=description
+        )
