@@ -279,7 +279,7 @@ def bench_paper(full: bool, seeds: int, conditions: bool, as_json: bool, markdow
             click.echo(to_markdown(tt) + "\n")
             continue
         # The first three columns name the configuration, the rest are figures.
-        t = table(tt.title, tt.columns, left=tt.columns[:3])
+        t = table(tt.title, tt.columns, left=tt.columns[:3], whole=tt.columns[1:2])
         for row in tt.rows:
             t.add_row(*row)
         con.print(t)
