@@ -97,7 +97,7 @@ def report(figures: list[torch.Tensor], cfg: rr.TrainConfig) -> None:
             f"  loss {losses[0]:.3f} -> {losses[-1]:.3f}  (CPU + emulated GPU time)"
         )
         per_step = " ".join(f"{t * 1e3:.1f}" for t in steps)
-        if policy == base[0]:
+        if i == 0:
             verdict = "the baseline"
         else:
             ratios = " ".join(f"{x:.3f}" for x in vs.ratios)
