@@ -78,19 +78,38 @@ def summarize(mine: list[rr.TrainResult], cfg: rr.TrainConfig) -> torch.Tensor:
 
 
 def report(figures: list[torch.Tensor], cfg: rr.TrainConfig) -> None:
-    """Print one line per policy from every process's ``summarize`` tensor."""
-    base = None
+    """Print two lines per policy from every process's ``summarize`` tensor: the median step,
+    the speedup over the first policy, deviations and losses; then each timed step (the
+    slowest rank's) and the speedup step by step, with its min-max and whether it is noise.
+
+    Step ``i`` of every policy trains on the same microbatches with the same emulated noise,
+    so the speedup is paired step by step (``rr.paired_ratio``): the median of the per-step
+    ratios, "within noise" when their min-max covers 1.0, and "same order as <first>" when
+    neither policy ever left the hint's order (then the ratio is noise whatever it is)."""
+    base: tuple[str, list[float], int] | None = None
+    print(
+        f"{cfg.steps} timed steps per policy, one after the other; a step = the slowest rank,"
+        " from a common barrier (CPU + emulated GPU time)"
+    )
     for i, policy in enumerate(cfg.policies):
         rows = [f[i] for f in figures]
         steps = [max(float(r[s]) for r in rows) for s in range(cfg.steps)]
         losses = [float(x) for r in rows for x in r[cfg.steps : -1] if not torch.isnan(x)]
-        med = statistics.median(steps)
-        base = base or med
+        deviations = int(sum(float(r[-1]) for r in rows))
+        base = base or (policy, steps, deviations)
+        vs = rr.paired_ratio(base[1], steps, same_order=base[2] == deviations == 0)
         print(
-            f"{policy:16} median step {med * 1e3:7.1f} ms  speedup {base / med:.3f}x"
-            f"  deviations {int(sum(float(r[-1]) for r in rows)):4d}"
+            f"{policy:16} median step {statistics.median(steps) * 1e3:7.1f} ms"
+            f"  speedup {vs.median:.3f}x  deviations {deviations:4d}"
             f"  loss {losses[0]:.3f} -> {losses[-1]:.3f}  (CPU + emulated GPU time)"
         )
+        per_step = " ".join(f"{t * 1e3:.1f}" for t in steps)
+        if i == 0:
+            verdict = "the baseline"
+        else:
+            ratios = " ".join(f"{x:.3f}" for x in vs.ratios)
+            verdict = f"vs {base[0]} step by step {ratios}: min-max {vs.spread}, {vs.note(base[0])}"
+        print(f"{'':16} steps (ms) {per_step}; {verdict}")
 
 
 def main(argv: list[str] | None = None) -> None:

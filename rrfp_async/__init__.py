@@ -13,6 +13,7 @@ The friendly public API, pulled together from the private modules and the layers
 * the training harness (what ``examples/train_image_text.py`` runs): ``TrainConfig``,
   ``train_worker``, ``TrainResult``, ``image_text_cost`` (the example model's cost model);
 * simulating: ``simulate``, ``compare``, ``SimResult``;
+* reporting a measured speedup honestly: ``paired_ratio``, ``PairedRatio``;
 * errors: ``RRFPError`` and its subclasses.
 """
 
@@ -55,12 +56,14 @@ from .loop._executors import CostModelExecutor, Executor, TaskContext
 from .observability import (
     LogObserver,
     MultiObserver,
+    PairedRatio,
     TraceData,
     TraceRecorder,
     chrome_trace,
     configure_logging,
     load_trace,
     merge_traces,
+    paired_ratio,
     render_png,
     stalls,
     summarize,
@@ -107,6 +110,7 @@ __all__ = [
     "Microbatch",
     "MultiObserver",
     "ObserverError",
+    "PairedRatio",
     "PeerError",
     "PeerStepError",
     "Placement",
@@ -156,6 +160,7 @@ __all__ = [
     "make_hint",
     "make_workload",
     "merge_traces",
+    "paired_ratio",
     "parse_tasks",
     "pipeline_neighbors",
     "readiness_first",

@@ -7,6 +7,7 @@ import math
 import pytest
 
 from rrfp_async.bench._peer import PeerConfig, peer_benchmark, peer_simulated
+from rrfp_async.bench._peer_config import TORCH_SCHEDULES, resolve_torch_schedule
 
 
 def test_config_is_validated() -> None:
@@ -14,6 +15,22 @@ def test_config_is_validated() -> None:
         PeerConfig(torch_schedules=("ScheduleNope",))
     with pytest.raises(ValueError, match="us_per_token"):
         PeerConfig(us_per_token=0.0)
+
+
+def test_torch_short_names_resolve_as_torch_resolves_them() -> None:
+    from torch.distributed.pipelining.schedules import get_schedule_class
+
+    for cls in TORCH_SCHEDULES:
+        short = cls.removeprefix("Schedule")
+        assert get_schedule_class(short).__name__ == cls  # torch's own short name
+        for name in (short, short.lower(), short.upper(), cls, cls.lower()):
+            assert resolve_torch_schedule(name) == cls, name
+    # torch also resolves its base classes; they are not schedules one can run.
+    assert get_schedule_class("PipelineScheduleSingle").__name__ == "PipelineScheduleSingle"
+    with pytest.raises(ValueError, match="choose from 1F1B, GPipe, Interleaved1F1B"):
+        resolve_torch_schedule("PipelineScheduleSingle")
+    with pytest.raises(ValueError, match="unknown torch schedule 'Schedule'"):
+        resolve_torch_schedule("Schedule")
 
 
 def test_simulated_rows_are_paired_against_strict_1f1b() -> None:
@@ -40,7 +57,9 @@ def test_peer_benchmark_runs_both_systems_on_the_same_work() -> None:
         memory_factors=(1.0,),
         timeout=240,
     )
-    out = peer_benchmark(cfg)
+    steps: list[object] = []
+    out = peer_benchmark(cfg, on_progress=steps.append)
+    assert steps == [0, 1, 2]  # rank 0 reports each step (warm-up included) as it ends
     runs = out["runs"]
     assert [(r["system"], r["schedule"] or r["hint"], r["policy"]) for r in runs] == [
         ("torch", "Schedule1F1B", None),

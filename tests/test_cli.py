@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from typing import Any
 
 import click
 import pytest
@@ -215,3 +216,99 @@ def test_simulate_bad_input_is_an_error_line_not_a_traceback(
     assert out.exit_code == code, out.output
     assert "Error:" in out.output and msg in out.output, out.output
     assert out.exception is None or isinstance(out.exception, SystemExit)
+
+
+def _fake_peer(seen: list[Any]) -> Any:
+    """A stand-in for ``peer_benchmark``: reports each step as rank 0 would, returns rows."""
+    from rrfp_async.bench._peer_config import PeerRun
+
+    def run(cfg: Any, *, on_progress: Any = None) -> dict[str, Any]:
+        seen.append(cfg)
+        for s in range(cfg.warmup_steps + cfg.steps):
+            if on_progress is not None:
+                on_progress(s)
+
+        def row(system: str, name: str, steps: tuple[float, ...], note: str = "") -> Any:
+            torch_row = system == "torch"
+            speedup = sorted(a / b for a, b in zip((0.1, 0.1), steps, strict=True))
+            return PeerRun(
+                system=system,
+                schedule=name if torch_row else None,
+                hint=None if torch_row else name,
+                policy=None if torch_row else "readiness_first",
+                memory_factor=None if torch_row else 2.0,
+                step_s=sum(steps) / 2,
+                speedup_vs_torch_1f1b=sum(speedup) / 2,
+                efficiency=0.5,
+                peak_inflight=2,
+                steps_s=steps,
+                note=note,
+            ).to_dict()
+
+        return {
+            "config": cfg,
+            "runs": [
+                row("torch", "Schedule1F1B", (0.1, 0.1)),
+                row("torch", "Schedule1F1B", (0.2, 0.2), "padded cost"),
+                row("rrfp_async", "breadth_first_weighted", (0.09, 0.11)),
+                row("drop-in", "breadth_first_weighted", (0.05, 0.06), "0.90x native"),
+            ],
+            "loss_max_diff": 0.0,
+            "comm_share": 0.1,
+        }
+
+    return run
+
+
+def test_bench_peer_shows_progress_on_stderr_and_takes_torch_short_names(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import rrfp_async.bench._peer as peer
+
+    seen: list[Any] = []
+    monkeypatch.setattr(peer, "peer_benchmark", _fake_peer(seen))
+    args = ["bench", "peer", "-p", "2", "--steps", "2", "--warmup", "1", "--us-per-token", "2"]
+    res = CliRunner().invoke(
+        main,
+        [*args, "--torch-schedule", "1f1b", "--torch-schedule", "GPipe"],
+        env={"COLUMNS": "80"},
+    )
+    assert res.exit_code == 0, res.output
+    # torch's short names (any case) map to the schedule classes the benchmark runs.
+    assert seen[0].torch_schedules == ("Schedule1F1B", "ScheduleGPipe")
+    assert seen[0].padded_cost == ("Schedule1F1B",)
+    # Not a terminal: one plain progress line per update, on stderr, in order.
+    assert res.stderr.splitlines() == [
+        f"[{n}/3] 2 µs/token: {what} ({t} s)"
+        for n, what, t in zip(
+            range(4),
+            [
+                "starting 2 processes",
+                "step 1/3 done (warm-up)",
+                "step 2/3 done (every configuration)",
+                "step 3/3 done (every configuration)",
+            ],
+            [line.rsplit("(", 1)[1].split()[0] for line in res.stderr.splitlines()],
+            strict=True,
+        )
+    ]
+    # The table: on stdout, 80 columns, whole names, each ratio with its spread; the row
+    # whose spread covers 1.0 says so.
+    lines = res.stdout.splitlines()
+    assert max(map(len, lines)) <= 80 and "…" not in res.stdout, res.stdout
+    assert sum("readiness_first" in line for line in lines) == 2, res.stdout
+    assert "0.91–1.11" in res.stdout and "1.67–2.00" in res.stdout, res.stdout
+    assert res.stdout.count("within noise") == 1, res.stdout
+    # --json: no progress at all, JSON on stdout.
+    seen.clear()
+    res = CliRunner().invoke(main, [*args, "--json"])
+    assert res.exit_code == 0 and res.stderr == "", res.stderr
+    assert len(json.loads(res.stdout)["runs"]) == 4
+
+
+def test_bench_peer_refuses_an_unknown_schedule_listing_the_valid_ones() -> None:
+    res = CliRunner().invoke(main, ["bench", "peer", "--torch-schedule", "PipelineScheduleSingle"])
+    assert res.exit_code == 2, res.output
+    assert "'--torch-schedule'" in res.output and "unknown torch schedule" in res.output
+    for name in ("1F1B", "GPipe", "Interleaved1F1B", "ZBVZeroBubble", "DualPipeV"):
+        assert name in res.output, name

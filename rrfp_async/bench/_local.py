@@ -8,6 +8,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from ..observability._logging import LogFormat
+from ..observability._paired import paired_ratio
 from ..sim._simulate import simulate
 
 __all__ = [
@@ -166,6 +167,15 @@ def pipeline_step_times(
         log_format: Configure step-traced logs in the workers.
         log_level: Their level.
         (the others: see ``TrainConfig``)
+
+    Returns:
+        ``{"config": TrainConfig, "wall_s": float, "policies": {policy: {...}}}``; per
+        policy: ``step_s`` (each timed step), ``median_s``, ``mean_s``, ``vs_first`` (the
+        ``PairedRatio`` of the first policy's step ``i`` over this one's: its speedup over
+        the first policy, step by step, ``same_order`` when neither deviated from the
+        hint), ``deviations`` (total over the timed steps and all ranks),
+        ``peak_inflight`` (largest of any rank and timed step), ``compute_s`` and
+        ``emulated_s`` (all ranks, all steps) and ``trace`` (the traced step, merged).
     """
     from ..distributed._spawn import spawn
     from ..distributed._train import TrainConfig, image_text_cost, train_worker
@@ -192,15 +202,23 @@ def pipeline_step_times(
     results = spawn(train_worker, stages * tp, cfg, timeout=timeout, on_progress=on_progress)
     wall = time.perf_counter() - t
     out: dict[str, Any] = {"config": cfg, "wall_s": wall, "policies": {}}
+    first: tuple[list[float], int] | None = None
     for i, pol in enumerate(policies):
         per_rank = [r[i] for r in results]
         step = [max(r.step_times[s] for r in per_rank) for s in range(steps)]
         traces = [r.trace for r in per_rank if r.trace is not None]
+        deviations = sum(s.deviations for r in per_rank for s in r.stats)
+        if first is None:
+            first = (step, deviations)
         out["policies"][pol] = {
             "step_s": step,
             "median_s": statistics.median(step),
             "mean_s": statistics.mean(step),
-            "deviations": sum(s.deviations for r in per_rank for s in r.stats),
+            # Step i of every policy ran the same microbatches and emulated noise: compare
+            # them step by step. Both ran the hint's order in every step (no deviation):
+            # the same order, so the ratio is noise.
+            "vs_first": paired_ratio(first[0], step, same_order=first[1] == deviations == 0),
+            "deviations": deviations,
             "peak_inflight": max(s.peak_inflight for r in per_rank for s in r.stats),
             "compute_s": sum(r.compute_seconds for r in per_rank),
             "emulated_s": sum(r.emulated_seconds for r in per_rank),

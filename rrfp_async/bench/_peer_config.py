@@ -24,6 +24,7 @@ __all__ = [
     "Step",
     "WorkerRun",
     "make_steps",
+    "resolve_torch_schedule",
     "step_lower_bound",
     "step_plan",
 ]
@@ -38,6 +39,31 @@ TORCH_SCHEDULES: dict[str, tuple[int, str]] = {
     "ScheduleDualPipeV": (2, "vshape"),
 }
 """torch schedule class name -> (model chunks per rank, placement of virtual stages)."""
+
+
+def resolve_torch_schedule(name: str) -> str:
+    """The ``TORCH_SCHEDULES`` class name for ``name``: the class name or torch's short name
+    (what ``torch.distributed.pipelining.schedules.get_schedule_class`` accepts: ``1F1B``,
+    ``GPipe``, ``Interleaved1F1B``, ``ZBVZeroBubble``...), case-insensitive.
+
+    Args:
+        name: ``"1F1B"``, ``"schedule1f1b"``, ``"Schedule1F1B"``...
+
+    Returns:
+        The class name, e.g. ``"Schedule1F1B"``.
+
+    Raises:
+        ValueError: Not a schedule this benchmark runs; the message lists the valid names.
+    """
+    key = name.strip().lower()
+    for cls in TORCH_SCHEDULES:
+        if key in (cls.lower(), cls.lower().removeprefix("schedule")):
+            return cls
+    short = [c.removeprefix("Schedule") for c in TORCH_SCHEDULES]
+    raise ValueError(
+        f"unknown torch schedule {name!r}; choose from {', '.join(short)} (torch's short"
+        " names, any case, or the class names with 'Schedule' in front)"
+    )
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -140,6 +140,7 @@ def _decision_table(rows: Rows, loop_names: list[str], repeats: int) -> Table:
         f" median of {repeats} steps; target < {DECISION_TARGET_US:g} µs",
         cols,
         left={"policy"},
+        whole={"policy"},
     )
     keys: dict[tuple[str, int], dict[str, dict[str, Any]]] = {}
     for r in rows:

@@ -21,7 +21,7 @@ from ._options import (
     stages_option,
     steps_option,
 )
-from ._output import console, table
+from ._output import console, progress, table
 
 __all__ = ["bench_peer"]
 
@@ -46,8 +46,10 @@ __all__ = ["bench_peer"]
     "--torch-schedule",
     "torch_schedules",
     multiple=True,
-    help="torch schedule class (repeatable). Default: 1F1B, GPipe, Interleaved1F1B,"
-    " InterleavedZeroBubble, ZBVZeroBubble.",
+    help="torch schedule (repeatable): torch's short name, as get_schedule_class takes it"
+    " (1F1B, GPipe, Interleaved1F1B, LoopedBFS, InterleavedZeroBubble, ZBVZeroBubble,"
+    " DualPipeV; any case), or the class name (Schedule1F1B). Default: 1F1B, GPipe,"
+    " Interleaved1F1B, InterleavedZeroBubble, ZBVZeroBubble.",
 )
 @hint_option("rrfp_async hint (repeatable).", repeatable=True)
 @policy_option("rrfp_async policy (repeatable).")
@@ -93,9 +95,13 @@ def bench_peer(
     Real processes on gloo (127.0.0.1), real CPU compute plus EMULATED GPU time (each stage
     sleeps a declared, seeded duration per token), configurations interleaved step by step.
     """
-    from ..bench._peer_config import PeerConfig
+    from ..bench._peer_config import PeerConfig, resolve_torch_schedule
 
     base = PeerConfig()
+    try:
+        torch_schedules = tuple(resolve_torch_schedule(n) for n in torch_schedules)
+    except ValueError as e:
+        raise click.BadParameter(str(e), param_hint="'--torch-schedule'") from e
     try:
         cfgs = [
             PeerConfig(
@@ -129,7 +135,20 @@ def bench_peer(
         return
     from ..bench._peer import peer_benchmark
 
-    results = [peer_benchmark(cfg) for cfg in cfgs]
+    results = []
+    per_run = cfgs[0].warmup_steps + cfgs[0].steps
+    with progress(len(cfgs) * per_run, enabled=not as_json) as update:
+        for cfg in cfgs:
+            name = f"{cfg.us_per_token:g} µs/token"
+            update(f"{name}: starting {cfg.stages} processes", False)
+
+            def on_step(s: Any, name: str = name, w: int = cfg.warmup_steps) -> None:
+                what = "warm-up" if s < w else "every configuration"
+                update(f"{name}: step {s + 1}/{per_run} done ({what})", True)
+
+            results.append(peer_benchmark(cfg, on_progress=on_step))
+    from ..observability import paired_ratio
+
     if as_json:
         runs = [
             dict(r, us_per_token=res["config"].us_per_token) for res in results for r in res["runs"]
@@ -142,20 +161,26 @@ def bench_peer(
         t = table(
             f"{cfg.stages} gloo processes on 127.0.0.1, {cfg.microbatches} multimodal"
             f" microbatches, {cfg.us_per_token:g} µs/token: real CPU compute + EMULATED GPU"
-            f" time (jitter {cfg.jitter}); median of {cfg.steps} steps after {cfg.warmup_steps}"
-            f" warm-up; comm share {res['comm_share']:.0%} of a mean task",
+            f" time (jitter {cfg.jitter}); {cfg.steps} timed steps after {cfg.warmup_steps}"
+            f" warm-up, configurations interleaved step by step; comm share"
+            f" {res['comm_share']:.0%} of a mean task",
             (
-                "system",
-                "schedule / hint",
-                "policy",
-                "memory",
-                "step s",
-                "vs torch 1F1B",
-                "efficiency",
+                "configuration",
+                f"step s\n(median\nof {cfg.steps})",
+                "vs torch\n1F1B\n(median,\nmin–max)",
+                "effic.",
                 "peak",
                 "note",
             ),
-            left={"system", "schedule / hint", "policy", "memory", "note"},
+            left={"configuration", "note"},
+        )
+        base_steps = next(
+            (
+                r["steps_s"]
+                for r in res["runs"]
+                if r["system"] == "torch" and r["schedule"] == "Schedule1F1B" and not r["note"]
+            ),
+            None,
         )
         # Fastest first; a NaN speedup (a run that did not finish) sorts as 0.
         for r in sorted(
@@ -166,20 +191,30 @@ def bench_peer(
                 else 0
             ),
         ):
+            vs = f"{r['speedup_vs_torch_1f1b']:.2f}x"
+            if base_steps and r["steps_s"] and r["steps_s"] is not base_steps:
+                # The same pairing as speedup_vs_torch_1f1b (step by step), with its spread.
+                paired = paired_ratio(base_steps, r["steps_s"])
+                vs += f"\n{paired.spread}" + ("\nwithin noise" if paired.within_noise else "")
+            name = (r["schedule"] or r["hint"]).replace("breadth_first_weighted", "bfw")
+            memory = f"{r['memory_factor']:g}x" if r["memory_factor"] else ""
             t.add_row(
-                r["system"],
-                (r["schedule"] or r["hint"]).replace("breadth_first_weighted", "bfw"),
-                r["policy"] or "",
-                f"{r['memory_factor']:g}x" if r["memory_factor"] else "",
+                " ".join(
+                    x
+                    for x in (r["system"], name.removeprefix("Schedule"), r["policy"], memory)
+                    if x
+                ),
                 f"{r['step_s']:.4f}",
-                f"{r['speedup_vs_torch_1f1b']:.2f}x",
+                vs,
                 f"{r['efficiency']:.2f}",
                 str(r["peak_inflight"]),
                 r["note"],
             )
         t.caption = (
-            f"efficiency = lower bound (emulated durations only) / step; losses of every"
-            f" configuration equal torch's within {res['loss_max_diff']:.1e}; bfw ="
+            f"configuration: system, torch schedule or rrfp_async hint, policy, admission bound"
+            f" (x 1F1B's); vs torch 1F1B: median and min–max of torch Schedule1F1B's step i /"
+            f" the row's step i; effic. = lower bound (emulated durations only) / step;"
+            f" losses of every configuration equal torch's within {res['loss_max_diff']:.1e}; bfw ="
             " breadth_first_weighted; ':split' = split backward (I/W); drop-in = torch's"
             " PipelineStage stepped by rr.pipelining.ScheduleReadinessFirst, 'x native' = its"
             " step time paired with the rrfp_async row of the same hint, policy and memory"

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import statistics
 from pathlib import Path
 from typing import Any
 
@@ -119,27 +118,44 @@ def demo_cmd(
             log_level=level,
         )
     out = Path(out_dir)
-    cfg = res["config"]
-    tokens = statistics.mean(sum(m.tokens for m in b) for b in cfg.batches()[warm:])
-    t = table(
-        "one training step, median over timed steps (slowest rank, from a common barrier)",
+    base = names[0]
+    over = f"{steps} timed step{'s' if steps != 1 else ''}"
+    timing = table(
+        f"timing over {over} (a step: the slowest rank, from a common barrier);"
+        f" speedup = {base}'s step i / the policy's step i (the same microbatches and"
+        " emulated noise), median and min–max over the paired steps",
         (
             "policy",
-            "step ms",
-            "samples/s",
-            "tokens/s",
-            "bubble",
-            "peak in-flight",
-            "deviations",
-            "speedup",
+            f"step ms\n(median\nof {steps})",
+            f"samples/s\n(median\nof {steps})",
+            f"speedup\nvs {base}\n(median\nof {steps})",
+            f"\nmin–max\n(of {steps}\npaired)",
+            "verdict",
+        ),
+        left={"policy", "verdict"},
+        whole={"policy"},
+    )
+    timing.caption = (
+        "policies run one after the other: pairing removes the microbatches' variation, not"
+        " a change of the machine's load between the runs"
+    )
+    behaviour = table(
+        f"what each policy did, over the {over} and in step {traced} alone (the traced"
+        " step: the traces and the PNG)",
+        (
+            "policy",
+            f"deviations\n(total\nof {steps})",
+            f"peak\nin-flight\n(max of {steps})",
+            f"bubble\n(step {traced})",
+            f"deviations\n(step {traced})",
         ),
         left={"policy"},
+        whole={"policy"},
     )
     panels = []
-    base = res["policies"][names[0]]["median_s"]
     for n in names:
         r = res["policies"][n]
-        step, data = r["median_s"], r["trace"]
+        step, data, vs = r["median_s"], r["trace"], r["vs_first"]
         write_trace(
             out / f"trace_{n}.json",
             chrome_trace(
@@ -152,22 +168,30 @@ def demo_cmd(
             ),
         )
         panels.append((n, data))
-        t.add_row(
+        one = summarize(data)
+        timing.add_row(
             n,
             f"{step * 1e3:.1f}",
             f"{microbatches / step:.1f}",
-            f"{tokens / step:.0f}",
-            f"{summarize(data)['bubble_ratio']:.1%}",
-            str(r["peak_inflight"]),
+            f"{vs.median:.3f}x",
+            "" if n == base else vs.spread,
+            "baseline" if n == base else vs.note(base),
+        )
+        behaviour.add_row(
+            n,
             str(r["deviations"]),
-            f"{base / step:.3f}x",
+            str(r["peak_inflight"]),
+            f"{one['bubble_ratio']:.1%}",
+            str(one["deviations"]),
         )
     png = render_png(
         panels,
         out / "timeline.png",
         title=f"demo step {traced}, {stages * tp} processes: real CPU compute + EMULATED GPU time",
     )
-    con.print(t)
+    con.print(timing)
+    con.print()
+    con.print(behaviour)
     con.print(
         f"traces: {', '.join(str(out / f'trace_{n}.json') for n in names)}"
         " (open in ui.perfetto.dev or chrome://tracing)"

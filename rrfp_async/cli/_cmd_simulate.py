@@ -151,9 +151,9 @@ def simulate_cmd(
 def _comparison_table(results: dict[str, SimResult], base: str, title: str) -> Table:
     t = table(
         title,
-        ("policy", "makespan s", "bound s", "effic.", "speedup", "peak", "devs", "wall s"),
+        ("policy", "makespan\ns", "bound\ns", "eff.", "speedup", "peak", "devs", "wall\ns"),
         left={"policy"},
-        no_wrap=True,
+        whole={"policy"},
     )
     b = results[base].makespan
     for name, r in results.items():
@@ -168,7 +168,8 @@ def _comparison_table(results: dict[str, SimResult], base: str, title: str) -> T
             f"{r.wall_time:.3f}",
         )
     t.caption = (
-        f"speedup: vs {base}; bound: critical path / busiest rank lower bound; peak: most"
+        f"speedup: vs {base}; bound: critical path / busiest rank lower bound; eff.: bound /"
+        " makespan; peak: most"
         " activations in flight on any rank; devs: decisions off the hint order"
     )
     return t

@@ -19,9 +19,11 @@ from __future__ import annotations
 
 import errno
 import json
+import os
 import sys
+import time
 import traceback
-from collections.abc import Collection, Iterable, Iterator
+from collections.abc import Callable, Collection, Iterable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
@@ -31,7 +33,16 @@ from rich.table import Table
 
 from .._errors import RRFPError
 
-__all__ = ["CLEAN_ERRORS", "CleanErrorsGroup", "clean_errors", "console", "json_error", "table"]
+__all__ = [
+    "CLEAN_ERRORS",
+    "CleanErrorsGroup",
+    "Progress",
+    "clean_errors",
+    "console",
+    "json_error",
+    "progress",
+    "table",
+]
 
 #: Exceptions reported as ``Error: <message>`` (exit code 1) instead of a traceback.
 CLEAN_ERRORS: tuple[type[Exception], ...] = (RRFPError, OSError)
@@ -84,19 +95,91 @@ class CleanErrorsGroup(click.Group):
             ctx.exit(1)
 
 
-def console() -> Console:
-    """A rich console; 120 columns wide when output is not a terminal (files, pipes, tests)."""
-    c = Console()
+def console(*, stderr: bool = False) -> Console:
+    """A rich console (on stderr with ``stderr``).
+
+    On a terminal it is as wide as the terminal. Otherwise (files, pipes, tests) it is
+    ``$COLUMNS`` wide when that is set (``COLUMNS=80 rrfp-async ... | cat``), else 120.
+    Tables never cut a cell short at any width (see :func:`table`).
+    """
+    c = Console(stderr=stderr)
     if not c.is_terminal:
-        c = Console(width=120)
+        cols = os.environ.get("COLUMNS", "")
+        c = Console(stderr=stderr, width=int(cols) if cols.isdigit() and int(cols) > 0 else 120)
     return c
 
 
 def table(
-    title: str, columns: Iterable[str], *, left: Collection[str] = (), no_wrap: bool = False
+    title: str,
+    columns: Iterable[str],
+    *,
+    left: Collection[str] = (),
+    whole: Collection[str] = (),
 ) -> Table:
-    """A table titled on the left, its columns right-justified (numbers) except ``left``."""
-    t = Table(title=title, title_justify="left")
+    """A table titled on the left, its columns right-justified (numbers) except ``left``.
+
+    Nothing is cut short at any console width (``COLUMNS=80``, a pipe): a cell too long for
+    its column wraps at spaces and folds a word longer than the column onto the next line
+    (``overflow="fold"``), never ends in an ellipsis. The ``whole`` columns (short names: a
+    policy) are not narrowed while the others can wrap, so ``readiness_first`` stays on one
+    line. A header may hold a newline (``"step ms\nmedian of 4"``: what the column is over).
+    """
+    t = Table(title=title, title_justify="left", caption_justify="left")
     for c in columns:
-        t.add_column(c, justify="left" if c in left else "right", no_wrap=no_wrap)
+        t.add_column(
+            c, justify="left" if c in left else "right", no_wrap=c in whole, overflow="fold"
+        )
     return t
+
+
+#: ``update(description, advance)``: say what runs now; ``advance`` counts one unit done.
+Progress = Callable[[str, bool], None]
+
+
+@contextmanager
+def progress(total: int, *, enabled: bool = True) -> Iterator[Progress]:
+    """Progress of a long command on stderr (stdout keeps the results: tables or JSON).
+
+    On a terminal, a rich progress bar (gone when done); otherwise (a pipe, a file, a test)
+    one plain line per update, ``[done/total] description (elapsed s)``; nothing when not
+    ``enabled`` (``--json``).
+
+    Args:
+        total: Units of work (the bar's length).
+        enabled: Show anything at all.
+
+    Yields:
+        ``update(description, advance)``.
+    """
+    if not enabled:
+        yield lambda description, advance: None
+        return
+    con = console(stderr=True)
+    if not con.is_terminal:
+        t0 = time.perf_counter()
+        done = 0
+
+        def line(description: str, advance: bool) -> None:
+            nonlocal done
+            done += advance
+            click.echo(
+                f"[{done}/{total}] {description} ({time.perf_counter() - t0:.0f} s)", err=True
+            )
+
+        yield line
+        return
+    from rich.progress import BarColumn, MofNCompleteColumn, TextColumn, TimeElapsedColumn
+    from rich.progress import Progress as Bar
+
+    with Bar(
+        TextColumn("{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        console=con,
+        transient=True,
+    ) as bar:
+        task = bar.add_task("", total=total)
+        yield lambda description, advance: bar.update(
+            task, advance=int(advance), description=description
+        )

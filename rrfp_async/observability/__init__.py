@@ -12,6 +12,7 @@ The modules, one concept each (imports run down this list, never up):
 * ``_recorder``: ``TraceRecorder`` (a ``TraceData`` from a running stage), ``MultiObserver``;
 * ``_summary``: ``summarize`` (busy / idle, bubble ratio, deviations) of a trace;
 * ``_stalls``: ``stalls`` (slow tasks, idle gaps, and the chain from each gap to its cause);
+* ``_paired``: ``paired_ratio``, a speedup over paired steps with its spread and noise verdict;
 * ``_chrome``: the Chrome-trace / Perfetto JSON export, its schema check and files;
 * ``_merge``: ``merge_traces``, per-rank trace files of a multi-process run on one timeline;
 * ``_png``: ``render_png`` timelines.
@@ -20,6 +21,7 @@ The modules, one concept each (imports run down this list, never up):
 from ._chrome import chrome_trace, clock_origin, load_trace, validate_chrome_trace, write_trace
 from ._logging import LogFormat, LogObserver, configure_logging
 from ._merge import MergedTrace, merge_trace_files, merge_traces, rank_trace_path, trace_files
+from ._paired import PairedRatio, paired_ratio
 from ._png import render_png
 from ._recorder import MultiObserver, TraceRecorder
 from ._records import Arrival, Decision, Ready, Send, Span, StepRecord, TraceData
@@ -33,6 +35,7 @@ __all__ = [
     "LogObserver",
     "MergedTrace",
     "MultiObserver",
+    "PairedRatio",
     "Ready",
     "Send",
     "Span",
@@ -45,6 +48,7 @@ __all__ = [
     "load_trace",
     "merge_trace_files",
     "merge_traces",
+    "paired_ratio",
     "rank_trace_path",
     "render_png",
     "stalls",

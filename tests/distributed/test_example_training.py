@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import math
 import re
+import statistics
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -23,35 +25,70 @@ ROW = re.compile(
     r"  deviations +(?P<dev>\d+)  loss (?P<first>\S+) -> (?P<last>\S+)"
     r"  \(CPU \+ emulated GPU time\)"
 )
+STEPS = re.compile(r" {17}steps \(ms\) (?P<steps>[\d. ]+); (?P<rest>.*)")
+VERSUS = re.compile(
+    r"vs (?P<base>\w+) step by step (?P<ratios>[\d. ]+): min-max (?P<lo>\S+)–(?P<hi>\S+),"
+    r" (?P<note>.*)"
+)
 
 
-def _rows(stdout: str) -> dict[str, dict[str, float]]:
-    """The report's rows: ``{policy: {ms, speedup, dev, first, last}}`` (numbers; nan stays
-    nan so that the finiteness checks, not the parser, reject it)."""
-    rows = {}
+def _rows(stdout: str) -> dict[str, dict[str, Any]]:
+    """The report's rows: ``{policy: {ms, speedup, dev, first, last, steps, rest}}``
+    (numbers; nan stays nan so that the finiteness checks, not the parser, reject it;
+    ``steps``: the per-step ms of the line below, ``rest``: what follows them)."""
+    rows: dict[str, dict[str, Any]] = {}
+    last = None
     for line in stdout.splitlines():
         m = ROW.fullmatch(line)
         if m is not None:
-            rows[m["policy"]] = {k: float(v) for k, v in m.groupdict().items() if k != "policy"}
+            last = rows[m["policy"]] = {
+                k: float(v) for k, v in m.groupdict().items() if k != "policy"
+            }
+            continue
+        m = STEPS.fullmatch(line)
+        if m is not None and last is not None:
+            last["steps"] = [float(x) for x in m["steps"].split()]
+            last["rest"] = m["rest"]
+            last = None
     return rows
 
 
-def _check_rows(rows: dict[str, dict[str, float]], policies: list[str]) -> None:
+def _check_rows(rows: dict[str, dict[str, Any]], policies: list[str], steps: int) -> None:
     assert list(rows) == policies, rows
-    base = rows[policies[0]]["ms"]
+    base = rows[policies[0]]
+    assert base["speedup"] == 1.0 and base["rest"] == "the baseline", base
     for policy, r in rows.items():
-        assert all(math.isfinite(v) for v in r.values()), (policy, r)
-        assert r["ms"] > 0, policy
-        # the median step is printed to 0.1 ms, the speedup to 0.001
-        assert r["speedup"] == pytest.approx(base / r["ms"], rel=5e-3, abs=2e-3), policy
+        ms, st = r["ms"], r["steps"]
+        assert isinstance(ms, float) and isinstance(st, list) and len(st) == steps, (policy, r)
+        assert all(math.isfinite(v) for v in (ms, *st)) and ms > 0, (policy, r)
+        assert ms == pytest.approx(statistics.median(st), abs=0.11), policy
         # an untrained model predicts about uniformly: mean cross-entropy ~ ln(vocab = 256)
         assert abs(r["first"] - math.log(256)) < 0.5, (policy, r)
-    assert rows[policies[0]]["speedup"] == 1.0
+        if policy == policies[0]:
+            continue
+        # The speedup is paired step by step: the median of base step i / this step i (the
+        # steps are printed to 0.1 ms, the ratios and the speedup to 0.001) ...
+        m = VERSUS.fullmatch(str(r["rest"]))
+        assert m is not None and m["base"] == policies[0], r["rest"]
+        ratios = [float(x) for x in m["ratios"].split()]
+        expected = [b / t for b, t in zip(base["steps"], st, strict=True)]
+        assert ratios == pytest.approx(expected, rel=5e-3, abs=2e-3), policy
+        assert r["speedup"] == pytest.approx(statistics.median(ratios), abs=1.5e-3), policy
+        lo, hi = float(m["lo"]), float(m["hi"])
+        assert (lo, hi) == pytest.approx((min(ratios), max(ratios)), abs=6e-3), policy
+        # ... said to be noise exactly when the spread covers 1.0 (away from rounding), and
+        # "same order" exactly when neither policy ever left the hint's order.
+        if min(ratios) < 0.995 and max(ratios) > 1.005:
+            assert m["note"].startswith("within noise"), m["note"]
+        elif min(ratios) > 1.005 or max(ratios) < 0.995:
+            assert "within noise" not in m["note"], m["note"]
+        same = base["dev"] == r["dev"] == 0
+        assert ("same order as " + policies[0] + ": ratio is noise" in m["note"]) == same
     # Every policy trains the same model on the same data: the same losses (3 decimals;
     # the last step's may round apart by one unit of float noise).
     for r in rows.values():
-        assert r["first"] == rows[policies[0]]["first"]
-        assert r["last"] == pytest.approx(rows[policies[0]]["last"], abs=1.5e-3)
+        assert r["first"] == base["first"]
+        assert r["last"] == pytest.approx(base["last"], abs=1.5e-3)
 
 
 def test_example_under_torchrun() -> None:
@@ -76,7 +113,7 @@ def test_example_under_torchrun() -> None:
         check=False,
     )
     assert out.returncode == 0, out.stderr[-3000:]
-    _check_rows(_rows(out.stdout), ["strict", "readiness_first"])
+    _check_rows(_rows(out.stdout), ["strict", "readiness_first"], steps=2)
 
 
 def test_example_with_spawn_and_tp() -> None:
@@ -97,4 +134,4 @@ def test_example_with_spawn_and_tp() -> None:
         check=False,
     )
     assert out.returncode == 0, out.stderr[-3000:]
-    _check_rows(_rows(out.stdout), ["readiness_first"])
+    _check_rows(_rows(out.stdout), ["readiness_first"], steps=2)

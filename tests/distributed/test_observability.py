@@ -100,11 +100,46 @@ def test_demo_command_small(tmp_path: Path) -> None:
     res = CliRunner().invoke(
         main,
         ["demo", "--stages", "2", "--microbatches", "4", "--steps", "1", "--out", str(tmp_path)],
+        env={"COLUMNS": "80"},
     )
     assert res.exit_code == 0, res.output
     for word in ("strict", "readiness_first", "backfill", "speedup", "bubble", "EMULATED"):
         assert word in res.output
+    # 80 columns, piped: nothing wider, no name cut short, each column says what it is over.
+    lines = res.output.splitlines()
+    assert max(len(line) for line in lines) <= 80, res.output
+    assert "…" not in res.output
+    for p in ("strict", "readiness_first", "backfill"):
+        assert any(line.startswith(f"│ {p} ") for line in lines), (p, res.output)
+    for label in ("(median", "of 1)", "(total", "(max of 1)", "(step 1)", "traced step"):
+        assert label in res.output, label
+    # One timed step has no spread: every ratio is said to be within noise.
+    rows = [line for line in lines if line.startswith(("│ readiness_first ", "│ backfill "))]
+    assert len(rows) == 4 and all("no spread" in r or "within" in r for r in rows[:2])
+    assert sum("within" in r for r in rows) == 2, res.output
     assert (tmp_path / "timeline.png").exists()
     for p in ("strict", "readiness_first", "backfill"):
         tr = rr.load_trace(tmp_path / f"trace_{p}.json")
         assert validate_chrome_trace(tr) == []
+
+
+def test_pipeline_step_times_pairs_each_policy_with_the_first_step_by_step() -> None:
+    from rrfp_async.bench._local import pipeline_step_times
+
+    res = pipeline_step_times(
+        stages=2,
+        microbatches=4,
+        steps=3,
+        policies=("strict", "readiness_first", "backfill"),
+        memory_factor=2.0,
+        timeout=240,
+    )
+    pols = res["policies"]
+    base = pols["strict"]["step_s"]
+    assert pols["strict"]["deviations"] == 0
+    for name, r in pols.items():
+        vs = r["vs_first"]
+        assert vs.ratios == tuple(b / t for b, t in zip(base, r["step_s"], strict=True)), name
+        # "same order" only for a policy that, like strict, never left the hint's order.
+        assert vs.same_order == (r["deviations"] == 0), name
+    assert pols["strict"]["vs_first"].ratios == (1.0, 1.0, 1.0)

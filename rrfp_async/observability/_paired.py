@@ -1,0 +1,140 @@
+"""A speedup measured step by step, with its spread and an honest verdict.
+
+Design note
+-----------
+A benchmark that runs a baseline and a candidate on the same work (the same microbatches
+and emulated noise in step ``i``) can compare them step by step: the speedup of step ``i``
+is ``baseline[i] / candidate[i]``. Reporting only one number (a ratio of medians) hides how
+much those per-step ratios scatter; on a loaded machine they scatter across 1.0 and the
+headline is noise. So a ratio is reported as the *median* of the paired per-step ratios
+with their *min–max* range (not a confidence interval: with the few steps a demo times, a
+bootstrap would only dress the same few numbers up), and the verdict says "within noise"
+exactly when that range covers 1.0. One step has no spread: its range is unbounded
+(``0``–``inf``), which covers 1.0, so a single step is always "within noise".
+
+A candidate that never left the baseline's order (``same_order``: both ran the hint's
+order, zero deviations) ran the same tasks in the same order; whatever its ratio, it is
+noise (or drift of the machine between the runs), and the note says so.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+__all__ = ["PairedRatio", "paired_ratio"]
+
+#: How the spread is computed, for labels.
+SPREAD_METHOD = "min–max"
+
+
+@dataclass(frozen=True, kw_only=True)
+class PairedRatio:
+    """The per-step ratios ``baseline[i] / candidate[i]`` of paired steps, summarized.
+
+    Attributes:
+        ratios: One ratio per paired step (> 1: the candidate was faster in that step).
+        same_order: The candidate ran the same task order as the baseline in every step.
+    """
+
+    ratios: tuple[float, ...]
+    same_order: bool = False
+
+    def __post_init__(self) -> None:
+        if not self.ratios:
+            raise ValueError("PairedRatio needs at least one paired step")
+        bad = [r for r in self.ratios if not (math.isfinite(r) and r > 0)]
+        if bad:
+            raise ValueError(f"ratios must be finite and > 0, got {bad}")
+
+    @property
+    def steps(self) -> int:
+        """Number of paired steps."""
+        return len(self.ratios)
+
+    @property
+    def median(self) -> float:
+        """Median of the per-step ratios (the headline speedup)."""
+        return statistics.median(self.ratios)
+
+    @property
+    def low(self) -> float:
+        """Lower end of the spread: the smallest ratio (0 with one step: no spread)."""
+        return min(self.ratios) if self.steps > 1 else 0.0
+
+    @property
+    def high(self) -> float:
+        """Upper end of the spread: the largest ratio (inf with one step: no spread)."""
+        return max(self.ratios) if self.steps > 1 else math.inf
+
+    @property
+    def within_noise(self) -> bool:
+        """The spread covers 1.0: no step-by-step evidence of a difference."""
+        return self.low <= 1.0 <= self.high
+
+    @property
+    def verdict(self) -> str:
+        """``"within noise"`` iff the spread covers 1.0; else ``"faster in every step"`` or
+        ``"slower in every step"`` (the candidate against the baseline)."""
+        if self.within_noise:
+            return "within noise"
+        return "faster in every step" if self.low > 1.0 else "slower in every step"
+
+    @property
+    def spread(self) -> str:
+        """The spread as text: ``"1.05–1.31"``, or ``"no spread (1 step)"``."""
+        if self.steps == 1:
+            return "no spread (1 step)"
+        return f"{self.low:.2f}–{self.high:.2f}"
+
+    def note(self, baseline: str = "the baseline") -> str:
+        """The verdict, followed by ``"same order as <baseline>: ratio is noise"`` for a
+        candidate that ran the baseline's order.
+
+        Args:
+            baseline: The baseline's name, for the text.
+
+        Returns:
+            E.g. ``"within noise"`` or ``"faster in every step; same order as strict: ratio
+            is noise"``.
+        """
+        if self.same_order:
+            return f"{self.verdict}; same order as {baseline}: ratio is noise"
+        return self.verdict
+
+    def __str__(self) -> str:
+        return f"{self.median:.3f}x ({self.spread})"
+
+
+def paired_ratio(
+    baseline: Sequence[float], candidate: Sequence[float], *, same_order: bool = False
+) -> PairedRatio:
+    """The speedup of ``candidate`` over ``baseline``, step by step.
+
+    Args:
+        baseline: Seconds of each step under the baseline.
+        candidate: Seconds of the same steps (same work, same order of steps) under the
+            candidate.
+        same_order: The candidate ran the baseline's task order in every step (say so in
+            the note: its ratio is noise).
+
+    Returns:
+        The ``PairedRatio`` of ``baseline[i] / candidate[i]``.
+
+    Raises:
+        ValueError: The sequences are empty or of different lengths, or a time is not a
+            finite positive number.
+    """
+    if len(baseline) != len(candidate):
+        raise ValueError(
+            f"paired steps need equal lengths: {len(baseline)} baseline, {len(candidate)} candidate"
+        )
+    bad = [t for t in (*baseline, *candidate) if not (math.isfinite(t) and t > 0)]
+    if bad:
+        raise ValueError(f"step times must be finite and > 0, got {bad}")
+    return PairedRatio(
+        ratios=tuple(b / c for b, c in zip(baseline, candidate, strict=True)),
+        same_order=same_order,
+    )
