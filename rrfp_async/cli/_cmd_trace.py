@@ -118,9 +118,9 @@ def trace_cmd(files: tuple[str, ...], out: str | None, png_path: str | None, as_
             "busy ms",
             "idle ms",
             "bubble",
-            "peak in-flight",
-            "deviations",
-            "idle filled ms",
+            "peak\nin-flight",
+            "devi-\nations",
+            "idle\nfilled ms",
         ),
     )
     for r, v in summ["ranks"].items():
