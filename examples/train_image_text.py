@@ -88,7 +88,7 @@ def report(figures: list[torch.Tensor], cfg: rr.TrainConfig) -> None:
     neither policy ever left the hint's order (then the ratio is noise whatever it is)."""
     base: tuple[str, list[float], int] | None = None
     print(
-        f"{cfg.steps} timed steps per policy, one after the other; a step = the slowest rank,"
+        f"{cfg.steps} timed steps per policy, taken in turn; a step = the slowest rank,"
         " from a common barrier (CPU + emulated GPU time)"
     )
     for i, policy in enumerate(cfg.policies):

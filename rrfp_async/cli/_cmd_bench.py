@@ -152,9 +152,9 @@ def bench_pipeline(
         whole={"policy"},
     )
     t.caption = (
-        "a step: the slowest rank, from a common barrier; policies run one after the other:"
-        " pairing removes the microbatches' variation, not a change of the machine's load"
-        " between the runs"
+        "a step: the slowest rank, from a common barrier; the policies take their steps in"
+        " turn (step i of each, in a rotating order), so the pairing removes the"
+        " microbatches' variation and drift of the machine's load, not noise within a step"
     )
     what = table(
         f"what each policy did over the {steps} timed steps (all ranks)",

@@ -136,8 +136,9 @@ def demo_cmd(
         whole={"policy"},
     )
     timing.caption = (
-        "policies run one after the other: pairing removes the microbatches' variation, not"
-        " a change of the machine's load between the runs"
+        "the policies take their steps in turn (step i of each, in a rotating order): the"
+        " pairing removes the microbatches' variation and drift of the machine's load, not"
+        " noise within a step"
     )
     behaviour = table(
         f"what each policy did, over the {over} and in step {traced} alone (the traced"

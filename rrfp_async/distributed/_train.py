@@ -1,8 +1,9 @@
 """Training the example image-text model through a real multi-process pipeline.
 
 ``train_worker`` is the body of every process (under ``rrfp_async.spawn`` or torchrun): it
-builds this rank's model chunks, runs several policies one after the other on the same
-microbatches (same initial weights, same emulated noise), and returns per policy the final
+builds this rank's model chunks, runs several policies on the same microbatches (same
+initial weights, same emulated noise; their steps interleaved, so that load drift hits them
+alike), and returns per policy the final
 parameters, the step times and the stage statistics. The demo, the benchmarks and the
 equivalence tests all use it, so what they compare is one code path. Public as
 ``rr.TrainConfig``, ``rr.TrainResult``, ``rr.train_worker`` and ``rr.image_text_cost``.
@@ -18,6 +19,7 @@ seeded jitter). Reports say so.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from dataclasses import dataclass, field
@@ -136,7 +138,12 @@ class TrainConfig:
         steps: Optimizer steps per policy.
         warmup_steps: Extra steps run first and not timed (not in the returned params'
             history either: they are part of training).
-        policies: Policies to run, one after the other, from the same initial weights.
+        policies: Policies to run, each from the same initial weights.
+        interleave: Run the policies' steps in turn (step s of every policy, in an order
+            that rotates each step, then step s + 1; each policy has its own model copy,
+            process groups and stage), so that drift of the machine's load hits every
+            policy alike and step s of two policies can be compared as a pair. False: one
+            policy's steps after the other's.
         hint: Hint name.
         memory_factor: Scale of the default admission bound.
         split_backward: Split backwards into I and W.
@@ -170,6 +177,7 @@ class TrainConfig:
     steps: int = 5
     warmup_steps: int = 0
     policies: tuple[str, ...] = ("strict", "readiness_first")
+    interleave: bool = True
     hint: str = "breadth_first_weighted"
     memory_factor: float | None = None
     split_backward: bool = False
@@ -199,6 +207,8 @@ class TrainConfig:
             raise PlanError(f"TrainConfig.warmup_steps must be >= 0, got {self.warmup_steps!r}")
         if not self.policies:
             raise PlanError("TrainConfig.policies is empty: name at least one policy")
+        if not isinstance(self.interleave, bool):
+            raise PlanError(f"TrainConfig.interleave must be a bool, got {self.interleave!r}")
         if self.trace_dir is not None and not isinstance(self.trace_dir, str | Path):
             raise PlanError(
                 f"TrainConfig.trace_dir must be a directory path (str or Path), got"
@@ -280,107 +290,144 @@ class TrainResult:
     trace: TraceData | None = None
 
 
-async def _train_one(
-    cfg: TrainConfig,
-    layout: ProcessLayout,
-    groups: Any,
-    policy: str,
-    batches: list[list[Microbatch]],
-) -> TrainResult:
-    nv = cfg.pp * cfg.chunks
-    plan = StepPlan(
-        topology=Topology(stages=cfg.pp, chunks=cfg.chunks),
-        microbatches=cfg.microbatches,
-        split_backward=cfg.split_backward or cfg.ordered_weights,
-        ordered_weights=cfg.ordered_weights,
-    )
-    tp = TPContext(group=groups.tp, size=cfg.tp, rank=layout.tp_rank) if cfg.tp > 1 else None
-    modules = build_stage_modules(cfg.model, nv, plan.topology.stages_of(layout.pp_rank), tp)
-    params = [p for m in modules.values() for p in m.parameters()]
-    opt = torch.optim.SGD(params, lr=cfg.lr, momentum=0.0)
-    emulate = (
-        EmulatedCost(cost=cfg.cost, seed=cfg.seed, per_rank_noise=cfg.per_rank_noise)
-        if cfg.cost is not None
-        else None
-    )
-    executor = TorchStageExecutor(modules, loss_fn, emulate=emulate, rank=layout.rank)
+class _PolicyRun:
+    """One policy's training in this process: its own model copy, optimizer, executor,
+    process groups and ``DistributedStage`` (so that several policies can be open at once
+    and take their steps in turn)."""
 
-    def schedule_for(mbs: list[Microbatch]) -> StepSchedule:
-        declared = (cfg.cost or image_text_cost()).declared(plan, mbs)
-        return StepSchedule.build(
-            plan, cfg.hint, durations=declared, memory_factor=cfg.memory_factor
+    def __init__(
+        self,
+        cfg: TrainConfig,
+        layout: ProcessLayout,
+        groups: Any,
+        policy: str,
+        first: list[Microbatch],
+    ) -> None:
+        self.cfg = cfg
+        self.layout = layout
+        self.policy = policy
+        nv = cfg.pp * cfg.chunks
+        self.plan = StepPlan(
+            topology=Topology(stages=cfg.pp, chunks=cfg.chunks),
+            microbatches=cfg.microbatches,
+            split_backward=cfg.split_backward or cfg.ordered_weights,
+            ordered_weights=cfg.ordered_weights,
         )
-
-    traced = cfg.traced_steps
-    recorder = TraceRecorder(layout.pipeline_peers()) if traced else None
-    logger = LogObserver(rank=layout.rank) if cfg.log_format is not None else None
-    observer = MultiObserver(logger, _StepFilter(recorder, set(traced)))
-    times: list[float] = []
-    stats: list[StepStats] = []
-    losses: dict[int, dict[int, float]] = {}
-    try:
-        async with DistributedStage(
+        tp = TPContext(group=groups.tp, size=cfg.tp, rank=layout.tp_rank) if cfg.tp > 1 else None
+        self.modules = build_stage_modules(
+            cfg.model, nv, self.plan.topology.stages_of(layout.pp_rank), tp
+        )
+        self.params = [p for m in self.modules.values() for p in m.parameters()]
+        self.opt = torch.optim.SGD(self.params, lr=cfg.lr, momentum=0.0)
+        emulate = (
+            EmulatedCost(cost=cfg.cost, seed=cfg.seed, per_rank_noise=cfg.per_rank_noise)
+            if cfg.cost is not None
+            else None
+        )
+        self.executor = TorchStageExecutor(self.modules, loss_fn, emulate=emulate, rank=layout.rank)
+        traced = cfg.traced_steps
+        self.recorder = TraceRecorder(layout.pipeline_peers()) if traced else None
+        logger = LogObserver(rank=layout.rank) if cfg.log_format is not None else None
+        self.stage = DistributedStage(
             layout,
-            schedule_for(batches[0]),
-            executor,
+            self.schedule_for(first),
+            self.executor,
             groups=groups,
             policy=policy,
             coordinate_tp=cfg.coordinate_tp,
             verify_tp=cfg.verify_tp,
             step_timeout=cfg.step_timeout,
-            observer=observer,
-        ) as stage:
+            observer=MultiObserver(logger, _StepFilter(self.recorder, set(traced))),
+        )
+        self.times: list[float] = []
+        self.stats: list[StepStats] = []
+        self.losses: dict[int, dict[int, float]] = {}
+
+    def schedule_for(self, mbs: list[Microbatch]) -> StepSchedule:
+        declared = (self.cfg.cost or image_text_cost()).declared(self.plan, mbs)
+        return StepSchedule.build(
+            self.plan, self.cfg.hint, durations=declared, memory_factor=self.cfg.memory_factor
+        )
+
+    async def step(self, s: int, mbs: list[Microbatch]) -> None:
+        cfg = self.cfg
+        sched = self.schedule_for(mbs)
+        dist.barrier()  # synchronized step starts: step times are comparable
+        t0 = time.perf_counter()
+        st = await self.stage.run_step(mbs, step=s, schedule=sched)
+        dt = time.perf_counter() - t0
+        self.stage.allreduce_gradients(self.params)
+        self.opt.step()
+        self.opt.zero_grad(set_to_none=True)
+        if self.executor.losses:
+            self.losses[s] = dict(self.executor.losses)
+        if s >= cfg.warmup_steps:
+            self.times.append(dt)
+            self.stats.append(st)
+        if cfg.progress and self.layout.rank == 0:
+            report_progress((self.policy, s))
+
+    def write_trace(self) -> None:
+        """Write this policy's recording to ``trace_dir`` (when both are set); after a
+        failure a write error is logged, never raised over the step's own error."""
+        if self.recorder is not None and self.cfg.trace_dir is not None:
+            _write_rank_trace(self.cfg, self.layout.rank, self.policy, self.recorder.data)
+
+    def result(self) -> TrainResult:
+        layout = self.layout
+        return TrainResult(
+            policy=self.policy,
+            rank=layout.rank,
+            pp_rank=layout.pp_rank,
+            tp_rank=layout.tp_rank,
+            dp_rank=layout.dp_rank,
+            params={
+                v: {k: t.detach().clone() for k, t in m.state_dict().items()}
+                for v, m in self.modules.items()
+            }
+            if self.cfg.return_params
+            else {},
+            step_times=self.times,
+            stats=self.stats,
+            losses=self.losses,
+            compute_seconds=self.executor.compute_seconds,
+            emulated_seconds=self.executor.emulated_seconds,
+            trace=None if self.recorder is None else self.recorder.data,
+        )
+
+
+async def _train(
+    cfg: TrainConfig,
+    layout: ProcessLayout,
+    runs: list[_PolicyRun],
+    batches: list[list[Microbatch]],
+) -> list[TrainResult]:
+    """Run ``runs``: interleaved (step s of every policy, in an order that rotates each
+    step, before step s + 1: machine drift hits every policy alike), or, with
+    ``cfg.interleave=False`` (one run given at a time), one policy's steps in a row."""
+    async with contextlib.AsyncExitStack() as stack:
+        for r in runs:
+            await stack.enter_async_context(r.stage)
+        try:
             for s, mbs in enumerate(batches):
-                sched = schedule_for(mbs)
-                dist.barrier()  # synchronized step starts: step times are comparable
-                t0 = time.perf_counter()
-                st = await stage.run_step(mbs, step=s, schedule=sched)
-                dt = time.perf_counter() - t0
-                stage.allreduce_gradients(params)
-                opt.step()
-                opt.zero_grad(set_to_none=True)
-                if executor.losses:
-                    losses[s] = dict(executor.losses)
-                if s >= cfg.warmup_steps:
-                    times.append(dt)
-                    stats.append(st)
-                if cfg.progress and layout.rank == 0:
-                    report_progress((policy, s))
-    except BaseException:
-        if recorder is not None and cfg.trace_dir is not None:
-            try:  # the failed step's trace helps most; the step's error stays the error
-                _write_rank_trace(cfg, layout.rank, policy, recorder.data)
-            except Exception as e:
-                _log.warning("rank %d: could not write its trace: %r", layout.rank, e)
-        raise
-    else:
-        if recorder is not None and cfg.trace_dir is not None:
-            _write_rank_trace(cfg, layout.rank, policy, recorder.data)
-    finally:
-        executor.close()
-    return TrainResult(
-        policy=policy,
-        rank=layout.rank,
-        pp_rank=layout.pp_rank,
-        tp_rank=layout.tp_rank,
-        dp_rank=layout.dp_rank,
-        params={
-            v: {k: t.detach().clone() for k, t in m.state_dict().items()}
-            for v, m in modules.items()
-        }
-        if cfg.return_params
-        else {},
-        step_times=times,
-        stats=stats,
-        losses=losses,
-        compute_seconds=executor.compute_seconds,
-        emulated_seconds=executor.emulated_seconds,
-        trace=None if recorder is None else recorder.data,
-    )
+                k = s % len(runs)
+                for r in runs[k:] + runs[:k]:
+                    await r.step(s, mbs)
+        except BaseException:
+            for r in runs:  # the failed step's trace helps most; its error stays the error
+                try:
+                    r.write_trace()
+                except Exception as e:
+                    _log.warning("rank %d: could not write its trace: %r", layout.rank, e)
+            raise
+        for r in runs:
+            r.write_trace()
+    return [r.result() for r in runs]
 
 
 def train_worker(rank: int, world: int, cfg: TrainConfig) -> list[TrainResult]:
-    """Body of one process: train with every policy in ``cfg.policies`` in turn.
+    """Body of one process: train with every policy in ``cfg.policies`` (their steps in
+    turn, see ``TrainConfig.interleave``).
 
     Each policy starts from the same initial weights and meets the same microbatches and
     emulated noise. The layout is ``ProcessLayout.from_world(pp=cfg.pp, tp=cfg.tp)``
@@ -404,11 +451,24 @@ def train_worker(rank: int, world: int, cfg: TrainConfig) -> list[TrainResult]:
     if cfg.log_format is not None:
         configure_logging(format=cfg.log_format, level=cfg.log_level)
     layout = ProcessLayout.from_world(pp=cfg.pp, tp=cfg.tp)
-    groups = build_groups(layout)
     batches = cfg.batches(layout.dp_rank)
+    if cfg.interleave:
+        # Process groups of its own per policy (a stage claims its p2p group), built in
+        # the same order on every rank.
+        runs = [_PolicyRun(cfg, layout, build_groups(layout), p, batches[0]) for p in cfg.policies]
+        try:
+            return run(_train(cfg, layout, runs, batches))
+        finally:
+            for r in runs:
+                r.executor.close()
+    groups = build_groups(layout)
     out = []
     for policy in cfg.policies:
-        out.append(run(_train_one(cfg, layout, groups, policy, batches)))
+        one = _PolicyRun(cfg, layout, groups, policy, batches[0])
+        try:
+            out += run(_train(cfg, layout, [one], batches))
+        finally:
+            one.executor.close()
         dist.barrier()
     return out
 

@@ -182,6 +182,7 @@ def test_data_parallel_replicas_average_gradients() -> None:
         ({"steps": 0}, "steps"),
         ({"warmup_steps": -1}, "warmup_steps"),
         ({"policies": ()}, "policies"),
+        ({"interleave": 1}, "interleave"),
         ({"lr": 0.0}, "lr"),
         ({"steps": 2, "trace_steps": (2,)}, "trace_steps"),
     ],
@@ -189,6 +190,26 @@ def test_data_parallel_replicas_average_gradients() -> None:
 def test_train_config_is_validated(kw: dict[str, Any], match: str) -> None:
     with pytest.raises(rr.PlanError, match=match):
         TrainConfig(pp=2, **kw)
+
+
+@pytest.mark.parametrize("interleave", [True, False])
+def test_policies_take_their_steps_in_turn_unless_told_otherwise(interleave: bool) -> None:
+    # Interleaved: step s of every policy (the order rotating each step) before step s + 1,
+    # so that load drift hits every policy alike; the results are what each policy alone
+    # gives (same losses: the steps of one policy do not see the other's).
+    cfg = _config(2, steps=3, microbatches=4, interleave=interleave, progress=True)
+    seen: list[tuple[str, int]] = []
+    results = rr.spawn(train_worker, 2, cfg, timeout=240, on_progress=seen.append)
+    a, b = POLICIES
+    if interleave:
+        assert seen == [(a, 0), (b, 0), (b, 1), (a, 1), (a, 2), (b, 2)]
+    else:
+        assert seen == [(a, 0), (a, 1), (a, 2), (b, 0), (b, 1), (b, 2)]
+    last = results[-1]
+    assert [r.policy for r in last] == list(POLICIES)
+    assert last[0].losses.keys() == last[1].losses.keys() == {0, 1, 2}
+    for step, per_mb in last[0].losses.items():
+        assert per_mb == pytest.approx(last[1].losses[step], abs=1e-6), step
 
 
 def _mesh_layout(rank: int, world: int) -> tuple[int, int, int, list[int], dict[int, int]]:
