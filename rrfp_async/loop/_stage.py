@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import bisect
 import collections
+import functools
 import time
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, Protocol
@@ -142,6 +143,10 @@ def _clock_of(loop: asyncio.AbstractEventLoop) -> Callable[[], float]:
     if getattr(loop, "virtual_clock", False):
         return loop.time
     return time.monotonic
+
+
+def _follower_waits(st: StepState, task: Task, pos: int) -> str:
+    return f"TP follower waits for {task}: {st.why(pos)}"
 
 
 def _expire(w: asyncio.Future[bool]) -> None:
@@ -409,8 +414,12 @@ class StageLoop:
             if self.monitor is not None:
                 self.monitor.unblocked(self)
 
-    async def _wait(self, reason: str, timeout: float | None = None) -> bool:
+    async def _wait(self, reason: str | Callable[[], str], timeout: float | None = None) -> bool:
         """Wait for the next change of the ready set; False if ``timeout`` passed first.
+
+        ``reason`` (for the observer's ``stall``) may be a function that says it: it is then
+        only called when there is an observer (a simulated step waits tens of thousands of
+        times; the words are for traces and logs, never for the dispatch itself).
 
         Only an untimed wait counts as *blocked* for the deadlock monitor: a timed one
         has a wake-up of its own coming.
@@ -421,7 +430,7 @@ class StageLoop:
         w: asyncio.Future[bool] = loop.create_future()
         self._waiter = w
         if self._obs is not None:
-            self._obs.stall(self, reason)
+            self._obs.stall(self, reason if isinstance(reason, str) else reason())
         timer = None
         if timeout is None:
             self.blocked = True
@@ -655,7 +664,7 @@ class StageLoop:
                         f" ready here but not admitted ({st.ledger.inflight}/{st.ledger.bound}"
                         " in flight): the ranks' states diverged"
                     )
-                await self._wait(f"TP follower waits for {task}: {st.why(pos)}")
+                await self._wait(functools.partial(_follower_waits, st, task, pos))
             if obs is not None:
                 obs.decision(self, task, view.ready, self._now() - st.last_end)
             await self._execute(st, pos)
@@ -731,7 +740,7 @@ class StageLoop:
                 await self._execute(st, pos, look)
                 continue
             if not st.admitted():
-                await self._wait(st.stall_reason())
+                await self._wait(st.stall_reason)
                 continue
             try:
                 task = await policy(view)

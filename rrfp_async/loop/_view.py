@@ -22,7 +22,9 @@ class ViewedStage(Protocol):
     _st: StepState | None
     _now: Callable[[], float]
 
-    async def _wait(self, reason: str, timeout: float | None = None) -> bool: ...
+    async def _wait(
+        self, reason: str | Callable[[], str], timeout: float | None = None
+    ) -> bool: ...
 
 
 class StageView:
@@ -147,7 +149,7 @@ class StageView:
                 left = None if deadline is None else deadline - now()
                 if left is not None and left <= 0:
                     return False
-                await self._s._wait(f"policy waits for {task}: " + st.stall_reason(), left)
+                await self._s._wait(lambda: f"policy waits for {task}: " + st.stall_reason(), left)
         finally:
             st.awaited = -1
         return True
@@ -158,4 +160,6 @@ class StageView:
 
     async def wait_for_change(self, timeout: float | None = None) -> bool:
         st = self._st()
-        return await self._s._wait("policy waits for a change: " + st.stall_reason(), timeout)
+        return await self._s._wait(
+            lambda: "policy waits for a change: " + st.stall_reason(), timeout
+        )
