@@ -2,7 +2,16 @@
 
 The simulation runs the very same ``StageLoop``, policy and admission code as a real run,
 with a ``CostModelExecutor`` and an in-process channel, on a ``VirtualEventLoop``: the
-clock jumps from event to event, so a 16-stage, 128-microbatch step takes milliseconds.
+clock jumps from event to event.
+
+Speed. A step costs a few tens of microseconds per task, close to linear in the tasks
+(``rrfp-async bench simulator`` prints the curve). What made it so, in the order a profile
+showed them: the stage put its stall reason into words on every wait (now only for an
+observer); the cost-aware hint's list scheduler scanned each rank's ready list per
+dispatch and every rank per instant, and the hint check swept all ranks until nothing
+moved (now heaps and a worklist, held to the originals by oracle tests); the virtual loop
+polled its selector every iteration (now skipped in a closed simulation); the garbage
+collector's passes over the step's growing heap (now paused while a step runs).
 
 Guards. Nothing outside the loop can wake a simulation (it has no real I/O), so the loop
 runs with ``stall_when_idle``: the moment nothing is scheduled while a stage still waits
@@ -51,10 +60,10 @@ __all__ = [
     "simulate",
 ]
 
-MAX_CELLS = 2**16
+MAX_CELLS = 2**17
 """Most (virtual stage, microbatch) pairs of a simulated step: ``stages x chunks x
-microbatches`` (each pair is 2 or 3 tasks). 64 x 512 takes about 6 s, 16 x 4096 about 40 s
-on one core of the development machine."""
+microbatches`` (each pair is 2 or 3 tasks): 128 x 1024, a 1024-GPU what-if at TP 8. See
+BENCHMARKS.md (simulator section) for what a step of each size costs."""
 
 MAX_CELLS_PER_RANK = 2**12
 """Most (chunk, microbatch) pairs per rank: ``chunks x microbatches``. The cost-aware hints
