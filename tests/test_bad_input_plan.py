@@ -187,8 +187,8 @@ def test_virtual_loop_guards() -> None:
             rf" the limit of {MAX_CELLS} \(MAX_CELLS\)",
         ),
         (
-            {"stages": 1024, "microbatches": 32, "chunks": 4},
-            rf"= 131072 exceeds the limit of {MAX_CELLS}",
+            {"stages": 1024, "microbatches": 64, "chunks": 4},
+            rf"= 262144 exceeds the limit of {MAX_CELLS}",
         ),
         (
             {"stages": 2, "microbatches": 8192},

@@ -29,6 +29,20 @@ def test_simulator_wall_time_small() -> None:
         assert r["us_per_task"] == pytest.approx(1e6 * r["wall_median_s"] / r["tasks"])
 
 
+def test_simulator_scaling_small() -> None:
+    rows = _bench.simulator_scaling(sizes=((2, 4), (4, 8)), repeats=2)
+    assert [(r["stages"], r["microbatches"], r["tasks"]) for r in rows] == [
+        (2, 4, 2 * 4 * 2),
+        (4, 8, 4 * 8 * 2),
+    ]
+    for r in rows:
+        assert 0 < r["wall_median_s"] <= r["wall_max_s"]
+        assert r["us_per_task"] == pytest.approx(1e6 * r["wall_median_s"] / r["tasks"])
+    assert rows[0]["growth"] == 1.0
+    assert rows[1]["growth"] == pytest.approx(rows[1]["us_per_task"] / rows[0]["us_per_task"])
+    assert _bench.SCALING_SIZES == ((16, 128), (32, 256), (64, 512), (128, 1024))
+
+
 def _makespan(hint: str, policy: str, memory: float | None, seed: int) -> float:
     return rr.simulate(
         stages=2,

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import functools
 import json
+import re
 import subprocess
 import sys
 from typing import Any
@@ -126,6 +128,23 @@ def test_log_options_on_every_command() -> None:
     ):
         res = CliRunner().invoke(main, [*cmd, "--help"])
         assert "--log-format" in res.output and "--log-level" in res.output, cmd
+
+
+def test_bench_simulator_scaling_table(monkeypatch: pytest.MonkeyPatch) -> None:
+    from rrfp_async.bench import _local
+
+    small = functools.partial(_local.simulator_scaling, sizes=((2, 4), (4, 8)))
+    monkeypatch.setattr(_local, "simulator_scaling", small)
+    args = ["bench", "simulator", "-p", "2", "-m", "4", "--repeats", "1", "--no-policies-table"]
+    res = CliRunner().invoke(main, [*args, "--scaling-repeats", "1"], terminal_width=200)
+    assert res.exit_code == 0, res.output
+    assert "simulator scaling" in res.output
+    rows = re.findall(r"(\d+) x (\d+) +│ +(\d+) +│.*│ +([0-9.]+)x", res.output)
+    assert [(r[0], r[1], r[2]) for r in rows] == [("2", "4", "16"), ("4", "8", "64")]
+    assert rows[0][3] == "1.00"
+    res = CliRunner().invoke(main, [*args, "--no-scaling"], terminal_width=200)
+    assert res.exit_code == 0, res.output
+    assert "simulator scaling" not in res.output
 
 
 def test_bench_peer_simulated_and_bad_input() -> None:

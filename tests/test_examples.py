@@ -119,6 +119,56 @@ def test_what_if_128_gpus(monkeypatch: pytest.MonkeyPatch) -> None:
         for seed in range(2)
     )
     assert float(rows[4][4]) == pytest.approx(slowest, abs=5e-4)
+    (timing,) = _match_all(rf"10 simulations, median {NUM} s of wall time each", lines)
+    assert float(timing[1]) > 0
+
+
+def test_what_if_1024_gpus(monkeypatch: pytest.MonkeyPatch) -> None:
+    argv = [
+        "--stages",
+        "4",
+        "--tp",
+        "8",
+        "--microbatches",
+        "8",
+        "--jitter",
+        "0.2",
+        "--latency",
+        "0",
+    ]
+    lines = _run("what_if_1024_gpus.py", argv, monkeypatch)
+    assert lines[0] == (
+        "PP=4 x TP=8 = 32 GPUs, 8 microbatches (simulated, virtual time; TP = compute / 8)"
+    )
+    rows = _match_all(
+        rf"  (\w+) +(\w+) +memory (\d)x  step {NUM} s  speedup {NUM}x  efficiency {NUM}"
+        rf"  \((\d+) tasks simulated in {NUM} s\)",
+        lines,
+    )
+    assert [(m[1], m[2], m[3]) for m in rows] == [
+        ("1f1b", "strict", "1"),
+        ("bfw", "readiness_first", "2"),
+    ]
+    assert all(int(m[7]) == 4 * 8 * 2 for m in rows)
+    # TP divides every stage's compute: the same step at TP 1 lasts exactly 8x longer
+    # (no latency, so nothing else scales), and each printed figure is simulate's own.
+    for m, (hint, policy, mf) in zip(
+        rows, [("1f1b", "strict", None), ("bfw", "readiness_first", 2.0)], strict=True
+    ):
+        kw = dict(
+            stages=4,
+            microbatches=8,
+            workload="multimodal",
+            jitter=0.2,
+            seed=0,
+            hint=hint,
+            policy=policy,
+            memory_factor=mf,
+        )
+        tp1 = rr.simulate(**kw)  # type: ignore[arg-type]
+        assert float(m[4]) == pytest.approx(tp1.makespan / 8, rel=2e-3, abs=5e-4)
+        assert float(m[6]) == pytest.approx(tp1.efficiency, abs=2e-3)
+    assert float(rows[1][5]) == pytest.approx(float(rows[0][4]) / float(rows[1][4]), rel=2e-3)
 
 
 HF_ROW = re.compile(

@@ -15,8 +15,12 @@ __all__ = [
     "logging_overhead",
     "pipeline_step_times",
     "simulator_policy_table",
+    "simulator_scaling",
     "simulator_wall_time",
 ]
+
+SCALING_SIZES: tuple[tuple[int, int], ...] = ((16, 128), (32, 256), (64, 512), (128, 1024))
+"""The (stages, microbatches) of ``simulator_scaling``: 4,096 to 262,144 tasks."""
 
 
 def simulator_wall_time(
@@ -54,6 +58,54 @@ def simulator_wall_time(
                 "wall_median_s": med,
                 "wall_max_s": max(walls),
                 "us_per_task": 1e6 * med / tasks,
+            }
+        )
+    return rows
+
+
+def simulator_scaling(
+    *,
+    sizes: Sequence[tuple[int, int]] = SCALING_SIZES,
+    repeats: int = 3,
+    workload: str = "multimodal",
+    jitter: float = 0.2,
+    policy: str = "readiness_first",
+) -> list[dict[str, Any]]:
+    """Real seconds and microseconds per task of one simulated step at growing sizes.
+
+    Each size is simulated ``repeats`` times (seeds 0, 1, ...) with the default hint
+    (``breadth_first_weighted``: computing it is part of the step's cost) and the median
+    wall time is reported; ``growth`` is a row's microseconds per task over the first
+    row's (1.0 for a simulator whose cost is linear in the tasks). The sizes run one after
+    the other in this process, so their ratios are measured side by side.
+    """
+    rows: list[dict[str, Any]] = []
+    for stages, microbatches in sizes:
+        walls = []
+        tasks = 0
+        for seed in range(repeats):
+            t = time.perf_counter()
+            res = simulate(
+                stages=stages,
+                microbatches=microbatches,
+                workload=workload,
+                jitter=jitter,
+                policy=policy,
+                seed=seed,
+            )
+            walls.append(time.perf_counter() - t)
+            tasks = sum(len(e) for e in res.executed)
+        med = statistics.median(walls)
+        us = 1e6 * med / tasks
+        rows.append(
+            {
+                "stages": stages,
+                "microbatches": microbatches,
+                "tasks": tasks,
+                "wall_median_s": med,
+                "wall_max_s": max(walls),
+                "us_per_task": us,
+                "growth": us / rows[0]["us_per_task"] if rows else 1.0,
             }
         )
     return rows

@@ -56,10 +56,32 @@ bench.add_command(bench_hf)
     show_default=True,
     help="Also print the policy x hint x memory ratio table (8 x 32, 5 seeds).",
 )
+@click.option(
+    "--scaling/--no-scaling",
+    default=True,
+    show_default=True,
+    help="Also print microseconds per task at 16 x 128, 32 x 256, 64 x 512 and 128 x 1024"
+    " (about a minute).",
+)
+@click.option(
+    "--scaling-repeats",
+    type=click.IntRange(min=1),
+    default=3,
+    show_default=True,
+    help="Simulated steps per size of the scaling table (the median is shown).",
+)
 @log_options
-def bench_simulator(stages: int, microbatches: int, repeats: int, policies_table: bool) -> None:
-    """Wall time of one simulated step, and simulated makespan ratios of the policies."""
-    from ..bench._local import simulator_policy_table, simulator_wall_time
+def bench_simulator(
+    stages: int,
+    microbatches: int,
+    repeats: int,
+    policies_table: bool,
+    scaling: bool,
+    scaling_repeats: int,
+) -> None:
+    """Wall time of one simulated step, how it grows with the step, and simulated makespan
+    ratios of the policies."""
+    from ..bench._local import simulator_policy_table, simulator_scaling, simulator_wall_time
 
     con = console()
     t = table(
@@ -77,6 +99,23 @@ def bench_simulator(stages: int, microbatches: int, repeats: int, policies_table
             f"{r['us_per_task']:.1f}",
         )
     con.print(t)
+    if scaling:
+        t = table(
+            "simulator scaling: one readiness_first step (multimodal, jitter 0.2, hint"
+            f" breadth_first_weighted computed in the step), median of {scaling_repeats};"
+            " growth = us/task over the first row's",
+            ("stages x microbatches", "tasks", "median s", "max s", "us/task", "growth"),
+        )
+        for r in simulator_scaling(repeats=scaling_repeats):
+            t.add_row(
+                f"{r['stages']} x {r['microbatches']}",
+                str(r["tasks"]),
+                f"{r['wall_median_s']:.3f}",
+                f"{r['wall_max_s']:.3f}",
+                f"{r['us_per_task']:.1f}",
+                f"{r['growth']:.2f}x",
+            )
+        con.print(t)
     if not policies_table:
         return
     t = table(

@@ -53,13 +53,31 @@ def list_schedule(
                 f"rank {r}: admission bound {bounds[r]} is below its {chunks[r]} chunks; a"
                 " microbatch could not pass through all of them"
             )
+    # Each rank's ready tasks, in two heaps of (key, arrival, task): the first-chunk
+    # forwards (``gated``), which memory admits all together or none (the test does not
+    # depend on the task), and the rest (``free``), always admitted. ``arrival`` counts
+    # the tasks in the order they became ready, so the smaller of the two admitted heads
+    # is exactly the first task with the smallest key in arrival order: what ``min`` over
+    # an arrival-ordered ready list would pick (the O(ready) scan this replaces, kept as
+    # the oracle in tests/policies/test_listsched.py).
+    rank_of = plan.rank_of
+    free: list[list[tuple[Any, int, Task]]] = [[] for _ in range(p)]
+    gated: list[list[tuple[Any, int, Task]]] = [[] for _ in range(p)]
+    arrival = 0
+
+    def make_ready(t: Task) -> None:
+        nonlocal arrival
+        r = rank_of(t)
+        arrival += 1
+        heap = gated[r] if t.kind == "F" and t.stage == first_stage[r] else free[r]
+        heapq.heappush(heap, (key(t), arrival, t))
+
     missing: dict[Task, int] = {}
     for t in plan.all_tasks():
         missing[t] = len(plan.producers(t))
-    ready: list[list[Task]] = [[] for _ in range(p)]
     for t, n in missing.items():
         if n == 0:
-            ready[plan.rank_of(t)].append(t)
+            make_ready(t)
     held = [0] * p
     reserved = [0] * p
     busy = [False] * p
@@ -69,26 +87,22 @@ def list_schedule(
     now = 0.0
     remaining = plan.num_tasks
 
-    def admissible(r: int, t: Task) -> bool:
-        if t.kind != "F":
-            return True
-        if t.stage == first_stage[r]:
-            return held[r] + reserved[r] + chunks[r] <= bounds[r]
-        return True  # a later chunk uses the slot its first chunk reserved
-
     def dispatch(r: int) -> None:
         nonlocal seq
-        cands = [t for t in ready[r] if admissible(r, t)]
-        if not cands:
+        fh = free[r]
+        gh = gated[r] if held[r] + reserved[r] + chunks[r] <= bounds[r] else None
+        if gh and (not fh or gh[0] < fh[0]):
+            t = heapq.heappop(gh)[2]
+        elif fh:
+            t = heapq.heappop(fh)[2]
+        else:
             return
-        t = min(cands, key=key)
-        ready[r].remove(t)
         if t.kind == "F":
             held[r] += 1
             if t.stage == first_stage[r]:
                 reserved[r] += chunks[r] - 1
             else:
-                reserved[r] -= 1
+                reserved[r] -= 1  # a later chunk uses the slot its first chunk reserved
         busy[r] = True
         order[r].append(t)
         seq += 1
@@ -97,16 +111,23 @@ def list_schedule(
     def satisfy(t: Task) -> None:
         missing[t] -= 1
         if missing[t] == 0:
-            ready[plan.rank_of(t)].append(t)
+            make_ready(t)
+            touched.add(rank_of(t))
 
+    # Only a rank that an event touched (a task of its own ended, or one became ready) can
+    # dispatch something it could not before; they dispatch in rank order, as all would.
+    touched = set(range(p))
     while remaining:
-        for r in range(p):
-            if not busy[r] and ready[r]:
+        for r in sorted(touched):
+            if not busy[r] and (free[r] or gated[r]):
                 dispatch(r)
+        touched.clear()
         if not events:
             raise HintError(  # pragma: no cover - the reservation rule makes this unreachable
                 "list scheduling stalled: "
-                + ", ".join(f"rank {r} ready {ready[r]}" for r in range(p))
+                + ", ".join(
+                    f"rank {r} ready {[e[2] for e in free[r] + gated[r]]}" for r in range(p)
+                )
             )
         # Apply every event of this instant before anyone dispatches, so that a same-time
         # arrival competes with the others on priority, not on event order.
@@ -116,13 +137,14 @@ def list_schedule(
             if what == 1:
                 satisfy(t)
                 continue
-            r = plan.rank_of(t)
+            r = rank_of(t)
             busy[r] = False
+            touched.add(r)
             remaining -= 1
             if t.kind in ("B", "I"):
                 held[r] -= 1
             for c in plan.consumers(t):
-                if plan.rank_of(c) == r:
+                if rank_of(c) == r:
                     satisfy(c)
                 else:
                     seq += 1
@@ -146,31 +168,40 @@ def strict_sweep(
     heads = [0] * p
     free = [0.0] * p
     times: dict[Task, tuple[float, float]] = {}
-    progress = True
-    while progress:
-        progress = False
-        for r in range(p):
-            order = orders[r]
-            h = heads[r]
-            while h < len(order):
-                t = order[h]
-                ready = 0.0
-                for pr in plan.producers(t):
-                    te = times.get(pr)
-                    if te is None:
-                        break
-                    lat = durations.latency(t) if durations and plan.rank_of(pr) != r else 0.0
-                    ready = max(ready, te[1] + lat)
-                else:
-                    start = max(free[r], ready)
-                    free[r] = start + (durations.of(t) if durations is not None else 1.0)
-                    times[t] = (start, free[r])
-                    h += 1
-                    continue
-                break
-            if h != heads[r]:
-                heads[r] = h
-                progress = True
+    # A worklist, not repeated sweeps over every rank: a rank advances until its next task
+    # waits for a producer that has not run, and is woken once that producer runs. Each
+    # task's times depend only on its producers' and its rank's previous task's, so the
+    # result does not depend on the order ranks advance in (the fixpoint is unique), and
+    # the work is linear in the tasks (sweeping every rank until nothing moved was not).
+    waiting: dict[Task, list[int]] = {}  # a task not run yet -> ranks whose next task needs it
+    todo = list(range(p - 1, -1, -1))
+    producers = plan.producers
+    rank_of = plan.rank_of
+    while todo:
+        r = todo.pop()
+        order = orders[r]
+        h = heads[r]
+        while h < len(order):
+            t = order[h]
+            ready = 0.0
+            for pr in producers(t):
+                te = times.get(pr)
+                if te is None:
+                    waiting.setdefault(pr, []).append(r)
+                    break
+                lat = durations.latency(t) if durations and rank_of(pr) != r else 0.0
+                ready = max(ready, te[1] + lat)
+            else:
+                start = max(free[r], ready)
+                free[r] = start + (durations.of(t) if durations is not None else 1.0)
+                times[t] = (start, free[r])
+                h += 1
+                woken = waiting.pop(t, None)
+                if woken is not None:
+                    todo.extend(woken)
+                continue
+            break
+        heads[r] = h
     return times, heads
 
 

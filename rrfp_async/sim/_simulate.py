@@ -2,7 +2,16 @@
 
 The simulation runs the very same ``StageLoop``, policy and admission code as a real run,
 with a ``CostModelExecutor`` and an in-process channel, on a ``VirtualEventLoop``: the
-clock jumps from event to event, so a 16-stage, 128-microbatch step takes milliseconds.
+clock jumps from event to event.
+
+Speed. A step costs a few tens of microseconds per task, close to linear in the tasks
+(``rrfp-async bench simulator`` prints the curve). What made it so, in the order a profile
+showed them: the stage put its stall reason into words on every wait (now only for an
+observer); the cost-aware hint's list scheduler scanned each rank's ready list per
+dispatch and every rank per instant, and the hint check swept all ranks until nothing
+moved (now heaps and a worklist, held to the originals by oracle tests); the virtual loop
+polled its selector every iteration (now skipped in a closed simulation); the garbage
+collector's passes over the step's growing heap (now paused while a step runs).
 
 Guards. Nothing outside the loop can wake a simulation (it has no real I/O), so the loop
 runs with ``stall_when_idle``: the moment nothing is scheduled while a stage still waits
@@ -15,13 +24,16 @@ capped before anything is built (``MAX_CELLS``, ``MAX_CELLS_PER_RANK``).
 
 from __future__ import annotations
 
+import contextlib
+import functools
+import gc
 import math
 import secrets
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from numbers import Integral
-from typing import Any
+from typing import Any, TypeVar
 
 from .._check import check_bool, check_int, check_real, check_type, describe
 from .._costs import CostModel, Durations, Microbatch, check_jitter
@@ -48,10 +60,10 @@ __all__ = [
     "simulate",
 ]
 
-MAX_CELLS = 2**16
+MAX_CELLS = 2**17
 """Most (virtual stage, microbatch) pairs of a simulated step: ``stages x chunks x
-microbatches`` (each pair is 2 or 3 tasks). 64 x 512 takes about 6 s, 16 x 4096 about 40 s
-on one core of the development machine."""
+microbatches`` (each pair is 2 or 3 tasks): 128 x 1024, a 1024-GPU what-if at TP 8. See
+BENCHMARKS.md (simulator section) for what a step of each size costs."""
 
 MAX_CELLS_PER_RANK = 2**12
 """Most (chunk, microbatch) pairs per rank: ``chunks x microbatches``. The cost-aware hints
@@ -163,25 +175,32 @@ def lower_bound(plan: StepPlan, durations: Durations) -> float:
     check_type("durations", durations, Durations, "Durations")
     check_durations(plan, durations)
     order = _topo_order(plan)
+    rank_of = plan.topology.rank_of  # of a virtual stage: one call, not two per lookup
+    producers, consumers = plan.producers, plan.consumers
+    of, latency = durations.of, durations.latency
     head: dict[Task, float] = {}
     for t in order:
         h = 0.0
-        for pr in plan.producers(t):
-            lat = durations.latency(t) if plan.rank_of(pr) != plan.rank_of(t) else 0.0
-            h = max(h, head[pr] + durations.of(pr) + lat)
+        r = rank_of(t.stage)
+        for pr in producers(t):
+            x = head[pr] + of(pr) + (latency(t) if rank_of(pr.stage) != r else 0.0)
+            if x > h:
+                h = x
         head[t] = h
     tail: dict[Task, float] = {}
     for t in reversed(order):
         tl = 0.0
-        for c in plan.consumers(t):
-            lat = durations.latency(c) if plan.rank_of(c) != plan.rank_of(t) else 0.0
-            tl = max(tl, lat + durations.of(c) + tail[c])
+        r = rank_of(t.stage)
+        for c in consumers(t):
+            x = (latency(c) if rank_of(c.stage) != r else 0.0) + of(c) + tail[c]
+            if x > tl:
+                tl = x
         tail[t] = tl
-    critical = max(head[t] + durations.of(t) + tail[t] for t in order)
+    critical = max(head[t] + of(t) + tail[t] for t in order)
     best = critical
     for r in range(plan.stages):
         tasks = plan.tasks_of(r)
-        busy = sum(durations.of(t) for t in tasks)
+        busy = sum(of(t) for t in tasks)
         best = max(best, min(head[t] for t in tasks) + busy + min(tail[t] for t in tasks))
     return best
 
@@ -224,6 +243,39 @@ def _serial_time(plan: StepPlan, d: Durations) -> float:
     return math.fsum(d.of(t) + d.latency(t) for t in plan.all_tasks())
 
 
+@contextlib.contextmanager
+def _collector_paused() -> Iterator[None]:
+    """Pause Python's cyclic garbage collector while a step is simulated.
+
+    A simulated step allocates a few objects per task (handles, futures, records) and
+    keeps many of them until it ends; the collector's passes over that growing heap cost
+    a fifth of a 64 x 512 step and grew faster than the step. Almost none of it is
+    cyclic (reference counting frees it), so nothing piles up meanwhile. The collector
+    is re-enabled afterwards only if it was on (another thread that paused it too, or a
+    caller that turned it off, keeps its state).
+    """
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was:
+            gc.enable()
+
+
+_F = TypeVar("_F", bound=Callable[..., Any])
+
+
+def _pausing_collector(fn: _F) -> _F:
+    @functools.wraps(fn)
+    def run(*args: Any, **kwargs: Any) -> Any:
+        with _collector_paused():
+            return fn(*args, **kwargs)
+
+    return run  # type: ignore[return-value]
+
+
+@_pausing_collector
 def simulate(
     *,
     stages: int,

@@ -1,0 +1,239 @@
+"""The list scheduler and the strict sweep against their first, plainly quadratic versions.
+
+``list_schedule`` once scanned each rank's whole ready list per dispatch and every rank per
+event instant; ``strict_sweep`` swept every rank until nothing moved. Both were replaced
+(heaps and a worklist) for the simulator's sake; the originals are kept here, verbatim, as
+oracles: on random plans, durations, latencies, bounds and priority keys (ties included)
+the new versions must give exactly the same orders, times and heads.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from rrfp_async import StepPlan, Task, Topology
+from rrfp_async._costs import Durations
+from rrfp_async._errors import HintError
+from rrfp_async.policies import make_hint
+from rrfp_async.policies._bounds import default_bounds
+from rrfp_async.policies._hints import remaining_work
+from rrfp_async.policies._listsched import list_schedule, strict_sweep
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def oracle_list_schedule(
+    plan: StepPlan,
+    durations: Durations,
+    *,
+    key: Callable[[Task], Any],
+    bounds: Sequence[int],
+) -> dict[int, list[Task]]:
+    """``list_schedule`` as it was before the heaps (O(ready) per dispatch)."""
+    p = plan.stages
+    topo = plan.topology
+    first_stage = [topo.stages_of(r)[0] for r in range(p)]
+    chunks = [len(topo.stages_of(r)) for r in range(p)]
+    for r in range(p):
+        if bounds[r] < chunks[r]:
+            raise HintError("bound below chunks")
+    missing: dict[Task, int] = {}
+    for t in plan.all_tasks():
+        missing[t] = len(plan.producers(t))
+    ready: list[list[Task]] = [[] for _ in range(p)]
+    for t, n in missing.items():
+        if n == 0:
+            ready[plan.rank_of(t)].append(t)
+    held = [0] * p
+    reserved = [0] * p
+    busy = [False] * p
+    order: dict[int, list[Task]] = {r: [] for r in range(p)}
+    events: list[tuple[float, int, int, Task]] = []
+    seq = 0
+    now = 0.0
+    remaining = plan.num_tasks
+
+    def admissible(r: int, t: Task) -> bool:
+        if t.kind != "F":
+            return True
+        if t.stage == first_stage[r]:
+            return held[r] + reserved[r] + chunks[r] <= bounds[r]
+        return True
+
+    def dispatch(r: int) -> None:
+        nonlocal seq
+        cands = [t for t in ready[r] if admissible(r, t)]
+        if not cands:
+            return
+        t = min(cands, key=key)
+        ready[r].remove(t)
+        if t.kind == "F":
+            held[r] += 1
+            if t.stage == first_stage[r]:
+                reserved[r] += chunks[r] - 1
+            else:
+                reserved[r] -= 1
+        busy[r] = True
+        order[r].append(t)
+        seq += 1
+        heapq.heappush(events, (now + durations.of(t), seq, 0, t))
+
+    def satisfy(t: Task) -> None:
+        missing[t] -= 1
+        if missing[t] == 0:
+            ready[plan.rank_of(t)].append(t)
+
+    while remaining:
+        for r in range(p):
+            if not busy[r] and ready[r]:
+                dispatch(r)
+        assert events
+        now = events[0][0]
+        while events and events[0][0] <= now:
+            _, _, what, t = heapq.heappop(events)
+            if what == 1:
+                satisfy(t)
+                continue
+            r = plan.rank_of(t)
+            busy[r] = False
+            remaining -= 1
+            if t.kind in ("B", "I"):
+                held[r] -= 1
+            for c in plan.consumers(t):
+                if plan.rank_of(c) == r:
+                    satisfy(c)
+                else:
+                    seq += 1
+                    heapq.heappush(events, (now + durations.latency(c), seq, 1, c))
+    return order
+
+
+def oracle_strict_sweep(
+    plan: StepPlan, hint: Any, durations: Durations | None = None
+) -> tuple[dict[Task, tuple[float, float]], list[int]]:
+    """``strict_sweep`` as it was before the worklist (sweeps until nothing moves)."""
+    p = plan.stages
+    orders = [list(hint[r]) for r in range(p)]
+    heads = [0] * p
+    free = [0.0] * p
+    times: dict[Task, tuple[float, float]] = {}
+    progress = True
+    while progress:
+        progress = False
+        for r in range(p):
+            order = orders[r]
+            h = heads[r]
+            while h < len(order):
+                t = order[h]
+                ready = 0.0
+                for pr in plan.producers(t):
+                    te = times.get(pr)
+                    if te is None:
+                        break
+                    lat = durations.latency(t) if durations and plan.rank_of(pr) != r else 0.0
+                    ready = max(ready, te[1] + lat)
+                else:
+                    start = max(free[r], ready)
+                    free[r] = start + (durations.of(t) if durations is not None else 1.0)
+                    times[t] = (start, free[r])
+                    h += 1
+                    continue
+                break
+            if h != heads[r]:
+                heads[r] = h
+                progress = True
+    return times, heads
+
+
+@st.composite
+def plans(draw: st.DrawFn) -> StepPlan:
+    v = draw(st.integers(1, 3))
+    split = draw(st.booleans())
+    return StepPlan(
+        topology=Topology(
+            stages=draw(st.integers(1, 6)),
+            chunks=v,
+            placement=draw(st.sampled_from(["interleaved", "vshape"])) if v == 2 else "interleaved",
+        ),
+        microbatches=draw(st.integers(1, 12)),
+        split_backward=split,
+        ordered_weights=split and draw(st.booleans()),
+    )
+
+
+def durations_for(draw: st.DrawFn, plan: StepPlan, coarse: bool) -> Durations:
+    # Coarse values (a few small integers) make many ties: same-time events and equal keys.
+    val = st.integers(0, 3).map(float) if coarse else st.floats(0.0, 5.0)
+    shape = (plan.num_virtual, plan.microbatches)
+
+    def table() -> list[list[float]]:
+        return [[draw(val) for _ in range(shape[1])] for _ in range(shape[0])]
+
+    kinds = ("F", "B", "I", "W")
+    lat = {k: table() for k in kinds} if draw(st.booleans()) else None
+    return Durations({k: table() for k in kinds}, lat)
+
+
+KEYS = ["bfw", "backward_first", "random", "constant"]
+
+
+@given(data=st.data())
+def test_list_schedule_matches_the_quadratic_original(data: st.DataObject) -> None:
+    plan = data.draw(plans())
+    d = durations_for(data.draw, plan, coarse=data.draw(st.booleans()))
+    which = data.draw(st.sampled_from(KEYS))
+    if which == "bfw":
+        work = remaining_work(plan, d)
+
+        def key(t: Task) -> Any:
+            return (-work[t], t.mb, t.stage)
+
+    elif which == "backward_first":
+        first = {"B": 0, "I": 0, "F": 1, "W": 2}
+
+        def key(t: Task) -> Any:
+            return (first[t.kind], t.mb, -t.stage if t.kind == "F" else t.stage)
+
+    elif which == "random":
+        prio = {t: data.draw(st.integers(0, 3)) for t in plan.all_tasks()}
+
+        def key(t: Task) -> Any:
+            return (prio[t],)
+
+    else:
+
+        def key(t: Task) -> Any:
+            return (0,)
+
+    base = default_bounds(plan)
+    extra = data.draw(st.integers(0, 3))
+    bounds = [b + extra for b in base]
+    assert list_schedule(plan, d, key=key, bounds=bounds) == oracle_list_schedule(
+        plan, d, key=key, bounds=bounds
+    )
+
+
+@given(data=st.data())
+def test_strict_sweep_matches_the_sweeping_original(data: st.DataObject) -> None:
+    plan = data.draw(plans())
+    d = durations_for(data.draw, plan, coarse=data.draw(st.booleans()))
+    hint = make_hint(
+        "breadth_first_weighted" if data.draw(st.booleans()) else "backward_first", plan, d
+    )
+    if data.draw(st.booleans()):
+        # A hint whose ranks wait for each other in a cycle: some rank's order reversed
+        # (dependencies broken too), so the sweeps stop early with the same heads.
+        r = data.draw(st.integers(0, plan.stages - 1))
+        hint = dict(hint)
+        hint[r] = list(reversed(hint[r]))
+    dur = d if data.draw(st.booleans()) else None
+    times, heads = strict_sweep(plan, hint, dur)
+    want_times, want_heads = oracle_strict_sweep(plan, hint, dur)
+    assert heads == want_heads
+    assert times == want_times
