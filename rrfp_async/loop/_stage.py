@@ -147,10 +147,6 @@ def _clock_of(loop: asyncio.AbstractEventLoop) -> Callable[[], float]:
     return time.monotonic
 
 
-def _follower_waits(st: StepState, task: Task, pos: int) -> str:
-    return f"TP follower waits for {task}: {st.why(pos)}"
-
-
 def _expire(w: asyncio.Future[bool]) -> None:
     if not w.done():
         w.set_result(False)
