@@ -334,7 +334,8 @@ def _tp_model_tables(model: dict[str, Any]) -> list[Table]:
     t = table(
         "TP coordination model: a + b x f(tp), f = log2(tp) or tp - 1 (least squares, the"
         " smaller residual chosen), µs; leave-one-out: fit on the other TP sizes, predict"
-        f" this one (target within {TP_MODEL_TOLERANCE:.0%} at TP 2/4/8)",
+        f" this one (target within {TP_MODEL_TOLERANCE:.0%} at TP 2/4/8); long tasks: of"
+        f" {model['task_ms']:g} ms and longer",
         (
             "term",
             "form",
