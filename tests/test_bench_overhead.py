@@ -91,10 +91,17 @@ def test_message_cost_rows() -> None:
 @pytest.mark.timeout(300)
 def test_tp_coordination_rows() -> None:
     rows = ov.tp_coordination(
-        (2,), decisions=10, batches=5, compute_ms=1.0, microbatches=2, steps=1
+        (1, 2),
+        decisions=10,
+        batches=5,
+        compute_ms=1.0,
+        computes_ms=(1.0, 2.0),
+        microbatches=2,
+        steps=2,
     )
-    (r,) = rows
-    assert r["tp"] == 2
+    one, r = rows
+    assert (one["tp"], r["tp"]) == (1, 2)
+    assert one["raw_us"] is None and one["decisions"] == 0 and one["met_ratio"] is None
     for key in ("raw_us", "channel_us", "ratio", "stage_coord_us", "share", "step_coord_ms"):
         assert r[key] > 0, key
     assert r["raw_us"] <= r["raw_median_us"]  # a lower decile never exceeds the median
@@ -104,3 +111,15 @@ def test_tp_coordination_rows() -> None:
     # The verdict is on the measured share of step time (the formula is a worst case).
     assert -1 < r["share_measured"] < 1
     assert r["met_share"] == (r["share_measured"] < ov.TP_SHARE_TARGET)
+    for row in rows:  # one entry per task length, every variant's step timed
+        assert [p["compute_ms"] for p in row["steps"]] == [1.0, 2.0]
+        for p in row["steps"]:
+            for v in ("off", "dec", "gather", "on"):
+                assert p[f"step_{v}_ms"] >= 4 * p["compute_ms"], (v, p)
+    model = ov.tp_model(rows, predict=(8,))
+    terms = {t["key"]: t for t in model["terms"]}
+    # Per-step terms are fitted on TP 1 and 2; per-decision ones need two TP sizes >= 2.
+    assert "first_delay_us" in terms and "channel_us" not in terms
+    assert set(terms["first_delay_us"]["measured"]) == {1, 2}
+    assert terms["first_delay_us"]["loo"] == []  # leave-one-out needs three sizes
+    assert {x["tp"] for x in model["share"]} == {1, 2, 8}

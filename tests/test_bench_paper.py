@@ -113,3 +113,20 @@ def test_tables_and_cli(monkeypatch: pytest.MonkeyPatch) -> None:
     res = CliRunner().invoke(main, ["bench", "paper", "--seeds", "1", "--no-conditions"])
     assert res.exit_code == 0, res.output
     assert "strict 1F1B efficiency" in res.stdout
+    assert "TP coordination at paper scale" in res.stdout
+
+
+def test_coordination_rows_price_tp_against_free() -> None:
+    from rrfp_async.sim._tp import TP_DECISION_LATENCY
+
+    rows = bp.coordination_rows([TINY], seeds=1)
+    assert [r["schedule"] for r in rows] == [c.schedule for c in bp.TP_CONFIGS]
+    for r in rows:
+        assert r["tp"] == 2 and r["tp_latency"] == TP_DECISION_LATENCY(2) > 0
+        assert r["makespan_tp"] > r["makespan_free"] > 0  # not assumed free any more
+        assert r["cost"] == pytest.approx(r["makespan_tp"] / r["makespan_free"] - 1)
+    assert rows[0]["ratio_free"] == rows[0]["ratio_tp"] == 1.0  # strict 1F1B vs itself
+    free = bp.coordination_rows([TINY], seeds=1, tp_latency=0.0, tp_check=0.0)
+    assert all(r["makespan_tp"] == r["makespan_free"] for r in free)
+    table = bp.coordination_table(rows)
+    assert len(table.rows) == 2 and table.rows[0][7] == f"{rows[0]['cost']:+.1%}"

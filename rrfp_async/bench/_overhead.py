@@ -14,9 +14,11 @@ printed here); this module gathers them for the command:
   between 2 processes, one-way = round trip / 2.
 * :func:`tp_coordination` (``_bench_overhead_tp``) -- one TP decision through
   ``channels.DecisionChannel`` (leader publishes, followers receive) against a raw blocking
-  ``dist.broadcast`` of the same ``int64[6]`` on the same group, TP = 2 and 4 processes;
-  plus the coordination measured inside a real ``DistributedStage`` (coordinated vs
-  uncoordinated step time), and the share of step time for tasks of ``compute_ms``.
+  ``dist.broadcast`` of the same ``int64[6]`` on the same group, TP = 1, 2, 4 and 8
+  processes; plus the coordination per step inside real ``DistributedStage``s (no
+  coordination, decisions only, the all-gather check, the default folded check, side by
+  side), its share of step time for tasks of 1, 5 and 20 ms, and :func:`tp_model`, the
+  cost as a function of TP degree fitted to those figures.
 * :func:`split_backward_cost` (``_bench_overhead_split``) -- ``I`` + ``W`` against ``B`` on a
   middle stage of the example model through ``TorchStageExecutor`` tasks: real CPU compute,
   no emulated time.
@@ -38,13 +40,22 @@ from ._overhead_split import (
     split_backward_cost,
     split_backward_cost_isolated,
 )
-from ._overhead_tp import TP_SHARE_TARGET, TP_TARGET_RATIO, tp_coordination
+from ._overhead_tp import (
+    TP_MODEL_TOLERANCE,
+    TP_SHARE_TARGET,
+    TP_STEP_SHARE_TARGET,
+    TP_TARGET_RATIO,
+    tp_coordination,
+    tp_model,
+)
 
 __all__ = [
     "DECISION_TARGET_US",
     "MESSAGE_TARGET_RATIO",
     "SPLIT_TARGET_RATIO",
+    "TP_MODEL_TOLERANCE",
     "TP_SHARE_TARGET",
+    "TP_STEP_SHARE_TARGET",
     "TP_TARGET_RATIO",
     "decision_latency",
     "decision_schedule",
@@ -52,4 +63,5 @@ __all__ = [
     "split_backward_cost",
     "split_backward_cost_isolated",
     "tp_coordination",
+    "tp_model",
 ]

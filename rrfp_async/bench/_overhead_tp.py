@@ -9,6 +9,7 @@ one torch thread per process).
 from __future__ import annotations
 
 import asyncio
+import math
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -16,12 +17,23 @@ from typing import Any
 from .._bridges import ComputeWorker
 from ._overhead_common import Row, median_of, transport_figures
 
-__all__ = ["TP_SHARE_TARGET", "TP_TARGET_RATIO", "tp_coordination"]
+__all__ = [
+    "TP_MODEL_TOLERANCE",
+    "TP_SHARE_TARGET",
+    "TP_STEP_SHARE_TARGET",
+    "TP_TARGET_RATIO",
+    "tp_coordination",
+    "tp_model",
+]
 
 TP_TARGET_RATIO = 1.25
 """Target: TP coordination per decision at most this times a raw blocking broadcast."""
 TP_SHARE_TARGET = 0.01
 """Target: TP coordination under this share of step time (tasks of 5 ms or more)."""
+TP_STEP_SHARE_TARGET = 0.02
+"""Target: per-step TP coordination at TP 8 with 5 ms tasks under this share of step time."""
+TP_MODEL_TOLERANCE = 0.25
+"""Target: the model's leave-one-out prediction within this of the measurement (TP 2/4/8)."""
 
 
 class _SleepExecutor:
@@ -50,12 +62,35 @@ class _SleepExecutor:
             self.worker.close()
 
 
+_VARIANTS = ("off", "dec", "gather", "on")
+"""Stages run side by side, steps alternating: ``off`` no TP coordination at all
+(``coordinate_tp=False, verify_tp=False``), ``dec`` decisions only (``verify_tp=False``),
+``gather`` decisions and the end-of-step sequence check as an all-gather
+(``fold_tp_check=False``), ``on`` the default (the check folded into the decisions)."""
+
+
+class _TimedSleepExecutor(_SleepExecutor):
+    """``_SleepExecutor`` that notes, per step, when its first task started and its last
+    task ended (``perf_counter``)."""
+
+    def __init__(self, seconds: float) -> None:
+        super().__init__(seconds)
+        self.first: dict[int, float] = {}
+        self.last: dict[int, float] = {}
+
+    async def execute(self, task: Any, data: Any, ctx: Any, /) -> Any:
+        self.first.setdefault(ctx.step, time.perf_counter())
+        out = await super().execute(task, data, ctx)
+        self.last[ctx.step] = time.perf_counter()
+        return out
+
+
 def _tp_rank(
     rank: int,
     world: int,
     n: int,
     batches: int,
-    compute_s: float,
+    computes: Sequence[float],
     microbatches: int,
     steps: int,
 ) -> dict[str, Any]:
@@ -71,6 +106,10 @@ def _tp_rank(
 
     layout = ProcessLayout.from_world(pp=1, tp=world)
     groups = build_groups(layout)
+    # The decisions-only stage runs beside the default one: a decision group of its own
+    # (a follower's listener takes every decision sent on its group).
+    groups_of = {"off": groups, "on": groups, "dec": build_groups(layout)}
+    groups_of["gather"] = build_groups(layout)
     group = groups.decisions
     leader = layout.tp_ranks()[0]
     buf = torch.zeros(6, dtype=torch.int64)  # the size of a decision
@@ -87,80 +126,97 @@ def _tp_rank(
     mbs = list(range(microbatches))
 
     async def main() -> dict[str, Any]:
-        ch = DecisionChannel(
-            group, leader=leader, rank=layout.rank, tp_rank=layout.tp_rank, stage=0
-        )
-        step = 0
+        raw: list[float] = []
+        chan: list[float] = []
+        published = 0
+        if world > 1:
+            ch = DecisionChannel(
+                group, leader=leader, rank=layout.rank, tp_rank=layout.tp_rank, stage=0
+            )
+            step = 0
 
-        async def channel_batch() -> float:
-            nonlocal step
-            dist.barrier(group=group)
-            t = time.perf_counter()
-            ch.begin_step(step, n)
-            if ch.is_leader:
-                for seq in range(n):
-                    ch.publish(step, seq, Task(0, "F", seq))
-                await ch.end_step()
-            else:
-                for seq in range(n):
-                    got = await ch.receive(step, seq)
-                    if got.mb != seq:
-                        raise RuntimeError(f"decision {seq} carried {got}")
-            step += 1
-            return time.perf_counter() - t
+            async def channel_batch() -> float:
+                nonlocal step
+                dist.barrier(group=group)
+                t = time.perf_counter()
+                ch.begin_step(step, n)
+                if ch.is_leader:
+                    for seq in range(n):
+                        ch.publish(step, seq, Task(0, "F", seq))
+                    await ch.end_step()
+                else:
+                    for seq in range(n):
+                        got = await ch.receive(step, seq)
+                        if got.mb != seq:
+                            raise RuntimeError(f"decision {seq} carried {got}")
+                step += 1
+                return time.perf_counter() - t
 
-        raw_batch()
-        await channel_batch()
-        raw, chan = [], []
-        for _ in range(batches):
-            raw.append(raw_batch())
-            chan.append(await channel_batch())
-        # The stages below get channels of their own on the same group.
-        await asyncio.get_running_loop().run_in_executor(None, ch.close)
+            raw_batch()
+            await channel_batch()
+            for _ in range(batches):
+                raw.append(raw_batch())
+                chan.append(await channel_batch())
+            # The stages below get channels of their own on the same group.
+            await asyncio.get_running_loop().run_in_executor(None, ch.close)
+            published = ch.published
 
-        async def stage_times(seconds: float) -> tuple[list[float], list[float], int]:
-            """Step times of a coordinated and an uncoordinated stage, steps alternating."""
-            times: dict[bool, list[float]] = {True: [], False: []}
+        async def stage_times(seconds: float) -> tuple[dict[str, list[list[float]]], int]:
+            """Per variant, per timed step: [step time, first task's start, step end - last
+            task's end] (seconds from the barrier), steps of the variants alternating."""
+            times: dict[str, list[list[float]]] = {v: [] for v in _VARIANTS}
             decisions = 0
+            executors: dict[str, _TimedSleepExecutor] = {}
 
-            executors: list[_SleepExecutor] = []
-
-            def make(coordinate: bool) -> DistributedStage:
-                executors.append(_SleepExecutor(seconds))
+            def make(variant: str) -> DistributedStage:
+                executors[variant] = _TimedSleepExecutor(seconds)
                 return DistributedStage(
                     layout,
                     sched,
-                    executors[-1],
-                    groups=groups,
+                    executors[variant],
+                    groups=groups_of[variant],
                     policy="readiness_first",
-                    coordinate_tp=coordinate,
+                    coordinate_tp=variant != "off",
+                    verify_tp=variant in ("on", "gather"),
+                    fold_tp_check=variant == "on",
                     step_timeout=60.0,
                 )
 
-            async with make(True) as on, make(False) as off:
+            async with (
+                make("off") as off,
+                make("dec") as dec,
+                make("gather") as gather,
+                make("on") as on,
+            ):
+                stages = {"off": off, "dec": dec, "gather": gather, "on": on}
+                k = len(_VARIANTS)
                 for s in range(steps + 1):
-                    for coordinate, stage in ((True, on), (False, off)):
+                    # Rotate the order, so that no variant always follows the same one.
+                    order = _VARIANTS[s % k :] + _VARIANTS[: s % k]
+                    for v in order:
                         dist.barrier()
                         t = time.perf_counter()
-                        st = await stage.run_step(mbs, step=s)
+                        st = await stages[v].run_step(mbs, step=s)
+                        t1 = time.perf_counter()
+                        ex = executors[v]
                         if s:  # the first step of each warms up
-                            times[coordinate].append(time.perf_counter() - t)
+                            times[v].append([t1 - t, ex.first[s] - t, t1 - ex.last[s]])
                         decisions = st.decisions
-            for ex in executors:
+            for ex in executors.values():
                 ex.close()
-            return times[True], times[False], decisions
+            return times, decisions
 
-        noop_on, noop_off, d = await stage_times(0.0)
-        busy_on, busy_off, _ = await stage_times(compute_s)
+        noop, d = await stage_times(0.0)
+        busy = {}
+        for c in computes:
+            busy[c], _ = await stage_times(c)
         return {
             "raw": raw,
             "channel": chan,
-            "noop_on": noop_on,
-            "noop_off": noop_off,
-            "busy_on": busy_on,
-            "busy_off": busy_off,
+            "noop": noop,
+            "busy": busy,
             "decisions": d,
-            "published": ch.published,
+            "published": published,
         }
 
     with asyncio.Runner(loop_factory=loop_factory(True)) as runner:
@@ -172,84 +228,255 @@ def _slowest(per_rank: Sequence[dict[str, Any]], key: str) -> list[float]:
     return [max(vals) for vals in zip(*(r[key] for r in per_rank), strict=True)]
 
 
+def _pairs(per_rank: Sequence[dict[str, Any]], get: Any) -> dict[str, list[list[float]]]:
+    """Per variant, per timed step: [step, first start, tail], each the slowest rank's."""
+    out: dict[str, list[list[float]]] = {}
+    for v in _VARIANTS:
+        cols = [get(r)[v] for r in per_rank]
+        out[v] = [[max(x[k] for x in rows) for k in range(3)] for rows in zip(*cols, strict=True)]
+    return out
+
+
+def _step_figures(t: dict[str, list[list[float]]], compute_ms: float) -> Row:
+    """The per-step figures of one task length from paired steps (medians of differences
+    over step triples: off, decisions only, on)."""
+    off, dec, gat, on = t["off"], t["dec"], t["gather"], t["on"]
+    z = list(zip(off, dec, gat, on, strict=True))
+    return {
+        "compute_ms": compute_ms,
+        "step_off_ms": 1e3 * median_of(x[0] for x in off),
+        "step_dec_ms": 1e3 * median_of(x[0] for x in dec),
+        "step_gather_ms": 1e3 * median_of(x[0] for x in gat),
+        "step_on_ms": 1e3 * median_of(x[0] for x in on),
+        "cost_us": 1e6 * median_of(c[0] - a[0] for a, _, _, c in z),
+        "gather_cost_us": 1e6 * median_of(g[0] - a[0] for a, _, g, _ in z),
+        "decisions_cost_us": 1e6 * median_of(b[0] - a[0] for a, b, _, _ in z),
+        "check_cost_us": 1e6 * median_of(c[0] - b[0] for _, b, _, c in z),
+        "gather_check_us": 1e6 * median_of(g[0] - b[0] for _, b, g, _ in z),
+        "first_delay_us": 1e6 * median_of(c[1] - a[1] for a, _, _, c in z),
+        "end_cost_us": 1e6 * median_of(c[2] - a[2] for a, _, _, c in z),
+        "gather_end_us": 1e6 * median_of(g[2] - a[2] for a, _, g, _ in z),
+        "share": median_of((c[0] - a[0]) / c[0] for a, _, _, c in z),
+        "gather_share": median_of((g[0] - a[0]) / g[0] for a, _, g, _ in z),
+        "samples": {
+            "cost": [c[0] - a[0] for a, _, _, c in z],
+            "gather": [g[0] - a[0] for a, _, g, _ in z],
+            "first": [c[1] - a[1] for a, _, _, c in z],
+            "end": [c[2] - a[2] for a, _, _, c in z],
+        },
+    }
+
+
 def tp_coordination(
-    tps: Sequence[int] = (2, 4),
+    tps: Sequence[int] = (1, 2, 4, 8),
     *,
     decisions: int = 200,
     compute_ms: float = 5.0,
+    computes_ms: Sequence[float] = (1.0, 5.0, 20.0),
     microbatches: int = 8,
-    steps: int = 12,
+    steps: int = 20,
     batches: int = 20,
-    timeout: float = 180.0,
+    timeout: float = 300.0,
 ) -> list[Row]:
-    """TP coordination per decision against a raw blocking broadcast on the same group.
+    """TP coordination per decision and per step, against a raw broadcast and against no
+    coordination, at each TP degree.
 
     Per TP size, one ``spawn`` job of ``tp`` processes (one pipeline stage, its TP ranks,
     the dedicated decision group from ``build_groups``):
 
-    * ``raw_us``: blocking ``dist.broadcast`` of an ``int64[6]`` (a decision's size) from
-      the leader, back to back; ``channel_us``: ``DecisionChannel`` -- the leader
-      ``publish``es the batch's decisions (asynchronous broadcasts) and awaits
-      ``end_step``, followers ``receive`` each (``depth`` posted ahead) and check it.
-      Both: the slowest rank's time from a group barrier / decisions, ``batches``
-      interleaved batches; lower deciles as in ``message_cost`` (medians and paired
-      ratios too); ``ratio`` = channel / raw.
-    * ``stage_us``: inside a real ``DistributedStage`` (1-stage 1F1B plan, ``microbatches``
-      microbatches, no-op tasks): (coordinated - uncoordinated step time) / decisions,
-      slowest rank, medians of ``steps`` steps, coordinated and uncoordinated steps
-      alternating.
-    * ``share``: ``channel_us / (channel_us + compute_ms * 1000)`` -- the coordination of
-      one decision as a fraction of a task of ``compute_ms`` plus that coordination, i.e. as
-      if it were never overlapped with compute (a worst case). ``share_measured`` (the
-      target's figure): median over step pairs of (coordinated - uncoordinated) /
-      coordinated step time, steps alternating, with tasks that sleep
-      ``compute_ms`` on a compute thread, like the emulated GPU time of
-      ``TorchStageExecutor`` (a stand-in for a GPU kernel: the CPU is free meanwhile).
+    * per decision (TP >= 2): ``raw_us``: blocking ``dist.broadcast`` of an ``int64[6]`` (a
+      decision's size) from the leader, back to back; ``channel_us``: ``DecisionChannel`` --
+      the leader ``publish``es the batch's decisions and awaits ``end_step``, followers
+      ``receive`` each and check it. Both: the slowest rank's time from a group barrier /
+      decisions, ``batches`` interleaved batches; lower deciles as in ``message_cost``
+      (medians and paired ratios too); ``ratio`` = channel / raw.
+    * per step, inside real ``DistributedStage``s (1-stage 1F1B plan, ``microbatches``
+      microbatches, so ``2 x microbatches`` decisions a step): three stages side by side,
+      their steps alternating (order rotating) -- no coordination (``off``), decisions only
+      (``dec``), the default (``on``: decisions and the end-of-step sequence check). With
+      no-op tasks, ``stage_us`` = (on - off) / decisions; then for each task length of
+      ``computes_ms`` (tasks sleeping on a compute thread, like ``TorchStageExecutor``'s
+      emulated GPU time), medians over the step triples of the slowest rank's: ``cost_us``
+      (on - off step time), ``decisions_cost_us`` (dec - off), ``check_cost_us`` (on -
+      dec), ``first_delay_us`` (when the first task started, on - off: the followers wait
+      for the first decision), ``end_cost_us`` (step end after the last task, on - off),
+      ``share`` ((on - off) / on). At TP 1 there is nothing to coordinate: its figures are
+      the noise floor of the pairing.
+    * pooled over the task lengths (what ``tp_model`` fits): ``first_delay_us``,
+      ``end_cost_us``; ``step_cost_us`` and ``gather_step_cost_us`` (the all-gather check)
+      over tasks of ``compute_ms`` and longer, where the look-ahead hides each decision's
+      latency behind the running task; ``share_measured`` etc. at ``compute_ms`` (the
+      target's).
 
     Returns:
-        Rows ``{tp, decisions, raw_us, channel_us, ratio, raw_median_us,
+        One row per TP size: ``{tp, decisions, raw_us, channel_us, ratio, raw_median_us,
         channel_median_us, ratio_paired, contended, stage_us, stage_coord_us,
-        stage_uncoord_us, compute_ms, share, step_coord_ms, step_uncoord_ms,
-        share_measured, step_decisions, published, target_ratio, met_ratio, met_share}``.
+        stage_uncoord_us, compute_ms, share, steps: [per task length], step_cost_us,
+        first_delay_us, end_cost_us, check_cost_us, step_coord_ms, step_uncoord_ms,
+        share_measured, step_decisions, published, target_ratio, met_ratio, met_share}``
+        (per-decision figures None at TP 1).
     """
     from ..distributed._spawn import spawn
 
     n = max(1, decisions // batches)
+    computes = sorted({*computes_ms, compute_ms})
     rows: list[Row] = []
     for tp in tps:
-        if tp < 2:
-            raise ValueError(f"TP coordination needs tp >= 2, got {tp}")
+        if tp < 1:
+            raise ValueError(f"TP coordination needs tp >= 1, got {tp}")
         res = spawn(
-            _tp_rank, tp, n, batches, compute_ms / 1e3, microbatches, steps, timeout=timeout
+            _tp_rank,
+            tp,
+            n,
+            batches,
+            [c / 1e3 for c in computes],
+            microbatches,
+            steps,
+            timeout=timeout,
         )
-        fig = transport_figures(_slowest(res, "raw"), _slowest(res, "channel"), n)
-        ch_us = fig["channel_us"]
+        row: Row = {"tp": tp, "decisions": n * batches if tp > 1 else 0}
+        if tp > 1:
+            fig = transport_figures(_slowest(res, "raw"), _slowest(res, "channel"), n)
+            row.update(fig)
+            row["share"] = fig["channel_us"] / (fig["channel_us"] + compute_ms * 1e3)
+        else:
+            for k in ("raw_us", "channel_us", "ratio", "raw_median_us", "channel_median_us"):
+                row[k] = None
+            row.update(ratio_paired=None, contended=False, share=None)
         d = res[0]["decisions"]
-        on = median_of(_slowest(res, "noop_on"))
-        off = median_of(_slowest(res, "noop_off"))
-        b_on, b_off = _slowest(res, "busy_on"), _slowest(res, "busy_off")
-        busy_on, busy_off = median_of(b_on), median_of(b_off)
-        # Paired: each coordinated step against the uncoordinated one right after it.
-        measured = median_of([(x - y) / x for x, y in zip(b_on, b_off, strict=True)])
-        share = ch_us / (ch_us + compute_ms * 1e3)
-        rows.append(
+        noop = _pairs(res, lambda r: r["noop"])
+        on = median_of(x[0] for x in noop["on"])
+        off = median_of(x[0] for x in noop["off"])
+        per = [_step_figures(_pairs(res, lambda r, c=c: r["busy"][c / 1e3]), c) for c in computes]
+        pooled = {
+            k: [x for p in per for x in p["samples"][k]] for k in ("cost", "gather", "first", "end")
+        }
+        # The step's total: tasks of compute_ms and longer only, where the look-ahead hides
+        # the per-decision latency (shorter tasks pay it per decision: see their rows).
+        long = [p for p in per if p["compute_ms"] >= compute_ms]
+        for k in ("cost", "gather"):
+            pooled[k] = [x for p in long for x in p["samples"][k]]
+        head = next(p for p in per if p["compute_ms"] == compute_ms)
+        for p in per:
+            del p["samples"]
+        row.update(
             {
-                "tp": tp,
-                "decisions": n * batches,
-                **fig,
                 "stage_us": 1e6 * (on - off) / d,
                 "stage_coord_us": 1e6 * on / d,
                 "stage_uncoord_us": 1e6 * off / d,
                 "compute_ms": compute_ms,
-                "share": share,
-                "step_coord_ms": 1e3 * busy_on,
-                "step_uncoord_ms": 1e3 * busy_off,
-                "share_measured": measured,
+                "steps": per,
+                "step_cost_us": 1e6 * median_of(pooled["cost"]),
+                "gather_step_cost_us": 1e6 * median_of(pooled["gather"]),
+                "first_delay_us": 1e6 * median_of(pooled["first"]),
+                "end_cost_us": 1e6 * median_of(pooled["end"]),
+                "check_cost_us": median_of(p["check_cost_us"] for p in per),
+                "step_coord_ms": head["step_on_ms"],
+                "step_uncoord_ms": head["step_off_ms"],
+                "share_measured": head["share"],
                 "step_decisions": d,
                 "published": res[0]["published"],
                 "target_ratio": TP_TARGET_RATIO,
-                "met_ratio": fig["ratio"] <= TP_TARGET_RATIO,
-                "met_share": measured < TP_SHARE_TARGET,
+                "met_ratio": None if tp == 1 else row["ratio"] <= TP_TARGET_RATIO,
+                "met_share": head["share"] < TP_SHARE_TARGET,
             }
         )
+        rows.append(row)
     return rows
+
+
+_TERMS = (
+    ("channel_us", "per decision: DecisionChannel", 2),
+    ("raw_us", "per decision: raw broadcast", 2),
+    ("first_delay_us", "per step: first-task delay", 1),
+    ("end_cost_us", "per step: end of step", 1),
+    ("step_cost_us", "per step: total (on - off), long tasks", 1),
+    ("gather_step_cost_us", "per step: total with the all-gather check, long tasks", 1),
+)
+
+
+def tp_model(
+    rows: Sequence[Row],
+    *,
+    predict: Sequence[int] = (16, 32),
+    task_ms: float = 5.0,
+    step_decisions: Sequence[int] = (16, 256),
+) -> Row:
+    """The model of TP coordination fitted to ``tp_coordination``'s rows.
+
+    Each term (per decision: the channel, the raw broadcast, fitted on TP >= 2; per step:
+    first-task delay, end of step, total, fitted on every TP measured, TP 1 being the
+    pairing's noise floor) is fitted as ``a + b * log2(tp)`` and ``a + b * (tp - 1)``
+    (``sim.fit_tp_term``: the smaller RMS residual wins), then checked leave-one-out: fit
+    on the other TP sizes, predict each measured one (``error`` = predicted / measured -
+    1; target within ``TP_MODEL_TOLERANCE`` at TP 2/4/8).
+
+    Returns:
+        ``{terms: [{key, name, form, a_us, b_us, residual_us, other_form,
+        other_residual_us, measured: {tp: us}, loo: [{tp, measured_us, predicted_us,
+        error}], predicted: {tp: us}}], share: [{tp, decisions, task_ms, step_ms,
+        cost_us, share}], task_ms}``: the shares of a step of ``decisions`` tasks of
+        ``task_ms`` from the fitted per-step total, for every measured and predicted TP.
+    """
+    from ..sim._tp import fit_tp_term
+
+    terms = []
+    fitted = {}
+    for key, name, lo in _TERMS:
+        pts = [(r["tp"], r[key] * 1e-6) for r in rows if r["tp"] >= lo and r[key] is not None]
+        if len({tp for tp, _ in pts}) < 2:
+            continue
+        term, other = fit_tp_term(pts)
+        fitted[key] = term
+        loo = []
+        if len(pts) >= 3:
+            for i, (tp, y) in enumerate(pts):
+                if tp < 2:
+                    continue
+                t, _ = fit_tp_term([p for j, p in enumerate(pts) if j != i], term.form)
+                pred = t.a + t.b * (math.log2(tp) if t.form == "log2" else tp - 1)
+                loo.append(
+                    {
+                        "tp": tp,
+                        "measured_us": 1e6 * y,
+                        "predicted_us": 1e6 * pred,
+                        "error": pred / y - 1 if y > 0 else None,
+                    }
+                )
+        terms.append(
+            {
+                "key": key,
+                "name": name,
+                "form": term.form,
+                "a_us": 1e6 * term.a,
+                "b_us": 1e6 * term.b,
+                "residual_us": 1e6 * term.residual,
+                "other_form": None if other is None else other.form,
+                "other_residual_us": None if other is None else 1e6 * other.residual,
+                "measured": {tp: 1e6 * y for tp, y in pts},
+                "loo": loo,
+                "predicted": {tp: 1e6 * term(tp) for tp in predict},
+                "met_loo": all(
+                    x["error"] is not None and abs(x["error"]) <= TP_MODEL_TOLERANCE for x in loo
+                ),
+            }
+        )
+    shares = []
+    total = fitted.get("step_cost_us")
+    if total is not None:
+        for tp in sorted({*(r["tp"] for r in rows), *predict}):
+            for d in step_decisions:
+                cost = total(tp)
+                step = d * task_ms * 1e-3
+                shares.append(
+                    {
+                        "tp": tp,
+                        "decisions": d,
+                        "task_ms": task_ms,
+                        "step_ms": 1e3 * step,
+                        "cost_us": 1e6 * cost,
+                        "share": cost / (step + cost),
+                        "measured": tp in {r["tp"] for r in rows},
+                    }
+                )
+    return {"terms": terms, "share": shares, "task_ms": task_ms}

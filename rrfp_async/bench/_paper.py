@@ -3,10 +3,13 @@ preprint's 1.77x (language-only) and 2.77x (multimodal).
 
 Virtual time with a declared GPU cost model (``_costs``), not a measurement of any GPU.
 
-* **GPUs** are PP x TP. TP enters only as a cost scaling: every stage's compute is divided
-  by TP (ideal tensor parallelism, no TP all-reduce cost), while a cross-stage message keeps
-  its latency. Since every compute time scales alike, TP changes the ratios only through the
-  share of message latency in a task's time.
+* **GPUs** are PP x TP. TP enters the grid only as a cost scaling: every stage's compute is
+  divided by TP (ideal tensor parallelism, no TP all-reduce cost), while a cross-stage
+  message keeps its latency. Since every compute time scales alike, TP changes the ratios
+  only through the share of message latency in a task's time. ``coordination_rows`` then
+  prices the TP *coordination* (each TP group's followers wait for the leader's decisions,
+  ``simulate(tp=...)``, latency from the fitted model of ``bench overhead --section tp``):
+  the makespan with it against the makespan that assumes it free.
 * **Model partition.** Text: every virtual stage is an LLM stage. Multimodal: virtual stage
   0 is the vision encoder (costed by image patches), the others LLM stages (costed by all
   tokens). With V = 2 chunks (interleaved 1F1B) each LLM chunk is half an LLM stage and, for
@@ -52,7 +55,7 @@ from ..policies._bounds import default_bound
 from ..policies._hints import remaining_work
 from ..policies._listsched import list_schedule, strict_timeline
 from ..sim._simulate import lower_bound, simulate
-from ._paper_report import TextTable, best_rows, report_tables, to_markdown
+from ._paper_report import TextTable, best_rows, coordination_table, report_tables, to_markdown
 from ._paper_scenarios import (
     BASELINE,
     CLAIRVOYANT,
@@ -72,6 +75,7 @@ __all__ = [
     "CLAIRVOYANT",
     "NOISE",
     "PAPER_FIGURES",
+    "TP_CONFIGS",
     "Config",
     "Noise",
     "Scenario",
@@ -79,6 +83,8 @@ __all__ = [
     "best_rows",
     "condition_configs",
     "condition_scenarios",
+    "coordination_rows",
+    "coordination_table",
     "default_configs",
     "default_scenarios",
     "lockstep_ceiling",
@@ -181,10 +187,23 @@ def _clairvoyant(sc: Scenario, cfg: Config, seed: int) -> tuple[float, float]:
     return max(end for _, end in times.values()), lower_bound(plan, real)
 
 
-def simulate_config(sc: Scenario, cfg: Config, seed: int) -> tuple[float, float]:
-    """``(makespan, lower bound)`` of one configuration of ``sc`` for ``seed``."""
+def simulate_config(
+    sc: Scenario,
+    cfg: Config,
+    seed: int,
+    *,
+    coordinated: bool = False,
+    tp_latency: float | None = None,
+    tp_check: float | None = None,
+) -> tuple[float, float]:
+    """``(makespan, lower bound)`` of one configuration of ``sc`` for ``seed``; with
+    ``coordinated``, the TP groups pay their coordination (``simulate(tp=sc.tp,
+    tp_latency=..., tp_check=...)``, None: the fitted model)."""
     if cfg.policy == CLAIRVOYANT:
         return _clairvoyant(sc, cfg, seed)
+    tp: dict[str, Any] = {}
+    if coordinated:
+        tp = {"tp": sc.tp, "tp_latency": tp_latency, "tp_check": tp_check}
     n = sc.noise
     r = simulate(
         stages=sc.pp,
@@ -200,6 +219,7 @@ def simulate_config(sc: Scenario, cfg: Config, seed: int) -> tuple[float, float]
         latency=n.latency,
         latency_jitter=n.latency_jitter,
         seed=seed,
+        **tp,
     )
     return r.makespan, r.lower_bound
 
@@ -297,4 +317,68 @@ def paper_table(
         rows += run_scenario(sc, cfgs, seeds=seeds)
         if on_scenario is not None:
             on_scenario(sc, time.perf_counter() - t)
+    return rows
+
+
+TP_CONFIGS = (BASELINE, Config(hint="bfw", policy="readiness_first", memory=2.0, split=True))
+"""The configurations ``coordination_rows`` prices: strict 1F1B and the strongest runtime
+combination of the grid."""
+
+
+def coordination_rows(
+    scenarios: Sequence[Scenario],
+    configs: Sequence[Config] = TP_CONFIGS,
+    *,
+    seeds: int = 2,
+    tp_latency: float | None = None,
+    tp_check: float | None = None,
+) -> list[dict[str, Any]]:
+    """What TP coordination costs at paper scale: per scenario and configuration, the mean
+    makespan with every TP group's coordination simulated (``simulate(tp=sc.tp)``, the
+    fitted latency unless ``tp_latency`` is given) against the same seeds with it free,
+    and the ratio vs strict 1F1B both ways (strict 1F1B coordinated as well)."""
+    from ..sim._tp import TP_DECISION_LATENCY, TP_STEP_CHECK
+
+    rows = []
+    for sc in scenarios:
+        lat = TP_DECISION_LATENCY(sc.tp) if tp_latency is None else tp_latency
+        chk = TP_STEP_CHECK(sc.tp) if tp_check is None else tp_check
+        free: dict[Config, list[float]] = {}
+        coord: dict[Config, list[float]] = {}
+        for c in configs:
+            for s in range(seeds):
+                free.setdefault(c, []).append(simulate_config(sc, c, s)[0])
+                coord.setdefault(c, []).append(
+                    simulate_config(sc, c, s, coordinated=True, tp_latency=lat, tp_check=chk)[0]
+                )
+        base = configs[0]
+        for c in configs:
+            rows.append(
+                {
+                    "scenario": sc.label or f"PP{sc.pp} x M{sc.microbatches}",
+                    "pp": sc.pp,
+                    "tp": sc.tp,
+                    "gpus": sc.gpus,
+                    "microbatches": sc.microbatches,
+                    "workload": sc.workload,
+                    "noise": sc.noise.name,
+                    "schedule": c.schedule,
+                    "policy": c.policy,
+                    "memory": None if math.isinf(c.memory) else c.memory,
+                    "tp_latency": lat,
+                    "tp_check": chk,
+                    "makespan_free": statistics.mean(free[c]),
+                    "makespan_tp": statistics.mean(coord[c]),
+                    "cost": statistics.mean(
+                        t / f - 1 for t, f in zip(coord[c], free[c], strict=True)
+                    ),
+                    "ratio_free": statistics.mean(
+                        b / m for b, m in zip(free[base], free[c], strict=True)
+                    ),
+                    "ratio_tp": statistics.mean(
+                        b / m for b, m in zip(coord[base], coord[c], strict=True)
+                    ),
+                    "seeds": seeds,
+                }
+            )
     return rows

@@ -11,7 +11,7 @@ from typing import Any
 
 from ._paper_scenarios import BASELINE, CLAIRVOYANT, PAPER_FIGURES
 
-__all__ = ["TextTable", "best_rows", "report_tables", "to_markdown"]
+__all__ = ["TextTable", "best_rows", "coordination_table", "report_tables", "to_markdown"]
 
 
 def best_rows(rows: Sequence[dict[str, Any]], *, runtime_only: bool = True) -> list[dict[str, Any]]:
@@ -171,6 +171,45 @@ def _condition_table(rows: Sequence[dict[str, Any]]) -> TextTable:
             "ceiling",
             "lockstep",
             *(" ".join(c) for c in cfgs),
+        ),
+        rows=tuple(body),
+    )
+
+
+def coordination_table(rows: Sequence[dict[str, Any]]) -> TextTable:
+    """``coordination_rows`` as a table: makespan with TP coordination vs free."""
+    body = []
+    for r in rows:
+        body.append(
+            (
+                r["scenario"]
+                if r["scenario"].startswith("PP")
+                else f"{r['scenario']}, {_where(r)}",
+                r["workload"],
+                f"{r['schedule']} / {r['policy']} / {_mem(r['memory'])}",
+                str(r["gpus"]),
+                f"{1e6 * r['tp_latency']:.0f} / {1e6 * r['tp_check']:.0f}",
+                f"{1e3 * r['makespan_free']:.1f}",
+                f"{1e3 * r['makespan_tp']:.1f}",
+                f"{r['cost']:+.1%}",
+                f"{r['ratio_free']:.2f}x -> {r['ratio_tp']:.2f}x",
+            )
+        )
+    seeds = rows[0]["seeds"] if rows else 0
+    return TextTable(
+        title="TP coordination at paper scale (simulated: each TP group's followers start a"
+        " task a decision latency after the leader decides, look-ahead included; latency and"
+        f" end-of-step check from the fitted model of bench overhead --section tp), {seeds} seeds",
+        columns=(
+            "scenario",
+            "workload",
+            "schedule / policy / memory",
+            "GPUs",
+            "latency / check µs",
+            "makespan free ms",
+            "with TP coordination ms",
+            "cost",
+            "ratio vs strict 1F1B: free -> coordinated",
         ),
         rows=tuple(body),
     )

@@ -28,9 +28,30 @@ decision, ``(step, seq, task)``, goes to the stage's other TP ranks over a small
   dropped by the next step's ``receive``.
 * At the end of a step every TP rank can cross-check a digest of the sequence it executed
   (``verify_sequence``): with coordination switched off, that is how a divergence is caught.
+  It is an all-gather over the group, by default; with ``fold_check`` (what
+  ``DistributedStage`` uses when it coordinates and agrees on every step) it rides on the
+  decisions instead: see "The folded sequence check" below.
 * ``close()``: the leader sends a CLOSE row down every pair, so the followers' listeners
   end; a lost leader (broken connection) fails the follower's next ``receive`` with
   ``PeerError``.
+
+The folded sequence check
+-------------------------
+Measured at TP 1-8 (``bench overhead --section tp``, BENCHMARKS.md), the all-gather of the
+end-of-step check was most of the per-step cost of coordination: a collective whose
+completion reaches the loop through gloo's worker thread, after the step's last task, on
+every TP rank. With coordination on, the leader already tells each follower every decision
+in order, so the check can ride on that one-way stream: right after the step's *last*
+decision, the leader sends one more row, ``[DIGS, step, count, digest]``, the digest of the
+sequence it published (``sequence_digest``), without waiting. It reaches the follower
+before the follower's last task ends, so the follower's check (its own executed sequence
+against the leader's row) costs no wait; the leader checks locally that it executed what it
+published. A divergence is still caught in the step where it happens, now on the rank
+where it happened (``DivergenceError``), and the step fails on every rank through the
+end-of-step agreement (``DistributedStage(agree_steps=True)``, which is why the stage folds
+only when it agrees steps). No collective means nothing to keep matched across a failed
+step: ``post_failed_sequence`` posts nothing; a failed leader's ABORT row (after the digest,
+or instead of it) and a failed follower's agreement tell the others, as for decisions.
 """
 
 from __future__ import annotations
@@ -61,6 +82,7 @@ _CODE = {k: i for i, k in enumerate(_KINDS)}
 _MAGIC = 0x44454349  # "DECI"
 _MAGIC_CLOSE = 0x434C4F53  # "CLOS": the leader closed
 _MAGIC_ABORT = 0x41424F52  # "ABOR": [magic, step, origin global rank, 0, 0, 0]: step failed
+_MAGIC_DIGEST = 0x44494753  # "DIGS": [magic, step, count, digest, 0, 0]: the folded check
 _FAILED_COUNT = -1  # a sequence check row [global rank, -1]: the step failed on that rank
 _ROW = struct.Struct("=6q")  # [magic, step, seq, stage, kind, mb]
 
@@ -85,6 +107,11 @@ class DecisionChannel:
         rank: This process's global rank.
         tp_rank: This process's rank inside the TP group (for messages).
         stage: The pipeline rank of the stage (for messages).
+        fold_check: Fold the end-of-step sequence check into the decisions (see "The
+            folded sequence check"): only for steps that are coordinated (``begin_step``,
+            ``publish`` / ``receive``), and only where a failed step reaches every rank
+            otherwise (``DistributedStage``'s end-of-step agreement). Every TP rank must
+            use the same value.
 
     Attributes:
         waiting: What this rank waits for on the decision group right now (text, for the
@@ -102,8 +129,10 @@ class DecisionChannel:
         rank: int,
         tp_rank: int,
         stage: int,
+        fold_check: bool = False,
     ) -> None:
         self.group = group
+        self.fold_check = fold_check
         self.leader = leader
         self.rank = rank
         self.tp_rank = tp_rank
@@ -122,6 +151,12 @@ class DecisionChannel:
         self._closed = False
         self._used = False  # a step began: the followers listen (the leader sends CLOSE)
         self._failed_checks: list[tuple[list[torch.Tensor], Any]] = []
+        # The folded check: the step begun, its decision count, the leader's running
+        # digest of what it published (text as ``sequence_digest`` hashes it).
+        self._step = -1
+        self._count = 0
+        self._hash: Any = None
+        self._published: tuple[int, int] | None = None  # (digest, count) sent with the last
 
     def _who(self) -> str:
         role = "leader" if self.is_leader else "follower"
@@ -133,7 +168,10 @@ class DecisionChannel:
         """A step with ``decisions`` dispatches starts: a follower's listener starts (first
         step). Decisions of earlier steps still queued are dropped by ``receive``."""
         self._used = True
+        self._step, self._count = step, decisions
         if self.is_leader:
+            self._hash = hashlib.blake2b(digest_size=8)
+            self._published = None
             return
         if self._listener is None:
             self._loop = asyncio.get_running_loop()
@@ -156,6 +194,24 @@ class DecisionChannel:
                     f" failed (the connection broke: the process died or was killed): {e}"
                 ) from e
         self.published += 1
+        if self.fold_check and step == self._step:
+            self._hash.update(f" {task}".encode() if seq else str(task).encode())
+            if seq == self._count - 1:  # the last decision: the folded check goes with it
+                self._send_digest(step, seq + 1)
+
+    def _send_digest(self, step: int, count: int) -> None:
+        digest = int.from_bytes(self._hash.digest(), "little") & ((1 << 63) - 1)
+        self._published = (digest, count)
+        buf = torch.empty(6, dtype=torch.int64)
+        write_ints(_ROW, buf, (_MAGIC_DIGEST, step, count, digest, 0, 0))
+        for f in self._followers:
+            try:
+                self._sent.append(self.group.send([buf], f, 0))
+            except Exception as e:
+                raise PeerError(
+                    f"{self._who()} step {step}: sending the end-of-step digest to TP rank {f}"
+                    f" failed (the connection broke: the process died or was killed): {e}"
+                ) from e
 
     def abort(self, step: int, origin: int) -> None:
         """Leader: tell every follower that ``step`` failed (on global rank ``origin``), so
@@ -230,33 +286,12 @@ class DecisionChannel:
         """
         if self._listener is None:
             raise DivergenceError(f"{self._who()} step {step}: receive before begin_step")
-        rows = self._rows
-        while True:
-            while rows and rows[0][1] < step:  # a late decision of an earlier, failed step
-                rows.popleft()
-            if rows:
-                break
-            if self._failed is not None:
-                raise self._failed
-            self.waiting = (
-                f"the TP leader (global rank {self.leader})'s decision {seq} of step {step}"
-            )
-            self._waiter = asyncio.get_running_loop().create_future()
-            try:
-                await self._waiter
-            finally:
-                self._waiter = None
-                self.waiting = None
-        row = self._rows.popleft()
+        row = await self._next_row(step, f"decision {seq} of step {step}")
         magic, s, q, stage, kind, mb = row
-        if magic == _MAGIC_ABORT and s == step:
-            cause = "it failed on the stage's TP leader or was told so (see that rank's output)"
-            raise PeerStepError(
-                f"{self._who()}: step {step} failed on global rank {q}: {cause}; this rank"
-                " fails the step too and runs the next one",
-                step=step,
-                origin=q,
-                cause=cause,
+        if magic == _MAGIC_DIGEST and s == step:
+            raise DivergenceError(
+                f"{self._who()} step {step}: expected decision seq {seq}, but the TP leader"
+                f" ended the step after {q} decisions: the TP ranks' sequences diverged"
             )
         if magic != _MAGIC or not 0 <= kind < len(_KINDS):
             raise DivergenceError(f"{self._who()} step {step}: corrupt decision {list(row)}")
@@ -266,6 +301,41 @@ class DecisionChannel:
                 f" of step {step}: the TP ranks' sequences diverged"
             )
         return Task(stage, _KINDS[kind], mb)
+
+    async def _next_row(self, step: int, what: str) -> tuple[int, ...]:
+        """Follower: the leader's next row for ``step`` (rows of earlier steps dropped).
+
+        Raises:
+            PeerStepError: The row is the step's ABORT.
+            PeerError, ClosedError: The leader is lost or closed.
+        """
+        rows = self._rows
+        while True:
+            while rows and rows[0][1] < step:  # a late row of an earlier, failed step
+                rows.popleft()
+            if rows:
+                break
+            if self._failed is not None:
+                raise self._failed
+            self.waiting = f"the TP leader (global rank {self.leader})'s {what}"
+            self._waiter = asyncio.get_running_loop().create_future()
+            try:
+                await self._waiter
+            finally:
+                self._waiter = None
+                self.waiting = None
+        row = rows.popleft()
+        if row[0] == _MAGIC_ABORT and row[1] == step:
+            q = row[2]
+            cause = "it failed on the stage's TP leader or was told so (see that rank's output)"
+            raise PeerStepError(
+                f"{self._who()}: step {step} failed on global rank {q}: {cause}; this rank"
+                " fails the step too and runs the next one",
+                step=step,
+                origin=q,
+                cause=cause,
+            )
+        return row
 
     async def end_step(self) -> None:
         """Leader: wait until every decision of the step went out (errors surface here)."""
@@ -309,6 +379,8 @@ class DecisionChannel:
         length -1; ``origin``: the global rank where the step failed first, default this
         one): the check's collectives stay matched across the TP ranks, and a rank whose
         step went on fails it there with ``PeerStepError`` naming the origin."""
+        if self.fold_check:  # no collective to keep matched (see the folded check)
+            return
         who = self.rank if origin is None else origin
         mine = torch.tensor([who, _FAILED_COUNT], dtype=torch.int64)
         size = dist.get_world_size(self.group)
@@ -322,9 +394,16 @@ class DecisionChannel:
     async def verify_sequence(self, step: int, executed: Sequence[Task]) -> None:
         """Every TP rank: all-gather a digest of the executed sequence and compare.
 
+        With ``fold_check``: the folded check instead (see "The folded sequence check").
+
         Raises:
-            DivergenceError: Some TP rank executed a different sequence in ``step``.
+            DivergenceError: Some TP rank executed a different sequence in ``step`` (folded:
+                this rank's sequence differs from the leader's).
+            PeerStepError: The step failed on another TP rank (folded: on the leader).
         """
+        if self.fold_check:
+            await self._verify_folded(step, executed)
+            return
         mine = torch.tensor([sequence_digest(executed), len(executed)], dtype=torch.int64)
         size = dist.get_world_size(self.group)
         outs = [torch.zeros(2, dtype=torch.int64) for _ in range(size)]
@@ -350,4 +429,37 @@ class DecisionChannel:
                 f"{self._who()} step {step}: the TP ranks of stage {self.stage} executed"
                 f" different task sequences (TP ranks {differ} differ from TP rank 0); their"
                 " collectives did not match, the step's result is invalid"
+            )
+
+    async def _verify_folded(self, step: int, executed: Sequence[Task]) -> None:
+        mine = (sequence_digest(executed), len(executed))
+        if self._step != step:
+            raise DivergenceError(
+                f"{self._who()} step {step}: the folded sequence check needs a coordinated"
+                " step (begin_step, publish / receive); this one was not"
+            )
+        if self.is_leader:
+            if self._published != mine:
+                sent = "nothing" if self._published is None else f"{self._published[1]} tasks"
+                raise DivergenceError(
+                    f"{self._who()} step {step}: the leader executed {len(executed)} tasks"
+                    f" other than the {sent} it published: the TP ranks' collectives did"
+                    " not match, the step's result is invalid"
+                )
+            return
+        row = await self._next_row(step, f"end-of-step digest of step {step}")
+        magic, s, count, digest = row[:4]
+        if magic == _MAGIC and s == step:
+            raise DivergenceError(
+                f"{self._who()} step {step}: this rank ran {len(executed)} tasks, but the TP"
+                f" leader sent decision {count} after them: the TP ranks' sequences diverged"
+            )
+        if magic != _MAGIC_DIGEST or s != step:
+            raise DivergenceError(f"{self._who()} step {step}: corrupt digest row {list(row)}")
+        if (digest, count) != mine:
+            raise DivergenceError(
+                f"{self._who()} step {step}: the TP ranks of stage {self.stage} executed"
+                f" different task sequences (this rank {len(executed)} tasks, the leader"
+                f" {count}; digests differ); their collectives did not match, the step's"
+                " result is invalid"
             )

@@ -277,10 +277,24 @@ def bench_logging(repeats: int) -> None:
     show_default=True,
     help="Also run the search for the conditions under which the preprint's 2.77x holds.",
 )
+@click.option(
+    "--tp-coordination/--no-tp-coordination",
+    default=True,
+    show_default=True,
+    help="Also price TP coordination: makespan with each TP group's decision latency (the"
+    " fitted model of bench overhead --section tp) vs free, strict 1F1B and bfw.",
+)
 @json_option("Print the rows as JSON.")
 @click.option("--markdown", is_flag=True, help="Print the tables as Markdown.")
 @log_options
-def bench_paper(full: bool, seeds: int, conditions: bool, as_json: bool, markdown: bool) -> None:
+def bench_paper(
+    full: bool,
+    seeds: int,
+    conditions: bool,
+    tp_coordination: bool,
+    as_json: bool,
+    markdown: bool,
+) -> None:
     """Paper scale in simulation (PP 4-16 x TP 8, up to 128 GPUs): every hint/policy vs
     strict 1F1B, next to the RRFP preprint's 1.77x / 2.77x (virtual time, declared cost
     model)."""
@@ -288,6 +302,9 @@ def bench_paper(full: bool, seeds: int, conditions: bool, as_json: bool, markdow
         PAPER_FIGURES,
         condition_configs,
         condition_scenarios,
+        coordination_rows,
+        coordination_table,
+        default_scenarios,
         paper_table,
         report_tables,
         to_markdown,
@@ -308,12 +325,14 @@ def bench_paper(full: bool, seeds: int, conditions: bool, as_json: bool, markdow
         if conditions or full
         else []
     )
+    coord = coordination_rows(default_scenarios(full=full), seeds=seeds) if tp_coordination else []
     if as_json:
-        doc = {"paper": PAPER_FIGURES, "grid": grid, "conditions": cond}
+        doc = {"paper": PAPER_FIGURES, "grid": grid, "conditions": cond, "tp_coordination": coord}
         click.echo(json.dumps(doc, indent=1))
         return
     con = console()
-    for tt in report_tables(grid, cond):
+    tables = report_tables(grid, cond) + ([coordination_table(coord)] if coord else [])
+    for tt in tables:
         if markdown:
             click.echo(to_markdown(tt) + "\n")
             continue

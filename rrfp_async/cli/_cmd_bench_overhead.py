@@ -55,8 +55,15 @@ Rows = list[dict[str, Any]]
     "--tp",
     "tps",
     multiple=True,
-    type=click.IntRange(min=2),
-    help="TP sizes (repeatable; one process each). Default: 2 and 4.",
+    type=click.IntRange(min=1),
+    help="TP sizes (repeatable; one process each). Default: 1 2 4 8.",
+)
+@click.option(
+    "--tp-task-ms",
+    "tp_tasks_ms",
+    multiple=True,
+    type=click.FloatRange(min=0, min_open=True),
+    help="Task lengths of the TP per-step figures (repeatable). Default: 1 5 20.",
 )
 @repeats_option(
     9, help_text="Timed steps per decision-latency case (I+W vs B: twice as many rounds)."
@@ -82,6 +89,7 @@ def bench_overhead(
     loops: tuple[str, ...],
     sizes: tuple[int, ...],
     tps: tuple[int, ...],
+    tp_tasks_ms: tuple[float, ...],
     repeats: int,
     messages: int,
     decisions: int,
@@ -94,7 +102,7 @@ def bench_overhead(
 
     chosen = [s for s in _OVERHEAD_SECTIONS if not sections or s in sections]
     loop_names = list(loops or ("uvloop", "asyncio"))
-    out: dict[str, Rows] = {}
+    out: dict[str, Any] = {}
     if "decision" in chosen:
         out["decision"] = ov.decision_latency(
             ready_sizes or (1, 2, 4, 8, 16, 32, 64),
@@ -107,7 +115,14 @@ def bench_overhead(
             sizes or (64, 16 * 1024, 1 << 20), messages=messages, loops=loop_names
         )
     if "tp" in chosen:
-        out["tp"] = ov.tp_coordination(tps or (2, 4), decisions=decisions, compute_ms=compute_ms)
+        out["tp"] = ov.tp_coordination(
+            tps or (1, 2, 4, 8),
+            decisions=decisions,
+            compute_ms=compute_ms,
+            computes_ms=tp_tasks_ms or (1.0, 5.0, 20.0),
+        )
+        if len({r["tp"] for r in out["tp"]}) >= 2:
+            out["tp_model"] = ov.tp_model(out["tp"], task_ms=compute_ms)
     if "split" in chosen:
         out["split"] = ov.split_backward_cost_isolated(
             microbatches=microbatches, repeats=max(5, 2 * repeats)
@@ -115,15 +130,17 @@ def bench_overhead(
     if as_json:
         click.echo(json.dumps(out, indent=2))
         return
-    tables: dict[str, Callable[[Rows], Table]] = {
-        "decision": lambda rows: _decision_table(rows, loop_names, repeats),
-        "message": _message_table,
-        "tp": lambda rows: _tp_table(rows, compute_ms),
-        "split": _split_table,
+    tables: dict[str, Callable[[Any], list[Table]]] = {
+        "decision": lambda rows: [_decision_table(rows, loop_names, repeats)],
+        "message": lambda rows: [_message_table(rows)],
+        "tp": lambda rows: [_tp_table(rows, compute_ms), _tp_step_table(rows)],
+        "tp_model": _tp_model_tables,
+        "split": lambda rows: [_split_table(rows)],
     }
     con = console()
     for section, rows in out.items():
-        con.print(tables[section](rows))
+        for t in tables[section](rows):
+            con.print(t)
 
 
 def _verdict(ok: bool) -> str:
@@ -234,6 +251,12 @@ def _tp_table(rows: Rows, compute_ms: float) -> Table:
         left={"machine"},
     )
     for r in rows:
+        if r["tp"] == 1:  # nothing to coordinate: the pairing's noise floor only
+            t.add_row(
+                "1", "-", "-", "-", "-", "-", f"{r['stage_us']:.1f}", "-",
+                f"{r['share_measured']:.2%}", "(floor)", "-",
+            )  # fmt: skip
+            continue
         t.add_row(
             str(r["tp"]),
             f"{r['raw_us']:.1f}",
@@ -257,6 +280,114 @@ def _tp_table(rows: Rows, compute_ms: float) -> Table:
         f" {compute_ms:g} ms on a compute thread (emulated GPU time)"
     )
     return t
+
+
+def _tp_step_table(rows: Rows) -> Table:
+    from ..bench._overhead import TP_STEP_SHARE_TARGET
+
+    t = table(
+        "TP coordination per step, µs (slowest rank, median over paired steps of 16"
+        " decisions): default (check folded into the decisions) and with the all-gather"
+        " check, against no coordination; target at TP 8, 5 ms tasks:"
+        f" < {TP_STEP_SHARE_TARGET:.0%}",
+        (
+            "TP",
+            "task ms",
+            "step ms (off)",
+            "cost",
+            "first task",
+            "end of step",
+            "decisions only",
+            "share",
+            "all-gather: cost",
+            "end",
+            "share",
+        ),
+    )
+    for r in rows:
+        for p in r["steps"]:
+            t.add_row(
+                str(r["tp"]),
+                f"{p['compute_ms']:g}",
+                f"{p['step_off_ms']:.1f}",
+                f"{p['cost_us']:.0f}",
+                f"{p['first_delay_us']:.0f}",
+                f"{p['end_cost_us']:.0f}",
+                f"{p['decisions_cost_us']:.0f}",
+                f"{p['share']:.2%}",
+                f"{p['gather_cost_us']:.0f}",
+                f"{p['gather_end_us']:.0f}",
+                f"{p['gather_share']:.2%}",
+            )
+    t.caption = (
+        "four DistributedStages side by side, steps alternating (order rotating): no"
+        " coordination, decisions only, decisions + all-gather check (fold_tp_check=False),"
+        " the default; cost = step time - no coordination's; first task: when the first"
+        " task started (the followers wait for the first decision); end of step: after the"
+        " last task; share = cost / step time; TP 1: the pairing's noise floor"
+    )
+    return t
+
+
+def _tp_model_tables(model: dict[str, Any]) -> list[Table]:
+    from ..bench._overhead import TP_MODEL_TOLERANCE
+
+    t = table(
+        "TP coordination model: a + b x f(tp), f = log2(tp) or tp - 1 (least squares, the"
+        " smaller residual chosen), µs; leave-one-out: fit on the other TP sizes, predict"
+        f" this one (target within {TP_MODEL_TOLERANCE:.0%} at TP 2/4/8); long tasks: of"
+        f" {model['task_ms']:g} ms and longer",
+        (
+            "term",
+            "form",
+            "a",
+            "b",
+            "rms residual",
+            "other form",
+            "measured (tp: µs)",
+            "leave-one-out (tp: predicted, error)",
+            "target",
+            "predicted TP 16 / 32",
+        ),
+        left={"term", "measured (tp: µs)", "leave-one-out (tp: predicted, error)"},
+    )
+    for term in model["terms"]:
+        pred = term["predicted"]
+        t.add_row(
+            term["name"],
+            term["form"],
+            f"{term['a_us']:.0f}",
+            f"{term['b_us']:.0f}",
+            f"{term['residual_us']:.0f}",
+            f"{term['other_form']} ({term['other_residual_us']:.0f})"
+            if term["other_form"]
+            else "-",
+            ", ".join(f"{tp}: {v:.0f}" for tp, v in term["measured"].items()),
+            ", ".join(
+                f"{x['tp']}: {x['predicted_us']:.0f} ("
+                + ("-" if x["error"] is None else f"{x['error']:+.0%}")
+                + ")"
+                for x in term["loo"]
+            ),
+            _verdict(term["met_loo"]) if term["loo"] else "-",
+            " / ".join(f"{v:.0f}" for v in pred.values()),
+        )
+    s = table(
+        "TP coordination per step as a share of step time, from the fitted per-step total"
+        f" (tasks of {model['task_ms']:g} ms; 16 decisions: the benchmark's step; 256: one"
+        " stage of M = 128 at paper scale)",
+        ("TP", "decisions", "step ms", "cost µs", "share", "source"),
+    )
+    for x in model["share"]:
+        s.add_row(
+            str(x["tp"]),
+            str(x["decisions"]),
+            f"{x['step_ms']:.0f}",
+            f"{x['cost_us']:.0f}",
+            f"{x['share']:.2%}",
+            "fit (measured TP)" if x["measured"] else "prediction",
+        )
+    return [t, s]
 
 
 def _split_table(rows: Rows) -> Table:

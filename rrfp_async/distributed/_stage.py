@@ -162,6 +162,12 @@ class DistributedStage:
         coordinate_tp: Followers run the TP leader's decisions (switch off only to measure
             or to demonstrate divergence).
         verify_tp: After each step, check that the TP ranks executed the same sequence.
+        fold_tp_check: With ``coordinate_tp``, ``verify_tp`` and ``agree_steps`` (the
+            defaults), the check rides on the decisions (the leader sends a digest of its
+            sequence with the step's last decision; each follower compares its own) instead
+            of an all-gather after the step: a divergence is still caught in its step, and
+            the agreement fails the step on every rank (see ``DecisionChannel``'s "folded
+            sequence check"). False: the all-gather, on every TP rank.
         step_timeout: Watchdog per step, seconds (default 30; None disables it). A
             multi-process step must never hang: when a peer is stopped or hung, this is
             how long the others wait before they fail with a ``StepTimeoutError`` naming
@@ -220,6 +226,7 @@ class DistributedStage:
         policy: str | Policy = "readiness_first",
         coordinate_tp: bool = True,
         verify_tp: bool = True,
+        fold_tp_check: bool = True,
         step_timeout: float | None = DEFAULT_STEP_TIMEOUT,
         observer: StageObserver | None = None,
         device: torch.device | str = "cpu",
@@ -282,6 +289,11 @@ class DistributedStage:
                 rank=layout.rank,
                 tp_rank=layout.tp_rank,
                 stage=layout.pp_rank,
+                fold_check=(
+                    check_bool("fold_tp_check", fold_tp_check)
+                    and check_bool("coordinate_tp", coordinate_tp)
+                    and check_bool("agree_steps", agree_steps)
+                ),
             )
         self.stage = StageLoop(
             layout.pp_rank,

@@ -49,6 +49,7 @@ from ..policies._policy import Policy
 from ..policies._schedule import StepSchedule
 from ..policies._validate import Hint
 from ._guard import run_virtual
+from ._tp import TPDecision, attach, resolve_tp, tp_executors
 
 __all__ = [
     "DEFAULT_WALL_LIMIT",
@@ -100,6 +101,11 @@ class SimResult:
         trace: The trace recording, with ``simulate(record=True)``.
         seed: The seed of the sizes and the noise (drawn afresh for ``seed=None``): pass it
             back to ``simulate`` to repeat this step exactly.
+        tp: The TP degree simulated (1: no TP coordination).
+        tp_latency: Seconds each TP decision took to reach the followers (0: free).
+        tp_check: Seconds the end-of-step TP check added (included in ``makespan``).
+        tp_decisions: Per rank, with ``tp_latency > 0``: each task's decision time and the
+            time its TP group started it (``TPDecision``), in execution order.
     """
 
     makespan: float
@@ -116,6 +122,10 @@ class SimResult:
     schedule: StepSchedule | None = field(default=None, repr=False)
     trace: TraceData | None = field(default=None, repr=False)
     seed: int = 0
+    tp: int = 1
+    tp_latency: float = 0.0
+    tp_check: float = 0.0
+    tp_decisions: tuple[tuple[TPDecision, ...], ...] | None = field(default=None, repr=False)
 
     def chrome_trace(self) -> dict[str, Any]:
         """The Chrome-trace / Perfetto JSON of this step (needs ``simulate(record=True)``).
@@ -146,6 +156,9 @@ class SimResult:
             "deviations": list(self.deviations),
             "wall_time": self.wall_time,
             "seed": self.seed,
+            "tp": self.tp,
+            "tp_latency": self.tp_latency,
+            "tp_check": self.tp_check,
         }
 
 
@@ -301,6 +314,9 @@ def simulate(
     record: bool = False,
     time_limit: float | None = None,
     wall_limit: float | None = DEFAULT_WALL_LIMIT,
+    tp: int = 1,
+    tp_latency: float | None = None,
+    tp_check: float | None = None,
 ) -> SimResult:
     """Simulate one pipeline step on a virtual clock with the real stage-loop code.
 
@@ -336,6 +352,15 @@ def simulate(
             other; ``math.inf``: no limit.
         wall_limit: Real seconds the simulated step may run (a policy that spins without
             letting the clock move); default ``DEFAULT_WALL_LIMIT`` (300); None: no limit.
+        tp: TP degree of every stage. Only its coordination is simulated here (give the
+            compute per TP rank in the durations or cost model): each stage is the leader
+            of a TP group whose followers start a task only ``tp_latency`` after the
+            leader's decision (the look-ahead included), and the step ends ``tp_check``
+            after the last task (see ``rrfp_async.sim._tp``). 1 (default): none.
+        tp_latency: Seconds a TP decision takes to reach the followers (None: the fitted
+            model ``TP_DECISION_LATENCY(tp)``; 0: free, the step is exactly the one without
+            TP).
+        tp_check: Seconds of end-of-step TP coordination (None: ``TP_STEP_CHECK(tp)``).
 
     Sizes: at most ``MAX_CELLS`` (65536) pairs ``stages x chunks x microbatches`` and
     ``MAX_CELLS_PER_RANK`` (4096) pairs ``chunks x microbatches``.
@@ -355,6 +380,7 @@ def simulate(
         StepTimeoutError: The step ran past ``time_limit`` or ``wall_limit`` (named).
     """
     t_wall = time.perf_counter()
+    tp, tp_latency, tp_check = resolve_tp(tp, tp_latency, tp_check)
     topo = Topology(stages=stages, chunks=chunks, placement=placement)
     m, given = _check_microbatches(microbatches)
     _check_size(topo, m)
@@ -427,7 +453,9 @@ def simulate(
         latency_jitter=noise.latency_jitter,
     )
     if time_limit is None:
-        serial = _serial_time(plan, realized)
+        serial = _serial_time(plan, realized) + tp_check
+        if tp_latency > 0:  # every task may wait for its decision
+            serial += tp_latency * sum(1 for _ in plan.all_tasks())
         time_limit = max(TIME_LIMIT_FLOOR, TIME_LIMIT_FACTOR * serial)
         limit_note = (
             f"the default: max({TIME_LIMIT_FLOOR:g}, {TIME_LIMIT_FACTOR:g} x the step's serial"
@@ -441,13 +469,19 @@ def simulate(
     schedule = StepSchedule.build(
         plan, hint, durations=declared, max_inflight=max_inflight, memory_factor=memory_factor
     )
+    executor = CostModelExecutor(realized)
+    coords = None
+    if tp_latency > 0:  # else nothing is installed: exactly the step without TP
+        executors, coords = tp_executors(executor, plan.stages, tp_latency)
     pipe = LocalPipeline(
         schedule,
-        CostModelExecutor(realized),
+        executor if coords is None else executors,
         policy=policy,
         latency=lambda step, task: realized.latency(task),
         observer=observer,
     )
+    if coords is not None:
+        attach(pipe.stages, coords)
     stats = run_virtual(
         pipe,
         mbs,
@@ -456,7 +490,7 @@ def simulate(
         limit_note=limit_note,
     )
     start = min(s.started for s in stats)
-    makespan = max(s.finished for s in stats) - start
+    makespan = max(s.finished for s in stats) - start + tp_check
     lb = lower_bound(plan, realized)
     return SimResult(
         makespan=makespan,
@@ -476,6 +510,15 @@ def simulate(
         schedule=schedule,
         trace=None if recorder is None else recorder.data,
         seed=seed,
+        tp=tp,
+        tp_latency=tp_latency,
+        tp_check=tp_check,
+        tp_decisions=None
+        if coords is None
+        else tuple(
+            tuple(TPDecision(d.task, d.decided - start, d.start - start) for d in c.log)
+            for c in coords
+        ),
     )
 
 

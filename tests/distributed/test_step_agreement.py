@@ -156,8 +156,9 @@ def _tp_job(rank: int, world: int, victim: int) -> dict[str, Any]:
 def test_a_failed_tp_rank_fails_the_step_on_its_tp_peers_at_once(victim: int) -> None:
     # Global rank 2 leads stage 1 (ranks 2, 3). The leader failing step 1: its follower,
     # waiting for the next decision, fails at once (the leader's ABORT row). The follower
-    # failing it: the leader, which runs on, fails it at the step's TP sequence check (the
-    # follower posts its part of the check anyway). Either way not after the 30 s watchdog,
+    # failing it: the leader, which runs on, fails it at the end-of-step agreement (the TP
+    # sequence check rides on the decisions by default and posts nothing; with the
+    # all-gather check, there). Either way not after the 30 s watchdog,
     # and then every rank runs steps 2 and 3 (without these, the job fell out of step: steps 2
     # and 3 timed out).
     res = rr.spawn(_tp_job, 4, victim, timeout=240)
