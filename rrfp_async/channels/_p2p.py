@@ -868,7 +868,7 @@ class P2PChannel:
             while io.open:
                 # Large enough for every open edge's capacity: a smaller buffer aborts the
                 # process, a larger one is partly filled.
-                cap = max(rx.cap for rx in rxs.values() if rx.open)
+                cap = max((rx.cap for rx in rxs.values() if rx.open), default=self._inline0)
                 if raw is None or raw.numel() < cap:
                     raw = self._buffer(cap)
                 try:
@@ -900,6 +900,7 @@ class P2PChannel:
                     raw = None
                 if not more:
                     if rx.closed:  # its CLOSE: the edge is done
+                        rx.open = False
                         io.end(rx.src)
                         continue
                     return  # a corrupt message or a broken pair: the channel failed
