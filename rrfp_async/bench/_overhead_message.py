@@ -1,9 +1,8 @@
 """``bench overhead``, per-message cost: one message through ``channels.P2PChannel``
 (header + payload, sender / receiving threads, delivery to a sink on the loop) against a raw
 blocking gloo ``send``/``recv`` of the same tensor: ping-pong between 2 processes, one-way =
-round trip / 2 (one ``spawn`` job, gloo on 127.0.0.1, one torch thread per process). Each
-receive mode of the channel (``io``: a listener per edge, or one shared I/O thread) is a
-channel of its own on a group of its own, its batches interleaved with the raw ones.
+round trip / 2 (a ``spawn`` job per receive mode of the channel, ``io``: a listener per
+edge or one shared I/O thread; gloo on 127.0.0.1, one torch thread per process).
 """
 
 from __future__ import annotations
@@ -184,9 +183,11 @@ def message_cost(
     trips per size in ``batches`` short batches, alternating a raw batch (``dist.send`` /
     ``dist.recv`` of the same float32 tensor, blocking) and a channel batch (rank 0
     ``send``s, rank 1's sink sends the delivered tensor back from the loop, rank 0 awaits
-    its delivery); one-way = round trip / 2. Each receive mode in ``ios`` (``P2PChannel``'s
-    ``io``) is a channel of its own on a group of its own (its receiving threads keep
-    receives posted); its batches follow each raw batch in turn.
+    its delivery); one-way = round trip / 2. The channel runs on a group of its own (its
+    receiving threads keep receives posted). Each receive mode in ``ios``
+    (``P2PChannel``'s ``io``) runs in a job of its own, one after the other, against the
+    raw batches of its own job: two channels open in one process slowed the per-edge one
+    4-6x at 64 B (measured with both in one job, their batches interleaved).
 
     On a shared machine, a process that must wake up for each message waits for a time
     slice whenever another process holds the cores: a 64 B one-way then takes ~1.5 ms
@@ -210,5 +211,9 @@ def message_cost(
     from ..distributed._spawn import spawn
 
     n = max(1, messages // batches)
-    res = spawn(_message_rank, 2, list(sizes), n, batches, list(loops), list(ios), timeout=timeout)
-    return res[0]
+    rows: list[Row] = []
+    for io in ios:
+        res = spawn(_message_rank, 2, list(sizes), n, batches, list(loops), [io], timeout=timeout)
+        rows += res[0]
+    order = {s: i for i, s in enumerate(loops)}
+    return sorted(rows, key=lambda r: (order[r["loop"]], r["bytes"], list(ios).index(r["io"])))
