@@ -45,6 +45,9 @@ The lean path (what a message costs is what a step loses):
   turns true without ``wait()``, and a timed wait that expires closes the pair) and hands
   each message to the loop with ``call_soon_threadsafe``: one thread per outstanding
   receive, so a late message never blocks an early one, and the loop never blocks.
+  ``io="shared"`` (opt-in, gloo only) receives every inbound edge in one I/O thread
+  instead, with a receive from any source, and hands completions to the loop in batches
+  (``_SharedIO``); per message it measured no better (BENCHMARKS.md, "Per message").
 
 ``close()`` sends a CLOSE header down every outbound edge after the messages already
 posted, so peers' listeners end cleanly; a peer that closes while a task still waits for
