@@ -22,3 +22,13 @@ def _fresh_structlog():  # type: ignore[no-untyped-def]
     structlog.reset_defaults()
     yield
     structlog.reset_defaults()
+
+
+@pytest.fixture(params=["per_edge", "shared"])
+def p2p_io(request, monkeypatch):  # type: ignore[no-untyped-def]
+    """Runs a test under both ways a ``P2PChannel`` receives (``io``): set in the
+    environment, so the ranks it spawns (and torchrun's) build their channels with it."""
+    from rrfp_async.channels._p2p import IO_ENV
+
+    monkeypatch.setenv(IO_ENV, request.param)
+    return request.param

@@ -78,13 +78,24 @@ def test_cli_decision_section_json() -> None:
 @pytest.mark.timeout(240)
 def test_message_cost_rows() -> None:
     rows = ov.message_cost((64, 4096), messages=10, batches=5, loops=("uvloop",), timeout=200)
-    assert [r["bytes"] for r in rows] == [64, 4096]
+    # Both receive modes of the channel, each size: one row per (bytes, io).
+    assert [(r["bytes"], r["io"]) for r in rows] == [
+        (64, "per_edge"),
+        (64, "shared"),
+        (4096, "per_edge"),
+        (4096, "shared"),
+    ]
     for r in rows:
         for key in ("raw_us", "channel_us", "ratio", "raw_median_us", "ratio_paired"):
             assert r[key] > 0, key
         # Warm-up round trip + batches: every echoed message came back through the sink.
         assert r["messages"] == 10
-    assert rows[-1]["delivered"] == 2 * (2 + 10)
+    for r in rows[-2:]:
+        assert r["delivered"] == 2 * (2 + 10)
+    # Shared I/O hands completions to the loop in batches of at least one; per-edge I/O
+    # hands each off alone (no figure).
+    assert [r["per_handoff"] is None for r in rows] == [True, False, True, False]
+    assert all(r["per_handoff"] >= 1 for r in rows if r["io"] == "shared")
 
 
 @pytest.mark.distributed

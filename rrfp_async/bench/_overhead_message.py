@@ -1,12 +1,14 @@
 """``bench overhead``, per-message cost: one message through ``channels.P2PChannel``
-(header + payload, sender / listener threads, delivery to a sink on the loop) against a raw
+(header + payload, sender / receiving threads, delivery to a sink on the loop) against a raw
 blocking gloo ``send``/``recv`` of the same tensor: ping-pong between 2 processes, one-way =
-round trip / 2 (one ``spawn`` job, gloo on 127.0.0.1, one torch thread per process).
+round trip / 2 (a ``spawn`` job per receive mode of the channel, ``io``: a listener per
+edge or one shared I/O thread; gloo on 127.0.0.1, one torch thread per process).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -61,7 +63,13 @@ class _EchoSink:
 
 
 def _message_rank(
-    rank: int, world: int, sizes: Sequence[int], n: int, batches: int, loops: Sequence[str]
+    rank: int,
+    world: int,
+    sizes: Sequence[int],
+    n: int,
+    batches: int,
+    loops: Sequence[str],
+    ios: Sequence[str],
 ) -> list[Row]:
     import torch
     import torch.distributed as dist
@@ -71,9 +79,9 @@ def _message_rank(
     from ..loop._runner import loop_factory
 
     peer = 1 - rank
-    # The channel gets its own group: its listener thread keeps a receive posted, which on
-    # the default group would catch the raw baseline's messages.
-    ch_group = dist.new_group([0, 1], backend="gloo")
+    # Each channel gets its own group: its receiving thread keeps a receive posted, which on
+    # the default group (or the other channel's) would catch the other path's messages.
+    groups = {io: dist.new_group([0, 1], backend="gloo") for io in ios}
     rows: list[Row] = []
 
     def raw_batch(buf: torch.Tensor) -> float:
@@ -90,47 +98,67 @@ def _message_rank(
 
     async def main() -> list[Row]:
         out: list[Row] = []
-        ch = P2PChannel(
-            rank, global_ranks={0: 0, 1: 1}, inbound=[peer], outbound=[peer], group=ch_group
-        )
-        sink = _EchoSink(ch, echo=rank == 1)
-        ch.bind(sink)
+        chans: dict[str, P2PChannel] = {}
+        sinks: dict[str, _EchoSink] = {}
+        for io in ios:
+            ch = P2PChannel(
+                rank,
+                global_ranks={0: 0, 1: 1},
+                inbound=[peer],
+                outbound=[peer],
+                group=groups[io],
+                io=io,  # type: ignore[arg-type]
+            )
+            chans[io] = ch
+            sinks[io] = _EchoSink(ch, echo=rank == 1)
+            ch.bind(sinks[io])
         loop_name = loop_kind(asyncio.get_running_loop())
-        async with ch:
-            seq = 0
+        async with contextlib.AsyncExitStack() as stack:
+            for ch in chans.values():
+                await stack.enter_async_context(ch)
+            seq = dict.fromkeys(ios, 0)
 
-            async def channel_batch(buf: torch.Tensor) -> float:
-                nonlocal seq
+            async def channel_batch(io: str, buf: torch.Tensor) -> float:
+                ch, sink = chans[io], sinks[io]
                 t = time.perf_counter()
                 for _ in range(n):
                     if rank == 0:
-                        ch.send(1, 0, Task(0, "F", seq % 1_000_000), buf)
-                    seq += 1
-                    await sink.wait_for(seq)
+                        ch.send(1, 0, Task(0, "F", seq[io] % 1_000_000), buf)
+                    seq[io] += 1
+                    await sink.wait_for(seq[io])
                 return time.perf_counter() - t
 
             for size in sizes:
                 buf = torch.zeros(max(1, size // 4), dtype=torch.float32)
-                raw_batch(buf)  # warm up both paths (connections, allocator, capacities)
-                await channel_batch(buf)
-                raw, chan = [], []
+                raw_batch(buf)  # warm up every path (connections, allocator, capacities)
+                for io in ios:
+                    await channel_batch(io, buf)
+                raw: list[float] = []
+                chan: dict[str, list[float]] = {io: [] for io in ios}
+                hand0 = {io: chans[io].handoffs for io in ios}
                 for _ in range(batches):
                     dist.barrier()
                     raw.append(raw_batch(buf))
-                    dist.barrier()
-                    chan.append(await channel_batch(buf))
-                fig = transport_figures(raw, chan, 2 * n)
-                out.append(
-                    {
-                        "loop": loop_name,
-                        "bytes": buf.numel() * buf.element_size(),
-                        "messages": n * batches,
-                        **fig,
-                        "target_ratio": MESSAGE_TARGET_RATIO,
-                        "met": fig["ratio"] <= MESSAGE_TARGET_RATIO,
-                        "delivered": sink.count,
-                    }
-                )
+                    for io in ios:
+                        dist.barrier()
+                        chan[io].append(await channel_batch(io, buf))
+                for io in ios:
+                    fig = transport_figures(raw, chan[io], 2 * n)
+                    (b0, i0), (b1, i1) = hand0[io], chans[io].handoffs
+                    out.append(
+                        {
+                            "loop": loop_name,
+                            "io": io,
+                            "bytes": buf.numel() * buf.element_size(),
+                            "messages": n * batches,
+                            **fig,
+                            "target_ratio": MESSAGE_TARGET_RATIO,
+                            "met": fig["ratio"] <= MESSAGE_TARGET_RATIO,
+                            "delivered": sinks[io].count,
+                            # completions per hand-off to the loop (shared I/O; else None)
+                            "per_handoff": (i1 - i0) / (b1 - b0) if b1 > b0 else None,
+                        }
+                    )
             dist.barrier()
         return out
 
@@ -146,6 +174,7 @@ def message_cost(
     messages: int = 300,
     batches: int = 30,
     loops: Sequence[str] = ("uvloop", "asyncio"),
+    ios: Sequence[str] = ("per_edge", "shared"),
     timeout: float = 180.0,
 ) -> list[Row]:
     """One-way cost of a message through ``P2PChannel`` vs a raw blocking gloo send.
@@ -155,7 +184,10 @@ def message_cost(
     ``dist.recv`` of the same float32 tensor, blocking) and a channel batch (rank 0
     ``send``s, rank 1's sink sends the delivered tensor back from the loop, rank 0 awaits
     its delivery); one-way = round trip / 2. The channel runs on a group of its own (its
-    listeners keep receives posted).
+    receiving threads keep receives posted). Each receive mode in ``ios``
+    (``P2PChannel``'s ``io``) runs in a job of its own, one after the other, against the
+    raw batches of its own job: two channels open in one process slowed the per-edge one
+    4-6x at 64 B (measured with both in one job, their batches interleaved).
 
     On a shared machine, a process that must wake up for each message waits for a time
     slice whenever another process holds the cores: a 64 B one-way then takes ~1.5 ms
@@ -165,16 +197,23 @@ def message_cost(
     against the raw batch just before it) are reported too.
 
     Returns:
-        Rank 0's rows ``{loop, bytes, messages, raw_us, channel_us, ratio, raw_median_us,
-        channel_median_us, ratio_paired, contended, target_ratio, met, delivered}``:
+        Rank 0's rows ``{loop, io, bytes, messages, raw_us, channel_us, ratio, raw_median_us,
+        channel_median_us, ratio_paired, contended, target_ratio, met, delivered,
+        per_handoff}``:
         ``ratio`` = ``channel_us / raw_us`` (lower deciles; the target); ``contended``:
         the median raw or channel batch took over 3x its lower-decile one (most batches
         measured scheduling delays, and the channel, which wakes more threads per message,
         is disturbed more often than the raw path: rerun on a quiet machine);
-        ``delivered``: messages rank 0's sink received, warm-up included.
+        ``delivered``: messages rank 0's sink received, warm-up included;
+        ``per_handoff``: completions per hand-off to the loop in the timed batches (shared
+        I/O; None for per-edge I/O, one hand-off per completion).
     """
     from ..distributed._spawn import spawn
 
     n = max(1, messages // batches)
-    res = spawn(_message_rank, 2, list(sizes), n, batches, list(loops), timeout=timeout)
-    return res[0]
+    rows: list[Row] = []
+    for io in ios:
+        res = spawn(_message_rank, 2, list(sizes), n, batches, list(loops), [io], timeout=timeout)
+        rows += res[0]
+    order = {s: i for i, s in enumerate(loops)}
+    return sorted(rows, key=lambda r: (order[r["loop"]], r["bytes"], list(ios).index(r["io"])))

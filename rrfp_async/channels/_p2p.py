@@ -45,6 +45,9 @@ The lean path (what a message costs is what a step loses):
   turns true without ``wait()``, and a timed wait that expires closes the pair) and hands
   each message to the loop with ``call_soon_threadsafe``: one thread per outstanding
   receive, so a late message never blocks an early one, and the loop never blocks.
+  ``io="shared"`` (opt-in, gloo only) receives every inbound edge in one I/O thread
+  instead, with a receive from any source, and hands completions to the loop in batches
+  (``_SharedIO``); per message it measured no better (BENCHMARKS.md, "Per message").
 
 ``close()`` sends a CLOSE header down every outbound edge after the messages already
 posted, so peers' listeners end cleanly; a peer that closes while a task still waits for
@@ -99,11 +102,12 @@ from __future__ import annotations
 
 import asyncio
 import math
+import os
 import queue
 import threading
 import time
 from collections.abc import Callable, Iterable, Mapping
-from typing import Any
+from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
@@ -147,7 +151,7 @@ from ._wire import (
     unpack_tree,
 )
 
-__all__ = ["P2PChannel"]
+__all__ = ["IO_ENV", "IOMode", "P2PChannel"]
 
 DEFAULT_INLINE_SEND_BYTES = 1 << 20
 """Largest payload ``send`` posts from the calling thread (gloo). A gloo send writes in the
@@ -158,6 +162,16 @@ buys no parallelism, only a hand-off: posting the pipeline's activations (up to 
 caller for milliseconds, still go through the edge's sender thread."""
 _REAP_BATCH = 16
 """Works of messages posted by ``send`` that wake the sender thread to reap them."""
+_WATCH_TAG = 1
+"""Tag of the BYE that ends a watcher (shared I/O); every other message uses tag 0."""
+IO_ENV = "RRFP_P2P_IO"
+"""Environment variable: the ``io`` of a channel built without one (``per_edge`` or
+``shared``; spawned benchmark ranks inherit it)."""
+
+IOMode = Literal["per_edge", "shared"]
+"""How a ``P2PChannel`` receives: a listener thread per inbound edge, or one shared I/O
+thread for all of them (see ``_SharedIO``)."""
+IO_MODES: tuple[IOMode, ...] = ("per_edge", "shared")
 
 
 class _Edge:
@@ -165,6 +179,114 @@ class _Edge:
 
     def __init__(self, src: int, dst: int, gsrc: int, gdst: int) -> None:
         self.text = f"edge rank {src} -> rank {dst} (global {gsrc} -> {gdst})"
+
+
+class _Inbound:
+    """The receive state of one inbound edge, kept by the thread that receives it."""
+
+    __slots__ = ("cap", "closed", "edge", "expect", "open", "prev", "src")
+
+    def __init__(self, src: int, edge: str, cap: int) -> None:
+        self.src = src
+        self.edge = edge
+        self.cap = cap  # the edge's capacity (the sender's rule: see the design note)
+        self.expect = 0  # sequence number of the next data message
+        self.prev: tuple[Task, int] | None = None  # the last message: (task, step)
+        self.closed = False  # its CLOSE came
+        self.open = True  # the shared I/O thread still receives it
+
+    def last(self) -> str:
+        if self.prev is None:
+            return "before any message arrived"
+        return f"the last one was seq {self.expect - 1}, {self.prev[0]} of step {self.prev[1]}"
+
+
+class _SharedIO:
+    """Shared I/O (``io="shared"``, gloo only): one thread receives every inbound edge.
+
+    The thread posts one receive *from any source* (``recv_anysource``, tag 0) into a buffer
+    as large as the largest open edge's capacity, reads the source rank of what completed it
+    and runs that edge's checks (sequence number, header, payload) on that edge's state; a
+    payload sent as a message of its own is then received from that source alone (it follows
+    its header on the same pair). Per pair, gloo keeps the order, so each edge is still a FIFO.
+    Completions reach the loop through ``_Inbox``: one ``call_soon_threadsafe`` per batch.
+
+    Two things a receive from any source does not do, measured here (torch 2.13, gloo):
+    it does not fail when one of its pairs breaks (a killed peer leaves it blocked), and it
+    costs the sender a round trip (gloo's handshake: a receive posted for one pair tells that
+    pair it may send; one from any source can tell no pair ahead). So each inbound edge keeps
+    a *watcher* thread blocked in a receive on its own pair (tag 1) that only the peer's BYE
+    completes (sent after its CLOSE, at close): it wakes once, at close or when the
+    connection breaks, never per message, and then the lost peer is named as with per-edge
+    I/O. Every rank of a pipeline must use the same ``io`` (a per-edge receiver never takes
+    the BYE, and the sender waits for it).
+    """
+
+    def __init__(self, inbound: Iterable[int]) -> None:
+        self._lock = threading.Lock()
+        self._waiting = set(inbound)  # edges that may still send
+        self.done = threading.Event()  # every edge closed or broke, or the thread ended
+        self.broke = False  # an edge's connection broke (see ``lost``)
+        if not self._waiting:
+            self.done.set()
+
+    @property
+    def open(self) -> bool:
+        return not self.done.is_set()
+
+    def waiting(self) -> list[int]:
+        with self._lock:
+            return sorted(self._waiting)
+
+    def end(self, src: int) -> None:
+        """Nothing more comes from ``src`` (its CLOSE came, or its connection broke)."""
+        with self._lock:
+            self._waiting.discard(src)
+            if not self._waiting:
+                self.done.set()
+
+    def lost(self, src: int) -> None:
+        """``src``'s connection broke: the receive from any source may stay blocked."""
+        self.broke = True
+        self.end(src)
+
+    def end_all(self) -> None:
+        self.done.set()
+
+
+class _Inbox:
+    """Completions of the I/O threads, handed to the loop in batches: a completion that
+    finds the previous batch not yet drained joins it instead of waking the loop again."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._loop = loop
+        self._lock = threading.Lock()
+        self._items: list[tuple[Callable[..., object], tuple[Any, ...]]] = []
+        self._scheduled = False
+        self.batches = 0  # hand-offs to the loop
+        self.items = 0  # completions handed off
+
+    def post(self, fn: Callable[..., object], *args: Any) -> None:
+        with self._lock:
+            self._items.append((fn, args))
+            if self._scheduled:
+                return
+            self._scheduled = True
+        post(self._loop, self._drain)
+
+    def _drain(self) -> None:
+        with self._lock:
+            items, self._items = self._items, []
+            self._scheduled = False
+        self.batches += 1
+        self.items += len(items)
+        for fn, args in items:
+            try:
+                fn(*args)
+            except Exception as e:  # as a callback of its own would: reported, no stop
+                self._loop.call_exception_handler(
+                    {"message": f"exception in {fn!r}", "exception": e}
+                )
 
 
 class P2PChannel:
@@ -188,6 +310,15 @@ class P2PChannel:
         inline_send_bytes: Largest payload ``send`` posts itself, from the calling thread
             (gloo only; larger ones go through the edge's sender thread). 0: every payload
             through the sender thread.
+        io: How inbound messages are received: ``"per_edge"`` (a listener thread per inbound
+            edge) or ``"shared"`` (one I/O thread for every inbound edge, completions handed
+            to the loop in batches; gloo only: see ``_SharedIO``). None: the ``RRFP_P2P_IO``
+            environment variable, else ``"per_edge"`` (BENCHMARKS.md, "Per message", has
+            the two side by side). Every rank of a pipeline must use the same one.
+
+    Raises:
+        ValueError: A rank without a global rank, a negative size, an unknown ``io``, or
+            ``io="shared"`` on NCCL (it has no receive from any source).
 
     Use as ``async with channel:`` (starts the threads on the running loop, then closes),
     or call ``start()`` / ``close()`` yourself. ``send`` may be called from any thread, one
@@ -210,6 +341,7 @@ class P2PChannel:
         inline_bytes: int = DEFAULT_INLINE_BYTES,
         bound_name: str = "P2PChannel(max_bytes=...)",
         inline_send_bytes: int = DEFAULT_INLINE_SEND_BYTES,
+        io: IOMode | None = None,
     ) -> None:
         self._rank = rank
         self._global = dict(global_ranks)
@@ -227,6 +359,18 @@ class P2PChannel:
         # NCCL matches sizes exactly: no inline payloads there.
         self._growing = backend != "nccl"
         self._inline0 = HEADER_BYTES + min(inline_bytes, max_bytes) if self._growing else 0
+        mode = io if io is not None else os.environ.get(IO_ENV, "per_edge")
+        if mode not in IO_MODES:
+            raise ValueError(f"io must be one of {IO_MODES}, got {mode!r}")
+        if mode == "shared" and not self._growing:
+            raise ValueError("io='shared' needs gloo (NCCL has no receive from any source)")
+        self._io_mode: IOMode = mode
+        self._io: _SharedIO | None = None
+        self._io_thread_: threading.Thread | None = None
+        self._watchers: dict[int, threading.Thread] = {}
+        self._inbox: _Inbox | None = None
+        self._rx: dict[int, _Inbound] = {}
+        self._closed_in: set[int] = set()  # inbound edges whose CLOSE reached the loop
         self._max_bytes = max_bytes
         self._bound_name = bound_name
         self._sink: Sink | None = None
@@ -268,6 +412,19 @@ class P2PChannel:
     def inflight(self) -> int:
         """Unknown across processes: -1."""
         return -1
+
+    @property
+    def io(self) -> IOMode:
+        """How inbound messages are received (``"per_edge"`` or ``"shared"``)."""
+        return self._io_mode
+
+    @property
+    def handoffs(self) -> tuple[int, int]:
+        """Shared I/O: (hand-offs to the loop, completions they carried); per-edge I/O
+        hands each completion off alone: (-1, -1)."""
+        if self._inbox is None:
+            return -1, -1
+        return self._inbox.batches, self._inbox.items
 
     def bind(self, sink: Sink) -> None:
         """Route inbound messages to ``sink`` (messages that came earlier are replayed)."""
@@ -372,6 +529,9 @@ class P2PChannel:
     def _name(self, rank: int) -> str:
         """``rank 1 (global 3)``: a pipeline rank of this channel, for messages."""
         return f"rank {rank} (global {self._global[rank]})"
+
+    def _names(self, ranks: Iterable[int]) -> str:
+        return ", ".join(self._name(r) for r in ranks) or "no rank"
 
     def _name_global(self, grank: int) -> str:
         """A global rank, named by its pipeline rank when it is one of this channel's."""
@@ -488,7 +648,26 @@ class P2PChannel:
             self._unreaped[dst] = []
             self._spawn(self._sender, dst, f"rrfp-send-{self._rank}->{dst}")
         for src in self._inbound:
-            self._spawn(self._listener, src, f"rrfp-recv-{src}->{self._rank}")
+            edge = _Edge(src, self._rank, self._global[src], self._global[self._rank]).text
+            self._rx[src] = _Inbound(src, edge, self._inline0)
+        if self._io_mode == "per_edge":
+            for src in self._inbound:
+                self._spawn(self._listener, src, f"rrfp-recv-{src}->{self._rank}")
+        elif self._inbound:
+            self._inbox = _Inbox(self._loop)
+            self._io = _SharedIO(self._inbound)
+            for src in self._inbound:
+                w = threading.Thread(
+                    target=self._watch,
+                    args=(src,),
+                    name=f"rrfp-watch-{src}->{self._rank}",
+                    daemon=True,
+                )
+                w.start()
+                self._watchers[src] = w
+            t = threading.Thread(target=self._io_thread, name=f"rrfp-io-{self._rank}", daemon=True)
+            t.start()
+            self._io_thread_ = t
         self._started = True
 
     def _spawn(self, fn: Any, peer: int, name: str) -> None:
@@ -530,6 +709,8 @@ class P2PChannel:
                 self._queued[dst] += 1
                 msg = torch.tensor(hdr, dtype=torch.int64, device=self._hdr_device)
                 q.put(("send", [([msg], None)]))
+                if self._io_mode == "shared":  # ends the peer's watcher of this edge
+                    q.put(("bye", [msg]))
                 q.put(None)
 
     def close(self, timeout: float = 30.0) -> None:
@@ -540,11 +721,27 @@ class P2PChannel:
         deadline = time.monotonic() + timeout
         for t in self._threads:
             t.join(max(0.0, deadline - time.monotonic()))
+        io, io_thread = self._io, self._io_thread_
+        if io is not None and io_thread is not None:
+            # Done once every edge closed or broke; a broken edge leaves the receive from
+            # any source blocked (it never fails), so the thread is joined only when none did.
+            io.done.wait(max(0.0, deadline - time.monotonic()))
+            if not io.broke:
+                io_thread.join(max(0.0, deadline - time.monotonic()))
+            # The BYE follows the CLOSE: the watchers of closed edges end at once (so none is
+            # left to take a later channel's BYE on this group); the others wait for nothing
+            # that will come (the I/O thread failed, or their connection broke).
+            for src, w in self._watchers.items():
+                if self._rx[src].closed:
+                    w.join(max(0.0, deadline - time.monotonic()))
 
     # ------------------------------------------------------------------ threads
 
     def _post(self, fn: Any, *args: Any) -> None:
-        post(self._loop, fn, *args)
+        if self._inbox is not None:
+            self._inbox.post(fn, *args)
+        else:
+            post(self._loop, fn, *args)
 
     def _fail(self, exc: RRFPError) -> None:
         if self._failed is None:
@@ -561,6 +758,7 @@ class P2PChannel:
     def _peer_failed(self, src: int, cause: int, step: int, ranks: tuple[int, ...]) -> None:
         """``src`` closed because it failed (loop thread): keep its cause for the error
         message, pass it on when this rank closes, and tell the stage the peer closed."""
+        self._closed_in.add(src)
         if self._cause is None:
             self._cause = (cause, step, ranks)
         if cause == FAILED and ranks == (self._global[src],):
@@ -599,6 +797,7 @@ class P2PChannel:
             self._sink.fail(e)
 
     def _peer_closed(self, src: int) -> None:
+        self._closed_in.add(src)
         if self._closing:
             return
         notify = getattr(self._sink, "peer_closed", None)
@@ -616,6 +815,9 @@ class P2PChannel:
             kind, entries = item
             what = None
             try:
+                if kind == "bye":
+                    self._pg.send(entries, peer, _WATCH_TAG).wait()
+                    continue
                 if kind == "send":
                     ((msgs, what),) = entries
                     with lock:
@@ -636,110 +838,188 @@ class P2PChannel:
                 return
 
     def _listener(self, src: int) -> None:
-        gsrc = self._global[src]
-        edge = _Edge(src, self._rank, gsrc, self._global[self._rank]).text
-        expect = 0
-        prev: tuple[Task, int] | None = None  # the last message: (task, step)
-
-        def last() -> str:
-            if prev is None:
-                return "before any message arrived"
-            return f"the last one was seq {expect - 1}, {prev[0]} of step {prev[1]}"
-
-        cap = self._inline0
+        """Per-edge I/O: this edge's own thread blocks in its receive."""
+        rx = self._rx[src]
         raw: torch.Tensor | None = None  # reused while nothing kept a view of it
         while True:
-            if raw is None:
-                if self._growing:
-                    raw = torch.empty(cap, dtype=torch.uint8)
-                else:
-                    raw = torch.empty(HEADER_LEN, dtype=torch.int64, device=self._hdr_device)
+            if raw is None or raw.numel() < rx.cap:
+                raw = self._buffer(rx.cap)
             # The text is built only on a failure, inside the call (before the loop moves on).
             if not self._recv_or_lose(
-                raw,
-                src,
-                lambda: f"waiting for message seq {expect} on {edge} ({last()})",  # noqa: B023
+                raw, src, lambda: f"waiting for message seq {rx.expect} on {rx.edge} ({rx.last()})"
             ):
                 return
-            h = read_header(raw)
-            if h[0] == MAGIC and h[1] == ABORT:
-                if not self._receive_abort(h, src, edge):
+            more, kept = self._on_message(rx, raw)
+            if kept:
+                raw = None
+            if not more:
+                return
+
+    def _buffer(self, cap: int) -> torch.Tensor:
+        if self._growing:
+            return torch.empty(cap, dtype=torch.uint8)
+        return torch.empty(HEADER_LEN, dtype=torch.int64, device=self._hdr_device)
+
+    def _io_thread(self) -> None:
+        """Shared I/O: one thread receives every inbound edge's messages (see the note at
+        ``_SharedIO``)."""
+        io = self._io
+        assert io is not None
+        rxs = {self._peer_rank[src]: self._rx[src] for src in self._inbound}
+        raw: torch.Tensor | None = None
+        try:
+            while io.open:
+                # Large enough for every open edge's capacity: a smaller buffer aborts the
+                # process, a larger one is partly filled.
+                cap = max((rx.cap for rx in rxs.values() if rx.open), default=self._inline0)
+                if raw is None or raw.numel() < cap:
+                    raw = self._buffer(cap)
+                try:
+                    work = self._pg.recv_anysource([raw], 0)
+                    work.wait()
+                    g = work.source_rank()
+                except Exception as e:
+                    if not self._closing:
+                        self._post(
+                            self._fail,
+                            PeerError(
+                                f"{self._name(self._rank)}: the shared receive on the inbound"
+                                f" edges from {self._names(io.waiting())} failed: {e}"
+                            ),
+                        )
                     return
-                continue
-            try:
-                closing, task, step, dtype, shape = self._check(h, expect, edge)
-                code = h[7] & ~REQUIRES_GRAD if h[7] >= 0 else h[7]
-                rg = h[7] >= 0 and bool(h[7] & REQUIRES_GRAD)
-                tree_len = h[10] if code == TREE else 0
-            except ProtocolError as e:
-                self._post(self._fail, e)
-                return
-            if closing:
-                if h[2] == CLEAN:
-                    self._post(self._peer_closed, src)
-                else:
-                    n = min(max(h[4], 0), MAX_BLAMED)
-                    self._post(self._peer_failed, src, h[2], h[3], tuple(h[5 : 5 + n]))
-                return
-            payload: Any = None
-            if dtype is not None:
-                nbytes = math.prod(shape) * ITEMSIZE[dtype]
-                if h[1] == DATA_INLINE:
-                    if HEADER_BYTES + nbytes > cap:
-                        self._post(
-                            self._fail,
-                            ProtocolError(
-                                f"{edge}: message seq {expect} ({task}) announces an inline"
-                                f" payload of {nbytes} bytes, more than the edge's capacity"
-                                f" {cap - HEADER_BYTES}: the ranks disagree on inline_bytes"
-                            ),
-                        )
-                        return
-                    if 2 * (HEADER_BYTES + nbytes) < cap:
-                        # Copied out (the buffer is reused); a view would pin all of it.
-                        payload = unpack_inline(raw, dtype, shape, nbytes)
-                    else:
-                        body = raw[HEADER_BYTES : HEADER_BYTES + nbytes]
-                        payload = body.view(dtype).view(shape)
-                        raw = None  # the payload is a view of it
-                else:
-                    # gloo carries CPU tensors: a CUDA payload lands on the CPU first.
-                    where = "cpu" if self._growing else self._device
-                    payload = torch.empty(shape, dtype=dtype, device=where)
-                    if not self._recv_or_lose(
-                        payload,
-                        src,
-                        lambda: (
-                            f"receiving the payload of seq {expect} ({task} of step"  # noqa: B023
-                            f" {step}) on {edge}"  # noqa: B023
+                rx = rxs.get(g)
+                if rx is None or not rx.open:
+                    self._post(
+                        self._fail,
+                        ProtocolError(
+                            f"{self._name(self._rank)}: a message from group rank {g}, which is"
+                            f" no open inbound edge (open: {self._names(io.waiting())})"
                         ),
-                    ):
-                        return
-                    if self._growing:
-                        cap = grow(cap, nbytes, self._max_bytes)
-                        raw = None  # the next receive needs the larger buffer
-                if code == TREE:
-                    try:
-                        payload = unpack_tree(payload, tree_len, self._device)
-                    except ProtocolError as e:
-                        self._post(
-                            self._fail,
-                            ProtocolError(
-                                f"{edge}: message seq {expect} ({task} of step {step}): {e}"
-                            ),
-                        )
-                        return
+                    )
+                    return
+                more, kept = self._on_message(rx, raw)
+                if kept:
+                    raw = None
+                if not more:
+                    if rx.closed:  # its CLOSE: the edge is done
+                        rx.open = False
+                        io.end(rx.src)
+                        continue
+                    return  # a corrupt message or a broken pair: the channel failed
+        finally:
+            io.end_all()
+
+    def _watch(self, src: int) -> None:
+        """Shared I/O: a receive posted on ``src``'s own pair (tag 1) that only the peer's
+        BYE completes, after its CLOSE; it raises when the connection breaks, which a
+        receive from any source does not (see ``_SharedIO``)."""
+        rx = self._rx[src]
+        bye = torch.empty(HEADER_LEN, dtype=torch.int64)
+        try:
+            self._pg.recv([bye], self._peer_rank[src], _WATCH_TAG).wait()
+        except Exception as e:
+            if not self._closing:
+                err = PeerError(
+                    f"{self._name(self._rank)} lost {self._name(src)}: the connection broke"
+                    f" while waiting for message seq {rx.expect} on {rx.edge} ({rx.last()}): {e}"
+                )
+                self._post(self._watch_lost, src, err)
+            assert self._io is not None
+            self._io.lost(src)  # nothing more comes from it: the I/O thread need not wait
+
+    def _watch_lost(self, src: int, exc: RRFPError) -> None:
+        """``src``'s pair broke (loop thread; shared I/O): blame it unless its CLOSE came."""
+        if src not in self._closed_in:
+            self._lose(src, exc)
+
+    def _on_message(self, rx: _Inbound, raw: torch.Tensor) -> tuple[bool, bool]:
+        """A message from ``rx.src`` is in ``raw`` (its I/O thread): check it, receive the
+        rest (a payload sent on its own, an ABORT's text) and hand it to the loop.
+
+        Returns:
+            (more, kept): ``more`` False when nothing more may be received on the edge (its
+            CLOSE, a corrupt message, a broken pair); ``kept`` when ``raw`` must not be
+            reused (the payload is a view of it).
+        """
+        src, edge, expect = rx.src, rx.edge, rx.expect
+        h = read_header(raw)
+        if h[0] == MAGIC and h[1] == ABORT:
+            return self._receive_abort(h, src, edge), False
+        try:
+            closing, task, step, dtype, shape = self._check(h, expect, edge)
+            code = h[7] & ~REQUIRES_GRAD if h[7] >= 0 else h[7]
+            rg = h[7] >= 0 and bool(h[7] & REQUIRES_GRAD)
+            tree_len = h[10] if code == TREE else 0
+        except ProtocolError as e:
+            self._post(self._fail, e)
+            return False, False
+        if closing:
+            rx.closed = True
+            if h[2] == CLEAN:
+                self._post(self._peer_closed, src)
+            else:
+                n = min(max(h[4], 0), MAX_BLAMED)
+                self._post(self._peer_failed, src, h[2], h[3], tuple(h[5 : 5 + n]))
+            return False, False
+        payload: Any = None
+        kept = False
+        if dtype is not None:
+            nbytes = math.prod(shape) * ITEMSIZE[dtype]
+            if h[1] == DATA_INLINE:
+                if HEADER_BYTES + nbytes > rx.cap:
+                    self._post(
+                        self._fail,
+                        ProtocolError(
+                            f"{edge}: message seq {expect} ({task}) announces an inline"
+                            f" payload of {nbytes} bytes, more than the edge's capacity"
+                            f" {rx.cap - HEADER_BYTES}: the ranks disagree on inline_bytes"
+                        ),
+                    )
+                    return False, False
+                if 2 * (HEADER_BYTES + nbytes) < raw.numel():
+                    # Copied out (the buffer is reused); a view would pin all of it.
+                    payload = unpack_inline(raw, dtype, shape, nbytes)
                 else:
-                    if payload.device != self._device:
-                        payload = payload.to(self._device)
-                    if rg and payload.is_floating_point():
-                        payload.requires_grad_(True)
-            expect += 1
-            prev = (task, step)
-            if step > self._last_step:
-                self._last_step = step
-            self.received += 1
-            self._post(self._deliver, step, task, payload, src)
+                    body = raw[HEADER_BYTES : HEADER_BYTES + nbytes]
+                    payload = body.view(dtype).view(shape)
+                    kept = True  # the payload is a view of it
+            else:
+                # gloo carries CPU tensors: a CUDA payload lands on the CPU first.
+                where = "cpu" if self._growing else self._device
+                payload = torch.empty(shape, dtype=dtype, device=where)
+                if not self._recv_or_lose(
+                    payload,
+                    src,
+                    lambda: (
+                        f"receiving the payload of seq {expect} ({task} of step {step}) on {edge}"
+                    ),
+                ):
+                    return False, False
+                if self._growing:
+                    # The next receive needs the larger buffer (its caller sees rx.cap).
+                    rx.cap = grow(rx.cap, nbytes, self._max_bytes)
+            if code == TREE:
+                try:
+                    payload = unpack_tree(payload, tree_len, self._device)
+                except ProtocolError as e:
+                    self._post(
+                        self._fail,
+                        ProtocolError(f"{edge}: message seq {expect} ({task} of step {step}): {e}"),
+                    )
+                    return False, False
+            else:
+                if payload.device != self._device:
+                    payload = payload.to(self._device)
+                if rg and payload.is_floating_point():
+                    payload.requires_grad_(True)
+        rx.expect = expect + 1
+        rx.prev = (task, step)
+        if step > self._last_step:
+            self._last_step = step
+        self.received += 1
+        self._post(self._deliver, step, task, payload, src)
+        return True, kept
 
     def _recv_or_lose(self, buf: torch.Tensor, src: int, doing: Callable[[], str]) -> bool:
         """Listener thread: receive ``buf`` from ``src``; False (after blaming ``src``

@@ -45,6 +45,13 @@ Rows = list[dict[str, Any]]
     help="Event loops (repeatable). Default: both.",
 )
 @click.option(
+    "--io",
+    "ios",
+    multiple=True,
+    type=click.Choice(["per_edge", "shared"]),
+    help="P2PChannel receive modes of the message section (repeatable). Default: both.",
+)
+@click.option(
     "--size",
     "sizes",
     multiple=True,
@@ -87,6 +94,7 @@ def bench_overhead(
     ready_sizes: tuple[int, ...],
     policies: tuple[str, ...],
     loops: tuple[str, ...],
+    ios: tuple[str, ...],
     sizes: tuple[int, ...],
     tps: tuple[int, ...],
     tp_tasks_ms: tuple[float, ...],
@@ -112,7 +120,10 @@ def bench_overhead(
         )
     if "message" in chosen:
         out["message"] = ov.message_cost(
-            sizes or (64, 16 * 1024, 1 << 20), messages=messages, loops=loop_names
+            sizes or (64, 16 * 1024, 1 << 20),
+            messages=messages,
+            loops=loop_names,
+            ios=ios or ("per_edge", "shared"),
         )
     if "tp" in chosen:
         out["tp"] = ov.tp_coordination(
@@ -195,6 +206,7 @@ def _message_table(rows: Rows) -> Table:
         (
             "bytes",
             "loop",
+            "io",
             "raw send",
             "P2PChannel",
             "ratio",
@@ -204,12 +216,13 @@ def _message_table(rows: Rows) -> Table:
             "paired ratio",
             "machine",
         ),
-        left={"loop", "machine"},
+        left={"loop", "io", "machine"},
     )
     for r in rows:
         t.add_row(
             str(r["bytes"]),
             r["loop"],
+            r["io"] if r["per_handoff"] is None else f"{r['io']} ({r['per_handoff']:.2f}/wake)",
             f"{r['raw_us']:.1f}",
             f"{r['channel_us']:.1f}",
             f"{r['ratio']:.2f}x",
@@ -223,7 +236,8 @@ def _message_table(rows: Rows) -> Table:
         "raw send, P2PChannel, ratio: lower decile of short interleaved batches (the"
         " batches no other process disturbed); paired ratio: median over batches of"
         " channel / the raw batch before it; CONTENDED: a median is over 3x its lower"
-        " decile (other processes held the cores; rerun on a quiet machine)"
+        " decile (other processes held the cores; rerun on a quiet machine); io: the"
+        " channel's receive mode (shared: completions per wake-up of the loop)"
     )
     return t
 

@@ -183,6 +183,7 @@ def _tree_worker(rank: int, world: int) -> Any:
 
 @pytest.mark.distributed
 @pytest.mark.timeout(120)
+@pytest.mark.usefixtures("p2p_io")
 def test_trees_and_requires_grad_flags_cross_processes() -> None:
     got = rr.spawn(_tree_worker, 2, timeout=100)[1]
     torch.manual_seed(0)

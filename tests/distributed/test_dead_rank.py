@@ -24,7 +24,11 @@ from typing import Any
 
 import pytest
 
-pytestmark = [pytest.mark.distributed, pytest.mark.timeout(240)]
+pytestmark = [
+    pytest.mark.distributed,
+    pytest.mark.timeout(240),
+    pytest.mark.usefixtures("p2p_io"),  # under both receive modes of the channel
+]
 
 WORKER = Path(__file__).with_name("_dead_rank_worker.py")
 ROOT = Path(__file__).resolve().parents[2]

@@ -21,7 +21,11 @@ from torch import nn
 
 import rrfp_async as rr
 
-pytestmark = [pytest.mark.distributed, pytest.mark.timeout(300)]
+pytestmark = [
+    pytest.mark.distributed,
+    pytest.mark.timeout(300),
+    pytest.mark.usefixtures("p2p_io"),  # under both receive modes of the channel
+]
 
 STEPS, M, FAILED, WIDTH = 4, 3, 1, 4
 
