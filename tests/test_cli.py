@@ -331,3 +331,11 @@ def test_bench_peer_refuses_an_unknown_schedule_listing_the_valid_ones() -> None
     assert "'--torch-schedule'" in res.output and "unknown torch schedule" in res.output
     for name in ("1F1B", "GPipe", "Interleaved1F1B", "ZBVZeroBubble", "DualPipeV"):
         assert name in res.output, name
+
+
+def test_demo_refuses_a_policy_named_twice() -> None:
+    # Its figures are per policy name: a duplicate would show two baselines (found by hand:
+    # 1.003x "baseline" twice). Refused before any process starts.
+    res = CliRunner().invoke(main, ["demo", "--policy", "strict", "--policy", "strict"])
+    assert res.exit_code != 0
+    assert "'strict' named twice" in res.output and "null test" in res.output, res.output

@@ -7,6 +7,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from .._errors import PlanError
 from ..observability._logging import LogFormat
 from ..observability._paired import paired_ratio
 from ..sim._simulate import simulate
@@ -229,6 +230,13 @@ def pipeline_step_times(
         ``peak_inflight`` (largest of any rank and timed step), ``compute_s`` and
         ``emulated_s`` (all ranks, all steps) and ``trace`` (the traced step, merged).
     """
+    twice = sorted({p for p in policies if list(policies).count(p) > 1})
+    if twice:
+        raise PlanError(
+            f"policy {', '.join(map(repr, twice))} named twice: the figures are per policy"
+            " name. For a null test (a policy against itself), run examples/"
+            "train_image_text.py --policy strict --policy strict"
+        )
     from ..distributed._spawn import spawn
     from ..distributed._train import TrainConfig, image_text_cost, train_worker
     from ..observability import TraceData

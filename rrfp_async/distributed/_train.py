@@ -207,6 +207,13 @@ class TrainConfig:
             raise PlanError(f"TrainConfig.warmup_steps must be >= 0, got {self.warmup_steps!r}")
         if not self.policies:
             raise PlanError("TrainConfig.policies is empty: name at least one policy")
+        twice = sorted({p for p in self.policies if self.policies.count(p) > 1})
+        if twice and self.trace_dir is not None:
+            raise PlanError(
+                f"TrainConfig: policy {', '.join(map(repr, twice))} named twice with trace_dir:"
+                " both would write {trace_dir}/{policy}/; name each policy once, or no"
+                " trace_dir"
+            )
         if not isinstance(self.interleave, bool):
             raise PlanError(f"TrainConfig.interleave must be a bool, got {self.interleave!r}")
         if self.trace_dir is not None and not isinstance(self.trace_dir, str | Path):

@@ -183,6 +183,7 @@ def test_data_parallel_replicas_average_gradients() -> None:
         ({"warmup_steps": -1}, "warmup_steps"),
         ({"policies": ()}, "policies"),
         ({"interleave": 1}, "interleave"),
+        ({"policies": ("strict", "strict"), "trace_dir": "t"}, "named twice"),
         ({"lr": 0.0}, "lr"),
         ({"steps": 2, "trace_steps": (2,)}, "trace_steps"),
     ],
