@@ -53,7 +53,7 @@ import heapq
 import math
 import selectors
 import time
-from asyncio import base_events
+from asyncio import base_events, format_helpers
 from collections.abc import Callable
 from typing import Any, TypeVar, TypeVarTuple, Unpack
 
@@ -312,6 +312,21 @@ class VirtualEventLoop(asyncio.SelectorEventLoop):
                 limit="wall_limit",
                 value=self.wall_limit,
             )
+
+
+def _report(h: asyncio.Handle, exc: BaseException) -> None:
+    """What ``Handle._run`` does with a callback's exception: hand it to the loop's
+    exception handler."""
+    me: Any = h  # the handle's internals are not in asyncio's type stubs
+    cb = format_helpers._format_callback_source(me._callback, me._args)
+    context: dict[str, Any] = {
+        "message": f"Exception in callback {cb}",
+        "exception": exc,
+        "handle": h,
+    }
+    if me._source_traceback:
+        context["source_traceback"] = me._source_traceback
+    me._loop.call_exception_handler(context)
 
 
 def _check_limits(

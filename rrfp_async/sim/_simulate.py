@@ -175,24 +175,24 @@ def lower_bound(plan: StepPlan, durations: Durations) -> float:
     check_type("durations", durations, Durations, "Durations")
     check_durations(plan, durations)
     order = _topo_order(plan)
-    rank_of = plan.topology.rank_of  # of a virtual stage: one call, not two per lookup
+    stage_rank = plan.topology.stage_ranks  # rank_of as a table, looked up per task
     producers, consumers = plan.producers, plan.consumers
     of, latency = durations.of, durations.latency
     head: dict[Task, float] = {}
     for t in order:
         h = 0.0
-        r = rank_of(t.stage)
+        r = stage_rank[t[0]]
         for pr in producers(t):
-            x = head[pr] + of(pr) + (latency(t) if rank_of(pr.stage) != r else 0.0)
+            x = head[pr] + of(pr) + (latency(t) if stage_rank[pr[0]] != r else 0.0)
             if x > h:
                 h = x
         head[t] = h
     tail: dict[Task, float] = {}
     for t in reversed(order):
         tl = 0.0
-        r = rank_of(t.stage)
+        r = stage_rank[t[0]]
         for c in consumers(t):
-            x = (latency(c) if rank_of(c.stage) != r else 0.0) + of(c) + tail[c]
+            x = (latency(c) if stage_rank[c[0]] != r else 0.0) + of(c) + tail[c]
             if x > tl:
                 tl = x
         tail[t] = tl
