@@ -304,7 +304,12 @@ class StepPlan:
         """All tasks ``task`` depends on."""
         deps = self._producers.get(task)
         if deps is None:
-            deps = tuple(p for p in (self.local_producer(task), self.data_producer(task)) if p)
+            # (local producer, data producer), those that exist, in that order
+            lp, dp = self.local_producer(task), self.data_producer(task)
+            if lp is None:
+                deps = () if dp is None else (dp,)
+            else:
+                deps = (lp,) if dp is None else (lp, dp)
             if self.ordered_weights and task.kind == "W" and task.mb > 0:
                 deps += (Task(task.stage, "W", task.mb - 1),)
             self._producers[task] = deps

@@ -208,14 +208,17 @@ class CostModelExecutor:
             await asyncio.sleep(0)
             return None
         # ``asyncio.sleep(d)`` inlined, step for step (the same timer at the same time, the
-        # same future): one coroutine frame less on every task of a simulation.
+        # same future, the same callbacks): one coroutine frame less per simulated task.
         loop = asyncio.get_running_loop()
         fut = loop.create_future()
         h = loop.call_at(loop.time() + d, _set_result_unless_cancelled, fut, None)
         try:
             await fut
-        finally:
-            h.cancel()
+        except BaseException:
+            h.cancel()  # cancelled while sleeping: the timer must not stay scheduled
+            raise
+        # Woken by the timer itself: it already ran, so cancelling it (as sleep's
+        # ``finally`` does) would change nothing.
         return None
 
 
