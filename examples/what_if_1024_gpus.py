@@ -5,7 +5,7 @@ Run:  python examples/what_if_1024_gpus.py [--stages 128] [--tp 8] [--microbatch
 
 Each simulation is one step of 262,144 tasks (128 stages x 1024 microbatches x forward and
 backward) run by the real stage loop and policies on a virtual clock; the script prints the
-wall time each one took (about 16 s of CPU time each on the 2-core development machine;
+wall time each one took (about 10 s of CPU time each on the 2-core development machine;
 BENCHMARKS.md, simulator section).
 
 TP enters the simulator today as a cost scaling only: every stage's compute is divided by

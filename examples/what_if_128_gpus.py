@@ -6,7 +6,7 @@ Each data-parallel replica runs the same pipeline step; the step takes as long a
 slowest replica, so this simulates 8 replicas with different microbatch draws and reports
 the slowest makespan per policy. Time is virtual (declared cost model), not measured.
 
-Each simulation (one 16 x 128 step, 4,096 tasks) takes about 0.16 s of CPU time here
+Each simulation (one 16 x 128 step, 4,096 tasks) takes about 0.1 s of CPU time here
 (BENCHMARKS.md, simulator section); the script prints the median wall time it measured.
 """
 

@@ -146,6 +146,12 @@ class Topology:
         """Number of virtual stages, P * V."""
         return self.stages * self.chunks
 
+    @property
+    def stage_ranks(self) -> tuple[int, ...]:
+        """The rank of every virtual stage, indexed by virtual stage (``rank_of`` as a
+        table, for loops that look it up per task)."""
+        return self._rank_of
+
     @cached_property
     def _rank_of(self) -> tuple[int, ...]:
         p = self.stages
@@ -214,6 +220,9 @@ class StepPlan:
     _consumers: dict[Task, tuple[Task, ...]] = field(
         default_factory=dict, init=False, repr=False, compare=False, hash=False
     )
+    _tasks_of: dict[int, tuple[Task, ...]] = field(
+        default_factory=dict, init=False, repr=False, compare=False, hash=False
+    )
 
     def __post_init__(self) -> None:
         check_type("topology", self.topology, Topology, "a Topology")
@@ -250,16 +259,19 @@ class StepPlan:
 
     def rank_of(self, task: Task) -> int:
         """The pipeline rank that runs ``task``."""
-        return self.topology.rank_of(task.stage)
+        return self.topology._rank_of[task.stage]
 
     def tasks_of(self, rank: int) -> list[Task]:
         """Every task of ``rank`` in a canonical order (stage, kind, microbatch)."""
-        return [
-            Task(v, k, m)
-            for v in self.topology.stages_of(rank)
-            for k in self.kinds
-            for m in range(self.microbatches)
-        ]
+        got = self._tasks_of.get(rank)
+        if got is None:  # memo: validation, the hints and the bound each ask per rank
+            got = self._tasks_of[rank] = tuple(
+                Task(v, k, m)
+                for v in self.topology.stages_of(rank)
+                for k in self.kinds
+                for m in range(self.microbatches)
+            )
+        return list(got)
 
     def all_tasks(self) -> Iterator[Task]:
         """Every task of the step, rank by rank."""
@@ -292,7 +304,12 @@ class StepPlan:
         """All tasks ``task`` depends on."""
         deps = self._producers.get(task)
         if deps is None:
-            deps = tuple(p for p in (self.local_producer(task), self.data_producer(task)) if p)
+            # (local producer, data producer), those that exist, in that order
+            lp, dp = self.local_producer(task), self.data_producer(task)
+            if lp is None:
+                deps = () if dp is None else (dp,)
+            else:
+                deps = (lp,) if dp is None else (lp, dp)
             if self.ordered_weights and task.kind == "W" and task.mb > 0:
                 deps += (Task(task.stage, "W", task.mb - 1),)
             self._producers[task] = deps

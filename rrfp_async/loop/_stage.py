@@ -54,6 +54,12 @@ __all__ = [
 ]
 
 
+# ``ExecutedTask(task, start, end)`` without the named tuple's Python ``__new__`` (one per
+# task), and the flight recorder's text per source rank (one per message).
+_executed = functools.partial(tuple.__new__, ExecutedTask)
+_MESSAGE_FROM: dict[int, str] = {}
+
+
 class StageObserver(Protocol):
     """Receives one call per state transition of a stage (tracing, logging, dumps).
 
@@ -318,7 +324,10 @@ class StageLoop:
         st.arrived[pos] = 1
         st.inbox[pos] = payload
         if self.recent is not None:
-            self.recent.append((self._now(), f"message from rank {src} for", task))
+            text = _MESSAGE_FROM.get(src)
+            if text is None:
+                text = _MESSAGE_FROM[src] = f"message from rank {src} for"
+            self.recent.append((self._now(), text, task))
         if self._obs is not None:
             self._obs.message(self, task, src)
         self._satisfy(st, pos)
@@ -905,7 +914,7 @@ class StageLoop:
         st.finished[pos] = 1
         st.ends[pos] = t1
         st.version += 1
-        st.executed.append(ExecutedTask(task, t0, t1))
+        st.executed.append(_executed((task, t0, t1)))
         st.observed[task] = t1 - t0
         if obs is not None:
             obs.task_end(self, task, t0, t1)

@@ -41,19 +41,24 @@ simulated task takes two or three iterations). ``_run_once`` then does exactly w
 asyncio's does with a selector that returns nothing: the same cancelled-timer cleanup, the
 same clock jump (``_advance``) when nothing is ready, the same due timers moved to the
 ready queue in the same order, and the same callbacks run; when nothing at all is
-scheduled it hands over to asyncio's own (the stall, or a wait for a thread). Tests hold
-both paths to identical simulated steps (``tests/loop/test_virtual_fast.py``).
+scheduled it hands over to asyncio's own (the stall, or a wait for a thread). While the
+next iteration would skip the selector too, ``_run_once`` runs it at once rather than
+returning to ``run_forever`` (which only checks ``_stopping`` in between, as this loop
+does); it runs each callback without ``Handle._run``'s frame (one that raises is reported
+as asyncio reports it), and ``call_soon`` queues the same handle in two frames fewer. Tests
+hold both paths to identical simulated steps (``tests/test_simulate_speed.py``).
 """
 
 from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextvars
 import heapq
 import math
 import selectors
 import time
-from asyncio import base_events
+from asyncio import base_events, format_helpers
 from collections.abc import Callable
 from typing import Any, TypeVar, TypeVarTuple, Unpack
 
@@ -186,13 +191,16 @@ class VirtualEventLoop(asyncio.SelectorEventLoop):
         # The fast iteration needs asyncio's loop internals as CPython 3.11-3.13 has them;
         # without them every iteration is asyncio's own (slower, the same steps).
         self._fast_path = all(
-            hasattr(self, a) for a in ("_scheduled", "_ready", "_timer_cancelled_count")
+            hasattr(self, a) for a in ("_scheduled", "_ready", "_timer_cancelled_count", "_debug")
         )
         self._vtime = start
         # See "Exact time" in the module's note: a timer is due when its time <= the clock.
         self._clock_resolution = math.ulp(start)
         self.stall_when_idle = bool(stall_when_idle)
         self._jobs = 0
+        #: Iterations run without the selector (see "A closed simulation" in the module's
+        #: note); tests read it to see that a simulation takes that path.
+        self.fast_iterations = 0
         self.time_limit = time_limit
         self.wall_limit = wall_limit
         self._wall_deadline: float | None = None
@@ -227,58 +235,107 @@ class VirtualEventLoop(asyncio.SelectorEventLoop):
     def _job_done(self, fut: asyncio.Future[Any]) -> None:
         self._jobs -= 1
 
+    def call_soon(
+        self,
+        callback: Callable[[Unpack[_Ts]], object],
+        *args: *_Ts,
+        context: contextvars.Context | None = None,
+    ) -> asyncio.Handle:
+        """As asyncio's: the same handle, queued the same way (two frames fewer outside
+        debug mode; a simulated task queues two or three callbacks)."""
+        me: Any = self  # asyncio's loop internals are not in its type stubs
+        if me._debug or not self._fast_path:
+            return super().call_soon(callback, *args, context=context)
+        if me._closed:
+            raise RuntimeError("Event loop is closed")
+        handle = asyncio.Handle(callback, args, self, context)
+        me._ready.append(handle)
+        return handle
+
+    def _selector_free(self) -> bool:
+        """Whether the next iteration may skip the selector (see the module's note)."""
+        me: Any = self  # asyncio's loop internals are not in its type stubs
+        return (
+            self._fast_path
+            and self.stall_when_idle
+            and not self._jobs
+            and self._vsel.registered <= 1
+            and not me._debug
+            and bool(me._ready or me._scheduled or me._stopping)
+        )
+
     def _run_once(self) -> None:
         # See "A closed simulation" in the module's note: asyncio's own iteration, less the
-        # selector (which could return nothing here) and the debug-mode timing.
-        me: Any = self  # asyncio's loop internals are not in its type stubs
-        ready = me._ready
-        scheduled = me._scheduled
-        if (
-            not self._fast_path
-            or not self.stall_when_idle
-            or self._jobs
-            or self._vsel.registered > 1
-            or self.get_debug()
-            or not (ready or scheduled or me._stopping)
-        ):
+        # selector (which could return nothing here) and the debug-mode timing; and while
+        # the next iteration would be one of these too, it runs here at once instead of
+        # after a return to ``run_forever`` (which does nothing in between but check
+        # ``_stopping``, as this loop does).
+        if not self._selector_free():
             super()._run_once()  # type: ignore[misc]
             return
-        self._check_wall()
-        n = len(scheduled)
-        if n > _MIN_SCHEDULED and me._timer_cancelled_count / n > _MIN_CANCELLED_FRACTION:
-            live = []
-            for h in scheduled:
+        me: Any = self
+        ready = me._ready
+        popleft = ready.popleft
+        heappop = heapq.heappop
+        vsel = self._vsel
+        while True:
+            self.fast_iterations += 1
+            if self.wall_limit is not None:
+                self._check_wall()
+            scheduled = me._scheduled
+            n = len(scheduled)
+            if n > _MIN_SCHEDULED and me._timer_cancelled_count / n > _MIN_CANCELLED_FRACTION:
+                live = []
+                for h in scheduled:
+                    if h._cancelled:
+                        h._scheduled = False
+                    else:
+                        live.append(h)
+                heapq.heapify(live)
+                me._scheduled = scheduled = live
+                me._timer_cancelled_count = 0
+            else:
+                while scheduled and scheduled[0]._cancelled:
+                    me._timer_cancelled_count -= 1
+                    heappop(scheduled)._scheduled = False
+            if not ready and not me._stopping:
+                if not scheduled:  # only cancelled timers were left: asyncio's stall path
+                    super()._run_once()  # type: ignore[misc]
+                    return
+                # The selector would have been asked to wait this long: jump instead.
+                timeout = min(max(0.0, scheduled[0]._when - self._vtime), _MAX_SELECT_TIMEOUT)
+                if timeout > 0:
+                    self._advance(timeout)
+            end = self._vtime + me._clock_resolution
+            while scheduled:
+                if scheduled[0]._when >= end:
+                    break
+                h = heappop(scheduled)
+                h._scheduled = False
+                ready.append(h)
+            for _ in range(len(ready)):
+                h = popleft()
                 if h._cancelled:
-                    h._scheduled = False
-                else:
-                    live.append(h)
-            heapq.heapify(live)
-            me._scheduled = scheduled = live
-            me._timer_cancelled_count = 0
-        else:
-            while scheduled and scheduled[0]._cancelled:
-                me._timer_cancelled_count -= 1
-                heapq.heappop(scheduled)._scheduled = False
-        if not ready and not me._stopping:
-            if not scheduled:  # only cancelled timers were left: asyncio's stall path
-                super()._run_once()  # type: ignore[misc]
+                    continue
+                # ``Handle._run`` inlined (one Python frame less per callback); a callback
+                # that raises is reported exactly as asyncio does.
+                try:
+                    h._context.run(h._callback, *h._args)
+                except (SystemExit, KeyboardInterrupt):
+                    raise
+                except BaseException as exc:
+                    _report(h, exc)
+            h = None  # break reference cycles when a callback raised
+            # What run_forever would check, then what the next _run_once would.
+            if (
+                me._stopping
+                or not (ready or me._scheduled)
+                or self._jobs
+                or vsel.registered > 1
+                or me._debug
+                or not self.stall_when_idle
+            ):
                 return
-            # The selector would have been asked to wait this long: jump instead.
-            timeout = min(max(0.0, scheduled[0]._when - self._vtime), _MAX_SELECT_TIMEOUT)
-            if timeout > 0:
-                self._advance(timeout)
-        end = self._vtime + me._clock_resolution
-        while scheduled:
-            if scheduled[0]._when >= end:
-                break
-            h = heapq.heappop(scheduled)
-            h._scheduled = False
-            ready.append(h)
-        for _ in range(len(ready)):
-            h = ready.popleft()
-            if not h._cancelled:
-                h._run()
-        h = None  # break reference cycles when a callback raised
 
     def _advance(self, dt: float) -> None:
         # Jump to the next timer's own time, not to clock + dt: asyncio computed dt as
@@ -312,6 +369,21 @@ class VirtualEventLoop(asyncio.SelectorEventLoop):
                 limit="wall_limit",
                 value=self.wall_limit,
             )
+
+
+def _report(h: asyncio.Handle, exc: BaseException) -> None:
+    """What ``Handle._run`` does with a callback's exception: hand it to the loop's
+    exception handler."""
+    me: Any = h  # the handle's internals are not in asyncio's type stubs
+    cb = format_helpers._format_callback_source(me._callback, me._args)
+    context: dict[str, Any] = {
+        "message": f"Exception in callback {cb}",
+        "exception": exc,
+        "handle": h,
+    }
+    if me._source_traceback:
+        context["source_traceback"] = me._source_traceback
+    me._loop.call_exception_handler(context)
 
 
 def _check_limits(

@@ -60,21 +60,24 @@ def list_schedule(
     # is exactly the first task with the smallest key in arrival order: what ``min`` over
     # an arrival-ordered ready list would pick (the O(ready) scan this replaces, kept as
     # the oracle in tests/policies/test_listsched.py).
-    rank_of = plan.rank_of
+    stage_rank = topo.stage_ranks  # rank_of as a table: looked up per task below
     free: list[list[tuple[Any, int, Task]]] = [[] for _ in range(p)]
     gated: list[list[tuple[Any, int, Task]]] = [[] for _ in range(p)]
+    heappush, heappop = heapq.heappush, heapq.heappop
+    of, latency, consumers = durations.of, durations.latency, plan.consumers
     arrival = 0
 
     def make_ready(t: Task) -> None:
         nonlocal arrival
-        r = rank_of(t)
+        r = stage_rank[t[0]]
         arrival += 1
-        heap = gated[r] if t.kind == "F" and t.stage == first_stage[r] else free[r]
-        heapq.heappush(heap, (key(t), arrival, t))
+        heap = gated[r] if t[1] == "F" and t[0] == first_stage[r] else free[r]
+        heappush(heap, (key(t), arrival, t))
 
     missing: dict[Task, int] = {}
+    producers = plan.producers
     for t in plan.all_tasks():
-        missing[t] = len(plan.producers(t))
+        missing[t] = len(producers(t))
     for t, n in missing.items():
         if n == 0:
             make_ready(t)
@@ -92,27 +95,21 @@ def list_schedule(
         fh = free[r]
         gh = gated[r] if held[r] + reserved[r] + chunks[r] <= bounds[r] else None
         if gh and (not fh or gh[0] < fh[0]):
-            t = heapq.heappop(gh)[2]
+            t = heappop(gh)[2]
         elif fh:
-            t = heapq.heappop(fh)[2]
+            t = heappop(fh)[2]
         else:
             return
-        if t.kind == "F":
+        if t[1] == "F":
             held[r] += 1
-            if t.stage == first_stage[r]:
+            if t[0] == first_stage[r]:
                 reserved[r] += chunks[r] - 1
             else:
                 reserved[r] -= 1  # a later chunk uses the slot its first chunk reserved
         busy[r] = True
         order[r].append(t)
         seq += 1
-        heapq.heappush(events, (now + durations.of(t), seq, 0, t))
-
-    def satisfy(t: Task) -> None:
-        missing[t] -= 1
-        if missing[t] == 0:
-            make_ready(t)
-            touched.add(rank_of(t))
+        heappush(events, (now + of(t), seq, 0, t))
 
     # Only a rank that an event touched (a task of its own ended, or one became ready) can
     # dispatch something it could not before; they dispatch in rank order, as all would.
@@ -133,22 +130,30 @@ def list_schedule(
         # arrival competes with the others on priority, not on event order.
         now = events[0][0]
         while events and events[0][0] <= now:
-            _, _, what, t = heapq.heappop(events)
-            if what == 1:
-                satisfy(t)
+            _, _, what, t = heappop(events)
+            if what == 1:  # a message arrived: its task has one input less
+                n = missing[t] - 1
+                missing[t] = n
+                if n == 0:
+                    make_ready(t)
+                    touched.add(stage_rank[t[0]])
                 continue
-            r = rank_of(t)
+            r = stage_rank[t[0]]
             busy[r] = False
             touched.add(r)
             remaining -= 1
-            if t.kind in ("B", "I"):
+            if t[1] in ("B", "I"):
                 held[r] -= 1
-            for c in plan.consumers(t):
-                if rank_of(c) == r:
-                    satisfy(c)
+            for c in consumers(t):
+                if stage_rank[c[0]] == r:
+                    n = missing[c] - 1
+                    missing[c] = n
+                    if n == 0:
+                        make_ready(c)
+                        touched.add(r)
                 else:
                     seq += 1
-                    heapq.heappush(events, (now + durations.latency(c), seq, 1, c))
+                    heappush(events, (now + latency(c), seq, 1, c))
     return order
 
 
@@ -176,7 +181,10 @@ def strict_sweep(
     waiting: dict[Task, list[int]] = {}  # a task not run yet -> ranks whose next task needs it
     todo = list(range(p - 1, -1, -1))
     producers = plan.producers
-    rank_of = plan.rank_of
+    stage_rank = plan.topology.stage_ranks  # rank_of as a table, looked up per task
+    latency = durations.latency if durations is not None else None
+    of = durations.of if durations is not None else None
+    times_get = times.get
     while todo:
         r = todo.pop()
         order = orders[r]
@@ -185,15 +193,15 @@ def strict_sweep(
             t = order[h]
             ready = 0.0
             for pr in producers(t):
-                te = times.get(pr)
+                te = times_get(pr)
                 if te is None:
                     waiting.setdefault(pr, []).append(r)
                     break
-                lat = durations.latency(t) if durations and rank_of(pr) != r else 0.0
+                lat = latency(t) if latency is not None and stage_rank[pr[0]] != r else 0.0
                 ready = max(ready, te[1] + lat)
             else:
                 start = max(free[r], ready)
-                free[r] = start + (durations.of(t) if durations is not None else 1.0)
+                free[r] = start + (of(t) if of is not None else 1.0)
                 times[t] = (start, free[r])
                 h += 1
                 woken = waiting.pop(t, None)

@@ -58,19 +58,22 @@ class RankProgram:
         data_remote: list[tuple[int, Task] | None] = [None] * len(order)
         src_rank = [-1] * len(order)
         first = [False] * len(order)
+        stage_rank = plan.topology.stage_ranks  # rank_of as a table, looked up per task
+        producers, data_producer = plan.producers, plan.data_producer
+        data_consumer = plan.data_consumer
         for i, t in enumerate(order):
-            prods = plan.producers(t)
+            prods = producers(t)
             deps.append(len(prods))
             for pr in prods:
-                if plan.rank_of(pr) == rank:
+                if stage_rank[pr[0]] == rank:
                     local_next[pos[pr]].append(i)
-            dp = plan.data_producer(t)
-            if dp is not None and plan.rank_of(dp) != rank:
-                src_rank[i] = plan.rank_of(dp)
-            first[i] = t.kind == "F" and t.stage == 0
-            dc = plan.data_consumer(t)
+            dp = data_producer(t)
+            if dp is not None and stage_rank[dp[0]] != rank:
+                src_rank[i] = stage_rank[dp[0]]
+            first[i] = t[1] == "F" and t[0] == 0
+            dc = data_consumer(t)
             if dc is not None:
-                dst = plan.rank_of(dc)
+                dst = stage_rank[dc[0]]
                 if dst == rank:
                     data_local[i] = pos[dc]
                 else:

@@ -47,7 +47,8 @@ def validate_hint(plan: StepPlan, hint: Hint, bounds: Sequence[int] | None = Non
         raise HintError(
             f"the hint must have one order per rank 0..{p - 1}, got ranks {keys[:16]!r}"
         )
-    producers, rank_of = plan.producers, plan.rank_of
+    producers = plan.producers
+    stage_rank = plan.topology.stage_ranks  # rank_of as a table, looked up per task
     for r in range(p):
         raw: object = hint[r]
         if not is_sequence(raw):
@@ -68,7 +69,7 @@ def validate_hint(plan: StepPlan, hint: Hint, bounds: Sequence[int] | None = Non
             if t in seen:
                 raise HintError(f"rank {r}: task {t} appears twice (again at position {i})")
             for dep in producers(t):
-                if dep not in seen and rank_of(dep) == r:
+                if stage_rank[dep[0]] == r and dep not in seen:
                     raise HintError(
                         f"rank {r}: task {t} at position {i} comes before its dependency {dep}"
                     )

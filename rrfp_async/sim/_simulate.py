@@ -188,32 +188,34 @@ def lower_bound(plan: StepPlan, durations: Durations) -> float:
     check_type("durations", durations, Durations, "Durations")
     check_durations(plan, durations)
     order = _topo_order(plan)
-    rank_of = plan.topology.rank_of  # of a virtual stage: one call, not two per lookup
+    stage_rank = plan.topology.stage_ranks  # rank_of as a table, looked up per task
     producers, consumers = plan.producers, plan.consumers
-    of, latency = durations.of, durations.latency
+    latency = durations.latency
+    of = durations.of
+    dur = {t: of(t) for t in order}  # each looked up five times below
     head: dict[Task, float] = {}
     for t in order:
         h = 0.0
-        r = rank_of(t.stage)
+        r = stage_rank[t[0]]
         for pr in producers(t):
-            x = head[pr] + of(pr) + (latency(t) if rank_of(pr.stage) != r else 0.0)
+            x = head[pr] + dur[pr] + (latency(t) if stage_rank[pr[0]] != r else 0.0)
             if x > h:
                 h = x
         head[t] = h
     tail: dict[Task, float] = {}
     for t in reversed(order):
         tl = 0.0
-        r = rank_of(t.stage)
+        r = stage_rank[t[0]]
         for c in consumers(t):
-            x = (latency(c) if rank_of(c.stage) != r else 0.0) + of(c) + tail[c]
+            x = (latency(c) if stage_rank[c[0]] != r else 0.0) + dur[c] + tail[c]
             if x > tl:
                 tl = x
         tail[t] = tl
-    critical = max(head[t] + of(t) + tail[t] for t in order)
+    critical = max(head[t] + dur[t] + tail[t] for t in order)
     best = critical
     for r in range(plan.stages):
         tasks = plan.tasks_of(r)
-        busy = sum(of(t) for t in tasks)
+        busy = sum(dur[t] for t in tasks)
         best = max(best, min(head[t] for t in tasks) + busy + min(tail[t] for t in tasks))
     return best
 
@@ -492,16 +494,20 @@ def simulate(
     start = min(s.started for s in stats)
     makespan = max(s.finished for s in stats) - start + tp_check
     lb = lower_bound(plan, realized)
+    if start == 0.0:  # the virtual clock starts at 0: times relative to it are the same
+        executed = tuple(s.executed for s in stats)
+    else:
+        executed = tuple(
+            tuple(ExecutedTask(e.task, e.start - start, e.end - start) for e in s.executed)
+            for s in stats
+        )
     return SimResult(
         makespan=makespan,
         lower_bound=lb,
         efficiency=lb / makespan if makespan > 0 else 1.0,
         peak_inflight=tuple(s.peak_inflight for s in stats),
         max_inflight=tuple(s.max_inflight for s in stats),
-        executed=tuple(
-            tuple(ExecutedTask(e.task, e.start - start, e.end - start) for e in s.executed)
-            for s in stats
-        ),
+        executed=executed,
         deviations=tuple(s.deviations for s in stats),
         hint=schedule.hint_name,
         policy=stats[0].policy,

@@ -95,3 +95,34 @@ def test_simulate_from_inside_a_running_loop() -> None:
         return rr.simulate(stages=2, microbatches=4).makespan
 
     assert rr.run(main()) == pytest.approx(rr.simulate(stages=2, microbatches=4).makespan)
+
+
+def test_fast_iteration_reports_a_raising_callback_like_asyncio() -> None:
+    # The closed simulation's iteration runs callbacks without Handle._run: one that raises
+    # must still reach the loop's exception handler, as asyncio reports it, and the loop
+    # must go on with the next callbacks and timers.
+    loop = VirtualEventLoop(stall_when_idle=True)
+    seen: list[dict[str, object]] = []
+    loop.set_exception_handler(lambda _loop, ctx: seen.append(ctx))
+    ran: list[str] = []
+
+    def boom() -> None:
+        raise ValueError("boom")
+
+    async def main() -> None:
+        lp = asyncio.get_running_loop()
+        lp.call_soon(boom)
+        lp.call_soon(ran.append, "after")
+        await asyncio.sleep(1.0)
+        ran.append("slept")
+
+    try:
+        loop.run_until_complete(main())
+    finally:
+        loop.close()
+    assert ran == ["after", "slept"]
+    assert len(seen) == 1
+    assert isinstance(seen[0]["exception"], ValueError)
+    assert str(seen[0]["message"]).startswith("Exception in callback")
+    assert "boom" in str(seen[0]["message"])
+    assert isinstance(seen[0]["handle"], asyncio.Handle)
