@@ -16,6 +16,8 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, Protocol
 
+import anyio
+
 from .._admission import AdmissionLedger
 from .._check import check_bool, check_int, check_type, describe
 from .._errors import (
@@ -609,14 +611,17 @@ class StageLoop:
         inner = asyncio.ensure_future(settle())
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.settle_timeout
-        while not inner.done():
-            left = deadline - loop.time()
-            if left <= 0:
-                break
-            try:
-                await asyncio.wait((inner,), timeout=left)
-            except asyncio.CancelledError:
-                continue  # cancelled again: the wait goes on until the bound
+        # anyio's scopes cancel again at every await (level-triggered): its shield keeps
+        # them off (no spinning while the task computes); asyncio's cancel comes once.
+        with anyio.CancelScope(shield=True):
+            while not inner.done():
+                left = deadline - loop.time()
+                if left <= 0:
+                    break
+                try:
+                    await asyncio.wait((inner,), timeout=left)
+                except asyncio.CancelledError:
+                    continue  # cancelled again (asyncio): the wait goes on until the bound
         if not inner.done():
             inner.cancel()
             exc.add_note(

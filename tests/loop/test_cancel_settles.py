@@ -169,3 +169,50 @@ def test_a_task_that_outlives_the_settle_bound_is_named_in_a_note() -> None:
         for e in execs:
             e.close()
     assert any("0B0 was still running" in n for n in notes), notes
+
+
+def test_an_anyio_scope_does_not_make_the_wait_spin(monkeypatch: pytest.MonkeyPatch) -> None:
+    # anyio cancels again at every await of the task inside its scope; without a shield the
+    # stage's wait for its running task would be re-entered once per loop iteration
+    # (thousands of times in 0.3 s). A one-stage pipeline's stage runs in the scope's own
+    # task here (as a DistributedStage's does), not in a child task.
+    from rrfp_async.loop import _stage
+
+    calls = []
+    real_wait = asyncio.wait
+
+    async def counting_wait(*args: Any, **kw: Any) -> Any:
+        calls.append(1)
+        return await real_wait(*args, **kw)
+
+    monkeypatch.setattr(_stage.asyncio, "wait", counting_wait)
+    torch.manual_seed(0)
+    plan = rr.StepPlan(topology=rr.Topology(stages=1), microbatches=M)
+    ex = rr.TorchStageExecutor({0: _Stage0()}, _loss, rank=0, input_fn=lambda mb: mb)
+    pipe = rr.LocalPipeline(rr.StepSchedule.build(plan, "1f1b"), [ex])
+    stage = pipe.stages[0]
+    mbs = [torch.randn(3, 4) for _ in range(M)]
+    _reset()
+
+    async def main() -> None:
+        scopes: list[anyio.CancelScope] = []
+
+        async def stepper() -> None:
+            with anyio.CancelScope() as cs:
+                scopes.append(cs)
+                await stage.run_step(mbs)
+            assert cs.cancelled_caught
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(stepper)
+            await _wait_started()
+            _release_later()
+            scopes[0].cancel()
+
+    try:
+        asyncio.run(main())
+    finally:
+        _Gate.release.set()
+        ex.close()
+    assert _Gate.ended.is_set()  # it was waited for
+    assert 1 <= len(calls) <= 2, len(calls)
