@@ -24,6 +24,27 @@ SCALING_SIZES: tuple[tuple[int, int], ...] = ((16, 128), (32, 256), (64, 512), (
 """The (stages, microbatches) of ``simulator_scaling``: 4,096 to 262,144 tasks."""
 
 
+def _timed_steps(
+    stages: int, microbatches: int, repeats: int, workload: str, jitter: float, policy: str
+) -> tuple[list[float], int]:
+    """Wall seconds of ``repeats`` simulated steps (seeds 0, 1, ...) and the tasks of one."""
+    walls = []
+    tasks = 0
+    for seed in range(repeats):
+        t = time.perf_counter()
+        res = simulate(
+            stages=stages,
+            microbatches=microbatches,
+            workload=workload,
+            jitter=jitter,
+            policy=policy,
+            seed=seed,
+        )
+        walls.append(time.perf_counter() - t)
+        tasks = sum(len(e) for e in res.executed)
+    return walls, tasks
+
+
 def simulator_wall_time(
     *,
     stages: int = 16,
@@ -36,21 +57,7 @@ def simulator_wall_time(
     """Real seconds to simulate one step, per policy (median of ``repeats``)."""
     rows = []
     for pol in policies:
-        walls = []
-        res = None
-        for i in range(repeats):
-            t = time.perf_counter()
-            res = simulate(
-                stages=stages,
-                microbatches=microbatches,
-                workload=workload,
-                jitter=jitter,
-                policy=pol,
-                seed=i,
-            )
-            walls.append(time.perf_counter() - t)
-        assert res is not None
-        tasks = sum(len(e) for e in res.executed)
+        walls, tasks = _timed_steps(stages, microbatches, repeats, workload, jitter, pol)
         med = statistics.median(walls)
         rows.append(
             {
@@ -82,20 +89,7 @@ def simulator_scaling(
     """
     rows: list[dict[str, Any]] = []
     for stages, microbatches in sizes:
-        walls = []
-        tasks = 0
-        for seed in range(repeats):
-            t = time.perf_counter()
-            res = simulate(
-                stages=stages,
-                microbatches=microbatches,
-                workload=workload,
-                jitter=jitter,
-                policy=policy,
-                seed=seed,
-            )
-            walls.append(time.perf_counter() - t)
-            tasks = sum(len(e) for e in res.executed)
+        walls, tasks = _timed_steps(stages, microbatches, repeats, workload, jitter, policy)
         med = statistics.median(walls)
         us = 1e6 * med / tasks
         rows.append(
