@@ -247,6 +247,19 @@ def lockstep_ceiling(sc: Scenario, *, samples: int = 8192, seed: int = 12345) ->
     return statistics.mean(peaks) / statistics.mean(c)
 
 
+def _scenario_fields(sc: Scenario) -> dict[str, Any]:
+    """The columns that say which scenario a row is about (every table's rows start so)."""
+    return {
+        "scenario": sc.label or f"PP{sc.pp} x M{sc.microbatches}",
+        "pp": sc.pp,
+        "tp": sc.tp,
+        "gpus": sc.gpus,
+        "microbatches": sc.microbatches,
+        "workload": sc.workload,
+        "noise": sc.noise.name,
+    }
+
+
 def run_scenario(
     sc: Scenario, configs: Sequence[Config], *, seeds: int = 2, seed0: int = 0
 ) -> list[dict[str, Any]]:
@@ -271,13 +284,7 @@ def run_scenario(
         ratios = [a / m for a, m in zip(base, ms[c], strict=True)]
         rows.append(
             {
-                "scenario": sc.label or f"PP{sc.pp} x M{sc.microbatches}",
-                "pp": sc.pp,
-                "tp": sc.tp,
-                "gpus": sc.gpus,
-                "microbatches": sc.microbatches,
-                "workload": sc.workload,
-                "noise": sc.noise.name,
+                **_scenario_fields(sc),
                 "schedule": c.schedule,
                 "hint": c.hint,
                 "chunks": c.chunks,
@@ -355,13 +362,7 @@ def coordination_rows(
         for c in configs:
             rows.append(
                 {
-                    "scenario": sc.label or f"PP{sc.pp} x M{sc.microbatches}",
-                    "pp": sc.pp,
-                    "tp": sc.tp,
-                    "gpus": sc.gpus,
-                    "microbatches": sc.microbatches,
-                    "workload": sc.workload,
-                    "noise": sc.noise.name,
+                    **_scenario_fields(sc),
                     "schedule": c.schedule,
                     "policy": c.policy,
                     "memory": None if math.isinf(c.memory) else c.memory,
