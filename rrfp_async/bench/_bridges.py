@@ -147,13 +147,10 @@ def _gloo_rank(rank: int, world: int, n: int) -> list[Row]:
     buf = torch.zeros(16, dtype=torch.float32)  # 64 bytes
     flag = torch.zeros(1, dtype=torch.int64)
 
+    from ._overhead_common import blocking_round_trip
+
     def rtt_blocking() -> None:
-        if rank == 0:
-            dist.send(buf, peer)
-            dist.recv(buf, peer)
-        else:
-            dist.recv(buf, peer)
-            dist.send(buf, peer)
+        blocking_round_trip(buf, rank, peer)
 
     def isend() -> Awaitable[None]:
         work = dist.isend(buf, peer)

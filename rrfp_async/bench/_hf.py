@@ -31,7 +31,7 @@ plain single-process forward of the whole model on the same microbatches.
 
 Emulated GPU time (``us_per_token`` > 0): every transformer block sleeps ``us_per_token``
 per token it computes (padded tokens included, as a GPU would pay them) in the forward and
-twice that in the backward, in an autograd op inside the block (``_bench_peer_stage``'s
+twice that in the backward, in an autograd op inside the block (``_peer_stage``'s
 ``_Sleep``), so both systems pay it alike. With 0 the compute is the real CPU compute only.
 """
 

@@ -3,27 +3,27 @@
 Four sections, one module each, each a function returning rows (plain dicts; nothing is
 printed here); this module gathers them for the command:
 
-* :func:`decision_latency` (``_bench_overhead_decision``) -- the policy call plus the stage's
+* :func:`decision_latency` (``_overhead_decision``) -- the policy call plus the stage's
   bookkeeping per dispatch, no compute: a real ``StageLoop`` (one rank, in-process channel)
   whose executor returns at once, on a hint whose admitted ready set holds ``k`` tasks at
   every decision; per decision = step wall time / tasks run. uvloop and asyncio, several
   policies.
-* :func:`message_cost` (``_bench_overhead_message``) -- one message through
+* :func:`message_cost` (``_overhead_message``) -- one message through
   ``channels.P2PChannel`` (header + payload, sender / listener threads, delivery to a sink
   on the loop) against a raw blocking gloo ``send``/``recv`` of the same tensor: ping-pong
   between 2 processes, one-way = round trip / 2.
-* :func:`tp_coordination` (``_bench_overhead_tp``) -- one TP decision through
+* :func:`tp_coordination` (``_overhead_tp``) -- one TP decision through
   ``channels.DecisionChannel`` (leader publishes, followers receive) against a raw blocking
   ``dist.broadcast`` of the same ``int64[6]`` on the same group, TP = 1, 2, 4 and 8
   processes; plus the coordination per step inside real ``DistributedStage``s (no
   coordination, decisions only, the all-gather check, the default folded check, side by
   side), its share of step time for tasks of 1, 5 and 20 ms, and :func:`tp_model`, the
   cost as a function of TP degree fitted to those figures.
-* :func:`split_backward_cost` (``_bench_overhead_split``) -- ``I`` + ``W`` against ``B`` on a
+* :func:`split_backward_cost` (``_overhead_split``) -- ``I`` + ``W`` against ``B`` on a
   middle stage of the example model through ``TorchStageExecutor`` tasks: real CPU compute,
   no emulated time.
 
-Timing design (the statistics live in ``_bench_overhead_common``): every figure is a median
+Timing design (the statistics live in ``_overhead_common``): every figure is a median
 over batches (a batch times many back-to-back operations, so timer and scheduling noise is
 amortised); a raw baseline runs in batches interleaved with the variant it is compared to,
 so a noisy neighbour moves both. Each multi-process part is one ``spawn`` job (gloo on

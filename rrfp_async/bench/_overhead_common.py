@@ -10,7 +10,10 @@ from __future__ import annotations
 import asyncio
 import statistics
 from collections.abc import Iterable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = [
     "CONTENDED",
@@ -29,7 +32,7 @@ CONTENDED = 3.0
 (most of them measured scheduling delays, not transport)."""
 QUANTILE = 0.1
 """Transport figures are the lower decile of short batches: on a shared machine the batches
-that no other process disturbed (see ``_bench_overhead_message.message_cost``)."""
+that no other process disturbed (see ``_overhead_message.message_cost``)."""
 
 
 def median_of(xs: Iterable[float]) -> float:
@@ -62,3 +65,16 @@ def transport_figures(raw: Sequence[float], variant: Sequence[float], per: float
 def loop_kind(loop: asyncio.AbstractEventLoop) -> str:
     """``"uvloop"`` or ``"asyncio"``: the kind of ``loop``."""
     return "uvloop" if type(loop).__module__.startswith("uvloop") else "asyncio"
+
+
+def blocking_round_trip(buf: torch.Tensor, rank: int, peer: int) -> None:
+    """One blocking gloo ping-pong of ``buf`` between ranks 0 and ``peer`` (the raw
+    transport every message figure is compared with)."""
+    import torch.distributed as dist
+
+    if rank == 0:
+        dist.send(buf, peer)
+        dist.recv(buf, peer)
+    else:
+        dist.recv(buf, peer)
+        dist.send(buf, peer)

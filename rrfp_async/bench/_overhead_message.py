@@ -13,7 +13,7 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from ._overhead_common import Row, loop_kind, transport_figures
+from ._overhead_common import Row, blocking_round_trip, loop_kind, transport_figures
 
 __all__ = ["MESSAGE_TARGET_RATIO", "message_cost"]
 
@@ -88,12 +88,7 @@ def _message_rank(
         """Blocking ping-pong of ``buf``, ``n`` round trips."""
         t = time.perf_counter()
         for _ in range(n):
-            if rank == 0:
-                dist.send(buf, peer)
-                dist.recv(buf, peer)
-            else:
-                dist.recv(buf, peer)
-                dist.send(buf, peer)
+            blocking_round_trip(buf, rank, peer)
         return time.perf_counter() - t
 
     async def main() -> list[Row]:

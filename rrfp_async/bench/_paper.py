@@ -34,7 +34,7 @@ Virtual time with a declared GPU cost model (``_costs``), not a measurement of a
   distribution alone, ``E[max of P microbatch costs] / E[cost]``.
 
 This module costs and simulates; the scenarios and configurations it runs are in
-``_bench_paper_scenarios``, the tables it prints in ``_bench_paper_report`` (both
+``_paper_scenarios``, the tables it prints in ``_paper_report`` (both
 re-exported here for the command).
 """
 

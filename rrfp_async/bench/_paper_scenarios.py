@@ -3,7 +3,7 @@ noise) and the configurations (hint, policy, memory, chunks, split, order) it ru
 
 The main grid (``default_scenarios`` x ``default_configs``) and the condition search
 (``condition_scenarios`` x ``condition_configs``); what a run of them means is in
-``_bench_paper``.
+``_paper``.
 """
 
 from __future__ import annotations

@@ -35,10 +35,10 @@ are interleaved step by step (the machine is noisy); the median over the timed s
 reported. Efficiency = a lower bound of the step (``rrfp_async.lower_bound`` of the
 realized emulated durations, no communication, no host compute) / the measured step.
 
-Where it lives: ``_bench_peer_config`` (the configuration, result rows and each step's work;
-no torch), ``_bench_peer_stage`` (``PeerStage``, its inputs and duration table,
-``TableCost``), ``_bench_peer_torch`` and ``_bench_peer_rr`` (each system's runs in a worker),
-``_bench_peer_sim`` (the same steps simulated); this module runs them interleaved in each
+Where it lives: ``_peer_config`` (the configuration, result rows and each step's work;
+no torch), ``_peer_stage`` (``PeerStage``, its inputs and duration table,
+``TableCost``), ``_peer_torch`` and ``_peer_rr`` (each system's runs in a worker),
+``_peer_sim`` (the same steps simulated); this module runs them interleaved in each
 process (``peer_worker``) and turns the ranks' results into rows (``peer_benchmark``).
 """
 

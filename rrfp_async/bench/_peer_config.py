@@ -1,7 +1,7 @@
 """What the peer benchmark runs: its configuration, its result rows, and the work of each
 step (microbatch sizes and emulated durations), computed alike by every process from the seed.
 
-Torch-free: the simulated variant (``_bench_peer_sim``) and the command's validation import
+Torch-free: the simulated variant (``_peer_sim``) and the command's validation import
 this module without loading torch.
 """
 

@@ -1,6 +1,6 @@
 """The stage module both systems run (``PeerStage``: ``Linear`` + emulated GPU time), its
 inputs and loss, the duration table it reads, the executor-side weight-gradient cost
-(``TableCost``) and the module's own host time (see the design note in ``_bench_peer``).
+(``TableCost``) and the module's own host time (see the design note in ``_peer``).
 """
 
 from __future__ import annotations
@@ -55,7 +55,7 @@ class _Sleep(torch.autograd.Function):
 
 
 class PeerStage(nn.Module):
-    """One virtual stage: ``Linear`` + emulated GPU time (see ``_bench_peer``'s design note).
+    """One virtual stage: ``Linear`` + emulated GPU time (see ``_peer``'s design note).
 
     The input is ``[1, rows, hidden + 3]``: features, then real tokens, microbatch index and
     step in every row (rows past the real tokens are padding). With ``weight_sleep=False``
@@ -134,7 +134,7 @@ class TableCost(EmulatedCost):
     """The weight-gradient share of the benchmark's emulated time, slept by a
     ``TorchStageExecutor`` after a task's real compute: W's share of the step's table for B
     and W tasks, nothing for F and I (the module sleeps those). See the design note in
-    ``_bench_peer``.
+    ``_peer``.
 
     Attributes:
         steps: The run's steps (their duration tables).
