@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import contextlib
 import io
-import json
 import math
 import os
 import re
@@ -253,25 +252,3 @@ def test_torch_pipelining_dropin_example_matches_torch() -> None:
     assert [x for x in got if x.startswith(("step ", "parameter"))] == [
         x for x in want if x.startswith(("step ", "parameter"))
     ]
-
-
-@pytest.mark.distributed
-@pytest.mark.timeout(300)
-def test_debug_slow_forward_example_is_found_by_the_trace_command(tmp_path: Path) -> None:
-    # docs/debugging.md's walk-through: the example writes logs and per-rank traces; the
-    # trace command (on the directory) names the slow task and the tasks that waited for it.
-    from click.testing import CliRunner
-
-    from rrfp_async.cli import main
-
-    lines = _run_example("debug_slow_forward.py", "--out", str(tmp_path), "--slow-mb", "5")
-    assert any("1F5 slow: 400 ms; EMULATED GPU time" in line for line in lines), lines
-    res = CliRunner().invoke(main, ["trace", str(tmp_path / "traces"), "--json"])
-    assert res.exit_code == 0, res.output
-    found = json.loads(res.output)["stalls"]
-    assert [(s["rank"], s["task"]) for s in found["slow"]] == [(1, "1F5")]
-    assert {"2:2F5", "3:3F5"} <= set(found["slow"][0]["waited_by"])
-    logs = [json.loads(x) for x in (tmp_path / "rank2.log").read_text().splitlines()]
-    assert any(
-        "2F5 <- message 1F5 from rank 1" in r.get("reason", "") for r in logs if r["step"] == 1
-    )
