@@ -131,3 +131,21 @@ def test_without_a_slow_task_no_wait_has_a_root() -> None:
     out = rr.stalls(r.trace)
     assert out["slow"] == [] and out["waits"]  # the fill and drain are waits, with no root
     assert all(w["root"] is None for w in out["waits"])
+
+
+def test_a_short_tasks_noise_is_not_slow_unless_asked() -> None:
+    # 1B1 takes 3x its kind's median, but only 0.2 ms more: under 2 % of the 10 ms step
+    # (min_share), so it did not hold the step up; with min_share=0 it is reported.
+    spans = [
+        Span(0, 0, "0F0", 0.0, 4.0e-3),
+        Span(0, 0, "0B0", 4.0e-3, 4.1e-3),
+        Span(0, 0, "0F1", 4.1e-3, 8.1e-3),
+        Span(0, 0, "0B1", 8.1e-3, 8.4e-3),
+        Span(0, 0, "0B2", 8.4e-3, 8.5e-3),
+        Span(0, 0, "0F2", 8.5e-3, 10.0e-3),
+    ]
+    tr = TraceData(spans=spans)
+    assert rr.stalls(tr)["slow"] == []
+    assert [s["task"] for s in rr.stalls(tr, min_share=0.0)["slow"]] == ["0B1"]
+    with pytest.raises(ValueError, match="min_share"):
+        rr.stalls(tr, min_share=1.0)

@@ -71,7 +71,8 @@ def stalls(
     data = trace if isinstance(trace, TraceData) else from_chrome(trace)
     if slow_factor <= 1.0 or min_wait < 0 or not 0 <= min_share < 1:
         raise ValueError(
-            f"slow_factor must be > 1 and min_wait >= 0, got {slow_factor}, {min_wait}"
+            "slow_factor must be > 1, min_wait >= 0 and 0 <= min_share < 1; got"
+            f" slow_factor={slow_factor}, min_wait={min_wait}, min_share={min_share}"
         )
     by_kind: dict[tuple[int, str], list[float]] = defaultdict(list)
     by_lane: dict[int, list[float]] = defaultdict(list)
