@@ -216,3 +216,37 @@ def test_an_anyio_scope_does_not_make_the_wait_spin(monkeypatch: pytest.MonkeyPa
         ex.close()
     assert _Gate.ended.is_set()  # it was waited for
     assert 1 <= len(calls) <= 2, len(calls)
+
+
+def test_an_executor_whose_settle_raises_is_named_in_a_note() -> None:
+    # The wait's own failure does not replace the step's error (the cancel): it is a note.
+    started = asyncio.Event()
+
+    class _Stuck:
+        async def execute(self, task: rr.Task, data: Any, ctx: rr.TaskContext, /) -> Any:
+            started.set()
+            await asyncio.sleep(30)
+
+        async def settle(self) -> None:
+            raise RuntimeError("settle broke")
+
+    plan = rr.StepPlan(topology=rr.Topology(stages=1), microbatches=M)
+    pipe = rr.LocalPipeline(rr.StepSchedule.build(plan, "1f1b"), [_Stuck()])
+    notes: list[str] = []
+
+    async def stepper() -> None:
+        try:
+            await pipe.stages[0].run_step(list(range(M)))
+        except asyncio.CancelledError as e:
+            notes.extend(getattr(e, "__notes__", []))
+            raise
+
+    async def main() -> None:
+        t = asyncio.ensure_future(stepper())
+        await started.wait()  # 0F0 is on the executor (it sleeps 30 s)
+        t.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await t
+
+    asyncio.run(main())
+    assert notes == ["rank 0 step 0: waiting for 0F0 raised RuntimeError('settle broke')"]
