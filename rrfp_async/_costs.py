@@ -191,6 +191,17 @@ class Durations:
             return 0.0
         return self._lat[task.kind][task.stage][task.mb]
 
+    def by_number(self, plan: StepPlan) -> tuple[list[float], list[float] | None]:
+        """Every task's duration and message latency indexed by its number in
+        ``plan.graph`` (latencies None without a model): the planning code's view.
+
+        The durations must be of ``plan``'s shape (``check_durations``)."""
+        kinds = plan.kinds
+        t = self._t
+        dur = [x for k in kinds for row in t[k] for x in row]
+        lat = self._lat
+        return dur, None if lat is None else [x for k in kinds for row in lat[k] for x in row]
+
     def perturbed(
         self,
         *,

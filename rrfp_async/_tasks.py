@@ -223,6 +223,9 @@ class StepPlan:
     _tasks_of: dict[int, tuple[Task, ...]] = field(
         default_factory=dict, init=False, repr=False, compare=False, hash=False
     )
+    _graph: list[TaskGraph] = field(
+        default_factory=list, init=False, repr=False, compare=False, hash=False
+    )
 
     def __post_init__(self) -> None:
         check_type("topology", self.topology, Topology, "a Topology")
@@ -356,3 +359,127 @@ class StepPlan:
     def num_tasks(self) -> int:
         """Total number of tasks in the step."""
         return self.num_virtual * self.microbatches * len(self.kinds)
+
+    @property
+    def graph(self) -> TaskGraph:
+        """The step's tasks numbered ``0 .. num_tasks - 1`` and its dependency graph as flat
+        lists over those numbers (built once, then cached): what the planning code (list
+        scheduling, hint checks, the lower bound, the stage programs) runs on."""
+        if not self._graph:
+            self._graph.append(TaskGraph(self))
+        return self._graph[0]
+
+
+class TaskGraph:
+    """A step's tasks as integers and its dependency graph as lists indexed by them.
+
+    Task ``(v, k, i)`` is number ``kind_base[k] + v * m + i`` (kinds in ``plan.kinds``
+    order): the forwards come first, virtual stage by virtual stage, then the backwards
+    (``B`` or ``I``), then the ``W`` tasks. Every list holds the same values, in the same
+    order, as the plan's per-task methods (``producers``, ``consumers``, ``data_producer``,
+    ``data_consumer``, ``rank_of``, ``tasks_of``); a test holds them equal on random plans.
+    The planning code runs on these numbers: list indexing instead of hashing a ``Task``
+    per lookup made it 2-3x faster at 64 x 512 and kept its cost per task flat as steps
+    grow (a dict of 10^5 tuples outgrows the caches).
+
+    Attributes:
+        tasks: The task of each number.
+        index: The number of each task.
+        rank: The pipeline rank of each number.
+        producers: The numbers each task depends on (``StepPlan.producers``' order).
+        consumers: The numbers that depend on each task (``StepPlan.consumers``' order).
+        data_producer: The number whose output each task consumes, or -1.
+        data_consumer: The number that consumes each task's output, or -1.
+        by_rank: Each rank's numbers in ``StepPlan.tasks_of`` order.
+        kind_base: The number of ``Task(0, kind, 0)`` for each kind of the plan.
+        num_forward: How many forwards (numbers ``0 .. num_forward - 1``).
+        num_backward: How many ``B``/``I`` tasks (the numbers after the forwards).
+    """
+
+    __slots__ = (
+        "by_rank",
+        "consumers",
+        "data_consumer",
+        "data_producer",
+        "index",
+        "kind_base",
+        "num_backward",
+        "num_forward",
+        "producers",
+        "rank",
+        "tasks",
+    )
+
+    def __init__(self, plan: StepPlan) -> None:
+        nv, m = plan.num_virtual, plan.microbatches
+        kinds = plan.kinds
+        cell = nv * m
+        self.kind_base: dict[Kind, int] = {k: j * cell for j, k in enumerate(kinds)}
+        self.tasks: tuple[Task, ...] = tuple(
+            Task(v, k, i) for k in kinds for v in range(nv) for i in range(m)
+        )
+        self.index: dict[Task, int] = {t: n for n, t in enumerate(self.tasks)}
+        stage_rank = plan.topology.stage_ranks
+        self.rank: list[int] = [stage_rank[v] for _ in kinds for v in range(nv) for _ in range(m)]
+        self.num_forward = cell
+        self.num_backward = 0 if plan.forward_only else cell
+        n = len(self.tasks)
+        prods: list[tuple[int, ...]] = [()] * n
+        cons: list[tuple[int, ...]] = [()] * n
+        dprod = [-1] * n
+        dcons = [-1] * n
+        last = nv - 1
+        b = cell  # the first B/I number
+        w = 2 * cell  # the first W number
+        split = plan.split_backward
+        ordered = plan.ordered_weights
+        fwd_only = plan.forward_only
+        for v in range(nv):
+            row = v * m
+            for i in range(m):
+                f = row + i
+                # F(v, i): after F(v-1, i); feeds F(v+1, i) and its own backward.
+                if v > 0:
+                    prods[f] = (f - m,)
+                    dprod[f] = f - m
+                if v < last:
+                    dcons[f] = f + m
+                    cons[f] = (f + m,) if fwd_only else (f + m, b + f)
+                elif not fwd_only:
+                    cons[f] = (b + f,)
+                if fwd_only:
+                    continue
+                # B/I(v, i): after F(v, i) and B/I(v+1, i); feeds B/I(v-1, i) and W(v, i).
+                bi = b + f
+                if v < last:
+                    prods[bi] = (f, bi + m)
+                    dprod[bi] = bi + m
+                else:
+                    prods[bi] = (f,)
+                if v > 0:
+                    dcons[bi] = bi - m
+                    cons[bi] = (bi - m, w + f) if split else (bi - m,)
+                elif split:
+                    cons[bi] = (w + f,)
+                if split:
+                    # W(v, i): after I(v, i) (and W(v, i-1) with ordered weights).
+                    wi = w + f
+                    if ordered and i > 0:
+                        prods[wi] = (bi, wi - 1)
+                    else:
+                        prods[wi] = (bi,)
+                    if ordered and i + 1 < m:
+                        cons[wi] = (wi + 1,)
+        self.producers: list[tuple[int, ...]] = prods
+        self.consumers: list[tuple[int, ...]] = cons
+        self.data_producer: list[int] = dprod
+        self.data_consumer: list[int] = dcons
+        self.by_rank: tuple[tuple[int, ...], ...] = tuple(
+            tuple(
+                self.kind_base[k] + v * m + i
+                for v in plan.topology.stages_of(r)
+                for k in kinds
+                for i in range(m)
+            )
+            for r in range(plan.stages)
+        )

@@ -41,7 +41,7 @@ from .._costs import Durations
 from .._errors import HintError, PlanError, RRFPError
 from .._tasks import StepPlan, Task
 from ._bounds import default_bounds, microbatches_per_round
-from ._listsched import list_schedule
+from ._listsched import list_schedule, list_schedule_keys
 from ._validate import validate_hint
 
 __all__ = [
@@ -236,26 +236,32 @@ def _declared(plan: StepPlan, durations: Durations | None) -> Durations:
 def remaining_work(plan: StepPlan, durations: Durations) -> dict[Task, float]:
     """For each task, the declared work left on its microbatch's path once it starts:
     its own duration plus every later forward and every backward still to come."""
-    nv = plan.num_virtual
-    bk = plan.backward_kind
-    out: dict[Task, float] = {}
-    for mb in range(plan.microbatches):
+    return dict(zip(plan.graph.tasks, _remaining_work(plan, durations), strict=True))
+
+
+def _remaining_work(plan: StepPlan, durations: Durations) -> list[float]:
+    """``remaining_work`` indexed by task number (``plan.graph``)."""
+    nv, m = plan.num_virtual, plan.microbatches
+    dur, _ = durations.by_number(plan)
+    cell = nv * m
+    out = [0.0] * len(dur)
+    split = plan.split_backward
+    for mb in range(m):
         # Backward chain from stage 0 upwards: work from B(v) to the end = sum_{u<=v} B(u).
         acc_b = 0.0
-        b_after: list[float] = []
-        for v in range(nv):
-            acc_b += durations.of(Task(v, bk, mb))
-            if plan.split_backward:
-                acc_b += durations.of(Task(v, "W", mb))
-            b_after.append(acc_b)
-        for v in range(nv):
-            out[Task(v, bk, mb)] = b_after[v]
-            if plan.split_backward:
-                out[Task(v, "W", mb)] = durations.of(Task(v, "W", mb))
-        acc_f = b_after[-1]
+        for v in range(0 if plan.forward_only else nv):  # a forward-only step: no backward
+            f = v * m + mb
+            acc_b += dur[cell + f]
+            if split:
+                w = dur[2 * cell + f]
+                acc_b += w
+                out[2 * cell + f] = w
+            out[cell + f] = acc_b
+        acc_f = acc_b
         for v in reversed(range(nv)):
-            acc_f += durations.of(Task(v, "F", mb))
-            out[Task(v, "F", mb)] = acc_f
+            f = v * m + mb
+            acc_f += dur[f]
+            out[f] = acc_f
     return out
 
 
@@ -272,10 +278,9 @@ def breadth_first_weighted(
     order is the hint.
     """
     d = _declared(plan, durations)
-    work = remaining_work(plan, d)
-    return list_schedule(
-        plan, d, key=lambda t: (-work[t], t.mb, t.stage), bounds=default_bounds(plan)
-    )
+    work = _remaining_work(plan, d)
+    keys = [(-w, t[2], t[0]) for w, t in zip(work, plan.graph.tasks, strict=True)]
+    return list_schedule_keys(plan, d, keys, default_bounds(plan))
 
 
 _KIND_FIRST = {"B": 0, "I": 0, "F": 1, "W": 2}

@@ -22,7 +22,7 @@ from .._costs import Durations
 from .._errors import HintError
 from .._tasks import StepPlan, Task
 
-__all__ = ["list_schedule", "strict_sweep", "strict_timeline"]
+__all__ = ["list_schedule", "list_schedule_keys", "strict_sweep", "strict_timeline"]
 
 
 def list_schedule(
@@ -43,6 +43,17 @@ def list_schedule(
     Raises:
         HintError: A bound is too small for the rank's chunks.
     """
+    return list_schedule_keys(plan, durations, [key(t) for t in plan.graph.tasks], bounds)
+
+
+def list_schedule_keys(
+    plan: StepPlan, durations: Durations, keys: Sequence[Any], bounds: Sequence[int]
+) -> dict[int, list[Task]]:
+    """``list_schedule`` with every task's key given by its number in ``plan.graph``.
+
+    Raises:
+        HintError: A bound is too small for the rank's chunks.
+    """
     p = plan.stages
     topo = plan.topology
     first_stage = [topo.stages_of(r)[0] for r in range(p)]
@@ -53,6 +64,7 @@ def list_schedule(
                 f"rank {r}: admission bound {bounds[r]} is below its {chunks[r]} chunks; a"
                 " microbatch could not pass through all of them"
             )
+    # Tasks are numbers here (``plan.graph``): lists indexed by them, not dicts of Tasks.
     # Each rank's ready tasks, in two heaps of (key, arrival, task): the first-chunk
     # forwards (``gated``), which memory admits all together or none (the test does not
     # depend on the task), and the rest (``free``), always admitted. ``arrival`` counts
@@ -60,32 +72,34 @@ def list_schedule(
     # is exactly the first task with the smallest key in arrival order: what ``min`` over
     # an arrival-ordered ready list would pick (the O(ready) scan this replaces, kept as
     # the oracle in tests/policies/test_listsched.py).
-    stage_rank = topo.stage_ranks  # rank_of as a table: looked up per task below
-    free: list[list[tuple[Any, int, Task]]] = [[] for _ in range(p)]
-    gated: list[list[tuple[Any, int, Task]]] = [[] for _ in range(p)]
+    g = plan.graph
+    rank_of, consumers, tasks = g.rank, g.consumers, g.tasks
+    m = plan.microbatches
+    nf = g.num_forward  # numbers below are forwards
+    nb = nf + g.num_backward  # numbers from nf below nb are B / I
+    dur, lat = durations.by_number(plan)
+    free: list[list[tuple[Any, int, int]]] = [[] for _ in range(p)]
+    gated: list[list[tuple[Any, int, int]]] = [[] for _ in range(p)]
     heappush, heappop = heapq.heappush, heapq.heappop
-    of, latency, consumers = durations.of, durations.latency, plan.consumers
     arrival = 0
 
-    def make_ready(t: Task) -> None:
+    def make_ready(t: int) -> None:
         nonlocal arrival
-        r = stage_rank[t[0]]
+        r = rank_of[t]
         arrival += 1
-        heap = gated[r] if t[1] == "F" and t[0] == first_stage[r] else free[r]
-        heappush(heap, (key(t), arrival, t))
+        heap = gated[r] if t < nf and t // m == first_stage[r] else free[r]
+        heappush(heap, (keys[t], arrival, t))
 
-    missing: dict[Task, int] = {}
-    producers = plan.producers
-    for t in plan.all_tasks():
-        missing[t] = len(producers(t))
-    for t, n in missing.items():
-        if n == 0:
-            make_ready(t)
+    missing = [len(x) for x in g.producers]
+    for ids in g.by_rank:  # every task in ``plan.all_tasks()`` order: the arrival order
+        for t in ids:
+            if not missing[t]:
+                make_ready(t)
     held = [0] * p
     reserved = [0] * p
     busy = [False] * p
-    order: dict[int, list[Task]] = {r: [] for r in range(p)}
-    events: list[tuple[float, int, int, Task]] = []  # (time, seq, 0=done / 1=arrive, task)
+    order: dict[int, list[int]] = {r: [] for r in range(p)}
+    events: list[tuple[float, int, int, int]] = []  # (time, seq, 0=done / 1=arrive, task)
     seq = 0
     now = 0.0
     remaining = plan.num_tasks
@@ -100,16 +114,16 @@ def list_schedule(
             t = heappop(fh)[2]
         else:
             return
-        if t[1] == "F":
+        if t < nf:
             held[r] += 1
-            if t[0] == first_stage[r]:
+            if t // m == first_stage[r]:
                 reserved[r] += chunks[r] - 1
             else:
                 reserved[r] -= 1  # a later chunk uses the slot its first chunk reserved
         busy[r] = True
         order[r].append(t)
         seq += 1
-        heappush(events, (now + of(t), seq, 0, t))
+        heappush(events, (now + dur[t], seq, 0, t))
 
     # Only a rank that an event touched (a task of its own ended, or one became ready) can
     # dispatch something it could not before; they dispatch in rank order, as all would.
@@ -123,7 +137,7 @@ def list_schedule(
             raise HintError(  # pragma: no cover - the reservation rule makes this unreachable
                 "list scheduling stalled: "
                 + ", ".join(
-                    f"rank {r} ready {[e[2] for e in free[r] + gated[r]]}" for r in range(p)
+                    f"rank {r} ready {[tasks[e[2]] for e in free[r] + gated[r]]}" for r in range(p)
                 )
             )
         # Apply every event of this instant before anyone dispatches, so that a same-time
@@ -136,16 +150,16 @@ def list_schedule(
                 missing[t] = n
                 if n == 0:
                     make_ready(t)
-                    touched.add(stage_rank[t[0]])
+                    touched.add(rank_of[t])
                 continue
-            r = stage_rank[t[0]]
+            r = rank_of[t]
             busy[r] = False
             touched.add(r)
             remaining -= 1
-            if t[1] in ("B", "I"):
+            if nf <= t < nb:
                 held[r] -= 1
-            for c in consumers(t):
-                if stage_rank[c[0]] == r:
+            for c in consumers[t]:
+                if rank_of[c] == r:
                     n = missing[c] - 1
                     missing[c] = n
                     if n == 0:
@@ -153,8 +167,8 @@ def list_schedule(
                         touched.add(r)
                 else:
                     seq += 1
-                    heappush(events, (now + latency(c), seq, 1, c))
-    return order
+                    heappush(events, (now + (lat[c] if lat is not None else 0.0), seq, 1, c))
+    return {r: [tasks[t] for t in ts] for r, ts in order.items()}
 
 
 def strict_sweep(
@@ -163,28 +177,36 @@ def strict_sweep(
     """Run every rank's hint strictly (each task as soon as it is next and its dependencies
     are done), on ``durations`` or on a unit clock.
 
+    Every task of ``hint`` must be one of the plan's (``validate_hint`` checks that first).
+
     Returns:
         ``(times, heads)``: start and end of every task that could run, and for each rank
         the position of its first task that could not (its order's length when all ran).
         A rank stuck before its end means the hint's ranks wait for each other in a cycle.
     """
     p = plan.stages
-    orders = [list(hint[r]) for r in range(p)]
+    g = plan.graph
+    index = g.index
+    orders = [[index[t] for t in hint[r]] for r in range(p)]
     heads = [0] * p
     free = [0.0] * p
-    times: dict[Task, tuple[float, float]] = {}
+    n = len(g.tasks)
+    start = [0.0] * n
+    end = [0.0] * n
+    done = bytearray(n)
+    ran: list[int] = []
     # A worklist, not repeated sweeps over every rank: a rank advances until its next task
     # waits for a producer that has not run, and is woken once that producer runs. Each
     # task's times depend only on its producers' and its rank's previous task's, so the
     # result does not depend on the order ranks advance in (the fixpoint is unique), and
     # the work is linear in the tasks (sweeping every rank until nothing moved was not).
-    waiting: dict[Task, list[int]] = {}  # a task not run yet -> ranks whose next task needs it
+    waiting: dict[int, list[int]] = {}  # a task not run yet -> ranks whose next task needs it
     todo = list(range(p - 1, -1, -1))
-    producers = plan.producers
-    stage_rank = plan.topology.stage_ranks  # rank_of as a table, looked up per task
-    latency = durations.latency if durations is not None else None
-    of = durations.of if durations is not None else None
-    times_get = times.get
+    producers, rank_of = g.producers, g.rank
+    if durations is not None:
+        dur, lat = durations.by_number(plan)
+    else:
+        dur, lat = None, None
     while todo:
         r = todo.pop()
         order = orders[r]
@@ -192,17 +214,21 @@ def strict_sweep(
         while h < len(order):
             t = order[h]
             ready = 0.0
-            for pr in producers(t):
-                te = times_get(pr)
-                if te is None:
+            for pr in producers[t]:
+                if not done[pr]:
                     waiting.setdefault(pr, []).append(r)
                     break
-                lat = latency(t) if latency is not None and stage_rank[pr[0]] != r else 0.0
-                ready = max(ready, te[1] + lat)
+                x = end[pr] + (lat[t] if lat is not None and rank_of[pr] != r else 0.0)
+                if x > ready:
+                    ready = x
             else:
-                start = max(free[r], ready)
-                free[r] = start + (of(t) if of is not None else 1.0)
-                times[t] = (start, free[r])
+                s = free[r]
+                if ready > s:
+                    s = ready
+                start[t] = s
+                free[r] = end[t] = s + (dur[t] if dur is not None else 1.0)
+                done[t] = 1
+                ran.append(t)
                 h += 1
                 woken = waiting.pop(t, None)
                 if woken is not None:
@@ -210,7 +236,8 @@ def strict_sweep(
                 continue
             break
         heads[r] = h
-    return times, heads
+    tasks = g.tasks
+    return {tasks[t]: (start[t], end[t]) for t in ran}, heads
 
 
 def strict_timeline(

@@ -51,33 +51,36 @@ class RankProgram:
     def build(cls, plan: StepPlan, rank: int, order: Sequence[Task]) -> RankProgram:
         """Flatten ``order`` (validated) into arrays."""
         order = tuple(order)
-        pos = {t: i for i, t in enumerate(order)}
+        g = plan.graph  # tasks as numbers (see TaskGraph)
+        index, tasks, rank_of = g.index, g.tasks, g.rank
+        ids = [index[t] for t in order]
+        at = dict(zip(ids, range(len(ids)), strict=True))  # number -> hint position
+        pos = dict(zip(order, range(len(order)), strict=True))
         deps = []
         local_next: list[list[int]] = [[] for _ in order]
         data_local = [-1] * len(order)
         data_remote: list[tuple[int, Task] | None] = [None] * len(order)
         src_rank = [-1] * len(order)
         first = [False] * len(order)
-        stage_rank = plan.topology.stage_ranks  # rank_of as a table, looked up per task
-        producers, data_producer = plan.producers, plan.data_producer
-        data_consumer = plan.data_consumer
-        for i, t in enumerate(order):
-            prods = producers(t)
+        producers, data_producer, data_consumer = g.producers, g.data_producer, g.data_consumer
+        stage0 = plan.microbatches  # the forwards of virtual stage 0 are numbers 0 .. M-1
+        for i, n in enumerate(ids):
+            prods = producers[n]
             deps.append(len(prods))
             for pr in prods:
-                if stage_rank[pr[0]] == rank:
-                    local_next[pos[pr]].append(i)
-            dp = data_producer(t)
-            if dp is not None and stage_rank[dp[0]] != rank:
-                src_rank[i] = stage_rank[dp[0]]
-            first[i] = t[1] == "F" and t[0] == 0
-            dc = data_consumer(t)
-            if dc is not None:
-                dst = stage_rank[dc[0]]
+                if rank_of[pr] == rank:
+                    local_next[at[pr]].append(i)
+            dp = data_producer[n]
+            if dp >= 0 and rank_of[dp] != rank:
+                src_rank[i] = rank_of[dp]
+            first[i] = n < stage0
+            dc = data_consumer[n]
+            if dc >= 0:
+                dst = rank_of[dc]
                 if dst == rank:
-                    data_local[i] = pos[dc]
+                    data_local[i] = at[dc]
                 else:
-                    data_remote[i] = (dst, dc)
+                    data_remote[i] = (dst, tasks[dc])
         return cls(
             rank=rank,
             order=order,

@@ -47,8 +47,9 @@ def validate_hint(plan: StepPlan, hint: Hint, bounds: Sequence[int] | None = Non
         raise HintError(
             f"the hint must have one order per rank 0..{p - 1}, got ranks {keys[:16]!r}"
         )
-    producers = plan.producers
-    stage_rank = plan.topology.stage_ranks  # rank_of as a table, looked up per task
+    g = plan.graph  # tasks as numbers: one hash per task, then list lookups
+    index, rank_of, producers = g.index, g.rank, g.producers
+    seen = bytearray(len(g.tasks))
     for r in range(p):
         raw: object = hint[r]
         if not is_sequence(raw):
@@ -57,26 +58,30 @@ def validate_hint(plan: StepPlan, hint: Hint, bounds: Sequence[int] | None = Non
                 + (" (parse text with rrfp_async.parse_tasks)" if isinstance(raw, str) else "")
             )
         order: list[object] = list(hint[r])
-        seen: set[Task] = set()
-        mine = set(plan.tasks_of(r))
+        count = 0
         for i, x in enumerate(order):
             # The common case in one test: a Task of plain ints that is one of this rank's
-            # (set membership compares as tuples, so 1.0 would pass for 1: hence the types).
-            if type(x) is Task and type(x.stage) is int and type(x.mb) is int and x in mine:
-                t = x
-            else:
-                t = _check_task(plan, r, i, x)
-            if t in seen:
-                raise HintError(f"rank {r}: task {t} appears twice (again at position {i})")
-            for dep in producers(t):
-                if stage_rank[dep[0]] == r and dep not in seen:
+            # (dict lookup compares as tuples, so 1.0 would pass for 1: hence the types).
+            n = None
+            if type(x) is Task and type(x.stage) is int and type(x.mb) is int:
+                n = index.get(x)
+            if n is None or rank_of[n] != r:
+                n = index[_check_task(plan, r, i, x)]
+            if seen[n]:
+                raise HintError(
+                    f"rank {r}: task {g.tasks[n]} appears twice (again at position {i})"
+                )
+            for dep in producers[n]:
+                if rank_of[dep] == r and not seen[dep]:
                     raise HintError(
-                        f"rank {r}: task {t} at position {i} comes before its dependency {dep}"
+                        f"rank {r}: task {g.tasks[n]} at position {i} comes before its"
+                        f" dependency {g.tasks[dep]}"
                     )
-            seen.add(t)
-        expected = len(plan.tasks_of(r))
-        if len(seen) != expected:
-            missing = sorted(set(plan.tasks_of(r)) - seen)
+            seen[n] = 1
+            count += 1
+        expected = len(g.by_rank[r])
+        if count != expected:
+            missing = sorted(g.tasks[n] for n in g.by_rank[r] if not seen[n])
             raise HintError(
                 f"rank {r}: the hint misses {len(missing)} task(s): {format_tasks(missing[:8])}"
                 + (" ..." if len(missing) > 8 else "")

@@ -38,7 +38,7 @@ from typing import Any, TypeVar
 from .._check import check_bool, check_int, check_real, check_type, describe
 from .._costs import CostModel, Durations, Microbatch, check_jitter
 from .._errors import PlanError
-from .._tasks import Placement, StepPlan, Task, Topology
+from .._tasks import Placement, StepPlan, Topology
 from .._workloads import make_workload
 from ..loop import ExecutedTask, StageObserver, StepStats
 from ..loop._executors import CostModelExecutor
@@ -162,14 +162,16 @@ class SimResult:
         }
 
 
-def _topo_order(plan: StepPlan) -> list[Task]:
-    """All tasks in an order where every producer comes before its consumers."""
+def _topo_order(plan: StepPlan) -> list[int]:
+    """Every task's number (``plan.graph``) in an order where producers precede consumers."""
     nv, m = plan.num_virtual, plan.microbatches
-    bk = plan.backward_kind
-    out = [Task(v, "F", i) for v in range(nv) for i in range(m)]
-    out += [Task(v, bk, i) for v in reversed(range(nv)) for i in range(m)]
+    cell = nv * m
+    out = list(range(cell))  # the forwards, stage by stage
+    if not plan.forward_only:
+        for v in reversed(range(nv)):  # the backwards, last stage first
+            out.extend(range(cell + v * m, cell + (v + 1) * m))
     if plan.split_backward:
-        out += [Task(v, "W", i) for v in range(nv) for i in range(m)]
+        out.extend(range(2 * cell, 3 * cell))  # the W tasks after all I tasks
     return out
 
 
@@ -187,36 +189,34 @@ def lower_bound(plan: StepPlan, durations: Durations) -> float:
     check_type("plan", plan, StepPlan, "a StepPlan")
     check_type("durations", durations, Durations, "Durations")
     check_durations(plan, durations)
+    g = plan.graph  # tasks as numbers: lists indexed by them (see TaskGraph)
     order = _topo_order(plan)
-    stage_rank = plan.topology.stage_ranks  # rank_of as a table, looked up per task
-    producers, consumers = plan.producers, plan.consumers
-    latency = durations.latency
-    of = durations.of
-    dur = {t: of(t) for t in order}  # each looked up five times below
-    head: dict[Task, float] = {}
+    rank_of, producers, consumers = g.rank, g.producers, g.consumers
+    dur, lat = durations.by_number(plan)
+    n = len(dur)
+    head = [0.0] * n
     for t in order:
         h = 0.0
-        r = stage_rank[t[0]]
-        for pr in producers(t):
-            x = head[pr] + dur[pr] + (latency(t) if stage_rank[pr[0]] != r else 0.0)
+        r = rank_of[t]
+        for pr in producers[t]:
+            x = head[pr] + dur[pr] + (lat[t] if lat is not None and rank_of[pr] != r else 0.0)
             if x > h:
                 h = x
         head[t] = h
-    tail: dict[Task, float] = {}
+    tail = [0.0] * n
     for t in reversed(order):
         tl = 0.0
-        r = stage_rank[t[0]]
-        for c in consumers(t):
-            x = (latency(c) if stage_rank[c[0]] != r else 0.0) + dur[c] + tail[c]
+        r = rank_of[t]
+        for c in consumers[t]:
+            x = (lat[c] if lat is not None and rank_of[c] != r else 0.0) + dur[c] + tail[c]
             if x > tl:
                 tl = x
         tail[t] = tl
     critical = max(head[t] + dur[t] + tail[t] for t in order)
     best = critical
-    for r in range(plan.stages):
-        tasks = plan.tasks_of(r)
-        busy = sum(dur[t] for t in tasks)
-        best = max(best, min(head[t] for t in tasks) + busy + min(tail[t] for t in tasks))
+    for ids in g.by_rank:
+        busy = sum(dur[t] for t in ids)
+        best = max(best, min(head[t] for t in ids) + busy + min(tail[t] for t in ids))
     return best
 
 
