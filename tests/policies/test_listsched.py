@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 from rrfp_async import StepPlan, Task, Topology
 from rrfp_async._costs import Durations
 from rrfp_async._errors import HintError
-from rrfp_async.policies import make_hint
+from rrfp_async.policies import make_hint, validate_hint
 from rrfp_async.policies._bounds import default_bounds
 from rrfp_async.policies._hints import remaining_work
 from rrfp_async.policies._listsched import list_schedule, strict_sweep
@@ -237,3 +237,45 @@ def test_strict_sweep_matches_the_sweeping_original(data: st.DataObject) -> None
     want_times, want_heads = oracle_strict_sweep(plan, hint, dur)
     assert heads == want_heads
     assert times == want_times
+
+
+@st.composite
+def locally_ordered_hints(draw: st.DrawFn, plan: StepPlan) -> dict[int, list[Task]]:
+    """Each rank's tasks in a random order that keeps its same-rank dependencies (cross-rank
+    ones ignored, so that many of these hints wait in a cycle)."""
+    hint: dict[int, list[Task]] = {}
+    for r in range(plan.stages):
+        left = list(plan.tasks_of(r))
+        done: set[Task] = set()
+        order: list[Task] = []
+        while left:
+            ok = [
+                t for t in left if all(d in done for d in plan.producers(t) if plan.rank_of(d) == r)
+            ]
+            t = ok[draw(st.integers(0, len(ok) - 1))]
+            left.remove(t)
+            done.add(t)
+            order.append(t)
+        hint[r] = order
+    return hint
+
+
+@given(data=st.data())
+def test_validate_finds_a_cycle_exactly_when_the_strict_sweep_stalls(
+    data: st.DataObject,
+) -> None:
+    # validate_hint's cycle check runs without a clock; the sweeping original is the oracle
+    # of which hints stall and where each rank stops.
+    plan = data.draw(plans())
+    hint = data.draw(locally_ordered_hints(plan))
+    times, heads = oracle_strict_sweep(plan, hint, None)
+    if len(times) == plan.num_tasks:
+        validate_hint(plan, hint)
+        return
+    with pytest.raises(HintError, match="cycle") as ei:
+        validate_hint(plan, hint)
+    for r in range(plan.stages):
+        if heads[r] == len(hint[r]):
+            assert f"rank {r}: done" in str(ei.value)
+        else:
+            assert f"rank {r}: next {hint[r][heads[r]]} waits for" in str(ei.value)
