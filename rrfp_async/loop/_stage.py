@@ -659,6 +659,7 @@ class StageLoop:
         self._now = _clock_of(loop)
         st.t_start = st.last_end = st.prefix_end = self._now()
         st.ends = [st.t_start] * n
+        st.starts = [st.t_start] * n
         for i in range(n):
             if prog.first_forward[i]:
                 st.inbox[i] = microbatches[prog.order[i].mb]
@@ -918,9 +919,9 @@ class StageLoop:
         st.ledger.finish_at(pos)
         st.finished[pos] = 1
         st.ends[pos] = t1
+        st.starts[pos] = t0
         st.version += 1
         st.executed.append(_executed((task, t0, t1)))
-        st.observed[task] = t1 - t0
         if obs is not None:
             obs.task_end(self, task, t0, t1)
         if self._hooks is not None:

@@ -285,3 +285,32 @@ def test_get_policy_errors_list_the_available_names(
     msg = str(ei.value)
     assert "registered: ['backfill', 'lateness_aware', 'mine', 'readiness_first', 'strict']" in msg
     assert "'rf' -> 'readiness_first'" in msg
+
+
+def test_view_durations_are_the_tasks_that_ended_in_the_order_they_ended() -> None:
+    # ReadyView.durations is a view of the step's state, not a dict filled per task: it
+    # must still read as one (order, membership, values, KeyError) at every decision.
+    seen: list[tuple[int, list[tuple[rr.Task, float]], list[rr.Task]]] = []
+
+    async def spy(view: rr.ReadyView) -> rr.Task:
+        d = view.durations
+        items = list(d.items())
+        assert len(d) == len(items) and list(d) == [t for t, _ in items]
+        for t in view.ready:  # ready, so not ended: no duration yet
+            assert t not in d
+            with pytest.raises(KeyError):
+                d[t]
+        assert rr.Task(99, "F", 0) not in d  # no task of this rank at all
+        seen.append((view.rank, items, list(view.ready)))
+        return view.ready[0]
+
+    res = rr.simulate(stages=3, microbatches=4, policy=spy, workload="multimodal", jitter=0.3)
+    for rank, items, _ in seen:
+        ended = {e.task: e for e in res.executed[rank]}
+        # Exactly the tasks that ended before the decision, in the order they ended, each
+        # with end - start of its record (bit for bit).
+        order = [t for t, _ in items]
+        assert order == [e.task for e in res.executed[rank]][: len(order)]
+        assert all(v == ended[t].end - ended[t].start for t, v in items)
+    last = [items for rank, items, _ in seen if rank == 0][-1]
+    assert len(last) == len(res.executed[0]) - 1
