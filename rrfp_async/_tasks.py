@@ -379,8 +379,8 @@ class TaskGraph:
     order, as the plan's per-task methods (``producers``, ``consumers``, ``data_producer``,
     ``data_consumer``, ``rank_of``, ``tasks_of``); a test holds them equal on random plans.
     The planning code runs on these numbers: list indexing instead of hashing a ``Task``
-    per lookup made it 2-3x faster at 64 x 512 and kept its cost per task flat as steps
-    grow (a dict of 10^5 tuples outgrows the caches).
+    per lookup (dicts of 10^5 tuples outgrow the caches) made it 2.0x faster at 64 x 512
+    and 2.3x at 128 x 1024 (hint, checks, programs and lower bound together; BENCHMARKS.md).
 
     Attributes:
         tasks: The task of each number.

@@ -11,7 +11,9 @@ observer); the cost-aware hint's list scheduler scanned each rank's ready list p
 dispatch and every rank per instant, and the hint check swept all ranks until nothing
 moved (now heaps and a worklist, held to the originals by oracle tests); the virtual loop
 polled its selector every iteration (now skipped in a closed simulation); the garbage
-collector's passes over the step's growing heap (now paused while a step runs).
+collector's passes over the step's growing heap (now paused while a step runs); then
+the planning code hashing ``Task`` tuples (now task numbers indexing lists:
+``StepPlan.graph``) and a dict insert per task for ``ReadyView.durations`` (now a view).
 
 Guards. Nothing outside the loop can wake a simulation (it has no real I/O), so the loop
 runs with ``stall_when_idle``: the moment nothing is scheduled while a stage still waits
