@@ -59,12 +59,13 @@ def test_tp_latency_zero_is_the_step_without_tp(cfg: dict[str, object], tp: int)
 def test_each_task_waits_for_its_decision_plus_the_latency(
     cfg: dict[str, object], lat: float
 ) -> None:
-    r = simulate(**cfg, tp=8, tp_latency=lat, tp_check=0.0)  # type: ignore[arg-type]
+    r = simulate(**cfg, tp=8, tp_latency=lat, tp_check=0.0, tp_deduce=False)  # type: ignore[arg-type]
     assert r.tp_decisions is not None and r.tp_latency == lat
     eps = 1e-9
     for rank, decisions in zip(r.executed, r.tp_decisions, strict=True):
         assert [d.task for d in decisions] == [e.task for e in rank]
         for e, d in zip(rank, decisions, strict=True):
+            assert not d.deduced
             assert d.decided <= e.start + eps  # decided before (or when) the leader dispatched
             assert d.start >= d.decided + lat - eps  # causality: the followers received it
             assert d.start >= e.start - eps
@@ -95,10 +96,59 @@ def test_a_latency_never_makes_a_fixed_order_step_faster(
     cfg: dict[str, object], lat: float, more: float
 ) -> None:
     free = simulate(**cfg).makespan  # type: ignore[arg-type]
-    low = simulate(**cfg, tp=8, tp_latency=lat, tp_check=0.0).makespan  # type: ignore[arg-type]
-    high = simulate(**cfg, tp=8, tp_latency=lat * more, tp_check=0.0).makespan  # type: ignore[arg-type]
+    tp = {"tp": 8, "tp_check": 0.0}
+    low = simulate(**cfg, **tp, tp_latency=lat, tp_deduce=False).makespan  # type: ignore[arg-type]
+    high = simulate(**cfg, **tp, tp_latency=lat * more, tp_deduce=False).makespan  # type: ignore[arg-type]
     assert free <= low + 1e-12 <= high + 2e-12
     assert low >= free + lat - 1e-9  # at least the first decision is on the critical path
+    # Deduced decisions start earlier, never later: in a fixed order that cannot slow the
+    # step (and strict chooses the ready head, so its followers deduce).
+    ded = simulate(**cfg, **tp, tp_latency=lat).makespan  # type: ignore[arg-type]
+    ded_high = simulate(**cfg, **tp, tp_latency=lat * more).makespan  # type: ignore[arg-type]
+    assert free <= ded + 1e-12 <= low + 2e-12
+    assert ded <= ded_high + 2e-12
+
+
+@given(configs(), st.sampled_from([1e-4, 1e-3, 5e-3]))
+def test_followers_deduce_exactly_the_ready_head_with_local_inputs(
+    cfg: dict[str, object], lat: float
+) -> None:
+    # A deduced task is the hint's next task and has no input message (so it is ready on
+    # every TP rank at the same decision); it starts with the leader's dispatch. Every
+    # other task waits for its decision plus the latency, as without deduction.
+    r = simulate(**cfg, tp=8, tp_latency=lat, tp_check=0.0, record=False)  # type: ignore[arg-type]
+    assert r.tp_decisions is not None and r.schedule is not None
+    eps = 1e-9
+    for rank, (ex, decisions) in enumerate(zip(r.executed, r.tp_decisions, strict=True)):
+        prog = r.schedule.program(rank)
+        started: set[int] = set()
+        for e, d in zip(ex, decisions, strict=True):
+            pos = prog.pos[e.task]
+            head = min(set(range(len(prog.order))) - started)
+            if d.deduced:
+                assert pos == head and prog.src_rank[pos] < 0, (rank, e.task)
+                assert d.start == e.start
+            else:
+                assert d.start == pytest.approx(max(e.start, d.decided + lat), abs=eps)
+            started.add(pos)
+
+
+def test_deduction_takes_the_latency_off_a_first_stage() -> None:
+    # Not vacuous: on a single stage every input is local, so every decision is deduced and
+    # coordination costs nothing; without deduction each task pays the latency.
+    kw: dict[str, object] = {"stages": 1, "microbatches": 8, "tp": 8, "tp_check": 0.0}
+    free = simulate(stages=1, microbatches=8)
+    on = simulate(**kw, tp_latency=1e-3)  # type: ignore[arg-type]
+    off = simulate(**kw, tp_latency=1e-3, tp_deduce=False)  # type: ignore[arg-type]
+    assert on.tp_decisions is not None and all(d.deduced for d in on.tp_decisions[0])
+    assert on.makespan == free.makespan
+    assert off.makespan >= free.makespan + 1e-3
+    # Four stages: the first stage's forwards and the last stage's backwards are deduced,
+    # a middle stage's tasks (an input message each) are not.
+    r = simulate(stages=4, microbatches=8, tp=8, tp_latency=1e-3, tp_check=0.0)
+    assert r.tp_decisions is not None
+    assert any(d.deduced for d in r.tp_decisions[0])
+    assert not any(d.deduced for d in r.tp_decisions[1])
 
 
 def test_the_end_of_step_check_adds_itself_and_tp_defaults_to_the_model() -> None:

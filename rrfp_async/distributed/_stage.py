@@ -168,6 +168,12 @@ class DistributedStage:
             of an all-gather after the step: a divergence is still caught in its step, and
             the agreement fails the step on every rank (see ``DecisionChannel``'s "folded
             sequence check"). False: the all-gather, on every TP rank.
+        deduce_tp: A TP follower starts, without waiting for the leader, a decision it can
+            deduce: under a policy that ``chooses_ready_head`` (every built-in one), the
+            next hinted task when it is ready with local inputs only (the first stage's
+            forwards, the last stage's backwards, ``W`` tasks). The leader's decision is
+            still checked when it arrives (``DivergenceError``). False: wait for every
+            decision (to measure that path).
         step_timeout: Watchdog per step, seconds (default 30; None disables it). A
             multi-process step must never hang: when a peer is stopped or hung, this is
             how long the others wait before they fail with a ``StepTimeoutError`` naming
@@ -227,6 +233,7 @@ class DistributedStage:
         coordinate_tp: bool = True,
         verify_tp: bool = True,
         fold_tp_check: bool = True,
+        deduce_tp: bool = True,
         step_timeout: float | None = DEFAULT_STEP_TIMEOUT,
         observer: StageObserver | None = None,
         device: torch.device | str = "cpu",
@@ -307,6 +314,7 @@ class DistributedStage:
             coordinate=coordinate_tp,
             verify_sequences=verify_tp,
             max_microbatches=max_microbatches,
+            deduce_tp=deduce_tp,
         )
         self.check_ties = check_ties
         self.agree_steps = check_bool("agree_steps", agree_steps)

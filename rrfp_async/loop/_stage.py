@@ -182,6 +182,10 @@ class StageLoop:
         flight_recorder: How many recent events (message, start, end) to keep for the
             state dump of a failed step (0: none).
         max_microbatches: The most microbatches a step may have (None: no limit).
+        deduce_tp: TP follower under a policy that ``chooses_ready_head``: start a decision
+            it can deduce (the next hinted task, ready here with local inputs only) without
+            waiting for the leader's row, and check the row when it arrives (see "Deduced
+            TP decisions" in the source). False: wait for every row (for measurement).
 
     Use ``await stage.run_step(microbatches)`` for each step, inside any running loop.
 
@@ -194,8 +198,8 @@ class StageLoop:
         PlanError: ``rank`` is not an integer in the pipeline, ``schedule`` is not a
             ``StepSchedule``, ``executor`` has no usable ``execute(task, data, ctx)``,
             ``endpoint`` has no ``bind``/``send``, ``step_timeout`` is not None or a number
-            > 0, ``flight_recorder`` is not an integer >= 0, or ``coordinate`` or
-            ``verify_sequences`` is not a bool.
+            > 0, ``flight_recorder`` is not an integer >= 0, or ``coordinate``,
+            ``verify_sequences`` or ``deduce_tp`` is not a bool.
         PolicyError: ``policy`` is neither a registered name nor a coroutine function.
     """
 
@@ -215,6 +219,7 @@ class StageLoop:
         verify_sequences: bool = True,
         flight_recorder: int = 32,
         max_microbatches: int | None = None,
+        deduce_tp: bool = True,
     ) -> None:
         check_type("schedule", schedule, StepSchedule, "a StepSchedule")
         rank = check_int("rank", rank, minimum=0, maximum=schedule.plan.stages - 1)
@@ -229,6 +234,7 @@ class StageLoop:
         flight_recorder = check_int("flight_recorder", flight_recorder, minimum=0)
         check_bool("coordinate", coordinate)
         check_bool("verify_sequences", verify_sequences)
+        check_bool("deduce_tp", deduce_tp)
         self.rank = rank
         self.schedule = schedule
         self._base = schedule  # what steps of other sizes (and eval steps) derive from
@@ -250,6 +256,9 @@ class StageLoop:
         self.coordinator = coordinator
         self.coordinate = coordinate
         self.verify_sequences = verify_sequences
+        self.deduce_tp = deduce_tp
+        #: TP follower: decisions started without waiting for the leader (deduced).
+        self.tp_deduced = 0
         self._verified: int | None = None  # the last step whose TP sequence check was posted
         self.recent: collections.deque[tuple[float, str, Task]] | None = (
             collections.deque(maxlen=flight_recorder) if flight_recorder > 0 else None
@@ -705,15 +714,47 @@ class StageLoop:
             post(step, origin if isinstance(origin, int) else None)
 
     async def _follow(self, st: StepState, coord: Coordinator) -> None:
-        """TP follower: run the leader's decisions in order, each once it is ready here."""
+        """TP follower: run the leader's decisions in order, each once it is ready here.
+
+        A decision this rank can deduce is not waited for (see "Deduced TP decisions"
+        below): its task starts at once, and the leader's row for it is checked when it has
+        arrived (at the latest before the step's sequence check)."""
         obs = self._obs
         view = self._view
         has_decision = getattr(coord, "has_decision", None)
         st.leader = getattr(coord, "leader", None)
         reason = functools.partial(st.stall_reason, self.policy_name)
+        prog = st.prog
+        order = prog.order
+        deduce = self.deduce_tp and getattr(self.policy, "chooses_ready_head", False)
+        unconfirmed: collections.deque[tuple[int, Task]] = collections.deque()
         while st.left:
             if self._failure is not None:
                 raise self._failure
+            # Check the deduced decisions whose rows have arrived (no wait).
+            while unconfirmed and has_decision is not None and has_decision(st.step):
+                seq, task = unconfirmed.popleft()
+                self._confirm(st, seq, task, await coord.receive(st.step, seq))
+            h = st.ledger.head
+            if (
+                deduce
+                and h < len(order)
+                and st.missing[h] == 0
+                and prog.src_rank[h] < 0
+                and st.ledger.admissible_at(h)
+            ):
+                # Deduced: the leader's decision st.decisions is the head (below).
+                task = order[h]
+                unconfirmed.append((st.decisions, task))
+                self.tp_deduced += 1
+                if obs is not None:
+                    obs.tp_decision(self, task, st.decisions, False)
+                    obs.decision(self, task, view.ready, self._now() - st.last_end)
+                await self._execute(st, h)
+                continue
+            while unconfirmed:  # the leader's rows come in order: the deduced ones first
+                seq, task = unconfirmed.popleft()
+                self._confirm(st, seq, task, await coord.receive(st.step, seq))
             st.leader_wait = st.decisions
             try:
                 if obs is not None and (has_decision is None or not has_decision(st.step)):
@@ -723,7 +764,7 @@ class StageLoop:
                 st.leader_wait = -1
             if obs is not None:
                 obs.tp_decision(self, task, st.decisions, False)
-            pos = st.prog.pos.get(task)
+            pos = prog.pos.get(task)
             if pos is None or st.started[pos]:
                 why = "already ran here" if pos is not None else "is not a task of this rank"
                 raise DivergenceError(
@@ -745,6 +786,36 @@ class StageLoop:
             if obs is not None:
                 obs.decision(self, task, view.ready, self._now() - st.last_end)
             await self._execute(st, pos)
+        while unconfirmed:  # every row checked before the step's sequence check
+            seq, task = unconfirmed.popleft()
+            self._confirm(st, seq, task, await coord.receive(st.step, seq))
+
+    def _confirm(self, st: StepState, seq: int, deduced: Task, got: Task) -> None:
+        """The leader's decision ``seq`` must be the task this follower deduced."""
+        if got != deduced:
+            raise DivergenceError(
+                f"rank {self.rank} step {st.step}: this TP follower deduced decision {seq} as"
+                f" {deduced} (the next hinted task, ready with local inputs only, which a"
+                f" policy that chooses the ready head must choose), but the TP leader decided"
+                f" {got}: the TP ranks run different policies, or their states diverged"
+            )
+
+    # Deduced TP decisions
+    # --------------------
+    # A follower need not wait for a decision it can compute itself. Under a policy that
+    # always runs the next hinted task when it is ready (``chooses_ready_head``, every
+    # built-in one), decision k is the head of the hint (the first task not started yet)
+    # whenever that task is ready on the leader when it decides. If the head is ready here
+    # and *all its inputs are local* (no message: ``src_rank < 0``; a first stage's
+    # forward, a last stage's backward after its forward, a ``W`` after its ``I``), it is
+    # ready on the leader too: both ran the same decisions 0..k-1, so the head is the same
+    # task, and its producers, all among those decisions, have ended on the leader (or it
+    # is the leader's running task, and the look-ahead publishes the head then). The head
+    # is always admitted (the safe sequence). So the follower starts it at once; the
+    # leader's row for decision k is still read and compared (``_confirm``: a
+    # ``DivergenceError`` if it differs), without waiting while more can be deduced, and
+    # before the step's sequence check at the latest. Tasks with a remote input are never
+    # deduced: whether the message has arrived differs between the TP ranks.
 
     # Design note
     # -----------

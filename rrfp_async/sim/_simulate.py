@@ -321,6 +321,7 @@ def simulate(
     tp: int = 1,
     tp_latency: float | None = None,
     tp_check: float | None = None,
+    tp_deduce: bool = True,
 ) -> SimResult:
     """Simulate one pipeline step on a virtual clock with the real stage-loop code.
 
@@ -365,6 +366,10 @@ def simulate(
             model ``TP_DECISION_LATENCY(tp)``; 0: free, the step is exactly the one without
             TP).
         tp_check: Seconds of end-of-step TP coordination (None: ``TP_STEP_CHECK(tp)``).
+        tp_deduce: The followers deduce the decisions they can and start those tasks
+            without the latency (``StageLoop(deduce_tp=)``: under a policy that chooses the
+            ready head, the next hinted task when its inputs are all local); False: every
+            task waits for its decision.
 
     Sizes: at most ``MAX_CELLS`` (65536) pairs ``stages x chunks x microbatches`` and
     ``MAX_CELLS_PER_RANK`` (4096) pairs ``chunks x microbatches``.
@@ -392,6 +397,7 @@ def simulate(
         check_bool("split_backward", split_backward)
     check_bool("ordered_weights", ordered_weights)
     check_bool("record", record)
+    check_bool("tp_deduce", tp_deduce)
     jitter = check_jitter("jitter", jitter)
     latency_jitter = check_jitter("latency_jitter", latency_jitter)
     latency = check_real("latency", latency, minimum=0.0)
@@ -485,7 +491,7 @@ def simulate(
         observer=observer,
     )
     if coords is not None:
-        attach(pipe.stages, coords)
+        attach(pipe.stages, coords, deduce=tp_deduce)
     stats = run_virtual(
         pipe,
         mbs,
@@ -524,7 +530,7 @@ def simulate(
         tp_decisions=None
         if coords is None
         else tuple(
-            tuple(TPDecision(d.task, d.decided - start, d.start - start) for d in c.log)
+            tuple(TPDecision(d.task, d.decided - start, d.start - start, d.deduced) for d in c.log)
             for c in coords
         ),
     )

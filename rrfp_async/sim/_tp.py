@@ -16,6 +16,10 @@ times), and models the followers faithfully on the virtual clock:
 * the stage's executor (``TPExecutor``) starts the task's compute only at ``decision +
   latency``: a decision taken when the leader's compute frees up delays the task by the
   full latency, one sent ahead is free once the running task outlasts it;
+* a decision the followers *deduce* costs no latency: under a policy that
+  ``chooses_ready_head``, the hint's next task when it is ready with local inputs only
+  (``StageLoop``'s "Deduced TP decisions"); the coordinator marks it when it is published
+  (the stage's hint head, no input message) and the executor starts it at once;
 * every stage ends the step with the end-of-step check, ``check`` seconds after its last
   task (the makespan includes it).
 
@@ -186,11 +190,13 @@ def resolve_tp(tp: int, latency: float | None, check: float | None) -> tuple[int
 class TPDecision:
     """One coordinated task of a simulated TP group: the leader took the decision at
     ``decided`` (virtual seconds), the group started the task at ``start`` (no earlier
-    than ``decided + latency``: the followers had to receive it)."""
+    than ``decided + latency``: the followers had to receive it; or, when ``deduced``, at
+    the leader's dispatch: the followers deduced the decision without receiving it)."""
 
     task: Task
     decided: float
     start: float
+    deduced: bool = False
 
 
 class SimCoordinator:
@@ -202,16 +208,31 @@ class SimCoordinator:
 
     def __init__(self) -> None:
         self.decided: dict[Task, float] = {}
+        self.deduced: set[Task] = set()  # decisions the followers deduce (no latency)
         self.log: list[TPDecision] = []
         self._clock: Any = None
+        self.stage: Any = None  # the stage loop that leads (``attach``)
 
     def begin_step(self, step: int, decisions: int) -> None:
         self.decided.clear()
+        self.deduced.clear()
         self.log.clear()
         self._clock = asyncio.get_running_loop().time
 
     def publish(self, step: int, seq: int, task: Task) -> None:
         self.decided[task] = self._clock()
+        stage = self.stage
+        if (
+            stage is not None
+            and stage.deduce_tp
+            and getattr(stage.policy, "chooses_ready_head", False)
+        ):
+            st = stage._st
+            pos = st.prog.pos[task]
+            # The followers' condition (StageLoop._follow): the head, no input message.
+            # Ready there too: they are symmetric to the leader (see the design note).
+            if pos == st.ledger.head and st.prog.src_rank[pos] < 0:
+                self.deduced.add(task)
 
     async def receive(self, step: int, seq: int) -> Task:  # pragma: no cover - leader only
         raise PlanError("a simulated TP group has no follower loops")
@@ -238,6 +259,9 @@ class TPExecutor:
         decided = coord.decided.get(task)
         if decided is None:
             raise PlanError(f"simulated TP: {task} ran without a decision (a StageLoop bug)")
+        if task in coord.deduced:  # the followers started it without the decision
+            coord.log.append(TPDecision(task, decided, loop.time(), deduced=True))
+            return await self.inner.execute(task, data, ctx)
         wait = decided + self.latency - loop.time()
         if wait > 0:
             await asyncio.sleep(wait)
@@ -253,10 +277,13 @@ def tp_executors(
     return [TPExecutor(inner, c, latency) for c in coords], coords
 
 
-def attach(stages: Sequence[Any], coords: Sequence[SimCoordinator]) -> None:
+def attach(stages: Sequence[Any], coords: Sequence[SimCoordinator], *, deduce: bool = True) -> None:
     """Make each stage loop the TP leader of its coordinator (see the design note): the
-    real look-ahead and publish code then runs on the virtual clock."""
+    real look-ahead and publish code then runs on the virtual clock. ``deduce``: the
+    followers deduce what they can (``StageLoop(deduce_tp=)``)."""
     for stage, coord in zip(stages, coords, strict=True):
+        coord.stage = stage
+        stage.deduce_tp = deduce
         stage.coordinator = coord
         stage.coordinate = True
         stage.verify_sequences = False

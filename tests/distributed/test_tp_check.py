@@ -5,7 +5,10 @@ step, on every TP rank, and the next step runs.
 The divergence is injected on the follower (TP rank 1) of a PP 1 x TP 2 stage: in step 1 it
 runs the leader's first two decisions swapped (both forwards are ready and admitted, so
 every per-decision check passes). Without the check the step would end "well" on both ranks
-(the ``unchecked`` case shows it: the test is not vacuous).
+(the ``unchecked`` case shows it: the test is not vacuous). These cases switch the
+followers' deduction off (``deduce_tp=False``): on one stage every decision is deducible,
+and the follower would catch the swap at once. The ``deduced`` case shows that: the
+follower's own deduction disagrees with the (swapped) decision it reads.
 """
 
 from __future__ import annotations
@@ -40,7 +43,8 @@ def _job(rank: int, world: int, mode: str) -> dict[str, Any]:
             policy="strict",
             step_timeout=30,
             verify_tp=mode != "unchecked",
-            fold_tp_check=mode == "folded",
+            fold_tp_check=mode in ("folded", "deduced"),
+            deduce_tp=mode == "deduced",
         ) as stage:
             ch = stage.decisions
             assert ch is not None
@@ -73,10 +77,18 @@ def _job(rank: int, world: int, mode: str) -> dict[str, Any]:
     return out
 
 
-@pytest.mark.parametrize("mode", ["folded", "gather", "unchecked"])
+@pytest.mark.parametrize("mode", ["folded", "gather", "unchecked", "deduced"])
 def test_a_divergent_tp_sequence_is_caught_in_its_step(mode: str) -> None:
     leader, follower = rr.spawn(_job, 2, mode, timeout=240)
-    assert leader["fold"] is follower["fold"] is (mode == "folded")
+    assert leader["fold"] is follower["fold"] is (mode in ("folded", "deduced"))
+    if mode == "deduced":
+        for got in (leader, follower):
+            assert got["ok"] == [0, 2], got  # caught in step 1 exactly; step 2 runs
+        kind, _, text = follower["errors"][BAD]
+        assert kind == "DivergenceError", follower
+        assert "deduced decision 0 as 0F0" in text and "the TP leader decided 0F1" in text
+        assert leader["errors"][BAD][:2] == ("PeerStepError", 1), leader
+        return
     if mode == "unchecked":
         # Not vacuous: the swap really made the sequences differ, and nothing noticed.
         assert leader["ok"] == follower["ok"] == [0, 1, 2], (leader, follower)

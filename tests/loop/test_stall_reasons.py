@@ -232,6 +232,7 @@ def test_a_tp_followers_stall_events_say_it_waits_for_the_leader_only_when_it_do
         coordinator=_Follower(list(zip(times, order, strict=True))),
         verify_sequences=False,
         observer=rr.LogObserver(),
+        deduce_tp=False,  # every input is local: it would deduce them all (test_tp_deduce)
     )
     with capture_logs() as logs:
         run_virtual(stage.run_step([0, 1]))
