@@ -125,12 +125,12 @@ def test_tp_coordination_rows() -> None:
     for row in rows:  # one entry per task length, every variant's step timed
         assert [p["compute_ms"] for p in row["steps"]] == [1.0, 2.0]
         for p in row["steps"]:
-            for v in ("off", "dec", "gather", "on"):
+            for v in ("off", "dec", "gather", "wait", "on"):
                 assert p[f"step_{v}_ms"] >= 4 * p["compute_ms"], (v, p)
     model = ov.tp_model(rows, predict=(8,))
     terms = {t["key"]: t for t in model["terms"]}
     # Per-step terms are fitted on TP 1 and 2; per-decision ones need two TP sizes >= 2.
-    assert "first_delay_us" in terms and "channel_us" not in terms
-    assert set(terms["first_delay_us"]["measured"]) == {1, 2}
-    assert terms["first_delay_us"]["loo"] == []  # leave-one-out needs three sizes
+    assert "wait_first_us" in terms and "channel_us" not in terms
+    assert set(terms["wait_first_us"]["measured"]) == {1, 2}
+    assert terms["wait_first_us"]["loo"] == []  # leave-one-out needs three sizes
     assert {x["tp"] for x in model["share"]} == {1, 2, 8}

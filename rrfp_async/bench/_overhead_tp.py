@@ -62,11 +62,15 @@ class _SleepExecutor:
             self.worker.close()
 
 
-_VARIANTS = ("off", "dec", "gather", "on")
+_VARIANTS = ("off", "dec", "gather", "wait", "on")
 """Stages run side by side, steps alternating: ``off`` no TP coordination at all
 (``coordinate_tp=False, verify_tp=False``), ``dec`` decisions only (``verify_tp=False``),
 ``gather`` decisions and the end-of-step sequence check as an all-gather
-(``fold_tp_check=False``), ``on`` the default (the check folded into the decisions)."""
+(``fold_tp_check=False``), ``wait`` decisions and the folded check, every decision waited
+for (``deduce_tp=False``), ``on`` the default (the followers deduce what they can). ``dec``
+and ``gather`` wait for every decision too: with ``wait`` they price the decision path, the
+one a task with an input message takes. On this benchmark's single stage every input is
+local, so ``on`` deduces every decision (see ``StageLoop``'s "Deduced TP decisions")."""
 
 
 class _TimedSleepExecutor(_SleepExecutor):
@@ -110,6 +114,7 @@ def _tp_rank(
     # (a follower's listener takes every decision sent on its group).
     groups_of = {"off": groups, "on": groups, "dec": build_groups(layout)}
     groups_of["gather"] = build_groups(layout)
+    groups_of["wait"] = build_groups(layout)
     group = groups.decisions
     leader = layout.tp_ranks()[0]
     buf = torch.zeros(6, dtype=torch.int64)  # the size of a decision
@@ -177,8 +182,9 @@ def _tp_rank(
                     groups=groups_of[variant],
                     policy="readiness_first",
                     coordinate_tp=variant != "off",
-                    verify_tp=variant in ("on", "gather"),
-                    fold_tp_check=variant == "on",
+                    verify_tp=variant in ("on", "gather", "wait"),
+                    fold_tp_check=variant in ("on", "wait"),
+                    deduce_tp=variant == "on",
                     step_timeout=60.0,
                 )
 
@@ -186,9 +192,10 @@ def _tp_rank(
                 make("off") as off,
                 make("dec") as dec,
                 make("gather") as gather,
+                make("wait") as wait,
                 make("on") as on,
             ):
-                stages = {"off": off, "dec": dec, "gather": gather, "on": on}
+                stages = {"off": off, "dec": dec, "gather": gather, "wait": wait, "on": on}
                 k = len(_VARIANTS)
                 for s in range(steps + 1):
                     # Rotate the order, so that no variant always follows the same one.
@@ -239,30 +246,38 @@ def _pairs(per_rank: Sequence[dict[str, Any]], get: Any) -> dict[str, list[list[
 
 def _step_figures(t: dict[str, list[list[float]]], compute_ms: float) -> Row:
     """The per-step figures of one task length from paired steps (medians of differences
-    over step triples: off, decisions only, on)."""
-    off, dec, gat, on = t["off"], t["dec"], t["gather"], t["on"]
-    z = list(zip(off, dec, gat, on, strict=True))
+    over step tuples: off, decisions only, all-gather check, waited, default)."""
+    off, dec, gat, wai, on = t["off"], t["dec"], t["gather"], t["wait"], t["on"]
+    z = list(zip(off, dec, gat, wai, on, strict=True))
     return {
         "compute_ms": compute_ms,
         "step_off_ms": 1e3 * median_of(x[0] for x in off),
         "step_dec_ms": 1e3 * median_of(x[0] for x in dec),
         "step_gather_ms": 1e3 * median_of(x[0] for x in gat),
+        "step_wait_ms": 1e3 * median_of(x[0] for x in wai),
         "step_on_ms": 1e3 * median_of(x[0] for x in on),
-        "cost_us": 1e6 * median_of(c[0] - a[0] for a, _, _, c in z),
-        "gather_cost_us": 1e6 * median_of(g[0] - a[0] for a, _, g, _ in z),
-        "decisions_cost_us": 1e6 * median_of(b[0] - a[0] for a, b, _, _ in z),
-        "check_cost_us": 1e6 * median_of(c[0] - b[0] for _, b, _, c in z),
-        "gather_check_us": 1e6 * median_of(g[0] - b[0] for _, b, g, _ in z),
-        "first_delay_us": 1e6 * median_of(c[1] - a[1] for a, _, _, c in z),
-        "end_cost_us": 1e6 * median_of(c[2] - a[2] for a, _, _, c in z),
-        "gather_end_us": 1e6 * median_of(g[2] - a[2] for a, _, g, _ in z),
-        "share": median_of((c[0] - a[0]) / c[0] for a, _, _, c in z),
-        "gather_share": median_of((g[0] - a[0]) / g[0] for a, _, g, _ in z),
+        "cost_us": 1e6 * median_of(c[0] - a[0] for a, _, _, _, c in z),
+        "wait_cost_us": 1e6 * median_of(w[0] - a[0] for a, _, _, w, _ in z),
+        "gather_cost_us": 1e6 * median_of(g[0] - a[0] for a, _, g, _, _ in z),
+        "decisions_cost_us": 1e6 * median_of(b[0] - a[0] for a, b, _, _, _ in z),
+        "check_cost_us": 1e6 * median_of(w[0] - b[0] for _, b, _, w, _ in z),
+        "gather_check_us": 1e6 * median_of(g[0] - b[0] for _, b, g, _, _ in z),
+        "first_delay_us": 1e6 * median_of(c[1] - a[1] for a, _, _, _, c in z),
+        "wait_first_us": 1e6 * median_of(w[1] - a[1] for a, _, _, w, _ in z),
+        "end_cost_us": 1e6 * median_of(c[2] - a[2] for a, _, _, _, c in z),
+        "wait_end_us": 1e6 * median_of(w[2] - a[2] for a, _, _, w, _ in z),
+        "gather_end_us": 1e6 * median_of(g[2] - a[2] for a, _, g, _, _ in z),
+        "share": median_of((c[0] - a[0]) / c[0] for a, _, _, _, c in z),
+        "wait_share": median_of((w[0] - a[0]) / w[0] for a, _, _, w, _ in z),
+        "gather_share": median_of((g[0] - a[0]) / g[0] for a, _, g, _, _ in z),
         "samples": {
-            "cost": [c[0] - a[0] for a, _, _, c in z],
-            "gather": [g[0] - a[0] for a, _, g, _ in z],
-            "first": [c[1] - a[1] for a, _, _, c in z],
-            "end": [c[2] - a[2] for a, _, _, c in z],
+            "cost": [c[0] - a[0] for a, _, _, _, c in z],
+            "wait": [w[0] - a[0] for a, _, _, w, _ in z],
+            "gather": [g[0] - a[0] for a, _, g, _, _ in z],
+            "first": [c[1] - a[1] for a, _, _, _, c in z],
+            "wait_first": [w[1] - a[1] for a, _, _, w, _ in z],
+            "end": [c[2] - a[2] for a, _, _, _, c in z],
+            "wait_end": [w[2] - a[2] for a, _, _, w, _ in z],
         },
     }
 
@@ -291,29 +306,34 @@ def tp_coordination(
       decisions, ``batches`` interleaved batches; lower deciles as in ``message_cost``
       (medians and paired ratios too); ``ratio`` = channel / raw.
     * per step, inside real ``DistributedStage``s (1-stage 1F1B plan, ``microbatches``
-      microbatches, so ``2 x microbatches`` decisions a step): three stages side by side,
-      their steps alternating (order rotating) -- no coordination (``off``), decisions only
-      (``dec``), the default (``on``: decisions and the end-of-step sequence check). With
+      microbatches, so ``2 x microbatches`` decisions a step): the stages of ``_VARIANTS``
+      side by side, their steps alternating (order rotating) -- no coordination (``off``),
+      decisions only (``dec``), the all-gather check (``gather``), every decision waited
+      for (``wait``, whose figures are prefixed ``wait_``), the default (``on``: deduced
+      decisions, the end-of-step sequence check folded into the decisions). With
       no-op tasks, ``stage_us`` = (on - off) / decisions; then for each task length of
       ``computes_ms`` (tasks sleeping on a compute thread, like ``TorchStageExecutor``'s
       emulated GPU time), medians over the step triples of the slowest rank's: ``cost_us``
-      (on - off step time), ``decisions_cost_us`` (dec - off), ``check_cost_us`` (on -
-      dec), ``first_delay_us`` (when the first task started, on - off: the followers wait
-      for the first decision), ``end_cost_us`` (step end after the last task, on - off),
-      ``share`` ((on - off) / on). At TP 1 there is nothing to coordinate: its figures are
-      the noise floor of the pairing.
+      (on - off step time), ``wait_cost_us`` (wait - off), ``decisions_cost_us`` (dec -
+      off), ``check_cost_us`` (wait - dec: the folded check), ``first_delay_us`` (when the
+      first task started, on - off), ``wait_first_us`` (the same, wait - off: the
+      followers wait for the first decision), ``end_cost_us`` / ``wait_end_us`` (step end
+      after the last task), ``share`` ((on - off) / on), ``wait_share``. At TP 1 there
+      is nothing to coordinate: its figures are the noise floor of the pairing.
     * pooled over the task lengths (what ``tp_model`` fits): ``first_delay_us``,
-      ``end_cost_us``; ``step_cost_us`` and ``gather_step_cost_us`` (the all-gather check)
-      over tasks of ``compute_ms`` and longer, where the look-ahead hides each decision's
-      latency behind the running task; ``share_measured`` etc. at ``compute_ms`` (the
-      target's).
+      ``wait_first_us``, ``end_cost_us``, ``wait_end_us``; ``step_cost_us``,
+      ``wait_step_cost_us`` and ``gather_step_cost_us`` (the all-gather check) over tasks
+      of ``compute_ms`` and longer, where the look-ahead hides each decision's latency
+      behind the running task; ``share_measured`` / ``wait_share_measured`` at
+      ``compute_ms`` (the target's).
 
     Returns:
         One row per TP size: ``{tp, decisions, raw_us, channel_us, ratio, raw_median_us,
         channel_median_us, ratio_paired, contended, stage_us, stage_coord_us,
         stage_uncoord_us, compute_ms, share, steps: [per task length], step_cost_us,
-        first_delay_us, end_cost_us, check_cost_us, step_coord_ms, step_uncoord_ms,
-        share_measured, step_decisions, published, target_ratio, met_ratio, met_share}``
+        wait_step_cost_us, first_delay_us, wait_first_us, end_cost_us, wait_end_us,
+        check_cost_us, step_coord_ms, step_uncoord_ms, share_measured,
+        wait_share_measured, step_decisions, published, target_ratio, met_ratio, met_share}``
         (per-decision figures None at TP 1).
     """
     from ..distributed._spawn import spawn
@@ -349,12 +369,13 @@ def tp_coordination(
         off = median_of(x[0] for x in noop["off"])
         per = [_step_figures(_pairs(res, lambda r, c=c: r["busy"][c / 1e3]), c) for c in computes]
         pooled = {
-            k: [x for p in per for x in p["samples"][k]] for k in ("cost", "gather", "first", "end")
+            k: [x for p in per for x in p["samples"][k]]
+            for k in ("cost", "wait", "gather", "first", "wait_first", "end", "wait_end")
         }
         # The step's total: tasks of compute_ms and longer only, where the look-ahead hides
         # the per-decision latency (shorter tasks pay it per decision: see their rows).
         long = [p for p in per if p["compute_ms"] >= compute_ms]
-        for k in ("cost", "gather"):
+        for k in ("cost", "wait", "gather"):
             pooled[k] = [x for p in long for x in p["samples"][k]]
         head = next(p for p in per if p["compute_ms"] == compute_ms)
         for p in per:
@@ -367,13 +388,17 @@ def tp_coordination(
                 "compute_ms": compute_ms,
                 "steps": per,
                 "step_cost_us": 1e6 * median_of(pooled["cost"]),
+                "wait_step_cost_us": 1e6 * median_of(pooled["wait"]),
                 "gather_step_cost_us": 1e6 * median_of(pooled["gather"]),
                 "first_delay_us": 1e6 * median_of(pooled["first"]),
+                "wait_first_us": 1e6 * median_of(pooled["wait_first"]),
                 "end_cost_us": 1e6 * median_of(pooled["end"]),
+                "wait_end_us": 1e6 * median_of(pooled["wait_end"]),
                 "check_cost_us": median_of(p["check_cost_us"] for p in per),
                 "step_coord_ms": head["step_on_ms"],
                 "step_uncoord_ms": head["step_off_ms"],
                 "share_measured": head["share"],
+                "wait_share_measured": head["wait_share"],
                 "step_decisions": d,
                 "published": res[0]["published"],
                 "target_ratio": TP_TARGET_RATIO,
@@ -388,11 +413,13 @@ def tp_coordination(
 _TERMS = (
     ("channel_us", "per decision: DecisionChannel", 2),
     ("raw_us", "per decision: raw broadcast", 2),
-    ("first_delay_us", "per step: first-task delay", 1),
-    ("end_cost_us", "per step: end of step", 1),
-    ("step_cost_us", "per step: total (on - off), long tasks", 1),
+    ("wait_first_us", "per step: first-task delay, decision waited for", 1),
+    ("wait_end_us", "per step: end of step, decisions waited for", 1),
+    ("wait_step_cost_us", "per step: total, every decision waited for, long tasks", 1),
     ("gather_step_cost_us", "per step: total with the all-gather check, long tasks", 1),
 )
+"""The model's terms: the decision path (every decision waited for), which a task with an
+input message takes; deduced decisions (this benchmark's single stage) cost less."""
 
 
 def tp_model(
@@ -404,12 +431,14 @@ def tp_model(
 ) -> Row:
     """The model of TP coordination fitted to ``tp_coordination``'s rows.
 
-    Each term (per decision: the channel, the raw broadcast, fitted on TP >= 2; per step:
-    first-task delay, end of step, total, fitted on every TP measured, TP 1 being the
-    pairing's noise floor) is fitted as ``a + b * log2(tp)`` and ``a + b * (tp - 1)``
-    (``sim.fit_tp_term``: the smaller RMS residual wins), then checked leave-one-out: fit
-    on the other TP sizes, predict each measured one (``error`` = predicted / measured -
-    1; target within ``TP_MODEL_TOLERANCE`` at TP 2/4/8).
+    Each term (per decision: the channel, the raw broadcast, fitted on TP >= 2; per step,
+    with every decision waited for (the path of a task with an input message; a deduced
+    decision costs less): first-task delay, end of step, total, fitted on every TP
+    measured, TP 1 being the pairing's noise floor) is fitted as ``a + b * log2(tp)`` and
+    ``a + b * (tp - 1)`` (``sim.fit_tp_term``: the smaller RMS residual wins), then
+    checked leave-one-out: fit on the other TP sizes, predict each measured one
+    (``error`` = predicted / measured - 1; target within ``TP_MODEL_TOLERANCE`` at TP
+    2/4/8).
 
     Returns:
         ``{terms: [{key, name, form, a_us, b_us, residual_us, other_form,
@@ -462,7 +491,7 @@ def tp_model(
             }
         )
     shares = []
-    total = fitted.get("step_cost_us")
+    total = fitted.get("wait_step_cost_us")
     if total is not None:
         for tp in sorted({*(r["tp"] for r in rows), *predict}):
             for d in step_decisions:

@@ -301,20 +301,23 @@ def _tp_step_table(rows: Rows) -> Table:
 
     t = table(
         "TP coordination per step, µs (slowest rank, median over paired steps of 16"
-        " decisions): default (check folded into the decisions) and with the all-gather"
-        " check, against no coordination; target at TP 8, 5 ms tasks:"
+        " decisions): the default (followers deduce; here every input is local, so every"
+        " decision), every decision waited for (a task with an input message), and with the"
+        " all-gather check, against no coordination; target at TP 8, 5 ms tasks:"
         f" < {TP_STEP_SHARE_TARGET:.0%}",
         (
             "TP",
             "task ms",
             "step ms (off)",
-            "cost",
+            "default: cost",
+            "first task",
+            "share",
+            "waited: cost",
             "first task",
             "end of step",
             "decisions only",
             "share",
             "all-gather: cost",
-            "end",
             "share",
         ),
     )
@@ -326,19 +329,22 @@ def _tp_step_table(rows: Rows) -> Table:
                 f"{p['step_off_ms']:.1f}",
                 f"{p['cost_us']:.0f}",
                 f"{p['first_delay_us']:.0f}",
-                f"{p['end_cost_us']:.0f}",
-                f"{p['decisions_cost_us']:.0f}",
                 f"{p['share']:.2%}",
+                f"{p['wait_cost_us']:.0f}",
+                f"{p['wait_first_us']:.0f}",
+                f"{p['wait_end_us']:.0f}",
+                f"{p['decisions_cost_us']:.0f}",
+                f"{p['wait_share']:.2%}",
                 f"{p['gather_cost_us']:.0f}",
-                f"{p['gather_end_us']:.0f}",
                 f"{p['gather_share']:.2%}",
             )
     t.caption = (
-        "four DistributedStages side by side, steps alternating (order rotating): no"
-        " coordination, decisions only, decisions + all-gather check (fold_tp_check=False),"
-        " the default; cost = step time - no coordination's; first task: when the first"
-        " task started (the followers wait for the first decision); end of step: after the"
-        " last task; share = cost / step time; TP 1: the pairing's noise floor"
+        "five DistributedStages side by side, steps alternating (order rotating): no"
+        " coordination; decisions only; decisions + all-gather check (fold_tp_check=False);"
+        " decisions + folded check, every decision waited for (deduce_tp=False); the"
+        " default (deduced decisions start at once). cost = step time - no coordination's;"
+        " first task: when the first task started; end of step: after the last task;"
+        " share = cost / step time; TP 1: the pairing's noise floor"
     )
     return t
 
