@@ -34,6 +34,8 @@ class StepStats:
         max_inflight: The admission bound.
         decisions: Number of dispatch decisions (= tasks).
         deviations: Decisions that ran a task other than the next hinted one.
+        tp_deduced: On a TP follower, decisions it deduced instead of waiting for the
+            leader's (``StageLoop(deduce_tp=)``); 0 elsewhere.
         losses: On the rank of the last virtual stage, each microbatch's loss (what the
             loss function returned, unscaled) in microbatch order, when the executor
             reports them (``TorchStageExecutor``); else None.
@@ -52,6 +54,7 @@ class StepStats:
     max_inflight: int
     decisions: int
     deviations: int
+    tp_deduced: int = 0
     losses: tuple[float, ...] | None = None
     outputs: tuple[Any, ...] | None = None
 

@@ -747,8 +747,8 @@ class StageLoop:
                 task = order[h]
                 unconfirmed.append((st.decisions, task))
                 self.tp_deduced += 1
-                if obs is not None:
-                    obs.tp_decision(self, task, st.decisions, False)
+                st.deduced += 1
+                if obs is not None:  # its tp_decision event: when its row is read (_confirm)
                     obs.decision(self, task, view.ready, self._now() - st.last_end)
                 await self._execute(st, h)
                 continue
@@ -792,6 +792,8 @@ class StageLoop:
 
     def _confirm(self, st: StepState, seq: int, deduced: Task, got: Task) -> None:
         """The leader's decision ``seq`` must be the task this follower deduced."""
+        if self._obs is not None:
+            self._obs.tp_decision(self, got, seq, False)
         if got != deduced:
             raise DivergenceError(
                 f"rank {self.rank} step {st.step}: this TP follower deduced decision {seq} as"
@@ -1032,6 +1034,7 @@ class StageLoop:
             max_inflight=st.ledger.bound,
             decisions=st.decisions,
             deviations=st.deviations,
+            tp_deduced=st.deduced,
         )
 
     # ------------------------------------------------------------------ introspection

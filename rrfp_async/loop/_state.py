@@ -42,6 +42,7 @@ class StepState:
     executed: list[ExecutedTask] = field(default_factory=list)
     decisions: int = 0
     deviations: int = 0
+    deduced: int = 0  # TP follower: decisions deduced, not waited for
     t_start: float = 0.0
     last_end: float = 0.0
     adm_cache: tuple[int, list[int]] = (-1, [])

@@ -385,6 +385,7 @@ class LogObserver:
             idle=stats.idle,
             peak_inflight=stats.peak_inflight,
             deviations=stats.deviations,
+            tp_deduced=stats.tp_deduced,
         )
         unbind_contextvars("rank", "stage", "step", "task")
 

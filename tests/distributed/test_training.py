@@ -149,6 +149,11 @@ def test_tp_coordination_keeps_results_equal() -> None:
     ref = _reference(cfg)
     assert _max_diff(_params(results, 0, cfg), ref) <= 1e-5
     assert _deviations(results, 0) > 0
+    # The followers deduced some decisions (the first stage's forwards, the last stage's
+    # backwards) and waited for others; the results are equal either way.
+    stats = [s for per_rank in results for s in per_rank[0].stats]
+    assert sum(s.tp_deduced for s in stats) > 0
+    assert sum(s.tp_deduced for s in stats) < sum(s.decisions for s in stats) / 2
 
 
 def test_data_parallel_replicas_average_gradients() -> None:

@@ -59,7 +59,7 @@ def test_local_inputs_start_without_the_leaders_row_and_every_row_is_read() -> N
     with capture_logs() as logs:
         stats, end = run_virtual(_timed(stage))
     assert _starts(stats) == {"0F0": 0.0, "0F1": 1.0, "0B0": 2.0, "0B1": 4.0}
-    assert stage.tp_deduced == 4
+    assert stage.tp_deduced == stats.tp_deduced == 4
     assert end == 9.0  # the last row was waited for before run_step returned
     assert not [e for e in logs if e["event"] == ev.STALL]
     # Without deduction the first task waits for its row (t = 2): not vacuous.
