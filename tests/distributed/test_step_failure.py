@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 import rrfp_async as rr
+from tests.distributed._linear import WIDTH, batches, check_params, loss, reference
 
 pytestmark = [
     pytest.mark.distributed,
@@ -29,7 +30,6 @@ pytestmark = [
 
 STEPS, M, FAILED = 5, 4, 1
 STEP_TIMEOUT = 20.0
-WIDTH = 4
 VICTIM = {2: {"raise": 1, "cancel": 1, "refuse": 1}, 3: {"raise": 1, "cancel": 2, "refuse": 1}}
 """World size -> scenario -> the rank whose step 1 fails (a middle rank: the ABORT travels
 both ways; the last rank: it travels two hops)."""
@@ -55,13 +55,8 @@ class _Stage(nn.Module):
         return torch.tanh(self.lin(x))
 
 
-def _loss(out: torch.Tensor, mb: torch.Tensor) -> torch.Tensor:
-    return (out - mb).pow(2).mean()
-
-
 def _batches() -> list[list[torch.Tensor]]:
-    g = torch.Generator().manual_seed(7)
-    return [[torch.randn(3, WIDTH, generator=g) for _ in range(M)] for _ in range(STEPS)]
+    return batches(7, STEPS, M)
 
 
 def _scenario(rank: int, world: int, which: str) -> dict[str, Any]:
@@ -70,7 +65,7 @@ def _scenario(rank: int, world: int, which: str) -> dict[str, Any]:
     victim = VICTIM[world][which]
     mod = _Stage(rank)
     opt = torch.optim.SGD(mod.parameters(), lr=0.1)
-    ex = rr.TorchStageExecutor({rank: mod}, _loss, rank=rank)
+    ex = rr.TorchStageExecutor({rank: mod}, loss, rank=rank)
     plan = rr.StepPlan(topology=rr.Topology(stages=world), microbatches=M)
     stage = rr.DistributedStage(
         layout, rr.StepSchedule.build(plan, "1f1b"), ex, groups=groups, step_timeout=STEP_TIMEOUT
@@ -132,30 +127,7 @@ def _worker(rank: int, world: int) -> dict[str, Any]:
 
 def _reference(world: int, skip: int | None) -> list[dict[str, torch.Tensor]]:
     """One process, every stage composed, trained on every step but ``skip``."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)  # like every spawned rank
-    try:
-        mods = [_Stage(r) for r in range(world)]
-        opt = torch.optim.SGD([p for m in mods for p in m.parameters()], lr=0.1)
-        for k, mbs in enumerate(_batches()):
-            if k == skip:
-                continue
-            for mb in mbs:  # accumulated in microbatch order, as 1F1B's backwards run
-                x = mb
-                for m in mods:
-                    x = m(x)
-                (_loss(x, mb) / M).backward()
-            opt.step()
-            opt.zero_grad()
-        return [{k: v.detach().clone() for k, v in m.state_dict().items()} for m in mods]
-    finally:
-        torch.set_num_threads(n)
-
-
-def _check_params(res: list[dict[str, Any]], ref: list[dict[str, torch.Tensor]]) -> None:
-    for rank, r in enumerate(res):
-        for k, v in r["params"].items():
-            assert torch.allclose(v, ref[rank][k], rtol=0, atol=1e-6), (rank, k)
+    return reference([_Stage(r) for r in range(world)], _batches(), skip)
 
 
 @pytest.mark.parametrize("world", [2, 3])
@@ -184,7 +156,7 @@ def test_a_step_that_fails_on_one_rank_fails_on_every_rank_and_the_next_runs(wor
             # forward it runs (0.6 s) before it sees the failure.
             assert took < 5.0, (which, rank, took)
             assert r["late"] == 0
-        _check_params(runs, skipped)
+        check_params(runs, skipped)
     # A refused concurrent call changes nothing: every step runs on every rank.
     victim = VICTIM[world]["refuse"]
     runs = [r["refuse"] for r in res]
@@ -192,4 +164,4 @@ def test_a_step_that_fails_on_one_rank_fails_on_every_rank_and_the_next_runs(wor
         assert r["steps"] == list(range(STEPS)) and r["errors"] == {}, (rank, r)
     assert "run_step is already running step 1" in runs[victim]["refused"], runs[victim]
     assert "This call changed nothing" in runs[victim]["refused"]
-    _check_params(runs, _reference(world, None))
+    check_params(runs, _reference(world, None))
