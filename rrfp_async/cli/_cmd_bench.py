@@ -31,7 +31,7 @@ from ._options import (
     steps_option,
     tp_option,
 )
-from ._output import CleanErrorsGroup, console, table
+from ._output import CleanErrorsGroup, console, speedup_table, table
 
 __all__ = ["bench"]
 
@@ -174,26 +174,16 @@ def bench_pipeline(
         seed=seed,
     )
     base = names[0]
-    t = table(
+    t = speedup_table(
         f"{stages * tp} processes (PP={stages}, TP={tp}), {microbatches} microbatches,"
         f" hint {hint}, memory x{memory_factor or 1:g}, multimodal: real CPU compute"
         " + EMULATED GPU time (declared cost model, jitter"
         f" {jitter}); gloo on 127.0.0.1; {steps} timed steps per policy, speedup ="
         f" {base}'s step i / the policy's step i, median and min–max over the paired steps",
-        (
-            "policy",
-            f"step s\n(median\nof {steps})",
-            f"speedup\n(median\nof {steps})",
-            f"min–max\n(of {steps})",
-            "verdict",
-        ),
-        left={"policy", "verdict"},
-        whole={"policy"},
-    )
-    t.caption = (
-        "a step: the slowest rank, from a common barrier; the policies take their steps in"
-        " turn (step i of each, in a rotating order), so the pairing removes the"
-        " microbatches' variation and drift of the machine's load, not noise within a step"
+        [(n, res["policies"][n]["median_s"], res["policies"][n]["vs_first"]) for n in names],
+        steps=steps,
+        microbatches=microbatches,
+        base=base,
     )
     what = table(
         f"what each policy did over the {steps} timed steps (all ranks)",
@@ -203,14 +193,6 @@ def bench_pipeline(
     )
     for n in names:
         r = res["policies"][n]
-        vs = r["vs_first"]
-        t.add_row(
-            n,
-            f"{r['median_s']:.4f}",
-            f"{vs.median:.3f}x",
-            "" if n == base else vs.spread,
-            "baseline" if n == base else vs.note(base),
-        )
         what.add_row(
             n,
             str(r["deviations"]),

@@ -22,7 +22,7 @@ from ._options import (
     steps_option,
     tp_option,
 )
-from ._output import console, table
+from ._output import console, progress, speedup_table, table
 
 __all__ = ["demo_cmd"]
 
@@ -67,14 +67,6 @@ def demo_cmd(
     image patch, backward 2x, jitter).
     """
     # Lazy, so that --help stays fast: the harness imports torch.
-    from rich.progress import (
-        BarColumn,
-        MofNCompleteColumn,
-        Progress,
-        TextColumn,
-        TimeElapsedColumn,
-    )
-
     from ..bench._local import pipeline_step_times
 
     names = policy_names(policies, ["strict", "readiness_first", "backfill"])
@@ -87,19 +79,13 @@ def demo_cmd(
         f" {microbatches} microbatches/step, hint {hint}, admission x{memory_factor:g};"
         " time = real CPU compute + EMULATED GPU time"
     )
-    with Progress(
-        TextColumn("{task.description}"),
-        BarColumn(),
-        MofNCompleteColumn(),
-        TimeElapsedColumn(),
-        console=con,
-        transient=True,
-    ) as progress:
-        bar = progress.add_task("starting processes", total=len(names) * (warm + steps))
+    # On stderr: a bar on a terminal, a line per step through a pipe (stdout: the tables).
+    with progress(len(names) * (warm + steps)) as update:
+        update("starting processes", False)
 
         def on_progress(msg: Any) -> None:
             policy, step = msg
-            progress.update(bar, advance=1, description=f"{policy}: step {step}")
+            update(f"{policy}: step {step}", True)
 
         res = pipeline_step_times(
             stages=stages,
@@ -120,26 +106,6 @@ def demo_cmd(
     out = Path(out_dir)
     base = names[0]
     over = f"{steps} timed step{'s' if steps != 1 else ''}"
-    timing = table(
-        f"timing over {over} (a step: the slowest rank, from a common barrier);"
-        f" speedup = {base}'s step i / the policy's step i (the same microbatches and"
-        " emulated noise), median and min–max over the paired steps",
-        (
-            "policy",
-            f"step ms\n(median\nof {steps})",
-            f"samples/s\n(median\nof {steps})",
-            f"speedup\nvs {base}\n(median\nof {steps})",
-            f"\nmin–max\n(of {steps}\npaired)",
-            "verdict",
-        ),
-        left={"policy", "verdict"},
-        whole={"policy"},
-    )
-    timing.caption = (
-        "the policies take their steps in turn (step i of each, in a rotating order): the"
-        " pairing removes the microbatches' variation and drift of the machine's load, not"
-        " noise within a step"
-    )
     behaviour = table(
         f"what each policy did, over the {over} and in step {traced} alone (the traced"
         " step: the traces and the PNG)",
@@ -156,7 +122,7 @@ def demo_cmd(
     panels = []
     for n in names:
         r = res["policies"][n]
-        step, data, vs = r["median_s"], r["trace"], r["vs_first"]
+        data = r["trace"]
         write_trace(
             out / f"trace_{n}.json",
             chrome_trace(
@@ -170,14 +136,6 @@ def demo_cmd(
         )
         panels.append((n, data))
         one = summarize(data)
-        timing.add_row(
-            n,
-            f"{step * 1e3:.1f}",
-            f"{microbatches / step:.1f}",
-            f"{vs.median:.3f}x",
-            "" if n == base else vs.spread,
-            "baseline" if n == base else vs.note(base),
-        )
         behaviour.add_row(
             n,
             str(r["deviations"]),
@@ -185,6 +143,15 @@ def demo_cmd(
             f"{one['bubble_ratio']:.1%}",
             str(one["deviations"]),
         )
+    timing = speedup_table(
+        f"timing over {over}; speedup = {base}'s step i / the policy's step i (the same"
+        " microbatches and"
+        " emulated noise), median and min–max over the paired steps",
+        [(n, res["policies"][n]["median_s"], res["policies"][n]["vs_first"]) for n in names],
+        steps=steps,
+        microbatches=microbatches,
+        base=base,
+    )
     png = render_png(
         panels,
         out / "timeline.png",

@@ -183,3 +183,55 @@ def progress(total: int, *, enabled: bool = True) -> Iterator[Progress]:
         yield lambda description, advance: bar.update(
             task, advance=int(advance), description=description
         )
+
+
+PAIRING_CAPTION = (
+    "a step: the slowest rank, from a common barrier; the policies take their steps in turn"
+    " (step i of each, in a rotating order): the pairing removes the microbatches' variation"
+    " and drift of the machine's load, not noise within a step"
+)
+
+
+def speedup_table(
+    title: str,
+    rows: Iterable[tuple[str, float, Any]],
+    *,
+    steps: int,
+    microbatches: int,
+    base: str,
+) -> Table:
+    """The paired-speedup table of the real-pipeline commands (``demo``, ``bench
+    pipeline``): per policy, its median step, samples per second, and its speedup over
+    ``base`` (a ``PairedRatio``: median, min–max, verdict).
+
+    Args:
+        title: The table's title (what was run).
+        rows: ``(policy, median step seconds, PairedRatio against base)``.
+        steps: Timed steps per policy.
+        microbatches: Microbatches (samples) per step.
+        base: The baseline policy (its row shows no spread).
+    """
+    t = table(
+        title,
+        (
+            "policy",
+            f"step ms\n(median\nof {steps})",
+            f"samples/s\n(median\nof {steps})",
+            f"speedup\nvs {base}\n(median\nof {steps})",
+            f"\nmin–max\n(of {steps}\npaired)",
+            "verdict",
+        ),
+        left={"policy", "verdict"},
+        whole={"policy"},
+    )
+    t.caption = PAIRING_CAPTION
+    for name, step, vs in rows:
+        t.add_row(
+            name,
+            f"{step * 1e3:.1f}",
+            f"{microbatches / step:.1f}",
+            f"{vs.median:.3f}x",
+            "" if name == base else vs.spread,
+            "baseline" if name == base else vs.note(base),
+        )
+    return t
