@@ -418,12 +418,15 @@ class TaskGraph:
         self.tasks: tuple[Task, ...] = tuple(
             Task(v, k, i) for k in kinds for v in range(nv) for i in range(m)
         )
-        self.index: dict[Task, int] = {t: n for n, t in enumerate(self.tasks)}
+        n = len(self.tasks)
+        # One int object per number, shared by every list and tuple below (a number above
+        # 256 is an object of its own each time it is computed: 28 bytes per reference).
+        num = list(range(n))
+        self.index: dict[Task, int] = dict(zip(self.tasks, num, strict=True))
         stage_rank = plan.topology.stage_ranks
         self.rank: list[int] = [stage_rank[v] for _ in kinds for v in range(nv) for _ in range(m)]
         self.num_forward = cell
         self.num_backward = 0 if plan.forward_only else cell
-        n = len(self.tasks)
         prods: list[tuple[int, ...]] = [()] * n
         cons: list[tuple[int, ...]] = [()] * n
         dprod = [-1] * n
@@ -440,43 +443,47 @@ class TaskGraph:
                 f = row + i
                 # F(v, i): after F(v-1, i); feeds F(v+1, i) and its own backward.
                 if v > 0:
-                    prods[f] = (f - m,)
-                    dprod[f] = f - m
+                    prev = num[f - m]
+                    prods[f] = (prev,)
+                    dprod[f] = prev
                 if v < last:
-                    dcons[f] = f + m
-                    cons[f] = (f + m,) if fwd_only else (f + m, b + f)
+                    nxt = num[f + m]
+                    dcons[f] = nxt
+                    cons[f] = (nxt,) if fwd_only else (nxt, num[b + f])
                 elif not fwd_only:
-                    cons[f] = (b + f,)
+                    cons[f] = (num[b + f],)
                 if fwd_only:
                     continue
                 # B/I(v, i): after F(v, i) and B/I(v+1, i); feeds B/I(v-1, i) and W(v, i).
                 bi = b + f
                 if v < last:
-                    prods[bi] = (f, bi + m)
-                    dprod[bi] = bi + m
+                    up = num[bi + m]
+                    prods[bi] = (num[f], up)
+                    dprod[bi] = up
                 else:
-                    prods[bi] = (f,)
+                    prods[bi] = (num[f],)
                 if v > 0:
-                    dcons[bi] = bi - m
-                    cons[bi] = (bi - m, w + f) if split else (bi - m,)
+                    down = num[bi - m]
+                    dcons[bi] = down
+                    cons[bi] = (down, num[w + f]) if split else (down,)
                 elif split:
-                    cons[bi] = (w + f,)
+                    cons[bi] = (num[w + f],)
                 if split:
                     # W(v, i): after I(v, i) (and W(v, i-1) with ordered weights).
                     wi = w + f
                     if ordered and i > 0:
-                        prods[wi] = (bi, wi - 1)
+                        prods[wi] = (num[bi], num[wi - 1])
                     else:
-                        prods[wi] = (bi,)
+                        prods[wi] = (num[bi],)
                     if ordered and i + 1 < m:
-                        cons[wi] = (wi + 1,)
+                        cons[wi] = (num[wi + 1],)
         self.producers: list[tuple[int, ...]] = prods
         self.consumers: list[tuple[int, ...]] = cons
         self.data_producer: list[int] = dprod
         self.data_consumer: list[int] = dcons
         self.by_rank: tuple[tuple[int, ...], ...] = tuple(
             tuple(
-                self.kind_base[k] + v * m + i
+                num[self.kind_base[k] + v * m + i]
                 for v in plan.topology.stages_of(r)
                 for k in kinds
                 for i in range(m)
