@@ -116,7 +116,7 @@ def test_followers_deduce_exactly_the_ready_head_with_local_inputs(
     # A deduced task is the hint's next task and has no input message (so it is ready on
     # every TP rank at the same decision); it starts with the leader's dispatch. Every
     # other task waits for its decision plus the latency, as without deduction.
-    r = simulate(**cfg, tp=8, tp_latency=lat, tp_check=0.0, record=False)  # type: ignore[arg-type]
+    r = simulate(**cfg, tp=8, tp_latency=lat, tp_check=0.0)  # type: ignore[arg-type]
     assert r.tp_decisions is not None and r.schedule is not None
     eps = 1e-9
     for rank, (ex, decisions) in enumerate(zip(r.executed, r.tp_decisions, strict=True)):
