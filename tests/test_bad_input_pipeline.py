@@ -457,6 +457,7 @@ def test_bad_pipeline_arguments(kw: dict[str, Any], error: type[Exception], matc
         (0, {"endpoint": object()}, r"endpoint of rank 0 .* has no bind method"),
         (0, {"coordinate": "no"}, r"coordinate must be True or False, got 'no' \(str\)"),
         (0, {"verify_sequences": 1}, r"verify_sequences must be True or False, got 1 \(int\)"),
+        (0, {"deduce_tp": None}, r"deduce_tp must be True or False, got None"),
     ],
 )
 def test_bad_stage_arguments(rank: Any, kw: dict[str, Any], match: str) -> None:

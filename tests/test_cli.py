@@ -147,6 +147,46 @@ def test_bench_simulator_scaling_table(monkeypatch: pytest.MonkeyPatch) -> None:
     assert "simulator scaling" not in res.output
 
 
+def test_bench_pipeline_prints_the_paired_speedup_table(monkeypatch: pytest.MonkeyPatch) -> None:
+    # The table the demo prints too (cli/_output.speedup_table), from fixed step times.
+    from rrfp_async.bench import _local
+    from rrfp_async.observability._paired import paired_ratio
+
+    def fake(**kw: Any) -> dict[str, Any]:
+        steps = {"strict": [0.2, 0.2, 0.2], "readiness_first": [0.1, 0.16, 0.25]}
+        return {
+            "wall_s": 1.0,
+            "policies": {
+                n: {
+                    "median_s": sorted(t)[1],
+                    "vs_first": paired_ratio(steps["strict"], t),
+                    "deviations": 0,
+                    "peak_inflight": 2,
+                    "compute_s": 0.1,
+                    "emulated_s": 0.2,
+                }
+                for n, t in steps.items()
+            },
+        }
+
+    monkeypatch.setattr(_local, "pipeline_step_times", fake)
+    res = CliRunner().invoke(
+        main, ["bench", "pipeline", "-m", "8", "--steps", "3"], terminal_width=200
+    )
+    assert res.exit_code == 0, res.output
+    rows = {
+        m.group(1): m.groups()[1:]
+        for m in re.finditer(
+            r"│ (\w+) +│ +([0-9.]+) │ +([0-9.]+) │ +([0-9.]+)x │ *([0-9.–]*) │ (.*?) +│", res.output
+        )
+    }
+    # step ms, samples/s (8 microbatches / median step), speedup median, min-max, verdict
+    assert rows["strict"] == ("200.0", "40.0", "1.000", "", "baseline")
+    assert rows["readiness_first"][:4] == ("160.0", "50.0", "1.250", "0.80–2.00")
+    assert rows["readiness_first"][4].startswith("within noise")
+    assert "the pairing removes" in res.output
+
+
 def test_bench_peer_simulated_and_bad_input() -> None:
     args = ["bench", "peer", "--simulated", "-p", "2", "-m", "4", "--steps", "2"]
     res = CliRunner().invoke(main, [*args, "--us-per-token", "2", "--json"])

@@ -171,6 +171,7 @@ def test_the_end_of_step_check_adds_itself_and_tp_defaults_to_the_model() -> Non
         ({"tp": 2, "tp_latency": -1e-3}, "tp_latency"),
         ({"tp": 2, "tp_latency": math.nan}, "tp_latency"),
         ({"tp": 2, "tp_check": -1.0}, "tp_check"),
+        ({"tp": 2, "tp_deduce": "yes"}, "tp_deduce must be True or False"),
     ],
 )
 def test_tp_arguments_are_validated(kw: dict[str, object], match: str) -> None:

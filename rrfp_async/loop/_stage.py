@@ -726,7 +726,7 @@ class StageLoop:
         reason = functools.partial(st.stall_reason, self.policy_name)
         prog = st.prog
         order = prog.order
-        deduce = self.deduce_tp and getattr(self.policy, "chooses_ready_head", False)
+        deduce = self.deduces_tp
         unconfirmed: collections.deque[tuple[int, Task]] = collections.deque()
         while st.left:
             if self._failure is not None:
@@ -789,6 +789,12 @@ class StageLoop:
         while unconfirmed:  # every row checked before the step's sequence check
             seq, task = unconfirmed.popleft()
             self._confirm(st, seq, task, await coord.receive(st.step, seq))
+
+    @property
+    def deduces_tp(self) -> bool:
+        """Whether this stage, as a TP follower, deduces decisions: ``deduce_tp`` and a
+        policy that ``chooses_ready_head`` (see "Deduced TP decisions")."""
+        return self.deduce_tp and bool(getattr(self.policy, "chooses_ready_head", False))
 
     def _confirm(self, st: StepState, seq: int, deduced: Task, got: Task) -> None:
         """The leader's decision ``seq`` must be the task this follower deduced."""

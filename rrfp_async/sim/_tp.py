@@ -222,11 +222,7 @@ class SimCoordinator:
     def publish(self, step: int, seq: int, task: Task) -> None:
         self.decided[task] = self._clock()
         stage = self.stage
-        if (
-            stage is not None
-            and stage.deduce_tp
-            and getattr(stage.policy, "chooses_ready_head", False)
-        ):
+        if stage is not None and stage.deduces_tp:
             st = stage._st
             pos = st.prog.pos[task]
             # The followers' condition (StageLoop._follow): the head, no input message.

@@ -62,6 +62,10 @@ def test_local_inputs_start_without_the_leaders_row_and_every_row_is_read() -> N
     assert stage.tp_deduced == stats.tp_deduced == 4
     assert end == 9.0  # the last row was waited for before run_step returned
     assert not [e for e in logs if e["event"] == ev.STALL]
+    assert [e["tp_deduced"] for e in logs if e["event"] == ev.STEP_END] == [4]
+    # Each row is logged as received when it is read (_confirm), in decision order.
+    got = [e for e in logs if e["event"] == ev.TP_DECISION_RECEIVED]
+    assert [e["task"] for e in got] == ["0F0", "0F1", "0B0", "0B1"]
     # Without deduction the first task waits for its row (t = 2): not vacuous.
     off = _one_stage(arrivals, deduce_tp=False)
     stats, _ = run_virtual(_timed(off))
