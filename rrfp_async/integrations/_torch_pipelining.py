@@ -69,6 +69,13 @@ def _first_input(mb: _Chunk) -> Args:
     return Args(*mb.args, **mb.kwargs)
 
 
+def _stage_kwargs(stage: int, mb: _Chunk) -> dict[str, Any]:
+    """torch's rule (``forward_one_chunk``): positional inputs feed the first stage only, the
+    microbatch's keyword inputs feed every stage (torchtitan sends ``positions`` and
+    ``attention_masks`` that way). The first stage has them in its input already."""
+    return {} if stage == 0 else mb.kwargs
+
+
 def _torch_stage_class() -> type:
     from torch.distributed.pipelining.stage import _PipelineStageBase
 
@@ -227,6 +234,7 @@ class ScheduleReadinessFirst:
             {s.stage_index: s.submod for s in self._stages},
             None if loss_fn is None else self._loss,
             input_fn=_first_input,
+            side_inputs=_stage_kwargs,
             loss_scale="sum",
             return_outputs=True,
             rank=dist.get_rank(),

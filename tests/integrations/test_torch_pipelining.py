@@ -205,3 +205,76 @@ def test_step_async_trains_like_torch() -> None:
     for r in range(2):
         for a, b in zip(got[r]["params"], want[r]["params"], strict=True):
             assert torch.equal(a, b), (a - b).abs().max()
+
+
+class KwStage(nn.Module):
+    """A block that takes a keyword input on every stage, as torchtitan's blocks take
+    ``positions`` / ``attention_masks``: torch hands each microbatch's keyword inputs to every
+    stage's forward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(D, D)
+
+    def forward(self, x: torch.Tensor, scale: torch.Tensor | None = None) -> torch.Tensor:
+        # Optional, as torchtitan's masks are: a stage that never gets it runs without error
+        # and computes something else.
+        return torch.tanh(self.lin(x) * (1.0 if scale is None else scale))
+
+
+def kw_loss(out: torch.Tensor, target: torch.Tensor, *, weight: float = 1.0) -> torch.Tensor:
+    return F.mse_loss(out, target) * weight
+
+
+def kw_worker(rank: int, world: int, which: str) -> dict[str, Any]:
+    import torch.distributed.pipelining as tp
+    from torch.distributed.pipelining import PipelineStage
+
+    from rrfp_async.pipelining import ScheduleReadinessFirst
+
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    model = nn.ModuleList([KwStage() for _ in range(world)])
+    stage = PipelineStage(model[rank], rank, world, torch.device("cpu"))
+    if which == "torch":
+        schedule: Any = tp.Schedule1F1B(stage, N_MB, loss_fn=kw_loss)
+    else:
+        hint = tp.Schedule1F1B if which == "strict" else None
+        policy = "strict" if which == "strict" else "readiness_first"
+        schedule = ScheduleReadinessFirst(stage, N_MB, loss_fn=kw_loss, hint=hint, policy=policy)
+    opt = torch.optim.SGD(model[rank].parameters(), lr=0.1)
+    all_losses: list[float] = []
+    for step in range(2):
+        x, y = data(step)
+        # Per-sample scales, chunked with the batch like any keyword input; every rank passes
+        # them (each rank's loader computes them, as torchtitan's does for positions).
+        scale = 0.5 + torch.arange(BATCH, dtype=torch.float32).reshape(BATCH, 1) / BATCH
+        losses: list[Any] = []
+        lk = {"weight": 2.0}
+        if rank == 0:
+            schedule.step(x, scale=scale, loss_kwargs=lk)
+        else:
+            schedule.step(target=y, losses=losses, scale=scale, loss_kwargs=lk)
+            all_losses += [float(torch.as_tensor(v).detach()) for v in losses]
+        opt.step()
+        opt.zero_grad()
+    close = getattr(schedule, "close", None)
+    if close is not None:
+        close()
+    return {"params": [p.detach().clone() for p in model[rank].parameters()], "losses": all_losses}
+
+
+def test_keyword_inputs_reach_every_stage_as_in_torch() -> None:
+    """Fails on a drop-in that gives keyword inputs to the first stage only (silently wrong
+    before: the loss differed from torch's with no error)."""
+    want = rr.spawn(kw_worker, 2, "torch", timeout=200)
+    strict = rr.spawn(kw_worker, 2, "strict", timeout=200)
+    default = rr.spawn(kw_worker, 2, "default", timeout=200)
+    assert len(want[1]["losses"]) == 2 * N_MB
+    assert strict[1]["losses"] == want[1]["losses"]
+    torch.testing.assert_close(default[1]["losses"], want[1]["losses"])
+    for r in range(2):
+        for a, b in zip(strict[r]["params"], want[r]["params"], strict=True):
+            assert torch.equal(a, b), (a - b).abs().max()
+        for a, b in zip(default[r]["params"], want[r]["params"], strict=True):
+            torch.testing.assert_close(a, b, rtol=0, atol=1e-5)
