@@ -506,3 +506,67 @@ def test_several_inbound_edges_in_adversarial_orders_land_in_the_right_place(
         assert 0 < batches <= items and items >= len(arrivals)
     else:
         assert (batches, items) == (-1, -1)
+
+
+class _LateWork:
+    """A send that reads its buffer only when waited for: what a ``Work`` may do until
+    ``wait()`` returns (gloo writes the rest from its own thread once the socket is full)."""
+
+    def __init__(self, fn: Any) -> None:
+        self._fn: Any = fn
+
+    def wait(self, *_: Any) -> bool:
+        fn, self._fn = self._fn, None
+        if fn is not None:
+            fn()
+        return True
+
+
+class _LateSends:
+    """A process group whose sends happen at ``wait()`` (everything else passes through)."""
+
+    def __init__(self, pg: Any) -> None:
+        self._pg = pg
+
+    def send(self, tensors: list[torch.Tensor], dst: int, tag: int) -> _LateWork:
+        return _LateWork(lambda: self._pg.send(tensors, dst, tag).wait())
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._pg, name)
+
+
+async def _reused_buffer(rank: int, n: int) -> list[float]:
+    ch = _channel(rank)
+    sink = _Sink(n)
+    ch.bind(sink)
+    async with ch:
+        if rank == 0:
+            ch._pg = _LateSends(ch._pg)
+            # One output buffer for every microbatch, overwritten by the next forward (as a
+            # CUDA graph's static output is): 2 MiB, over the inline capacity, so the first
+            # goes as header + payload, and over inline_send_bytes, so through the sender.
+            buf = torch.empty(512 * 1024)
+            for mb in range(n):
+                buf.fill_(float(mb))
+                ch.send(1, 0, rr.Task(1, "F", mb), buf)
+            buf.fill_(-1.0)
+            return []
+        await asyncio.wait_for(sink.done.wait(), 60)
+        assert not sink.errors, sink.errors
+        out = []
+        for _, task, p, _ in sorted(sink.got, key=lambda g: g[1].mb):
+            assert task.mb == len(out)
+            out.append(float(p.min()) if float(p.min()) == float(p.max()) else float("nan"))
+        return out
+
+
+def _reused_worker(rank: int, world: int) -> list[float]:
+    return rr.run(_reused_buffer(rank, 4))
+
+
+def test_a_reused_output_buffer_is_not_torn_in_flight() -> None:
+    """A tensor handed to ``send`` cannot change in flight (ARCHITECTURE invariant 10): each
+    message carries the values the buffer had at ``send``. Red before: the message over the
+    inline capacity went to the sender thread without a copy and carried the next values."""
+    got = rr.spawn(_reused_worker, 2, timeout=150)[1]
+    assert got == [0.0, 1.0, 2.0, 3.0]
