@@ -18,6 +18,9 @@
 See ``rrfp_async.integrations._torch_pipelining`` for what is supported.
 """
 
-from .integrations import ScheduleInterleavedReadinessFirst, ScheduleReadinessFirst
+from .integrations._torch_pipelining import (
+    ScheduleInterleavedReadinessFirst,
+    ScheduleReadinessFirst,
+)
 
 __all__ = ["ScheduleInterleavedReadinessFirst", "ScheduleReadinessFirst"]

@@ -8,8 +8,29 @@
 The peers are imported lazily: ``import rrfp_async`` never imports them.
 """
 
-from ._megatron import MegatronForwardBackward, get_forward_backward_func
-from ._torch_pipelining import ScheduleInterleavedReadinessFirst, ScheduleReadinessFirst
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from ._megatron import MegatronForwardBackward, get_forward_backward_func
+    from ._torch_pipelining import ScheduleInterleavedReadinessFirst, ScheduleReadinessFirst
+
+# Each adapter is imported when first named (torch.distributed.pipelining alone costs ~1 s
+# to import; a Megatron user should not pay it).
+_WHERE = {
+    "MegatronForwardBackward": "._megatron",
+    "get_forward_backward_func": "._megatron",
+    "ScheduleInterleavedReadinessFirst": "._torch_pipelining",
+    "ScheduleReadinessFirst": "._torch_pipelining",
+}
+
+
+def __getattr__(name: str) -> Any:
+    where = _WHERE.get(name)
+    if where is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    import importlib
+
+    return getattr(importlib.import_module(where, __name__), name)
 
 __all__ = [
     "MegatronForwardBackward",
