@@ -1,13 +1,24 @@
 #!/usr/bin/env bash
-# Builds (once) and prints the path of the compat virtualenv: Python 3.12 with the peers'
-# current releases (compat/requirements.txt). It lives outside the checkout, under
-# ${RRFP_COMPAT_HOME:-$HOME/.cache/rrfp_async}/compat-<hash of the requirements>, and is
-# reused while the requirements (and this script) are unchanged.
+# Builds (once) and prints the path of a compat virtualenv: Python 3.12 with the peers'
+# current releases (compat/requirements.txt; `env.sh NAME` uses compat/requirements-NAME.txt).
+# It lives outside the checkout, under
+# ${RRFP_COMPAT_HOME:-$HOME/.cache/rrfp_async}/compat-[NAME-]<hash of the requirements>, and is
+# reused while the requirements (and BUILD below) are unchanged. Environments of other keys are
+# left in place (`rm -r` them by hand; each is ~6 GB).
 set -euo pipefail
 here="$(cd "$(dirname "$0")" && pwd)"
-key=$(cat "$here/requirements.txt" "$here/env.sh" | sha256sum | cut -c1-12)
+name=${1:-}
+req="$here/requirements${name:+-$name}.txt"
+if [[ ! -f "$req" ]]; then
+  echo "compat: no $req" >&2
+  exit 2
+fi
+# The key: the requirements and the build steps' version (bump BUILD when the steps change).
+BUILD=1
+key=$( (cat "$req"; echo "build $BUILD") | sha256sum | cut -c1-12)
 home=${RRFP_COMPAT_HOME:-$HOME/.cache/rrfp_async}
-venv="$home/compat-$key"
+prefix="compat-${name:+$name-}"
+venv="$home/$prefix$key"
 if [[ -f "$venv/.complete" ]]; then
   echo "$venv"
   exit 0
@@ -30,13 +41,13 @@ rm -rf "$venv"
 mkdir -p "$home"
 "$py312" -m venv "$venv"
 "$venv/bin/python" -m pip install --quiet --upgrade pip >&2
-"$venv/bin/python" -m pip install --quiet -r "$here/requirements.txt" >&2
+if grep -q "^# pip: no-constraint" "$req"; then
+  PIP_CONSTRAINT=/dev/null "$venv/bin/python" -m pip install --quiet -r "$req" >&2
+else
+  "$venv/bin/python" -m pip install --quiet -r "$req" >&2
+fi
 # The package's own dependencies, not the package: the tests run the checkout's code
 # (PYTHONPATH), so one environment serves every checkout.
 "$venv/bin/python" -m pip install --quiet anyio structlog click rich uvloop >&2
 touch "$venv/.complete"
-# Old environments of other requirement sets are removed (each is ~6 GB).
-for old in "$home"/compat-*; do
-  [[ "$old" == "$venv" ]] || rm -rf "$old"
-done
 echo "$venv"

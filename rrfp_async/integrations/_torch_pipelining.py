@@ -401,6 +401,7 @@ class _ReadinessFirst:
         arg_mbs: list[tuple[Any, ...]] | None = None,
         kwarg_mbs: list[dict[str, Any]] | None = None,
         target_mbs: list[Any] | None = None,
+        finalize_gradients: bool = True,
         **kwargs: Any,
     ) -> Any:
         """One training step, as torch's ``step``: the whole batch (``*args``, ``**kwargs``,
@@ -408,8 +409,10 @@ class _ReadinessFirst:
         (``arg_mbs``, ``kwarg_mbs``, ``target_mbs``: one entry per microbatch; torch 2.14's
         call). Returns the merged outputs on the last stage's rank (None elsewhere, or with
         ``return_outputs=False``); ``losses`` (last stage) is filled with each microbatch's
-        loss; ``loss_kwargs`` go to every ``loss_fn`` call. Blocks until this rank's part of
-        the step is done.
+        loss; ``loss_kwargs`` go to every ``loss_fn`` call. ``finalize_gradients`` (torch
+        2.15) defers FSDP's gradient reduction and has no effect on other stages, as in
+        torch; FSDP stages are not supported. Blocks until this rank's part of the step is
+        done.
 
         Raises:
             RuntimeError: Called under ``torch.no_grad()`` with a ``loss_fn`` (as torch).
@@ -417,8 +420,25 @@ class _ReadinessFirst:
                 type or length, whole-batch and pre-split inputs mixed).
             PlanError, StepTimeoutError, PeerError: see ``rr.DistributedStage.run_step``.
         """
+        self._check_finalize(finalize_gradients)
         chunks = self._chunks(args, kwargs, target, loss_kwargs, arg_mbs, kwarg_mbs, target_mbs)
         return self._sync(chunks, losses, return_outputs)
+
+    def _check_finalize(self, finalize_gradients: bool) -> None:
+        if not isinstance(finalize_gradients, bool):
+            raise TypeError(f"finalize_gradients must be a bool, got {finalize_gradients!r}")
+        if finalize_gradients:
+            return
+        try:
+            from torch.distributed.fsdp import FSDPModule
+        except ImportError:  # pragma: no cover - every supported torch has it
+            return
+        fsdp = [s.stage_index for s in self._stages if isinstance(s.submod, FSDPModule)]
+        if fsdp:
+            raise PlanError(
+                f"finalize_gradients=False with FSDP stages {fsdp}: FSDP stages are not"
+                " supported by ScheduleReadinessFirst"
+            )
 
     def eval(
         self,
@@ -488,10 +508,12 @@ class _ReadinessFirst:
         arg_mbs: list[tuple[Any, ...]] | None = None,
         kwarg_mbs: list[dict[str, Any]] | None = None,
         target_mbs: list[Any] | None = None,
+        finalize_gradients: bool = True,
         **kwargs: Any,
     ) -> Any:
         """``step`` for code that runs an event loop: the stage opens on the running loop
         (and must be stepped on it from then on); ``aclose()`` closes it."""
+        self._check_finalize(finalize_gradients)
         chunks = self._chunks(args, kwargs, target, loss_kwargs, arg_mbs, kwarg_mbs, target_mbs)
         train = self._check_grad_mode(True)
         if self._rr is None:
