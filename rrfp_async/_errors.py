@@ -25,6 +25,8 @@ The hierarchy::
     ├── ClosedError                 the pipeline or stage was closed (after a failure it
     │                               could not recover from, or by the user)
     ├── TraceError (ValueError)     a trace file is not a trace (wrong structure or values)
+    ├── ExtraMissingError           a feature needs an optional dependency (an extra) that
+    │   (ImportError)               is not installed: the message names the pip command
     └── SpawnError                  a spawned worker process failed or ran out of time
 
 Every message says which rank, which step and which task, and what was waited for.
@@ -37,6 +39,7 @@ __all__ = [
     "ClosedError",
     "DeadlockError",
     "DivergenceError",
+    "ExtraMissingError",
     "HintError",
     "ObserverError",
     "PeerError",
@@ -199,6 +202,12 @@ class ClosedError(RRFPError):
 
 class TraceError(RRFPError, ValueError):
     """A trace file does not have the structure or values of a trace."""
+
+
+class ExtraMissingError(RRFPError, ImportError):
+    """A feature needs an optional dependency that is not installed (``render_png`` needs
+    matplotlib, the ``plot`` extra). The message says what to install; the command line
+    reports it in one line and keeps the rest of its output."""
 
 
 class SpawnError(RRFPError):

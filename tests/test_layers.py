@@ -23,6 +23,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
         (
             "_errors",
             "_check",
+            "_lazy",
             "_tasks",
             "_pytree",
             "_costs",
