@@ -9,7 +9,8 @@ The friendly public API, pulled together from the private modules and the layers
 * distributed: ``ProcessLayout``, ``build_groups``, ``DistributedStage``,
   ``TorchStageExecutor``, ``EmulatedCost``, ``spawn``; splitting a model into stage
   modules with the parameters they share: ``split_model``, ``from_stage_modules``,
-  ``from_pipe``, ``StageSplit``, ``StageModule``;
+  ``from_pipe``, ``StageSplit``, ``StageModule``; a Hugging Face causal LM in one call:
+  ``split_causal_lm``, ``CausalLMSplit``, ``CausalLMStage``;
 * the training harness (what ``examples/train_image_text.py`` runs): ``TrainConfig``,
   ``train_worker``, ``TrainResult``, ``image_text_cost`` (the example model's cost model);
 * simulating: ``simulate``, ``compare``, ``SimResult``;
@@ -39,6 +40,7 @@ from ._errors import (
 from ._pytree import Args
 from ._tasks import Kind, Placement, StepPlan, Task, Topology, format_tasks, parse_tasks
 from ._workloads import WORKLOADS, Workload, make_workload
+from .distributed._causal_lm import CausalLMSplit, CausalLMStage, split_causal_lm
 from .distributed._layout import ProcessLayout, StageGroups, build_groups, pipeline_neighbors
 from .distributed._spawn import free_port, spawn
 from .distributed._split import (
@@ -92,6 +94,8 @@ __all__ = [
     "WORKLOADS",
     "AdmissionLedger",
     "Args",
+    "CausalLMSplit",
+    "CausalLMStage",
     "ChannelError",
     "ClosedError",
     "CostModel",
@@ -169,6 +173,7 @@ __all__ = [
     "run",
     "simulate",
     "spawn",
+    "split_causal_lm",
     "split_model",
     "stalls",
     "strict",
