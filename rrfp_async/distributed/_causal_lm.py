@@ -488,9 +488,9 @@ class CausalLMStage(nn.Module):
         finally:
             for hook in hooks:
                 hook.remove()
-        # An earlier stage's router logits leave as a view, not as this stage's input leaf
-        # itself: every output the backward starts from then has a grad_fn.
-        routers = (*(r.view_as(r) for r in router_logits), *got)
+        # The earlier stages' router logits pass through (their gradient comes back from
+        # the last stage's router loss), this stage's own follow, in layer order.
+        routers = (*router_logits, *got)
         if not self.last:
             return h if self._aux is None else Args(h, router_logits=routers)
         for module in self._post:  # the final norm, then the head: the logits

@@ -254,6 +254,23 @@ def test_a_forward_the_stages_do_not_reproduce_is_refused() -> None:
     assert len(rr.split_causal_lm(model, 2, check=False).modules) == 2
 
 
+def test_soft_capped_logits_are_refused() -> None:
+    # Gemma 2 caps its logits in the causal LM's forward, not in a module.
+    cfg = tf.Gemma2Config(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        bos_token_id=0,
+        eos_token_id=0,
+        pad_token_id=0,
+    )
+    _refused(tf.Gemma2ForCausalLM(cfg), "Gemma2ForCausalLM", "final_logit_softcapping")
+
+
 def test_bad_split_specs_are_refused() -> None:
     model = H.build("llama")
     _refused(model, "1 to 4 stages", spec=5)
