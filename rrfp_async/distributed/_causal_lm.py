@@ -26,8 +26,10 @@ forward does for all of them:
   ``create_masks_for_generate`` (its docstring: it "mimics how we create the masks in the
   modeling files": one mask per ``config.layer_types`` entry, else sliding-window when
   ``config.sliding_window`` is set, else causal) and the rotary tables with the model's own
-  ``rotary_emb`` (every stage holds it: it has buffers only, no parameters). Nothing but the
-  hidden states crosses a stage boundary, so no rotary table or mask is ever sent.
+  ``rotary_emb`` (every stage holds it: it has buffers only, no parameters). The masks see
+  an empty cache exactly when the model's forward makes one (``use_cache``), since
+  transformers' packed-sequence masks depend on it. Nothing but the hidden states crosses a
+  stage boundary, so no rotary table or mask is ever sent.
 * **MoE router logits travel with the hidden states.** When the model's loss includes the
   router loss (``config.output_router_logits``), each stage records its routers' logits the
   way transformers' output capture does (the model's ``_can_record_outputs["router_logits"]``
@@ -36,10 +38,10 @@ forward does for all of them:
   own ``load_balancing_loss_func`` on all of them, so its gradient reaches every router.
 * **A probe before anyone trains.** The plans say which modules run, not everything a
   forward does (a scale, a soft cap, a different mask rule). Unless ``check=False``, the
-  split runs a small padded batch through its stages and through the model's own
-  ``forward`` (eval mode, no grad) and refuses the model, naming the difference, unless the
-  logits and the loss agree; an error raised inside transformers on the way becomes a
-  ``PlanError`` too.
+  split runs small probe batches (padded rows; packed sequences with and without a cache)
+  through its stages and through the model's own ``forward`` (eval mode, no grad) and
+  refuses the model, naming the difference, unless the logits and the loss agree; an error
+  raised inside transformers on the way becomes a ``PlanError`` too.
 
 The stage modules hold the model's own module objects under the model's own names
 (``model.layers.3.mlp.up_proj.weight``), so a tied ``lm_head.weight`` *is*
@@ -51,7 +53,7 @@ from __future__ import annotations
 
 import importlib
 import inspect
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from types import ModuleType
 from typing import Any, cast
@@ -75,7 +77,7 @@ _DEFAULTED = frozenset(
     {"cache", "past_key_values", "layer_past", "use_cache", "cache_position", "output_attentions"}
 )
 #: The microbatch keys each stage reads from its own rank's microbatch.
-_SIDE_KEYS = ("attention_mask", "position_ids")
+_SIDE_KEYS = ("attention_mask", "position_ids", "use_cache")
 
 
 def _transformers() -> tuple[ModuleType, ModuleType]:
@@ -102,19 +104,23 @@ def _data(mb: Any) -> Mapping[str, Any]:
     return data
 
 
+def _which(mb: Any) -> str:
+    return f"microbatch {mb.index}" if isinstance(mb, Microbatch) else "the microbatch"
+
+
 def causal_lm_input(mb: Any) -> torch.Tensor:
     """The first stage's input: the microbatch's ``input_ids``."""
     ids = _data(mb).get("input_ids")
     if not isinstance(ids, torch.Tensor):
         raise PlanError(
-            f"split_causal_lm: the microbatch has no input_ids tensor (keys: {sorted(_data(mb))})"
+            f"split_causal_lm: {_which(mb)} has no input_ids tensor (keys: {sorted(_data(mb))})"
         )
     return ids
 
 
 def causal_lm_side_inputs(stage: int, mb: Any) -> dict[str, Any]:
-    """Every stage's own keyword inputs: the microbatch's ``attention_mask`` and
-    ``position_ids``, those it has."""
+    """Every stage's own keyword inputs: the microbatch's ``attention_mask``,
+    ``position_ids`` and ``use_cache``, those it has."""
     data = _data(mb)
     return {k: data[k] for k in _SIDE_KEYS if data.get(k) is not None}
 
@@ -149,6 +155,8 @@ class _Anatomy:
     takes: frozenset[str]  # which of _BUILT the layers take
     mask_keys: tuple[str, ...] | None  # per layer, its key into the mask mapping
     masks: Callable[..., Any]  # create_masks_for_generate
+    cache: Callable[..., Any]  # DynamicCache, what the forward makes when use_cache
+    base: nn.Module  # the base model (its gradient_checkpointing flag)
     aux: _Aux | None
 
 
@@ -179,8 +187,8 @@ def _layer_params(layer: nn.Module, name: str, where: str) -> frozenset[str]:
     if not positional:
         raise _refuse(name, f"{where}.forward takes no hidden states argument")
     unknown = []
-    for p in params[1:] if params[0] is positional[0] else params:
-        if p.kind in (p.VAR_KEYWORD, p.VAR_POSITIONAL) or p.name in _BUILT:
+    for p in params:
+        if p is positional[0] or p.kind in (p.VAR_KEYWORD, p.VAR_POSITIONAL) or p.name in _BUILT:
             continue
         if p.name in _DEFAULTED and p.default is not p.empty:
             continue
@@ -244,7 +252,75 @@ def _aux(model: nn.Module, base: nn.Module, name: str) -> _Aux | None:
     )
 
 
+def _mask_builder(tf: ModuleType, masking: ModuleType) -> Callable[..., Any]:
+    """transformers' ``create_masks_for_generate``, if it has the 5.x signature."""
+    masks = getattr(masking, "create_masks_for_generate", None)
+    want = {"config", "inputs_embeds", "attention_mask", "cache", "position_ids"}
+    if masks is None or not want <= set(inspect.signature(masks).parameters):
+        raise PlanError(
+            "split_causal_lm needs transformers >= 5 (its masking_utils.create_masks_for_"
+            "generate(config, inputs_embeds, attention_mask, cache, position_ids)); "
+            f"transformers {tf.__version__} has none"
+        )
+    return masks  # type: ignore[no-any-return]
+
+
+def _check_causal(name: str, layers_name: str, layers: Sequence[nn.Module]) -> None:
+    """Every attention module of the layers says it is causal (``is_causal``)."""
+    causal = [
+        (f"{layers_name}.{i}.{k}" if k else f"{layers_name}.{i}", m.is_causal)
+        for i, layer in enumerate(layers)
+        for k, m in layer.named_modules()
+        if isinstance(getattr(m, "is_causal", None), bool)
+    ]
+    where = next((w for w, c in causal if not c), None)
+    if where is not None:
+        raise _refuse(name, f"its attention is not causal ({where}.is_causal is False): an encoder")
+    if not causal:
+        raise _refuse(name, "no module of its layers says whether its attention is causal")
+
+
+def _layer_call(
+    name: str, layers_name: str, layers: Sequence[nn.Module], rotary: Any, prefix: str
+) -> frozenset[str]:
+    """What every layer takes of ``_BUILT``, the same for all, with the rotary module the
+    ``position_embeddings`` come from."""
+    takes = _layer_params(layers[0], name, f"{layers_name}.0")
+    for i, layer in enumerate(layers[1:], 1):
+        if _layer_params(layer, name, f"{layers_name}.{i}") != takes:
+            raise _refuse(name, f"{layers_name}.{i} takes other arguments than layer 0")
+    if ("position_embeddings" in takes) != isinstance(rotary, nn.Module):
+        raise _refuse(
+            name,
+            f"its layers take position_embeddings but {prefix} has no rotary_emb module"
+            if rotary is None
+            else f"{prefix}.rotary_emb exists but its layers take no position_embeddings",
+        )
+    if rotary is not None and "position_ids" not in inspect.signature(rotary.forward).parameters:
+        raise _refuse(name, f"{prefix}.rotary_emb.forward takes no position_ids")
+    return takes
+
+
+def _mask_keys(name: str, config: Any, masking: ModuleType, n: int) -> tuple[str, ...] | None:
+    """Per layer, its entry of the mask mapping (``config.layer_types``), or None when one
+    mask serves every layer."""
+    types = getattr(config, "layer_types", None)
+    if types is None:
+        return None
+    known = getattr(masking, "LAYER_PATTERN_TO_MASK_FUNCTION_MAPPING", {})
+    odd = sorted({t for t in types if t not in known})
+    if odd or len(types) < n:
+        raise _refuse(
+            name,
+            f"config.layer_types has {odd}, for which transformers has no mask"
+            if odd
+            else f"config.layer_types names {len(types)} layers, not {n}",
+        )
+    return tuple(types[:n])
+
+
 def _anatomy(model: nn.Module) -> _Anatomy:
+    """Read the model's parts and check that a stage can call them as its forward does."""
     tf, masking = _transformers()
     name = type(model).__name__
     if not isinstance(model, tf.PreTrainedModel):
@@ -252,19 +328,7 @@ def _anatomy(model: nn.Module) -> _Anatomy:
             f"split_causal_lm: expected a Hugging Face *ForCausalLM model "
             f"(transformers.PreTrainedModel), got a {name}"
         )
-    masks = getattr(masking, "create_masks_for_generate", None)
-    if masks is None or not {
-        "config",
-        "inputs_embeds",
-        "attention_mask",
-        "cache",
-        "position_ids",
-    } <= set(inspect.signature(masks).parameters):
-        raise PlanError(
-            f"split_causal_lm needs transformers >= 5 (its masking_utils.create_masks_for_"
-            f"generate(config, inputs_embeds, attention_mask, cache, position_ids)); "
-            f"transformers {tf.__version__} has none"
-        )
+    masks = _mask_builder(tf, masking)
     base = model.base_model
     prefix = getattr(model, "base_model_prefix", "")
     if base is model or not prefix:
@@ -286,8 +350,8 @@ def _anatomy(model: nn.Module) -> _Anatomy:
     if not head_plan or not any(list(outs) == ["logits"] for _, outs in head_plan.values()):
         raise _refuse(
             name,
-            f"{type(model).__name__}._pp_plan names no head that produces logits: it is no "
-            "causal LM (split_causal_lm splits *ForCausalLM models)",
+            f"{name}._pp_plan names no head that produces logits: it is no causal LM "
+            "(split_causal_lm splits *ForCausalLM models)",
         )
     pp = _plan_children(base, plan, f"{prefix}.", "config.base_model_pp_plan", name)
     lists = [i for i, (_, m) in enumerate(pp) if isinstance(m, nn.ModuleList)]
@@ -305,11 +369,10 @@ def _anatomy(model: nn.Module) -> _Anatomy:
         raise _refuse(
             name, f"{layers_name} holds {len(layers)} layers but config.num_hidden_layers is {n}"
         )
-    head = _plan_children(model, head_plan, "", f"{type(model).__name__}._pp_plan", name)
+    head = _plan_children(model, head_plan, "", f"{name}._pp_plan", name)
     if len(head) != 1:
-        raise _refuse(
-            name, f"{type(model).__name__}._pp_plan names {len(head)} heads; one is known"
-        )
+        raise _refuse(name, f"{name}._pp_plan names {len(head)} heads; one is known")
+    # Every child the forward may use is placed: by a plan, or as the rotary tables.
     rotary = getattr(base, "rotary_emb", None)
     placed = {id(m) for _, m in pp} | {id(rotary)}
     stray = [f"{prefix}.{k}" for k, m in base.named_children() if id(m) not in placed]
@@ -319,49 +382,13 @@ def _anatomy(model: nn.Module) -> _Anatomy:
         raise _refuse(
             name,
             f"{', '.join(stray)} is placed by neither config.base_model_pp_plan nor "
-            f"{type(model).__name__}._pp_plan, so what its forward does with it is unknown",
+            f"{name}._pp_plan, so what its forward does with it is unknown",
         )
-    causal = [
-        (f"{layers_name}.{i}.{k}" if k else f"{layers_name}.{i}", m.is_causal)
-        for i, layer in enumerate(layers)
-        for k, m in layer.named_modules()
-        if isinstance(getattr(m, "is_causal", None), bool)
-    ]
-    if not causal or not all(c for _, c in causal):
-        where = next((w for w, c in causal if not c), None)
-        raise _refuse(
-            name,
-            f"its attention is not causal ({where}.is_causal is False): an encoder, not a causal LM"
-            if where
-            else "no module of its layers says whether its attention is causal (is_causal)",
-        )
-    takes = _layer_params(layers[0], name, f"{layers_name}.0")
-    for i, layer in enumerate(layers[1:], 1):
-        if _layer_params(layer, name, f"{layers_name}.{i}") != takes:
-            raise _refuse(name, f"{layers_name}.{i} takes other arguments than layer 0")
-    if "position_embeddings" in takes and not isinstance(rotary, nn.Module):
-        raise _refuse(
-            name, f"its layers take position_embeddings but {prefix} has no rotary_emb module"
-        )
-    if "position_embeddings" not in takes and rotary is not None:
-        raise _refuse(
-            name,
-            f"{prefix}.rotary_emb exists but its layers take no position_embeddings: the "
-            "layer call is unknown",
-        )
-    if rotary is not None and "position_ids" not in inspect.signature(rotary.forward).parameters:
-        raise _refuse(name, f"{prefix}.rotary_emb.forward takes no position_ids")
+    _check_causal(name, layers_name, layers)
+    takes = _layer_call(name, layers_name, layers, rotary, prefix)
     if getattr(config, "final_logit_softcapping", None) is not None:
         # Gemma 2 caps the logits in the causal LM's forward, not in a module.
         raise _refuse(name, "its forward soft-caps the logits (config.final_logit_softcapping)")
-    types = getattr(config, "layer_types", None)
-    mask_keys: tuple[str, ...] | None = None
-    if types is not None:
-        known = getattr(masking, "LAYER_PATTERN_TO_MASK_FUNCTION_MAPPING", {})
-        odd = sorted({t for t in types if t not in known})
-        if odd:
-            raise _refuse(name, f"config.layer_types has {odd}, for which transformers has no mask")
-        mask_keys = tuple(types[: len(layers)])
     return _Anatomy(
         name=name,
         config=config,
@@ -372,8 +399,10 @@ def _anatomy(model: nn.Module) -> _Anatomy:
         head=head[0],
         rotary=(f"{prefix}.rotary_emb", rotary) if rotary is not None else None,
         takes=takes,
-        mask_keys=mask_keys,
+        mask_keys=_mask_keys(name, config, masking, len(layers)),
         masks=masks,
+        cache=tf.DynamicCache,
+        base=base,
         aux=_aux(model, base, name),
     )
 
@@ -406,6 +435,8 @@ class CausalLMStage(nn.Module):
         self._model_name = anatomy.name
         self._config = anatomy.config
         self._masks = anatomy.masks
+        self._cache = anatomy.cache
+        self._base = (anatomy.base,)  # a tuple: not registered, its gradient_checkpointing flag
         self._takes = anatomy.takes
         self._mask_keys = None if anatomy.mask_keys is None else anatomy.mask_keys[lo:hi]
         self._aux = anatomy.aux
@@ -436,6 +467,7 @@ class CausalLMStage(nn.Module):
         attention_mask: torch.Tensor | None = None,
         position_ids: torch.Tensor | None = None,
         router_logits: Sequence[torch.Tensor] = (),
+        use_cache: bool | None = None,
     ) -> Any:
         """Run the stage (see the class docstring).
 
@@ -445,6 +477,9 @@ class CausalLMStage(nn.Module):
                 None (no padding).
             position_ids: Positions ``[batch or 1, seq]``; default ``0 .. seq - 1``.
             router_logits: The earlier stages' router logits, in layer order.
+            use_cache: The model's ``use_cache`` (default ``config.use_cache``): its forward
+                then builds the masks with an empty cache, which turns transformers'
+                packed-sequence masks (from restarting ``position_ids``) off.
 
         Returns:
             The next stage's input, or on the last stage the logits (with the router logits
@@ -462,7 +497,7 @@ class CausalLMStage(nn.Module):
             config=self._config,
             inputs_embeds=h,
             attention_mask=attention_mask,
-            cache=None,
+            cache=self._cache(config=self._config) if self._uses_cache(use_cache) else None,
             position_ids=position_ids,
         )
         kwargs: dict[str, Any] = {}
@@ -498,6 +533,17 @@ class CausalLMStage(nn.Module):
         if self._aux is None:
             return h
         return {"logits": h, "router_logits": routers}
+
+    def _uses_cache(self, use_cache: bool | None) -> bool:
+        """Whether the model's forward would make a cache (its ``merge_with_config_defaults``
+        rule: the argument, else ``config.use_cache``; off under gradient checkpointing in
+        training). The layers never get it; only the masks depend on it."""
+        if use_cache is None:
+            use_cache = bool(getattr(self._config, "use_cache", False))
+        checkpointing = getattr(self._base[0], "gradient_checkpointing", False)
+        if checkpointing and self.training and torch.is_grad_enabled():
+            return False
+        return use_cache
 
     def _recorder(self, got: list[torch.Tensor]) -> Callable[..., None]:
         """A forward hook that keeps a router's logits, as transformers' output capture
@@ -546,7 +592,7 @@ class CausalLMLoss:
         labels = data.get("labels")
         if not isinstance(labels, torch.Tensor):
             raise PlanError(
-                f"split_causal_lm: the loss needs the microbatch's labels (keys: {sorted(data)})"
+                f"split_causal_lm: the loss needs the labels of {_which(mb)} (keys: {sorted(data)})"
             )
         logits = output["logits"] if self._aux is not None else output
         fn: Any = self._model.loss_function
@@ -569,14 +615,14 @@ class CausalLMSplit(StageSplit):
     A :class:`~rrfp_async.StageSplit` (``modules``, ``shared``, ``modules_of``) whose
     modules are :class:`CausalLMStage`; a microbatch is the model's keyword inputs (a mapping,
     or an ``rr.Microbatch`` whose ``data`` is one): ``input_ids``, ``labels``, and optionally
-    ``attention_mask`` and ``position_ids``.
+    ``attention_mask``, ``position_ids`` and ``use_cache``.
 
     Attributes:
         loss_fn: The model's own loss (:class:`CausalLMLoss`), for the last stage.
         layers: Per stage, its decoder layers ``(first, end)``.
         input_fn: The first stage's input (the ``input_ids``).
         side_inputs: Each stage's keyword inputs from its own rank's microbatch (the
-            ``attention_mask`` and ``position_ids``, those it has).
+            ``attention_mask``, ``position_ids`` and ``use_cache``, those it has).
     """
 
     loss_fn: CausalLMLoss
@@ -672,9 +718,9 @@ def split_causal_lm(
         split_spec: A number of stages (the decoder layers split evenly, the first stages
             one more when they do not divide), or the layers where stages 1, 2, ... begin:
             ``["model.layers.2"]`` (or ``["layers.2"]``).
-        check: Run a small padded batch through the stages and through the model's own
-            ``forward`` (eval mode, no grad) and refuse the model unless logits and loss
-            agree.
+        check: Run small probe batches (padded rows, packed sequences) through the stages
+            and through the model's own ``forward`` (eval mode, no grad) and refuse the
+            model unless logits and loss agree.
 
     Returns:
         The split: stage modules, tied parameters, loss, input and side-input functions.
@@ -708,9 +754,11 @@ def split_causal_lm(
 # ------------------------------------------------------------------------------ the probe
 
 
-def _probe_batch(model: nn.Module, anatomy: _Anatomy) -> dict[str, torch.Tensor]:
-    """Two rows of token ids, the second left-padded (mask 0, label -100); long enough to
-    exercise a small sliding window."""
+def _probe_batches(anatomy: _Anatomy) -> dict[str, dict[str, Any]]:
+    """The probes: two rows of token ids, the second left-padded (mask 0, label -100); one
+    row of two packed sequences (positions restart, no padding mask), with the model's
+    default cache rule and without a cache (then transformers masks the sequences from
+    each other). Long enough for a small sliding window."""
     window = getattr(anatomy.config, "sliding_window", None)
     n = window + 4 if isinstance(window, int) and 8 <= window + 4 <= 64 else 12
     vocab = int(anatomy.config.vocab_size)
@@ -719,16 +767,54 @@ def _probe_batch(model: nn.Module, anatomy: _Anatomy) -> dict[str, torch.Tensor]
     ids = (torch.arange(2 * n, device=device).reshape(2, n) * 7 + 3) % max(vocab - 1, 1) + 1
     mask = torch.ones(2, n, dtype=torch.long, device=device)
     mask[1, :3] = 0
-    return {"input_ids": ids, "attention_mask": mask, "labels": ids.masked_fill(mask == 0, -100)}
+    k = n // 2
+    pos = torch.cat([torch.arange(k, device=device), torch.arange(n - k, device=device)])
+    return {
+        "padded": {
+            "input_ids": ids,
+            "attention_mask": mask,
+            "labels": ids.masked_fill(mask == 0, -100),
+        },
+        "packed": {"input_ids": ids[:1], "position_ids": pos.unsqueeze(0), "labels": ids[:1]},
+        "packed without cache": {
+            "input_ids": ids[:1],
+            "position_ids": pos.unsqueeze(0),
+            "use_cache": False,
+            "labels": ids[:1],
+        },
+    }
 
 
-def _modes(model: nn.Module) -> Iterator[tuple[nn.Module, bool]]:
-    return ((m, m.training) for m in list(model.modules()))
+def _run_probe(
+    model: nn.Module, split: CausalLMSplit, name: str, data: Mapping[str, Any]
+) -> tuple[Any, Any, torch.Tensor]:
+    """The model's own output and the stages' (output, loss) on one probe, under no_grad;
+    an error on the way is a PlanError naming where it arose."""
+    with torch.no_grad():
+        try:
+            ref = model(**data)
+        except Exception as e:
+            raise _refuse(
+                name, f"its own forward failed on a probe batch: {type(e).__name__}: {e}"
+            ) from e
+        try:
+            out: Any = causal_lm_input(data)
+            for v, stage in enumerate(split.modules):
+                out = call_module(stage, out, causal_lm_side_inputs(v, data))
+            return ref, out, split.loss_fn(out, data)
+        except PlanError:
+            raise
+        except Exception as e:
+            raise _refuse(
+                name,
+                "its layers failed when called as split_causal_lm calls them: "
+                f"{type(e).__name__}: {e}",
+            ) from e
 
 
 def _probe(model: nn.Module, split: CausalLMSplit, anatomy: _Anatomy) -> None:
     """Refuse the model unless its stages compute what its forward computes (a PlanError
-    naming the difference)."""
+    naming the difference), in eval mode (no dropout), the modules' modes restored after."""
     name = anatomy.name
     if any(p.is_meta for p in model.parameters()):
         raise _refuse(
@@ -736,54 +822,35 @@ def _probe(model: nn.Module, split: CausalLMSplit, anatomy: _Anatomy) -> None:
             "its parameters are on the meta device, so the check against its own forward "
             "cannot run; materialise them first, or pass check=False",
         )
-    data = _probe_batch(model, anatomy)
-    modes = list(_modes(model))
+    modes = [(m, m.training) for m in model.modules()]
     model.eval()
     try:
-        with torch.no_grad():
-            try:
-                ref = model(**data)
-            except Exception as e:
-                raise _refuse(
-                    name, f"its own forward failed on the probe batch: {type(e).__name__}: {e}"
-                ) from e
-            try:
-                out: Any = causal_lm_input(data)
-                for v, stage in enumerate(split.modules):
-                    out = call_module(stage, out, causal_lm_side_inputs(v, data))
-                loss = split.loss_fn(out, data)
-            except PlanError:
-                raise
-            except Exception as e:
-                raise _refuse(
-                    name,
-                    "its layers failed when called as split_causal_lm calls them: "
-                    f"{type(e).__name__}: {e}",
-                ) from e
+        runs = {k: _run_probe(model, split, name, d) for k, d in _probe_batches(anatomy).items()}
     finally:
         for m, mode in modes:
             m.training = mode
-    logits = out["logits"] if isinstance(out, dict) else out
-    want = ref.logits
-    if not isinstance(want, torch.Tensor) or logits.shape != want.shape:
-        raise _refuse(
-            name,
-            f"its forward returns logits of shape {getattr(want, 'shape', None)}, the stages "
-            f"{tuple(logits.shape)}",
-        )
-    # The same modules on the same values: equal up to kernels that are not deterministic
-    # (none on CPU); a missed scale or mask differs by far more.
-    tol = 64 * torch.finfo(want.dtype).eps
-    for what, a, b in (("logits", logits, want), ("loss", loss, ref.loss)):
-        if not isinstance(b, torch.Tensor):
-            raise _refuse(name, f"its forward computes no {what} from labels")
-        scale = max(1.0, float(b.abs().max()))
-        diff = float((a.float() - b.float()).abs().max())
-        if not diff <= tol * scale:  # also catches NaN
+    for probe, (ref, out, loss) in runs.items():
+        logits = out["logits"] if isinstance(out, dict) else out
+        want = ref.logits
+        if not isinstance(want, torch.Tensor) or logits.shape != want.shape:
             raise _refuse(
                 name,
-                f"on a probe batch the stages' {what} differ from its own forward's by "
-                f"{diff:.3g}: its forward does something the stages do not (a scale, a cap, "
-                "another mask rule); split it by hand (docs/hf_models.md), or pass "
-                "check=False if you know why",
+                f"its forward returns logits of shape {getattr(want, 'shape', None)}, the "
+                f"stages {tuple(logits.shape)}",
             )
+        # The same modules on the same values: equal up to kernels that are not
+        # deterministic (none on CPU); a missed scale or mask differs by far more.
+        tol = 64 * torch.finfo(want.dtype).eps
+        for what, a, b in (("logits", logits, want), ("loss", loss, ref.loss)):
+            if not isinstance(b, torch.Tensor):
+                raise _refuse(name, f"its forward computes no {what} from labels")
+            scale = max(1.0, float(b.abs().max()))
+            diff = float((a.float() - b.float()).abs().max())
+            if not diff <= tol * scale:  # also catches NaN
+                raise _refuse(
+                    name,
+                    f"on the {probe} probe batch the stages' {what} differ from its own "
+                    f"forward's by {diff:.3g}: its forward does something the stages do not "
+                    "(a scale, a cap, another mask rule); split it by hand "
+                    "(docs/hf_models.md), or pass check=False if you know why",
+                )

@@ -117,6 +117,44 @@ def test_ties_names_and_stages() -> None:
     assert rr.split_causal_lm(H.build("llama"), 2).shared == {}
 
 
+@pytest.mark.parametrize("family", ["llama", "mistral"])
+def test_given_position_ids_reach_every_stage(family: str) -> None:
+    # Two packed sequences in one row (positions restart at 0, no padding mask). The model's
+    # forward uses the given positions (rotary tables), and transformers masks the two
+    # sequences from each other, but only without a cache: with config.use_cache (True by
+    # default, even in training) its forward makes one and the mask stays causal. Every
+    # stage follows the same rule from its own microbatch.
+    model = H.build(family)
+    ids = torch.randint(1, H.VOCAB, (1, 14), generator=torch.Generator().manual_seed(1))
+    pos = torch.cat([torch.arange(8), torch.arange(6)]).unsqueeze(0)
+    split = rr.split_causal_lm(model, 2)
+    logits = []
+    for extra in ({}, {"use_cache": False}):
+        data = {"input_ids": ids, "position_ids": pos, "labels": ids, **extra}
+        with torch.no_grad():
+            want = model(**data)
+            out = split.modules[0](ids, **split.side_inputs(0, data))
+            out = split.modules[1](out, **split.side_inputs(1, data))
+        assert torch.equal(out, want.logits), extra
+        assert torch.equal(split.loss_fn(out, data), want.loss), extra
+        logits.append(out)
+    with torch.no_grad():
+        default = model(input_ids=ids).logits
+    # Not vacuous: the positions matter, and so does the cache rule.
+    assert not torch.allclose(logits[0], default, rtol=0, atol=1e-5)
+    assert not torch.allclose(logits[0], logits[1], rtol=0, atol=1e-5)
+
+
+def test_a_microbatch_without_labels_is_named() -> None:
+    split = rr.split_causal_lm(H.build("llama"), 2)
+    mb = H.batches(1, 3)[0][2]
+    data = {k: v for k, v in mb.data.items() if k != "labels"}
+    with pytest.raises(rr.PlanError, match=r"labels of microbatch 2 \(keys: \['attention"):
+        split.loss_fn(torch.zeros(2, 3, H.VOCAB), rr.Microbatch(index=2, data=data))
+    with pytest.raises(rr.PlanError, match="has no input_ids"):
+        split.input_fn({"labels": mb.data["labels"]})
+
+
 @pytest.mark.distributed
 @pytest.mark.timeout(400)
 def test_two_processes_tied_qwen2_and_mixtral_match_autograd() -> None:
