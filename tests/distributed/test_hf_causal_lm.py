@@ -145,6 +145,30 @@ def test_given_position_ids_reach_every_stage(family: str) -> None:
     assert not torch.allclose(logits[0], logits[1], rtol=0, atol=1e-5)
 
 
+def test_gradient_checkpointing_follows_the_models_cache_rule() -> None:
+    # Under gradient checkpointing in training the model's forward turns use_cache off, so
+    # packed sequences are masked from each other; the stages (whose layers checkpoint as
+    # the model's do) follow. Losses and gradients: bitwise.
+    model = H.build("llama")
+    model.activation_checkpointing_enable()
+    ids = torch.randint(1, H.VOCAB, (1, 14), generator=torch.Generator().manual_seed(1))
+    pos = torch.cat([torch.arange(8), torch.arange(6)]).unsqueeze(0)
+    data = {"input_ids": ids, "position_ids": pos, "labels": ids}
+    split = rr.split_causal_lm(model, 2)
+    want = model(**data).loss
+    want.backward()
+    ref = H.grads(model)
+    model.zero_grad(set_to_none=True)
+    out = split.modules[0](ids, **split.side_inputs(0, data))
+    loss = split.loss_fn(split.modules[1](out, **split.side_inputs(1, data)), data)
+    loss.backward()
+    assert torch.equal(loss, want)
+    assert H.max_diff(H.grads(model), ref)[0] == 0.0
+    with torch.no_grad():
+        cached = model(**data, use_cache=True).loss  # not vacuous: the rule matters here
+    assert not torch.allclose(cached, want, rtol=0, atol=1e-6)
+
+
 def test_a_microbatch_without_labels_is_named() -> None:
     split = rr.split_causal_lm(H.build("llama"), 2)
     mb = H.batches(1, 3)[0][2]
