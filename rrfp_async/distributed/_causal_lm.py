@@ -420,9 +420,10 @@ class CausalLMStage(nn.Module):
     model's own objects, registered under the model's names (``model.layers.3``), so the
     stage's parameter and ``state_dict`` names are the model's.
 
-    Called as ``stage(x, attention_mask=None, position_ids=None, router_logits=())``: ``x`` is
-    the token ids on the first stage and the hidden states elsewhere; ``router_logits`` are
-    the earlier stages' router logits (a model whose loss includes the router loss). Returns
+    Called as ``stage(x, attention_mask=None, position_ids=None, router_logits=(),
+    use_cache=None)``: ``x`` is the token ids on the first stage and the hidden states
+    elsewhere; ``router_logits`` are the earlier stages' router logits (a model whose loss
+    includes the router loss). Returns
     the hidden states (or ``rr.Args(hidden, router_logits=...)``) to the next stage; the last
     stage returns the logits (or ``{"logits": ..., "router_logits": ...}``). Build stages with
     :func:`split_causal_lm`.
