@@ -9,7 +9,8 @@ The friendly public API, pulled together from the private modules and the layers
 * distributed: ``ProcessLayout``, ``build_groups``, ``DistributedStage``,
   ``TorchStageExecutor``, ``EmulatedCost``, ``spawn``; splitting a model into stage
   modules with the parameters they share: ``split_model``, ``from_stage_modules``,
-  ``from_pipe``, ``StageSplit``, ``StageModule``;
+  ``from_pipe``, ``StageSplit``, ``StageModule``; a Hugging Face causal LM in one call:
+  ``split_causal_lm``, ``CausalLMSplit``, ``CausalLMStage``;
 * the training harness (what ``examples/train_image_text.py`` runs): ``TrainConfig``,
   ``train_worker``, ``TrainResult``, ``image_text_cost`` (the example model's cost model);
 * simulating: ``simulate``, ``compare``, ``SimResult``;
@@ -29,6 +30,8 @@ __version__ = "0.1.0"
 _EXPORTS: dict[str, str] = {
     "AdmissionLedger": "._admission",
     "Args": "._pytree",
+    "CausalLMSplit": ".distributed._causal_lm",
+    "CausalLMStage": ".distributed._causal_lm",
     "ChannelError": "._errors",
     "ClosedError": "._errors",
     "CostModel": "._costs",
@@ -36,11 +39,11 @@ _EXPORTS: dict[str, str] = {
     "DeadlockError": "._errors",
     "DistributedStage": ".distributed._stage",
     "DivergenceError": "._errors",
-    "ExtraMissingError": "._errors",
     "Durations": "._costs",
     "EmulatedCost": ".distributed._torch_executor",
     "ExecutedTask": ".loop",
     "Executor": ".loop._executors",
+    "ExtraMissingError": "._errors",
     "HINTS": ".policies",
     "HintError": "._errors",
     "Kind": "._tasks",
@@ -109,6 +112,7 @@ _EXPORTS: dict[str, str] = {
     "run": ".loop",
     "simulate": ".sim._simulate",
     "spawn": ".distributed._spawn",
+    "split_causal_lm": ".distributed._causal_lm",
     "split_model": ".distributed._split",
     "stalls": ".observability",
     "strict": ".policies",
@@ -143,6 +147,7 @@ if TYPE_CHECKING:  # the same names for type checkers (tests/test_public_api.py 
     from ._pytree import Args
     from ._tasks import Kind, Placement, StepPlan, Task, Topology, format_tasks, parse_tasks
     from ._workloads import WORKLOADS, Workload, make_workload
+    from .distributed._causal_lm import CausalLMSplit, CausalLMStage, split_causal_lm
     from .distributed._layout import ProcessLayout, StageGroups, build_groups, pipeline_neighbors
     from .distributed._spawn import free_port, spawn
     from .distributed._split import (
@@ -197,6 +202,8 @@ __all__ = [
     "WORKLOADS",
     "AdmissionLedger",
     "Args",
+    "CausalLMSplit",
+    "CausalLMStage",
     "ChannelError",
     "ClosedError",
     "CostModel",
@@ -275,6 +282,7 @@ __all__ = [
     "run",
     "simulate",
     "spawn",
+    "split_causal_lm",
     "split_model",
     "stalls",
     "strict",
