@@ -106,7 +106,9 @@ def optional_png(render: Callable[[], Any]) -> str | None:
     try:
         return str(render())
     except ExtraMissingError as e:
-        console(stderr=True).print(f"PNG skipped: {e}", markup=False, highlight=False, soft_wrap=True)
+        console(stderr=True).print(
+            f"PNG skipped: {e}", markup=False, highlight=False, soft_wrap=True
+        )
         return None
 
 

@@ -203,6 +203,11 @@ class DistributedStage:
             ``rr.merge_traces``. The write is part of ``run_step`` (on a loaded 2-core
             machine: 4 ms for a rank's 32 tasks, 12 ms for 128); a write that fails is
             logged (logger ``rrfp_async.distributed._stage``), never fails the step.
+        emulated_gpu_time: What the trace files say of their times: True when the tasks'
+            GPU time is emulated (sleeps from a cost model or in stand-in modules, on a CPU).
+            None (default): True exactly when the executor emulates it
+            (``TorchStageExecutor(emulate=...)``); a module that sleeps for its GPU time must
+            say so here.
 
     Tied parameters declared by the executor (``TorchStageExecutor(shared=...)``) have their
     gradients summed over every rank that holds them at the end of each training step,
@@ -243,6 +248,7 @@ class DistributedStage:
         max_microbatches: int | None = None,
         agree_steps: bool = True,
         trace_dir: str | Path | None = None,
+        emulated_gpu_time: bool | None = None,
     ) -> None:
         if schedule.plan.stages != layout.pp:
             raise PlanError(
@@ -278,6 +284,13 @@ class DistributedStage:
             bound_name="DistributedStage(max_message_bytes=...)",
         )
         self.trace_dir = None if trace_dir is None else Path(trace_dir)
+        if emulated_gpu_time is not None and not isinstance(emulated_gpu_time, bool):
+            raise PlanError(f"emulated_gpu_time must be a bool or None, got {emulated_gpu_time!r}")
+        self._emulated = (
+            getattr(executor, "emulate", None) is not None
+            if emulated_gpu_time is None
+            else emulated_gpu_time
+        )
         self._recorder: TraceRecorder | None = None
         if self.trace_dir is not None:
             try:
@@ -552,7 +565,7 @@ class DistributedStage:
                 chrome_trace(
                     self._recorder.data,
                     clock="real",
-                    emulated=getattr(self.stage.executor, "emulate", None) is not None,
+                    emulated=self._emulated,
                     policy=self.stage.policy_name,
                     hint=schedule.hint_name,
                     title=f"{self._who()}, step {step}",
