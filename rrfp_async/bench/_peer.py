@@ -193,7 +193,9 @@ def peer_benchmark(
     # The same model for every row with as many chunks (the virtual stages' modules are built
     # from their index): the losses are compared within each such group. The rank of the
     # last virtual stage holds them (rank 0 for V-shape).
-    losses = [next((r["losses"][i] for r in res if r["losses"][i]), []) for i in range(len(keys))]
+    losses: list[list[float]] = [
+        next((r["losses"][i] for r in res if r["losses"][i]), []) for i in range(len(keys))
+    ]
     ref: dict[int, list[float]] = {}
     for c, ls in zip(r0["chunks"], losses, strict=True):
         if ls:
