@@ -7,10 +7,16 @@ and emulated noise in step ``i``) can compare them step by step: the speedup of 
 is ``baseline[i] / candidate[i]``. Reporting only one number (a ratio of medians) hides how
 much those per-step ratios scatter; on a loaded machine they scatter across 1.0 and the
 headline is noise. So a ratio is reported as the *median* of the paired per-step ratios
-with their *min–max* range (not a confidence interval: with the few steps a demo times, a
-bootstrap would only dress the same few numbers up), and the verdict says "within noise"
-exactly when that range covers 1.0. One step has no spread: its range is unbounded
-(``0``–``inf``), which covers 1.0, so a single step is always "within noise".
+with their *min–max* range, and the verdict comes from a *sign test*: under "no
+difference" each step is as likely faster as slower, so ``k`` faster steps of ``n`` happen
+with probability ``C(n, k) / 2**n``. The verdict claims a difference (``"faster in k of n
+steps"``, ``"slower in ..."``) only when the exact two-sided p-value is at most ``ALPHA``
+(5 %), else it says ``"within noise"``. This needs no assumption about the shape of the
+noise, and, unlike "the min–max excludes 1.0", one slow step among many (a load spike)
+does not flip the verdict, while a handful of steps can never claim anything: with fewer
+than 6 steps even "faster in every step" is ``within noise`` (5 of 5 has p = 0.0625), so a
+command that wants a verdict times at least 6 paired steps. Steps with a ratio of exactly
+1.0 count for neither side.
 
 A candidate that never left the baseline's order (``same_order``: both ran the hint's
 order, zero deviations) ran the same tasks in the same order; whatever its ratio, it is
@@ -24,10 +30,23 @@ import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-__all__ = ["PairedRatio", "paired_ratio"]
+__all__ = ["ALPHA", "PairedRatio", "paired_ratio", "sign_test"]
 
 #: How the spread is computed, for labels.
 SPREAD_METHOD = "min–max"
+
+#: The sign test's level: a difference is claimed when its two-sided p-value is at most this.
+ALPHA = 0.05
+
+
+def sign_test(faster: int, slower: int) -> float:
+    """The exact two-sided sign-test p-value of ``faster`` steps against ``slower`` ones."""
+    n = faster + slower
+    if n == 0:
+        return 1.0
+    k = max(faster, slower)
+    tail = sum(math.comb(n, i) for i in range(k, n + 1)) / 2**n
+    return min(1.0, 2 * tail)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -70,17 +89,35 @@ class PairedRatio:
         return max(self.ratios) if self.steps > 1 else math.inf
 
     @property
+    def faster_steps(self) -> int:
+        """Steps in which the candidate was faster (ratio > 1)."""
+        return sum(r > 1.0 for r in self.ratios)
+
+    @property
+    def slower_steps(self) -> int:
+        """Steps in which the candidate was slower (ratio < 1)."""
+        return sum(r < 1.0 for r in self.ratios)
+
+    @property
+    def p_value(self) -> float:
+        """The sign test's two-sided p-value (see the design note)."""
+        return sign_test(self.faster_steps, self.slower_steps)
+
+    @property
     def within_noise(self) -> bool:
-        """The spread covers 1.0: no step-by-step evidence of a difference."""
-        return self.low <= 1.0 <= self.high
+        """No step-by-step evidence of a difference: the sign test's p-value is above
+        ``ALPHA``."""
+        return self.p_value > ALPHA
 
     @property
     def verdict(self) -> str:
-        """``"within noise"`` iff the spread covers 1.0; else ``"faster in every step"`` or
-        ``"slower in every step"`` (the candidate against the baseline)."""
+        """``"within noise"``, or ``"faster in k of n steps"`` / ``"slower in k of n
+        steps"`` (the candidate against the baseline) when the sign test says so."""
         if self.within_noise:
             return "within noise"
-        return "faster in every step" if self.low > 1.0 else "slower in every step"
+        if self.faster_steps > self.slower_steps:
+            return f"faster in {self.faster_steps} of {self.steps} steps"
+        return f"slower in {self.slower_steps} of {self.steps} steps"
 
     @property
     def spread(self) -> str:
@@ -97,8 +134,8 @@ class PairedRatio:
             baseline: The baseline's name, for the text.
 
         Returns:
-            E.g. ``"within noise"`` or ``"faster in every step; same order as strict: ratio
-            is noise"``.
+            E.g. ``"within noise"`` or ``"faster in 8 of 8 steps; same order as strict:
+            ratio is noise"``.
         """
         if self.same_order:
             return f"{self.verdict}; same order as {baseline}: ratio is noise"
