@@ -29,7 +29,7 @@ __all__ = ["demo_cmd"]
 @click.command("demo")
 @stages_option(4, minimum=2)
 @microbatches_option(16)
-@steps_option(8, "Timed steps per policy (after one warm-up step; the verdict needs >= 6).")
+@steps_option(10, "Timed steps per policy (after one warm-up step; the verdict needs >= 6).")
 @tp_option()
 @hint_option()
 @policy_option("Policy to compare (repeatable). Default: strict, readiness_first, backfill.")
