@@ -198,11 +198,15 @@ class DistributedStage:
             at ``_post_agreement``); one int64[2] all-reduce per step.
         trace_dir: Record every step and write it, when the step ends (also when it fails),
             as a Chrome / Perfetto JSON file ``{trace_dir}/rank{global rank}.json``: each file
-            holds the last step its rank ran, and overwrites the previous one. Merge the
-            ranks' files into one timeline with ``rrfp-async trace {trace_dir}`` or
-            ``rr.merge_traces``. The write is part of ``run_step`` (on a loaded 2-core
-            machine: 4 ms for a rank's 32 tasks, 12 ms for 128); a write that fails is
-            logged (logger ``rrfp_async.distributed._stage``), never fails the step.
+            holds the last step its rank ran to the end, and replaces the previous one
+            atomically (a failed write keeps it). A step that failed goes to
+            ``failed-rank{global rank}.json`` instead (what ran before the failure), so a
+            failure never erases the last good step. Merge the ranks' files into one
+            timeline with ``rrfp-async trace {trace_dir}`` (or
+            ``'{trace_dir}/failed-rank*.json'`` for the failed step) or ``rr.merge_traces``.
+            The write is part of ``run_step`` (on a loaded 2-core machine: 4 ms for a rank's
+            32 tasks, 12 ms for 128); a write that fails is logged (logger
+            ``rrfp_async.distributed._stage``), never fails the step.
         emulated_gpu_time: What the trace files say of their times: True when the tasks'
             GPU time is emulated (sleeps from a cost model or in stand-in modules, on a CPU).
             None (default): True exactly when the executor emulates it
@@ -527,6 +531,7 @@ class DistributedStage:
         if self._recorder is not None:
             self._recorder.data = TraceData()  # each file holds one step
         agreed = False  # this step's end-of-step agreement is posted (once, on every rank)
+        failed = True  # until run_step returns
         try:
             # The control group's collectives run in the same order on every rank, also for a
             # step that failed elsewhere already (its run_step raises that right after).
@@ -540,6 +545,7 @@ class DistributedStage:
             await self._agree(s)
             if training and self._tie_groups is not None:
                 await self._reduce_ties(s)
+            failed = False
             return stats
         except BaseException as e:
             if self._told != s:  # (not yet by the stage, before it waited for its task)
@@ -552,13 +558,16 @@ class DistributedStage:
         finally:
             self._running = None
             if self._recorder is not None:
-                self._write_trace(s, sched)
+                self._write_trace(s, sched, failed=failed)
 
-    def _write_trace(self, step: int, schedule: StepSchedule) -> None:
-        """Write this step's recording to ``trace_dir`` (see the class's Args); a failure is
-        logged and never fails the step."""
+    def _write_trace(self, step: int, schedule: StepSchedule, *, failed: bool) -> None:
+        """Write this step's recording to ``trace_dir`` (see the class's Args): a step that
+        ended well to ``rank{r}.json``, a failed one to ``failed-rank{r}.json``, so that a
+        failure never overwrites the last good step (after a rank died, the survivors' and
+        the dead rank's ``rank*.json`` still hold the same step, and merge). A write that
+        fails is logged and never fails the step."""
         assert self._recorder is not None and self.trace_dir is not None
-        path = rank_trace_path(self.trace_dir, self.layout.rank)
+        path = rank_trace_path(self.trace_dir, self.layout.rank, failed=failed)
         try:
             write_trace(
                 path,

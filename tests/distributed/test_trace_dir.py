@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 from click.testing import CliRunner
 
 import rrfp_async as rr
@@ -65,6 +66,52 @@ def test_a_stage_writes_its_last_step_and_never_fails_a_step_for_it(
             groups=rr.StageGroups(),
             trace_dir=blocker / "t",
         )
+
+
+class _FailsOn:
+    """``_Tiny``'s tasks, raising in one task of the steps named in ``steps``."""
+
+    def __init__(self, steps: set[int]) -> None:
+        self.steps = steps
+
+    async def execute(self, task: rr.Task, data: Any, ctx: rr.TaskContext, /) -> Any:
+        if ctx.step in self.steps and str(task) == "0B0":
+            raise RuntimeError(f"boom in step {ctx.step}")
+        return torch.full((2,), float(task.mb))
+
+
+@pytest.mark.timeout(30)
+def test_a_failed_step_never_replaces_the_last_good_trace(tmp_path: Path) -> None:
+    """A failed step goes to failed-rank{r}.json; rank{r}.json keeps the last good step
+    (before: a failing step overwrote it, so after a rank died the survivors' files held
+    their failed steps, often empty, and no longer merged with the dead rank's)."""
+    plan = rr.StepPlan(topology=rr.Topology(stages=1), microbatches=2)
+    stage = rr.DistributedStage(
+        rr.ProcessLayout(pp=1, rank=0),
+        rr.StepSchedule.build(plan, "1f1b"),
+        _FailsOn({1}),
+        groups=rr.StageGroups(),
+        verify_plan=False,
+        trace_dir=tmp_path,
+    )
+
+    def steps_in(name: str) -> tuple[set[int], list[str]]:
+        tr = json.loads((tmp_path / name).read_text())
+        xs = [e for e in tr["traceEvents"] if e["ph"] == "X"]
+        return {e["args"]["step"] for e in xs}, sorted(e["name"] for e in xs)
+
+    with stage:
+        stage.run_step_sync([0, 1])
+        with pytest.raises(RuntimeError, match="boom in step 1"):
+            stage.run_step_sync([0, 1])
+        assert steps_in("rank0.json") == ({0}, ["0B0", "0B1", "0F0", "0F1"])
+        assert steps_in("failed-rank0.json")[0] == {1}  # what ran before it failed
+        assert "0B0" not in steps_in("failed-rank0.json")[1]
+        stage.run_step_sync([0, 1])
+        assert steps_in("rank0.json")[0] == {2}
+    # The directory's files are the good steps: what `rrfp-async trace DIR` merges.
+    assert [p.name for p in rr.observability.trace_files([tmp_path])] == ["rank0.json"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["failed-rank0.json", "rank0.json"]
 
 
 def test_train_config_trace_dir() -> None:
