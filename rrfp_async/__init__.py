@@ -14,6 +14,8 @@ The friendly public API, pulled together from the private modules and the layers
   ``train_worker``, ``TrainResult``, ``image_text_cost`` (the example model's cost model);
 * simulating: ``simulate``, ``compare``, ``SimResult``;
 * reporting a measured speedup honestly: ``paired_ratio``, ``PairedRatio``;
+* the tasks' random streams (dropout independent of the dispatch order) and their
+  single-process reference: ``task_rng``, ``task_seed``;
 * errors: ``RRFPError`` and its subclasses.
 """
 
@@ -37,6 +39,7 @@ from ._errors import (
     TraceError,
 )
 from ._pytree import Args
+from ._rng import task_rng, task_seed
 from ._tasks import Kind, Placement, StepPlan, Task, Topology, format_tasks, parse_tasks
 from ._workloads import WORKLOADS, Workload, make_workload
 from .distributed._layout import ProcessLayout, StageGroups, build_groups, pipeline_neighbors
@@ -173,6 +176,8 @@ __all__ = [
     "stalls",
     "strict",
     "summarize",
+    "task_rng",
+    "task_seed",
     "train_worker",
     "validate_chrome_trace",
     "validate_hint",
