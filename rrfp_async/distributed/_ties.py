@@ -221,7 +221,9 @@ async def find_undeclared_ties(
             + (f" (and {len(clashes) - 4} more)" if len(clashes) > 4 else "")
             + ". Undeclared, each rank would train its own copy and they would silently drift"
             " apart: declare the tie (TorchStageExecutor(shared={name: [(stage, param name),"
-            " ...]}), or let rr.split_model find it). If they are only initialised alike"
+            " ...]}), or let rr.split_model find it; stages of torch's pipeline() through"
+            " rr.pipelining: ScheduleReadinessFirst(..., shared=rr.from_pipe(pipe).shared))."
+            " If they are only initialised alike"
             " (every stage built from the same seed), pass check_ties=False to"
             " DistributedStage"
         )
