@@ -1,4 +1,4 @@
-"""Training semantics in one process (``docs/training_semantics.md``): the tasks' random
+"""Training semantics in one process: the tasks' random
 streams, gradient accumulation over tied parameters in a ``LocalPipeline``, a failed step's
 accumulated gradients, the synchronous face.
 
@@ -342,3 +342,18 @@ def test_the_sync_face_accumulates_like_the_async_one() -> None:
     finally:
         _close(execs)
     assert max_diff(state(mods), state(ref)) <= 1e-6
+
+
+def test_a_step_with_more_tasks_than_the_streams_tell_apart_is_refused() -> None:
+    mods, _ = build(2, "untied")
+    ex = rr.TorchStageExecutor({0: mods[0]}, loss_fn)
+    plan = rr.StepPlan(topology=rr.Topology(stages=4097), microbatches=1)
+    mb = batches(0, 1)
+    try:
+        with pytest.raises(rr.PlanError, match="at most 4096 virtual stages and 1048576"):
+            ex._run(rr.Task(0, "F", 0), mb[0], rr.TaskContext(0, 0, plan, mb))
+        off = rr.TorchStageExecutor({0: mods[0]}, loss_fn, task_rng=False)
+        off._run(rr.Task(0, "F", 0), mb[0], rr.TaskContext(0, 0, plan, mb))  # no streams
+        off.close()
+    finally:
+        ex.close()

@@ -46,7 +46,15 @@ from .._bridges import ComputeWorker
 from .._costs import CostModel, Durations, Microbatch
 from .._errors import PlanError
 from .._pytree import Args, call_module, map_tensors, tensor_leaves
-from .._rng import TASK_RNG_LOCK, cuda_indices, fork_seeded, task_seed
+from .._rng import (
+    MAX_MICROBATCHES,
+    MAX_STAGES,
+    TASK_RNG_LOCK,
+    cuda_indices,
+    fork_seeded,
+    step_key,
+    task_key,
+)
 from .._tasks import StepPlan, Task
 from ..loop._executors import OutputHook, TaskContext
 from ._split_backward import WeightWork, input_backward, weight_backward
@@ -240,6 +248,7 @@ class TorchStageExecutor:
         self._kept: dict[tuple[int, int], WeightWork] = {}
         self._param_lists: dict[int, list[nn.Parameter]] = {}
         self._cuda_lists: dict[int, tuple[int, ...]] = {}
+        self._rng_key: int | None = None  # the step's step_key (None: no per-task streams)
         self._step: int | None = None
         self._total_tokens = 0
         self._durations: Durations | None = None
@@ -314,15 +323,15 @@ class TorchStageExecutor:
             self._begin_step(ctx)
         t0 = time.perf_counter()
         handler = self._handlers[task.kind]
-        seed = self.rng_seed
-        if seed is None:
+        key = self._rng_key
+        if key is None:
             out = handler(task, data, ctx)
         else:
             # The lock covers every task, not only F: a backward can replay a forward
             # (activation checkpointing sets the global generators too). See _rng.
             with TASK_RNG_LOCK:
                 if task.kind == "F":
-                    s = task_seed(seed, ctx.step, task.stage, task.mb)
+                    s = task_key(key, task.stage, task.mb)
                     with fork_seeded(s, self._cuda_of(task.stage)):
                         out = handler(task, data, ctx)
                 else:
@@ -360,6 +369,16 @@ class TorchStageExecutor:
         self.outputs = {}
         self._param_lists = {}  # requires_grad may change between steps
         self._cuda_lists = {}  # and so may devices
+        if self.rng_seed is not None:
+            plan = ctx.plan
+            if plan.num_virtual > MAX_STAGES or plan.microbatches > MAX_MICROBATCHES:
+                raise PlanError(
+                    f"rank {ctx.rank} step {ctx.step}: per-task random streams tell apart at"
+                    f" most {MAX_STAGES} virtual stages and {MAX_MICROBATCHES} microbatches"
+                    f" a step; this plan has {plan.num_virtual} and {plan.microbatches}"
+                    " (TorchStageExecutor(task_rng=False) switches the streams off)"
+                )
+            self._rng_key = step_key(self.rng_seed, ctx.step)
         if self.loss_scale == "tokens":
             self._total_tokens = sum(self._tokens(mb, i) for i, mb in enumerate(ctx.microbatches))
         if self.emulate is not None:

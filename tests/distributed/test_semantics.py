@@ -1,4 +1,4 @@
-"""Training semantics across processes (``docs/training_semantics.md``), each run against the
+"""Training semantics across processes, each run against the
 single-process reference of ``tests/_semantics.py``:
 
 * gradient accumulation over tied parameters (several ``run_step`` calls without
