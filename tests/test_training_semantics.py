@@ -233,6 +233,39 @@ def test_dropout_gives_bitwise_the_same_parameters_under_every_policy_and_hint()
     assert max_diff(first, state(ref)) <= 1e-6
 
 
+class _Checkpointed(nn.Module):
+    """A stage whose dropout runs under activation checkpointing: its backward recomputes
+    the forward, which must draw the same mask again."""
+
+    def __init__(self, inner: nn.Module) -> None:
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from torch.utils.checkpoint import checkpoint
+
+        out = checkpoint(self.inner, x, use_reentrant=False)
+        assert isinstance(out, torch.Tensor)
+        return out
+
+
+def test_activation_checkpointing_replays_the_task_stream() -> None:
+    # Fails if a recomputation in the backward drew another mask than its forward (the
+    # gradient would then be that of another mask), or if two compute threads forked the
+    # global generators at once.
+    mods, spec = build(3, "copies")
+    wrapped = [_Checkpointed(m) for m in mods]
+    spec = {"wte": [(0, "inner.emb.weight"), (2, "inner.weight")]}
+    pipe, execs = _pipe(wrapped, spec, 5, policy="readiness_first", latency=_jitter(7))
+    try:
+        rr.run(pipe.run_step(batches(0, 5)))
+    finally:
+        _close(execs)
+    ref, _ = build(3, "one")
+    reference(ref, [(0, batches(0, 5))])
+    assert max_diff(state(mods), state(ref)) <= 1e-6
+
+
 # ------------------------------------------------------------------ ties and accumulation
 
 
