@@ -15,6 +15,8 @@ The friendly public API, pulled together from the private modules and the layers
   ``train_worker``, ``TrainResult``, ``image_text_cost`` (the example model's cost model);
 * simulating: ``simulate``, ``compare``, ``SimResult``;
 * reporting a measured speedup honestly: ``paired_ratio``, ``PairedRatio``;
+* the tasks' random streams (dropout independent of the dispatch order) and their
+  single-process reference: ``task_rng``, ``task_seed``;
 * errors: ``RRFPError`` and its subclasses.
 """
 
@@ -118,6 +120,8 @@ _EXPORTS: dict[str, str] = {
     "stalls": ".observability",
     "strict": ".policies",
     "summarize": ".observability",
+    "task_rng": "._rng",
+    "task_seed": "._rng",
     "train_worker": ".distributed._train",
     "validate_chrome_trace": ".observability",
     "validate_hint": ".policies",
@@ -147,6 +151,7 @@ if TYPE_CHECKING:  # the same names for type checkers (tests/test_public_api.py 
         TraceError,
     )
     from ._pytree import Args
+    from ._rng import task_rng, task_seed
     from ._tasks import Kind, Placement, StepPlan, Task, Topology, format_tasks, parse_tasks
     from ._workloads import WORKLOADS, Workload, make_workload
     from .distributed._causal_lm import CausalLMSplit, CausalLMStage, split_causal_lm
@@ -290,6 +295,8 @@ __all__ = [
     "stalls",
     "strict",
     "summarize",
+    "task_rng",
+    "task_seed",
     "train_worker",
     "validate_chrome_trace",
     "validate_hint",

@@ -84,6 +84,17 @@ def test_embed_in_asyncio(monkeypatch: pytest.MonkeyPatch) -> None:
     assert wall_ms / 5 / 4 <= int(beat[1]) <= wall_ms / 5 + 5, (beat[1], wall_ms)
 
 
+def test_dropout_reference(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Bitwise, both lines: fails without per-task random streams (the two orders and the
+    # reference loop draw the dropout masks in other orders) or if rr.task_rng drew
+    # another stream than the pipeline's forwards.
+    lines = _run("dropout_reference.py", ["--steps", "2", "--microbatches", "5"], monkeypatch)
+    (orders,) = _match_all(r"strict 1f1b vs readiness_first bfw: max \|diff\| (\S+)", lines)
+    (ref,) = _match_all(r"pipeline vs single-process reference: max \|diff\| (\S+)", lines)
+    assert float(orders[1]) == 0.0
+    assert float(ref[1]) == 0.0
+
+
 def test_what_if_128_gpus(monkeypatch: pytest.MonkeyPatch) -> None:
     argv = ["--stages", "4", "--replicas", "2", "--microbatches", "8", "--jitter", "0.2"]
     lines = _run("what_if_128_gpus.py", argv, monkeypatch)

@@ -30,6 +30,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
             "_workloads",
             "_admission",
             "_bridges",
+            "_rng",
         ),
     ),
     ("models", ("models",)),

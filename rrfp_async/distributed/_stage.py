@@ -84,6 +84,7 @@ from .._errors import (
 from ..channels._decisions import DecisionChannel
 from ..channels._p2p import P2PChannel
 from ..loop import StageLoop, StageObserver, StepStats
+from ..loop._accumulate import GradStash, restore_grads, stash_grads
 from ..loop._checks import check_step_args
 from ..loop._executors import Executor
 from ..loop._portal import SyncPortal
@@ -216,7 +217,10 @@ class DistributedStage:
 
     Tied parameters declared by the executor (``TorchStageExecutor(shared=...)``) have their
     gradients summed over every rank that holds them at the end of each training step,
-    before ``run_step`` returns (so before the optimizer).
+    before ``run_step`` returns (so before the optimizer). Steps that accumulate (no
+    ``zero_grad`` between them) add each step's contribution once: the accumulated gradient
+    is set aside while the step runs and added back after the reduction, also when the step
+    fails (see ``rrfp_async.loop._accumulate``).
 
     Use as ``async with stage:`` and ``await stage.run_step(...)`` on one event loop, or
     from synchronous code as ``with stage:`` and ``stage.run_step_sync(...)``.
@@ -533,6 +537,7 @@ class DistributedStage:
             self._recorder.data = TraceData()  # each file holds one step
         agreed = False  # this step's end-of-step agreement is posted (once, on every rank)
         failed = True  # until run_step returns
+        stash: GradStash = []  # the tied parameters' accumulated gradients, set aside
         try:
             # The control group's collectives run in the same order on every rank, also for a
             # step that failed elsewhere already (its run_step raises that right after).
@@ -541,6 +546,8 @@ class DistributedStage:
             training = not sched.plan.forward_only
             if training and not self._ties_checked:
                 await self._prepare_ties(sched, s)
+            if training and self._tie_groups is not None:
+                stash = stash_grads(p for ps in self._shared_parameters().values() for p in ps)
             stats = await self.stage.run_step(microbatches, step=s, schedule=sched, train=train)
             agreed = True
             await self._agree(s)
@@ -557,6 +564,7 @@ class DistributedStage:
                 self._post_agreement(failed=True)
             raise
         finally:
+            restore_grads(stash)
             self._running = None
             if self._recorder is not None:
                 self._write_trace(s, sched, failed=failed)
@@ -766,11 +774,15 @@ class DistributedStage:
             self._tie_groups = tie_groups(self._tie_spec, self.layout, schedule.plan.topology)
         self._ties_checked = True
 
-    async def _reduce_ties(self, step: int) -> None:
+    def _shared_parameters(self) -> dict[str, list[torch.nn.Parameter]]:
+        """The executor's tied parameters on this rank (``shared_parameters()``)."""
         shared = getattr(self.stage.executor, "shared_parameters", None)
+        return {} if shared is None else dict(shared())
+
+    async def _reduce_ties(self, step: int) -> None:
         assert self._tie_groups is not None
         await reduce_ties(
-            {} if shared is None else shared(),
+            self._shared_parameters(),
             self._tie_groups,
             timeout=self.step_timeout,
             who=self._who(),
@@ -802,6 +814,7 @@ class DistributedStage:
             layout=self.layout,
             max_message_bytes=self.max_message_bytes,
             ties=ties_digest(self._tie_spec) + ("" if self.check_ties else "|unchecked"),
+            rng_seed=getattr(self.stage.executor, "rng_seed", None),
         )
         group = self.groups.control
         on_cpu = group is not None or "gloo" in str(dist.get_backend())

@@ -13,6 +13,10 @@ nothing warns (the model trains silently wrong). Two parts:
   same list of gloo groups (one per tie and per pipeline, i.e. per TP and DP index) in the
   same order without talking (``tie_groups``). After a training step, each rank sums its
   local copies, all-reduces (sum) over the tie's group and writes the sum into every copy.
+  What is summed is this step's contribution alone: ``DistributedStage`` sets each copy's
+  accumulated gradient aside while the step runs and adds it back afterwards, so steps that
+  accumulate (no ``zero_grad`` between them) do not sum the earlier steps again (see
+  ``rrfp_async.loop._accumulate``).
   The plan check covers the declarations (a digest of them is part of the plan), so ranks
   that declare differently fail at the first step, before any group is built.
 * **Undeclared ties** are found at a stage's first training step: each rank fingerprints its
@@ -104,7 +108,8 @@ async def reduce_ties(
 ) -> None:
     """Sum each tie's gradient over its local copies and over the ranks holding it, and
     write the sum into every copy that requires grad (a copy without a gradient counts as
-    zero; a frozen copy keeps ``.grad`` None)."""
+    zero; a frozen copy keeps ``.grad`` None). The caller makes ``.grad`` hold this step's
+    contribution only (``stash_grads``) and adds the accumulated rest back after."""
     for name in sorted(shared):
         params = shared[name]
         grads = [p.grad for p in params if p.grad is not None]
@@ -216,7 +221,9 @@ async def find_undeclared_ties(
             + (f" (and {len(clashes) - 4} more)" if len(clashes) > 4 else "")
             + ". Undeclared, each rank would train its own copy and they would silently drift"
             " apart: declare the tie (TorchStageExecutor(shared={name: [(stage, param name),"
-            " ...]}), or let rr.split_model find it). If they are only initialised alike"
+            " ...]}), or let rr.split_model find it; stages of torch's pipeline() through"
+            " rr.pipelining: ScheduleReadinessFirst(..., shared=rr.from_pipe(pipe).shared))."
+            " If they are only initialised alike"
             " (every stage built from the same seed), pass check_ties=False to"
             " DistributedStage"
         )

@@ -166,7 +166,10 @@ class _MegatronExecutor(TorchStageExecutor):
     handling it keeps)."""
 
     def __init__(self, model: Any, stage: int, rank: int) -> None:
-        super().__init__({stage: model}, None, rank=rank)
+        # Megatron's randomness stays Megatron's: its CUDA RNG tracker's named streams carry
+        # on from call to call (a per-task stream of the default generator alone would
+        # change its dropout masks and still leave the tracker's in dispatch order).
+        super().__init__({stage: model}, None, rank=rank, task_rng=False)
         self.call: _Call | None = None
         # (stage, mb) -> (input tensor, output tensor) as Megatron's 1F1B keeps them
         self._mstash: dict[tuple[int, int], tuple[Any, Any]] = {}
