@@ -14,8 +14,10 @@ Most of a spawned job's 2-5 s is starting Python and importing torch, not the te
 ranks) imports torch, the package and the test tooling once, then forks one child per job;
 the child applies the caller's environment, working directory and ``sys.path``, unpickles
 ``fn`` (importing the test module), initialises the default group, runs, reports and
-exits. A zygote never runs test code, so every job starts from the same clean slate by
-construction, not by a list of resets: no process group, thread, ``os.environ`` change,
+exits; between jobs a zygote imports the installed libraries its last child imported
+(transformers, megatron, torch's lazy modules: seconds per job otherwise). A zygote never
+runs the project's code beyond importing the package, so every job starts from the same
+clean slate by construction, not by a list of resets: no process group, thread, ``os.environ`` change,
 structlog/logging configuration, ``torch`` thread count, RNG state or module global of a
 previous job survives, and a job that crashes, hangs or is stopped by pytest-timeout
 costs only its own children (killed, as ``rr.spawn`` kills its processes). Long-lived
@@ -50,8 +52,11 @@ import pickle
 import queue
 import signal
 import sys
+import sysconfig
+import threading
 import time
-from collections.abc import Callable
+import warnings
+from collections.abc import Callable, Iterable
 from multiprocessing.reduction import recv_handle, send_handle
 from typing import Any, TypeVar, cast
 
@@ -60,8 +65,7 @@ __all__ = ["pool_pids", "pooled_spawn", "shutdown"]
 T = TypeVar("T")
 
 # What a zygote imports before its first fork: what nearly every multi-process test needs.
-# A test module's own imports (transformers, megatron) load in each child, as they would
-# under ``rr.spawn``.
+# It learns the rest from its children (``_installed``): the libraries a job imported.
 _PRELOAD = (
     "torch",
     "torch.distributed",
@@ -124,6 +128,7 @@ def _child(payload: bytes, out: Any, fd_out: int, fd_err: int, zygote_conn: Any)
 
     from rrfp_async.distributed import _spawn
 
+    before = set(sys.modules)
     fn, args = pickle.loads(body)
     _spawn._worker(
         meta["rank"],
@@ -137,6 +142,39 @@ def _child(payload: bytes, out: Any, fd_out: int, fd_err: int, zygote_conn: Any)
         _Send(out, "result"),
         _Send(out, "progress") if meta["progress"] else None,
     )
+    out.send(("modules", _installed([m for m in sys.modules if m not in before])))
+
+
+def _installed(names: list[str]) -> list[str]:
+    """Those of ``names`` (modules) that are installed libraries or the standard library:
+    what a zygote may import ahead for the next jobs. Never the project's own modules (a
+    test module's import runs its code)."""
+    paths = sysconfig.get_paths()
+    roots = tuple(
+        os.path.join(paths[k], "") for k in ("stdlib", "platstdlib", "purelib", "platlib")
+    )
+    return [n for n in names if str(getattr(sys.modules.get(n), "__file__", "")).startswith(roots)]
+
+
+def _preload(names: Iterable[str]) -> None:
+    """Import ``names`` in a zygote, so that its children find them imported; a zygote that
+    this leaves with a thread stops (a fork copies no other thread, nor what it holds)."""
+    import importlib
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # a child importing it itself shows them
+        for name in names:
+            if name not in sys.modules:
+                # A module that does not import here is left to the children.
+                with contextlib.suppress(Exception):
+                    importlib.import_module(name)
+    if threading.active_count() > 1:
+        print(
+            f"rrfp test pool: a zygote (pid {os.getpid()}) has a thread after importing"
+            f" {sorted(set(names))[:10]}...; it stops, and the next job starts a new one",
+            file=sys.stderr,
+        )
+        os._exit(3)
 
 
 def _zygote(conn: Any, parent: int) -> None:
@@ -146,10 +184,7 @@ def _zygote(conn: Any, parent: int) -> None:
     _die_with_parent()
     if os.getppid() != parent:  # the parent died before prctl took effect
         os._exit(1)
-    import importlib
-
-    for name in _PRELOAD:
-        importlib.import_module(name)
+    _preload(_PRELOAD)
     import torch
 
     torch.set_num_threads(1)
@@ -162,6 +197,13 @@ def _zygote(conn: Any, parent: int) -> None:
     child: Any = None
     reports: Any = None
     job = -1
+    learned: list[str] = []  # what the last child imported from the installed libraries
+
+    def relay(msg: Any) -> None:
+        if msg[0] == "modules":
+            learned.extend(msg[1])
+        else:
+            conn.send(("msg", job, msg))
 
     def finish() -> None:
         nonlocal child, reports
@@ -169,13 +211,17 @@ def _zygote(conn: Any, parent: int) -> None:
         # before the exit, so the parent never sees a rank die that did report.
         while reports.poll(0.5):
             try:
-                conn.send(("msg", job, reports.recv()))
+                relay(reports.recv())
             except EOFError:
                 break
         child.join()
         conn.send(("exit", job, child.exitcode))
         reports.close()
         child = reports = None
+        # Between jobs: the libraries the test modules use (transformers, megatron, torch's
+        # lazy submodules) are imported once here rather than in every job.
+        _preload(learned)
+        learned.clear()
 
     while True:
         waiting = [conn] if child is None else [conn, reports, child.sentinel]
@@ -215,7 +261,7 @@ def _zygote(conn: Any, parent: int) -> None:
                     return
             elif child is not None and ready is reports:
                 try:
-                    conn.send(("msg", job, reports.recv()))
+                    relay(reports.recv())
                 except EOFError:
                     finish()
             elif child is not None and ready is child.sentinel:

@@ -201,6 +201,14 @@ def spawn(
     return collect_ranks(procs, results, progress, on_progress, timeout=timeout, grace=grace)
 
 
+def _drain(progress: Any, on_progress: Callable[[Any], None]) -> None:
+    while True:
+        try:
+            on_progress(progress.get_nowait())
+        except queue.Empty:
+            return
+
+
 class RankProcess(Protocol):
     """What ``collect_ranks`` needs of the process running one rank (``multiprocessing.Process``
     has it; the test suite's process pool gives the same face to its forked ranks)."""
@@ -265,11 +273,7 @@ def collect_ranks(
                     )
                 break
             if progress is not None and on_progress is not None:
-                while True:
-                    try:
-                        on_progress(progress.get_nowait())
-                    except queue.Empty:
-                        break
+                _drain(progress, on_progress)
             try:
                 rank, ok, value = results.get(timeout=min(left, 0.2))
             except queue.Empty:
@@ -300,6 +304,9 @@ def collect_ranks(
             if p.is_alive():
                 p.kill()
                 p.join(timeout=5)
+        if progress is not None and on_progress is not None and not interrupted:
+            # What a rank reported just before its result: the loop ends on the results.
+            _drain(progress, on_progress)
         results.close()
         if progress is not None:
             progress.close()
