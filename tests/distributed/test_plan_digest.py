@@ -13,6 +13,7 @@ import torch
 
 import rrfp_async as rr
 from rrfp_async.distributed._digest import PlanDigest, plan_disagreement
+from tests._pool import pooled_spawn
 
 # ---------------------------------------------------------------------- pure
 
@@ -227,7 +228,7 @@ def _worker(rank: int, world: int, odd: int) -> dict[str, dict[str, Any]]:
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize(("world", "odd"), [(2, 1), (4, 2)])
 def test_every_rank_names_the_disagreement(world: int, odd: int) -> None:
-    results = rr.spawn(_worker, world, odd, timeout=200)
+    results = pooled_spawn(_worker, world, odd, timeout=200)
     rest = [r for r in range(world) if r != odd]
     others = f"rank {rest[0]} has" if len(rest) == 1 else f"ranks {', '.join(map(str, rest))} have"
     expect = {

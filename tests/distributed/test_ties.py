@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import rrfp_async as rr
+from tests._pool import pooled_spawn
 
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(180)]
 
@@ -118,7 +119,7 @@ def worker(rank: int, world: int, mode: str) -> dict[str, Any]:
 
 def test_declared_tie_trains_like_one_parameter() -> None:
     # Fails when DistributedStage does not sum the tie's gradients over the two ranks.
-    r0, r1 = rr.spawn(worker, 2, "declared", timeout=150)
+    r0, r1 = pooled_spawn(worker, 2, "declared", timeout=150)
     ref = reference()
     assert "error" not in r0 and "error" not in r1
     torch.testing.assert_close(r0["wte"], ref["wte"], rtol=0, atol=1e-6)
@@ -131,7 +132,7 @@ def test_declared_tie_trains_like_one_parameter() -> None:
 
 
 def test_an_undeclared_tie_is_an_error_on_every_rank_naming_both() -> None:
-    r0, r1 = rr.spawn(worker, 2, "undeclared", timeout=150)
+    r0, r1 = pooled_spawn(worker, 2, "undeclared", timeout=150)
     for r in (r0, r1):
         msg = r.get("error", "")
         assert "'emb.weight' of virtual stage 0 on global rank 0" in msg, msg
@@ -141,6 +142,6 @@ def test_an_undeclared_tie_is_an_error_on_every_rank_naming_both() -> None:
 
 def test_without_the_check_an_undeclared_tie_drifts() -> None:
     # What the check protects against: each rank trains its own copy.
-    r0, r1 = rr.spawn(worker, 2, "unchecked", timeout=150)
+    r0, r1 = pooled_spawn(worker, 2, "unchecked", timeout=150)
     assert "error" not in r0
     assert not torch.allclose(r0["wte"], r1["wte"], atol=1e-4)

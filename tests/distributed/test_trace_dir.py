@@ -15,6 +15,7 @@ from click.testing import CliRunner
 import rrfp_async as rr
 from rrfp_async.cli import main
 from rrfp_async.observability import load_trace, merge_trace_files, validate_chrome_trace
+from tests._pool import pooled_spawn
 from tests.distributed.test_groups import _schedule, _Tagged
 from tests.distributed.test_sync_stage import _single
 
@@ -156,7 +157,7 @@ def test_training_writes_per_rank_traces_that_merge(tmp_path: Path) -> None:
         trace_dir=tmp_path / "traces",
         return_params=False,
     )
-    results = rr.spawn(rr.train_worker, 2, cfg, timeout=240)
+    results = pooled_spawn(rr.train_worker, 2, cfg, timeout=240)
     d = tmp_path / "traces" / "readiness_first"
     assert sorted(p.name for p in d.iterdir()) == ["rank0.json", "rank1.json"]
     with pytest.raises(rr.TraceError, match="holds rank 0, and 8 of its messages"):
@@ -203,7 +204,7 @@ def _stage_worker(rank: int, world: int, trace_dir: str) -> list[list[str]]:
 @pytest.mark.distributed
 @pytest.mark.timeout(300)
 def test_a_distributed_stage_writes_per_rank_traces_that_merge(tmp_path: Path) -> None:
-    executed = rr.spawn(_stage_worker, 2, str(tmp_path / "t"), timeout=240)
+    executed = pooled_spawn(_stage_worker, 2, str(tmp_path / "t"), timeout=240)
     out = tmp_path / "merged.json"
     data = rr.merge_traces([str(tmp_path / "t" / "rank*.json")], out=out)
     assert {s.step for s in data.spans} == {2}  # each file holds its rank's last step

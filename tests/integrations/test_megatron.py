@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 import rrfp_async as rr
+from tests._pool import pooled_spawn
 
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(300)]
 
@@ -289,7 +290,7 @@ def check(res: list[Any], *, forward_only: bool) -> None:
     ids=["loss_mean-fixed_len", "per_token-variable_len"],
 )
 def test_one_changed_line_same_losses_and_grads_as_megatron(kind: str, variable: bool) -> None:
-    res = rr.spawn(worker, 2, kind, variable, False, timeout=240)
+    res = pooled_spawn(worker, 2, kind, variable, False, timeout=240)
     check(res, forward_only=False)
     want = res[1]["megatron"]
     assert want["events"][0] == ("enter", 0) and want["events"][-1] == ("exit", M - 1)
@@ -304,21 +305,21 @@ def test_one_changed_line_same_losses_and_grads_as_megatron(kind: str, variable:
 def test_gpt_model_local_spec_same_as_megatron(kind: str, variable: bool) -> None:
     """GPTModel (local layer spec): the 3-tuple loss divided by its tokens and M, and the
     per-token path (``calculate_per_token_loss``, tokens to ``finalize_model_grads_func``)."""
-    res = rr.spawn(worker, 2, kind, variable, False, "gpt", timeout=240)
+    res = pooled_spawn(worker, 2, kind, variable, False, "gpt", timeout=240)
     check(res, forward_only=False)
     assert len(res[0]["megatron"]["grads"]) > 4  # the embedding and a transformer layer
 
 
 def test_two_data_parallel_pipelines() -> None:
     """PP 2 x DP 2: the layout comes from parallel_state (each rank's place all-gathered)."""
-    res = rr.spawn(worker, 4, "mean", True, False, "mlp", 2, timeout=280)
+    res = pooled_spawn(worker, 4, "mean", True, False, "mlp", 2, timeout=280)
     # Megatron's default order ("tp-cp-ep-dp-pp"): the pipelines are ranks {0, 2} and {1, 3}.
     check([res[0], res[2]], forward_only=False)
     check([res[1], res[3]], forward_only=False)
 
 
 def test_forward_only_returns_loss_dicts_and_computes_no_grads() -> None:
-    res = rr.spawn(worker, 2, "mean", True, True, timeout=240)
+    res = pooled_spawn(worker, 2, "mean", True, True, timeout=240)
     check(res, forward_only=True)
     assert res[1]["strict"]["finalized"] == []
 
