@@ -17,8 +17,8 @@ the child applies the caller's environment, working directory and ``sys.path``, 
 exits; between jobs a zygote imports the installed libraries its last child imported
 (transformers, megatron, torch's lazy modules: seconds per job otherwise). A zygote never
 runs the project's code beyond importing the package, so every job starts from the same
-clean slate by construction, not by a list of resets: no process group, thread, ``os.environ`` change,
-structlog/logging configuration, ``torch`` thread count, RNG state or module global of a
+clean slate by construction, not by a list of resets: no process group, thread,
+``os.environ`` change, structlog/logging configuration, ``torch`` thread count, RNG state or module global of a
 previous job survives, and a job that crashes, hangs or is stopped by pytest-timeout
 costs only its own children (killed, as ``rr.spawn`` kills its processes). Long-lived
 ranks in torch's style (``MultiProcContinuousTest``: one group for the whole class) would

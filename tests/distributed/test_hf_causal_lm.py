@@ -23,6 +23,7 @@ pytest.importorskip("transformers")
 import transformers as tf
 
 import rrfp_async as rr
+from tests._pool import pooled_spawn
 
 from . import _hf_causal_lm as H
 from ._hf_causal_lm import Run
@@ -187,7 +188,7 @@ def test_two_processes_tied_qwen2_and_mixtral_match_autograd() -> None:
     # the hidden states and their gradients come back. 2 steps of SGD, then parameters
     # and per-microbatch losses against the whole model trained by plain autograd.
     job = H.Job(families=("qwen2", "mixtral"), steps=H.batches(2, 4), lr=0.5)
-    results = rr.spawn(H.worker, 2, job, timeout=300)
+    results = pooled_spawn(H.worker, 2, job, timeout=300)
     for family in job.families:
         ref = H.reference(family, job.steps, job.run, 2, lr=job.lr)
         got: dict[str, list[torch.Tensor]] = {}

@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 import rrfp_async as rr
+from tests._pool import pooled_spawn
 from tests.distributed._linear import WIDTH, batches, loss
 
 pytestmark = pytest.mark.timeout(240)
@@ -103,7 +104,7 @@ def _worker(rank: int, world: int) -> dict[str, Any]:
 
 @pytest.mark.distributed
 def test_an_interrupt_on_one_rank_fails_the_step_everywhere_and_the_next_runs() -> None:
-    res = rr.spawn(_worker, 2, timeout=200)
+    res = pooled_spawn(_worker, 2, timeout=200)
     assert res[1]["errors"] == [(1, "KeyboardInterrupt")]
     ((k, text),) = res[0]["errors"]
     assert k == 1 and "KeyboardInterrupt" in text and "rank 1" in text, text

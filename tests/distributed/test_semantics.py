@@ -24,6 +24,7 @@ from torch import nn
 
 import rrfp_async as rr
 from rrfp_async.models import TPContext, shard_dim
+from tests._pool import pooled_spawn
 from tests._semantics import (
     SEED,
     batches,
@@ -213,7 +214,7 @@ def test_accumulation_over_ties_matches_one_process(kind: str, names: tuple[str,
     # Fails (declared, detected) when the end-of-step reduction sums each copy's whole
     # accumulated .grad: after the second step the tie holds 2 G1 + G2, not G1 + G2 (the
     # untied run is the control: the same scenarios pass without any tie).
-    results = rr.spawn(tie_worker, 2, kind, names, timeout=280)
+    results = pooled_spawn(tie_worker, 2, kind, names, timeout=280)
     for name in names:
         _check_snaps(results, kind, name)
 
@@ -282,7 +283,7 @@ def test_dropout_is_bitwise_the_same_under_every_policy_and_hint() -> None:
     # Fails without per-task random streams: each order then draws the dropout masks in
     # its own order (6.8e-2 apart after a few steps), and two runs of one configuration
     # agree only when their timing happens to repeat.
-    results = rr.spawn(rng_worker, 2, timeout=280)
+    results = pooled_spawn(rng_worker, 2, timeout=280)
     for rank, runs in enumerate(results):
         first = runs[0]["state"]
         for i, run in enumerate(runs[1:], 1):
@@ -394,7 +395,7 @@ def test_accumulation_over_ties_in_other_layouts(tp: int, dp: int) -> None:
     # Fails when the tie reduction sums each copy's whole accumulated .grad (every layout
     # builds its tie groups per TP and DP index), or when TP ranks draw other dropout masks
     # than the unsharded model (the replicated activations after a row-parallel layer).
-    results = rr.spawn(layout_worker, 2 * tp * dp, tp, "same", timeout=280)
+    results = pooled_spawn(layout_worker, 2 * tp * dp, tp, "same", timeout=280)
     assert not [r["error"] for r in results if "error" in r]
     grads, after = _layout_reference(dp)
     # TP sums a layer's products shard by shard (gradients up to ~2 here differ by ~1e-6,
@@ -410,7 +411,7 @@ def test_accumulation_over_ties_in_other_layouts(tp: int, dp: int) -> None:
 def test_tp_ranks_with_different_seeds_are_refused_at_the_first_step() -> None:
     # Fails without the TP scope of the plan check: each TP rank would draw its own dropout
     # masks for activations that must be the same on all of them, silently.
-    results = rr.spawn(layout_worker, 4, 2, "rank", timeout=280)
+    results = pooled_spawn(layout_worker, 4, 2, "rank", timeout=280)
     for r in results:
         msg = r.get("error", "")
         assert "in the TP group of pipeline rank 0 (DP replica 0), rng_seed:" in msg, msg

@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import rrfp_async as rr
+from tests._pool import pooled_spawn
 
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(240)]
 
@@ -84,7 +85,7 @@ def test_pipeline_replicated_params_accumulate_like_one_parameter() -> None:
     # Fails without shared= (the undeclared-tie check refuses the copies; unchecked, each
     # rank keeps its own gradient) and when accumulated steps sum the tie again
     # (2 G1 + G2 after two steps).
-    r0, r1 = rr.spawn(worker, 2, timeout=200)
+    r0, r1 = pooled_spawn(worker, 2, timeout=200)
     torch.manual_seed(0)
     model = Traced()
     for step in range(STEPS):
