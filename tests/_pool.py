@@ -13,21 +13,20 @@ Most of a spawned job's 2-5 s is starting Python and importing torch, not the te
 *zygote* per rank slot (slot ``i`` serves rank ``i`` of every job of at least ``i + 1``
 ranks) imports torch, the package and the test tooling once, then forks one child per job;
 the child applies the caller's environment, working directory and ``sys.path``, unpickles
-``fn`` (importing the test module), initialises the default group, runs, reports and
-exits; between jobs a zygote imports the installed libraries its last child imported
-(transformers, megatron, torch's lazy modules: seconds per job otherwise). A zygote never
-runs the project's code beyond importing the package, so every job starts from the same
-clean slate by construction, not by a list of resets: no process group, thread,
-``os.environ`` change, structlog/logging configuration, ``torch`` thread count, RNG state or module global of a
-previous job survives, and a job that crashes, hangs or is stopped by pytest-timeout
-costs only its own children (killed, as ``rr.spawn`` kills its processes). Long-lived
-ranks in torch's style (``MultiProcContinuousTest``: one group for the whole class) would
-save ~50 ms more per job but would need every leak found and undone by hand -- a
-``dist.new_group`` of ``DistributedStage``, an unmatched send left on the default group, a
-receive thread that outlives its test -- and a miss there makes the next test wrong, not
-red. Zygotes are separate spawned processes, so ranks differ in hash seed as under
-``rr.spawn``; a child reseeds ``random``, numpy and torch from the OS, as a fresh
-interpreter does.
+``fn`` (importing the test module), initialises the default group, runs, reports and exits;
+between jobs a zygote imports the installed libraries its last child imported (transformers,
+megatron, torch's lazy modules: seconds per job otherwise). A zygote never runs the
+project's code beyond importing the package, so every job starts from the same clean slate
+by construction, not by a list of resets: no process group, thread, ``os.environ`` change,
+structlog/logging configuration, ``torch`` thread count, RNG state or module global of a
+previous job survives, and a job that crashes, hangs or is stopped by pytest-timeout costs
+only its own children (killed, as ``rr.spawn`` kills its processes). Long-lived ranks in
+torch's style (``MultiProcContinuousTest``: one group for the whole class) would save ~50 ms
+more per job but would need every leak found and undone by hand -- a ``dist.new_group`` of
+``DistributedStage``, an unmatched send left on the default group, a receive thread that
+outlives its test -- and a miss there makes the next test wrong, not red. Zygotes are
+separate spawned processes, so ranks differ in hash seed as under ``rr.spawn``; a child
+reseeds ``random``, numpy and torch from the OS, as a fresh interpreter does.
 
 Each job's children write to the caller's file descriptors 1 and 2 as they are at the
 call (passed over the zygote's socket), so pytest captures a rank's output in the test
