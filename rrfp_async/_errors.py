@@ -18,6 +18,10 @@ The hierarchy::
     ├── DivergenceError             TP ranks of a stage would run different task sequences
     ├── ObserverError               an observer (tracing, logging) raised during a step; the
     │                               step fails with it only when nothing else failed first
+    ├── InterruptedStepError        user code on the compute thread raised a BaseException
+    │                               that is no Exception (KeyboardInterrupt, SystemExit):
+    │                               the step failed with this (everywhere) and the stage
+    │                               stays usable; the sync face re-raises the original
     ├── StepTimeoutError            the watchdog fired: a step ran past its time limit
     │   └── loop.VirtualTimeLimit   a simulated step ran past its virtual or wall limit
     ├── loop.VirtualClockStall      (also a RuntimeError) nothing can ever wake the
@@ -41,6 +45,7 @@ __all__ = [
     "DivergenceError",
     "ExtraMissingError",
     "HintError",
+    "InterruptedStepError",
     "ObserverError",
     "PeerError",
     "PeerStepError",
@@ -190,6 +195,24 @@ class ObserverError(RRFPError):
         self.rank = rank
         self.step = step
         self.method = method
+
+
+class InterruptedStepError(RRFPError):
+    """A stage module (or anything run on a stage's compute thread) raised a
+    ``BaseException`` that is not an ``Exception``, such as ``KeyboardInterrupt``.
+
+    Raised on the event loop it would have killed (a ``BaseException`` ends an asyncio loop,
+    and with it the synchronous face's portal), it is an ordinary step failure: the step
+    fails on every rank, the stage stays usable for the next step, and
+    ``DistributedStage.run_step_sync`` re-raises the original exception to its caller.
+
+    Attributes:
+        original: The exception that was raised.
+    """
+
+    def __init__(self, message: str, original: BaseException) -> None:
+        super().__init__(message)
+        self.original = original
 
 
 class StepTimeoutError(RRFPError):

@@ -75,6 +75,7 @@ from .._check import check_bool
 from .._errors import (
     ChannelError,
     ClosedError,
+    InterruptedStepError,
     PeerError,
     PeerStepError,
     PlanError,
@@ -709,6 +710,9 @@ class DistributedStage:
                 ``async with``: there, ``await stage.run_step(...)``).
             PlanError, StepTimeoutError, PeerError: As ``run_step`` raises them (the same
                 objects, not wrapped).
+            BaseException: What a module raised on the compute thread when it was no
+                ``Exception`` (``KeyboardInterrupt``): ``run_step`` fails the step with
+                ``InterruptedStepError``, this re-raises the original.
         """
         portal = self._portal
         if portal is None:
@@ -724,7 +728,14 @@ class DistributedStage:
                 f" `with DistributedStage(...) as stage:` (on that block's event loop"
                 f" thread); {how}"
             )
-        return portal.call(self.run_step, microbatches, step=step, schedule=schedule, train=train)
+        try:
+            return portal.call(
+                self.run_step, microbatches, step=step, schedule=schedule, train=train
+            )
+        except InterruptedStepError as e:
+            # The step failed on every rank and the loop thread lives on; the caller gets
+            # what its module raised (a KeyboardInterrupt stays one).
+            raise e.original from None
 
     def _key(self, schedule: StepSchedule) -> tuple[object, ...]:
         """What decides whether a step's plan must be checked again (see the design note)."""
