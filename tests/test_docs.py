@@ -47,7 +47,6 @@ PAGES = sorted(
 # Pages that other branches add (the docs link to them already). Each entry is removed when
 # its branch is merged; the test fails if a listed page exists, so the list cannot go stale.
 PENDING = {
-    "docs/training_semantics.md": "h-sem (training semantics)",
     "docs/compatibility.md": "the compat branches (torch / megatron / torchtitan versions)",
     "docs/testing.md": "h-harness (the pooled multi-process test harness)",
     "docs/gpu.md": "the GPU / NCCL branch",
@@ -59,7 +58,15 @@ _LINK = re.compile(r"(?<!!)\[[^\]\n]*\]\(([^)\s]+)\)")
 _MODULE = re.compile(r"(?<![\w.])rrfp_async(?:\.[A-Za-z_]\w*)+")
 _RR_NAME = re.compile(r"(?<![\w.])rr\.([A-Za-z_]\w*(?:\.[A-Za-z_]\w*)*)")
 _PATH_EXT = (".py", ".md", ".toml", ".sh", ".txt", ".png", ".json", ".cfg")
-_TOP = {p.name for p in ROOT.iterdir() if not p.name.startswith(".git")}
+# The repository's own top-level entries (not what a run left beside them: out/, caches).
+_IGNORED_TOP = {"out", "build", "dist", "__pycache__"}
+_TOP = {
+    p.name
+    for p in ROOT.iterdir()
+    if not p.name.startswith(".")
+    and p.name not in _IGNORED_TOP
+    and not p.name.endswith(".egg-info")
+}
 
 
 @dataclass(frozen=True)
