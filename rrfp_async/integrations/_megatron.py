@@ -70,6 +70,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from .._costs import Durations
 from .._errors import PlanError
 from .._pytree import map_tensors
 from .._tasks import StepPlan, Task, Topology
@@ -398,6 +399,7 @@ class MegatronForwardBackward:
         hint: Any = None,
         memory_factor: float | None = None,
         step_timeout: float | None = DEFAULT_STEP_TIMEOUT,
+        durations: Callable[[StepPlan], Durations] | None = None,
         **stage_kwargs: Any,
     ) -> None:
         self.peer = peer()
@@ -408,6 +410,7 @@ class MegatronForwardBackward:
         self.hint = hint
         self.memory_factor = memory_factor
         self.step_timeout = step_timeout
+        self.durations = durations
         self.stage_kwargs = stage_kwargs
         self.last_stats: StepStats | None = None
         self._signature = self.peer.interleaved if interleaved else self.peer.one_f_one_b
@@ -483,6 +486,8 @@ class MegatronForwardBackward:
         group = self._group_size(config, pp, m)
         topology = Topology(stages=pp, chunks=len(models))
         schedule = self._schedule(topology, m, group, forward_only)
+        if self.durations is not None and not forward_only:
+            schedule = schedule.with_durations(self.durations(schedule.plan))
         stage = self._open(groups, models, self._schedule(topology, m, group, False))
         executor = self._executor
         assert executor is not None
@@ -732,6 +737,7 @@ def get_forward_backward_func(
     hint: Any = None,
     memory_factor: float | None = None,
     step_timeout: float | None = DEFAULT_STEP_TIMEOUT,
+    durations: Callable[[StepPlan], Durations] | None = None,
     **stage_kwargs: Any,
 ) -> Any:
     """The readiness-first forward-backward function, picked as megatron's own factory
@@ -755,6 +761,11 @@ def get_forward_backward_func(
         hint: The hint (default: megatron's own order of the picked schedule).
         memory_factor: Scale of the admission bound (default: what megatron's order holds).
         step_timeout: Seconds a step may take before every rank fails it (None: no limit).
+        durations: ``plan -> rr.Durations``, called at every training call: this step's
+            declared task durations (from its microbatches' sizes), so that a cost-aware
+            ``hint`` (``"breadth_first_weighted"``) orders the step's heavy microbatches
+            first. Every rank must return the same (megatron's middle stages read no data:
+            share the sizes). Without it a cost-aware hint is cost-blind.
         **stage_kwargs: Further ``rr.DistributedStage`` keywords (``observer``, ...).
 
     Returns:
@@ -809,6 +820,7 @@ def get_forward_backward_func(
         _key(hint),
         memory_factor,
         step_timeout,
+        _key(durations),
         tuple(sorted((k, _key(v)) for k, v in stage_kwargs.items())),
     )
     fb = _CACHE.get(key)
@@ -821,6 +833,7 @@ def get_forward_backward_func(
             hint=hint,
             memory_factor=memory_factor,
             step_timeout=step_timeout,
+            durations=durations,
             **stage_kwargs,
         )
     return fb

@@ -33,6 +33,7 @@ PP2 = [
     Case("gpt-three_tuple_averaged-fixed_len", arch="gpt", kind="tokens_avg"),
     Case("gpt-per_token-variable_len", style="training", arch="gpt", kind="tokens", variable=True),
     Case("forward_only-variable_len", variable=True, forward_only=True),
+    Case("training-gpt-forward_only", style="training", arch="gpt", forward_only=True),
     Case("grad_sync_func", kind="tokens", grad_sync=True),
     Case("bridge-own_groups", style="bridge", own_groups=True, kind="tokens", variable=True),
     Case("vpp2-loss_mean-fixed_len", vp=2),
@@ -45,6 +46,14 @@ PP2 = [
         variable=True,
     ),
     Case("vpp2-forward_only-variable_len", vp=2, variable=True, forward_only=True),
+    Case(
+        "vpp2-training-forward_only-variable_len",
+        style="training",
+        vp=2,
+        variable=True,
+        forward_only=True,
+    ),
+    Case("vpp2-bridge-mpu_groups", style="bridge", vp=2),
     Case("vpp2-group_size_3", vp=2, group=3, kind="tokens"),
     Case(
         "vpp2-bridge-own_groups-grad_sync",
