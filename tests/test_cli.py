@@ -204,7 +204,16 @@ def test_every_command_is_on_the_group() -> None:
     for cmd in ("simulate", "trace", "demo", "bench"):
         assert f"\n  {cmd} " in res.output, cmd
     res = CliRunner().invoke(main, ["bench", "--help"])
-    for cmd in ("simulator", "pipeline", "peer", "bridges", "logging", "overhead", "paper"):
+    for cmd in (
+        "simulator",
+        "pipeline",
+        "peer",
+        "megatron",
+        "bridges",
+        "logging",
+        "overhead",
+        "paper",
+    ):
         assert f"\n  {cmd} " in res.output, cmd
 
 

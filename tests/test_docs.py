@@ -47,7 +47,6 @@ PAGES = sorted(
 # Pages that other branches add (the docs link to them already). Each entry is removed when
 # its branch is merged; the test fails if a listed page exists, so the list cannot go stale.
 PENDING = {
-    "docs/compatibility.md": "the compat branches (torch / megatron / torchtitan versions)",
     "docs/testing.md": "h-harness (the pooled multi-process test harness)",
     "docs/gpu.md": "the GPU / NCCL branch",
 }

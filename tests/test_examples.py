@@ -264,3 +264,26 @@ def test_torch_pipelining_dropin_example_matches_torch() -> None:
     assert [x for x in got if x.startswith(("step ", "parameter"))] == [
         x for x in want if x.startswith(("step ", "parameter"))
     ]
+
+
+MEGATRON_ROW = re.compile(
+    r"(?:megatron|rrfp_async readiness-first) .*: step (\d) mean lm loss (\S+)"
+)
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(500)
+def test_megatron_dropin_example_matches_megatron_interleaved() -> None:
+    # training.py's call with 2 chunks per rank: megatron's own interleaved schedule and the
+    # one changed line train to the same losses (printed to 6 decimals) over 3 steps.
+    pytest.importorskip("megatron.core")
+    want = _match_all(
+        MEGATRON_ROW.pattern,
+        _run_example("megatron_dropin.py", "--spawn", "--vp", "2", "--megatron"),
+    )
+    got = _match_all(
+        MEGATRON_ROW.pattern, _run_example("megatron_dropin.py", "--spawn", "--vp", "2")
+    )
+    assert [m[1] for m in want] == ["0", "1", "2"]
+    assert [m[2] for m in got] == [m[2] for m in want]
+    assert want[0][0].startswith("megatron interleaved") and "(interleaved)" in got[0][0]

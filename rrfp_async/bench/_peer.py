@@ -59,6 +59,7 @@ from ._peer_config import (
     PeerConfig,
     PeerRun,
     Step,
+    WorkerRun,
     make_steps,
     resolve_torch_schedule,
     step_lower_bound,
@@ -129,22 +130,28 @@ def peer_worker(rank: int, world: int, cfg: PeerConfig) -> dict[str, Any]:
         (c, p, sp): [step_lower_bound(cfg, st, c, p, sp) for st in steps]
         for c, p, sp in {(r.chunks, r.placement, r.split) for r in runs}
     }
-    # The step time is the slowest rank's; the peak the largest of any rank.
-    local = torch.tensor([r.times[i] if r.times else 0.0 for r in runs for i in range(total)])
-    dist.all_reduce(local, op=dist.ReduceOp.MAX)
-    peaks = torch.tensor([r.peak for r in runs], dtype=torch.int64)
-    dist.all_reduce(peaks, op=dist.ReduceOp.MAX)
+    times, peaks = slowest(runs, total)
     # Losses live on the rank of the last virtual stage; every rank reports its own.
     return {
         "one_way_s": one_way,
         "keys": [r.key for r in runs],
         "chunks": [r.chunks for r in runs],
         "errors": [r.error for r in runs],
-        "times": local.view(len(runs), total).tolist(),
-        "peaks": peaks.tolist(),
+        "times": times,
+        "peaks": peaks,
         "losses": [r.losses for r in runs],
         "lower_bounds": [lbs[(r.chunks, r.placement, r.split)] for r in runs],
     }
+
+
+def slowest(runs: Sequence[WorkerRun], total: int) -> tuple[list[list[float]], list[int]]:
+    """Every run's step times as the slowest rank's and its peak as the largest of any rank
+    (collective over the world; a run that did not run counts 0 s)."""
+    local = torch.tensor([r.times[i] if r.times else 0.0 for r in runs for i in range(total)])
+    dist.all_reduce(local, op=dist.ReduceOp.MAX)
+    peaks = torch.tensor([r.peak for r in runs], dtype=torch.int64)
+    dist.all_reduce(peaks, op=dist.ReduceOp.MAX)
+    return local.view(len(runs), total).tolist(), peaks.tolist()
 
 
 def _raw_one_way(cfg: PeerConfig, rank: int, steps: Sequence[Step], reps: int = 20) -> float:
