@@ -58,6 +58,8 @@ _MODULE = re.compile(r"(?<![\w.])rrfp_async(?:\.[A-Za-z_]\w*)+")
 _RR_NAME = re.compile(r"(?<![\w.])rr\.([A-Za-z_]\w*(?:\.[A-Za-z_]\w*)*)")
 _PATH_EXT = (".py", ".md", ".toml", ".sh", ".txt", ".png", ".json", ".cfg")
 # The repository's own top-level entries (not what a run left beside them: out/, caches).
+# Packages of the peers whose source files the docs cite (not files of this repository).
+_PEERS = {"megatron", "torch", "torchtitan", "transformers"}
 _IGNORED_TOP = {"out", "build", "dist", "__pycache__"}
 _TOP = {
     p.name
@@ -159,6 +161,8 @@ def _path_candidates(page: Page) -> list[str]:
         if not re.fullmatch(r"\.?[\w./-]+", s) or s.startswith(("..", "/")) or "//" in s:
             continue
         first = s.split("/", 1)[0]
+        if first in _PEERS:
+            continue  # a file of a peer's package (megatron/training/training.py)
         if ("/" in s and first in _TOP) or (s in _TOP) or s.endswith((".py", ".md")):
             out.append(s)
     return out

@@ -169,8 +169,10 @@ def test_every_forward_draws_its_own_stream_whatever_the_order() -> None:
 def test_the_executor_seed_defaults_to_torch_initial_seed_and_can_be_off() -> None:
     mods, _ = build(2, "untied")
     torch.manual_seed(1234)
-    assert rr.TorchStageExecutor({0: mods[0]}).rng_seed == 1234
-    assert rr.TorchStageExecutor({0: mods[0]}, seed=-1).rng_seed == (1 << 64) - 1
+    ex = rr.TorchStageExecutor({0: mods[0]})
+    assert ex.rng_seed == 1234 and not ex.rng_seed_given  # the job's seed replaces it
+    given = rr.TorchStageExecutor({0: mods[0]}, seed=-1)
+    assert given.rng_seed == (1 << 64) - 1 and given.rng_seed_given
     assert rr.TorchStageExecutor({0: mods[0]}, task_rng=False).rng_seed is None
     with pytest.raises(rr.PlanError, match="seed must be an int or None"):
         rr.TorchStageExecutor({0: mods[0]}, seed="0")  # type: ignore[arg-type]

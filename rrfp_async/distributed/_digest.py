@@ -19,7 +19,9 @@ full values catches a difference there too), and two scopes:
   (``TorchStageExecutor.rng_seed``): they compute the same replicated activations, and a
   dropout mask drawn differently on one of them would make them silently differ. Other
   ranks may differ (a pipeline stays independent of the dispatch order with a seed per
-  rank; DP replicas may want masks of their own).
+  rank; DP replicas may want masks of their own). A seed not given to the executor is the
+  *job's*: every such rank takes that of the lowest global rank among them
+  (``adopt_default_seed``), so unseeded processes agree.
 
 The check costs one small all-gather (a few hundred µs on gloo), once per *plan*: it runs at
 the stage's first step and again only when a step's schedule changes the plan's key (the
@@ -31,6 +33,7 @@ all-gather alone: the step watchdog ends that wait with a ``StepTimeoutError`` t
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import struct
 from collections.abc import Iterable, Sequence
@@ -41,10 +44,10 @@ from .._errors import PlanError
 from ..policies._schedule import StepSchedule
 from ._layout import ProcessLayout
 
-__all__ = ["PlanDigest", "plan_disagreement"]
+__all__ = ["PlanDigest", "adopt_default_seed", "plan_disagreement"]
 
 _MAGIC = 0x504C414E  # "PLAN"
-_VERSION = 3
+_VERSION = 4
 _STR_BYTES = 32
 _STR_WORDS = _STR_BYTES // 8
 _WORLD = (
@@ -66,7 +69,7 @@ _WORLD = (
 _REPLICA = ("hint_order", "bounds")
 _TP = ("task_rng", "rng_seed")
 _STRINGS = frozenset({"placement", "hint", "policy", "bounds"})
-_IDS = ("rank", "pp_rank", "tp_rank", "dp_rank")
+_IDS = ("rank", "pp_rank", "tp_rank", "dp_rank", "seed_default")
 _ROW_LEN = 4 + len(_IDS) + sum(_STR_WORDS if f in _STRINGS else 1 for f in _WORLD + _REPLICA + _TP)
 
 
@@ -128,6 +131,7 @@ class PlanDigest:
     bounds: str
     task_rng: int
     rng_seed: int
+    seed_default: int
     world_hash: int
     replica_hash: int
 
@@ -141,9 +145,11 @@ class PlanDigest:
         max_message_bytes: int,
         ties: str = "",
         rng_seed: int | None = None,
+        seed_default: bool = False,
     ) -> PlanDigest:
         """The digest of this rank's ``schedule`` run with ``policy`` at ``layout``, its
-        executor's seed ``rng_seed`` (None: no per-task streams)."""
+        executor's seed ``rng_seed`` (None: no per-task streams; ``seed_default``: not
+        given, so the job's seed replaces it, see ``adopt_default_seed``)."""
         plan = schedule.plan
         topo = plan.topology
         order = ";".join(f"{r}:" + " ".join(map(str, schedule.hint[r])) for r in range(plan.stages))
@@ -174,6 +180,7 @@ class PlanDigest:
             bounds=bounds,
             task_rng=int(rng_seed is not None),
             rng_seed=_signed64(rng_seed or 0),
+            seed_default=int(seed_default and rng_seed is not None),
             world_hash=_h63(repr(sorted(world.items()))),
             replica_hash=_h63(f"{hint_order}|{bounds}"),
             **world,  # type: ignore[arg-type]
@@ -213,6 +220,23 @@ class PlanDigest:
                 values[f] = row[i]
                 i += 1
         return cls(**values)
+
+
+def adopt_default_seed(rows: Sequence[PlanDigest]) -> tuple[list[PlanDigest], int | None]:
+    """Give every row whose seed is the default (``seed_default``) the job's seed: that of
+    the lowest global rank whose seed is the default too. Returns the rows (in order) and
+    that seed as an unsigned 64-bit int (None when no row has a default seed).
+
+    Every rank computes the same from the same gathered rows, so no further message is
+    needed: ranks that did not seed torch (a fresh process's default seed is random) or
+    seeded it each with its own number draw from one seed, as the TP check needs; a seed
+    given to the executor is kept and still compared."""
+    defaults = [r for r in rows if r.seed_default]
+    if not defaults:
+        return list(rows), None
+    job = min(defaults, key=lambda r: r.rank).rng_seed
+    out = [dataclasses.replace(r, rng_seed=job) if r.seed_default else r for r in rows]
+    return out, job & ((1 << 64) - 1)
 
 
 def _show(field: str, value: object) -> str:

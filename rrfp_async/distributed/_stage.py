@@ -98,7 +98,7 @@ from ..observability import (
 )
 from ..policies._policy import Policy
 from ..policies._schedule import StepSchedule
-from ._digest import PlanDigest, plan_disagreement
+from ._digest import PlanDigest, adopt_default_seed, plan_disagreement
 from ._layout import ProcessLayout, StageGroups, build_groups, pipeline_neighbors
 from ._ties import find_undeclared_ties, reduce_ties, tie_groups, ties_digest
 
@@ -188,7 +188,8 @@ class DistributedStage:
             allocated, so a corrupt or hostile header cannot make a rank allocate
             gigabytes; every rank must use the same value (checked with the plan).
         verify_plan: Check at the first step (and when the plan changes) that every rank
-            runs the same plan (see ``check_plan``).
+            runs the same plan (see ``check_plan``); the check also gives executors whose
+            seed is the default the job's seed. False with TP needs a given seed.
         check_ties: At the first training step, look for parameters on different ranks
             that have the same shape and values (tied weights) without a declared tie, and
             fail with a ``PlanError`` naming them (see ``_ties``). Switch it off when stages
@@ -276,6 +277,19 @@ class DistributedStage:
         self.groups = groups if groups is not None else build_groups(layout)
         self.max_message_bytes = max_message_bytes
         self.verify_plan = verify_plan
+        if (
+            not verify_plan
+            and layout.tp > 1
+            and getattr(executor, "rng_seed", None) is not None
+            and not getattr(executor, "rng_seed_given", True)
+        ):
+            # The job's seed is agreed on with the plan check; without it the TP ranks would
+            # draw their dropout masks from each process's own default seed, silently apart.
+            raise PlanError(
+                "DistributedStage(verify_plan=False) with TP: the executor's seed is the"
+                " default, which the ranks agree on in the plan check; give every rank's"
+                " executor the same seed (TorchStageExecutor(seed=...)) or keep verify_plan"
+            )
         self._device = torch.device(device)
         inbound, outbound = pipeline_neighbors(schedule.plan, layout.pp_rank)
         # Edges both ways, even where the plan sends one way only: a failed step's ABORT
@@ -691,6 +705,15 @@ class DistributedStage:
             text = str(e).strip()
             first = text.splitlines()[0] if text else ""
             cause = f"{type(e).__name__}: {first}" if first else type(e).__name__
+            # The notes (add_note: the task, and the fix where one is known) travel too.
+            # Not the state dump (``Stage``'s "state of rank ..." note): it stays local.
+            notes = [
+                str(n)
+                for n in getattr(e, "__notes__", ())
+                if str(n).strip() and not str(n).startswith("state of rank ")
+            ]
+            if notes:
+                cause += " [" + "; ".join(notes) + "]"
         self.channel.abort(step, cause)
 
     def run_step_sync(
@@ -815,6 +838,7 @@ class DistributedStage:
             max_message_bytes=self.max_message_bytes,
             ties=ties_digest(self._tie_spec) + ("" if self.check_ties else "|unchecked"),
             rng_seed=getattr(self.stage.executor, "rng_seed", None),
+            seed_default=not getattr(self.stage.executor, "rng_seed_given", True),
         )
         group = self.groups.control
         on_cpu = group is not None or "gloo" in str(dist.get_backend())
@@ -846,6 +870,9 @@ class DistributedStage:
         self.plan_check_seconds = time.perf_counter() - t0
         self.plan_checks += 1
         rows = [PlanDigest.decode(o.tolist(), rank=i) for i, o in enumerate(outs)]
+        rows, job_seed = adopt_default_seed(rows)
+        if job_seed is not None and mine.seed_default:
+            self.stage.executor.rng_seed = job_seed  # type: ignore[attr-defined]
         why = plan_disagreement(rows)
         if why is not None:
             raise PlanError(

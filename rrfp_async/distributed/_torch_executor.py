@@ -165,10 +165,12 @@ class TorchStageExecutor:
         seed: The seed of the tasks' random streams: the forward of microbatch ``m`` on
             virtual stage ``v`` in step ``s`` draws from ``rr.task_rng(seed, s, v, m)``
             whatever order the forwards run in (dropout masks are then the same under every
-            policy and hint). Default: ``torch.initial_seed()`` when the executor is built,
-            which is the same on every rank that seeded torch alike (or not at all). Ranks
-            seeded differently draw differently (still independent of the order); the ranks
-            of one TP group must agree (``DistributedStage`` checks it with the plan).
+            policy and hint). Default: the job's seed: ``torch.initial_seed()`` when the
+            executor is built, replaced at the first plan check of a ``DistributedStage`` by
+            that of the lowest global rank whose seed is the default too, so that every rank
+            of the job draws from one seed however each process seeded torch (or not: a
+            fresh process's default seed is random). A given seed is kept; the ranks of one
+            TP group must agree (``DistributedStage`` checks it with the plan).
         task_rng: False: forwards draw from torch's global generators as they stand, in
             dispatch order (results with dropout then depend on that order).
 
@@ -182,6 +184,8 @@ class TorchStageExecutor:
         outputs: ``{microbatch: output}`` of the last step (last stage, see
             ``return_outputs``), detached.
         rng_seed: The seed of the tasks' random streams (None with ``task_rng=False``).
+        rng_seed_given: Whether ``seed`` was given (False: the default, agreed on by the
+            job's ranks at the first plan check).
         output_hook: Set by a stage whose endpoint sends thread-safely: called on the
             compute thread with each task's output as soon as it exists (see ``Executor``).
     """
@@ -231,6 +235,8 @@ class TorchStageExecutor:
         if not isinstance(task_rng, bool):
             raise PlanError(f"task_rng must be a bool, got {task_rng!r}")
         self.rng_seed: int | None = None
+        #: False: ``rng_seed`` is the default, which ``DistributedStage`` makes the job's.
+        self.rng_seed_given = seed is not None
         if task_rng:
             self.rng_seed = (torch.initial_seed() if seed is None else seed) & ((1 << 64) - 1)
         self.shared_spec: dict[str, tuple[tuple[int, str], ...]] = {}
@@ -461,7 +467,7 @@ class TorchStageExecutor:
         last = self._is_last(task, ctx)
         if ctx.plan.forward_only:
             with torch.no_grad():
-                out = call_module(mod, x, kwargs)
+                out = self._call(mod, x, kwargs, task, data, ctx)
                 if not last:
                     return map_tensors(out, _detached)
                 self.outputs[task.mb] = map_tensors(out, _detached)
@@ -469,7 +475,7 @@ class TorchStageExecutor:
                     self._loss(task, out, mb, ctx)
             return None
         with torch.enable_grad():
-            out = call_module(mod, x, kwargs)
+            out = self._call(mod, x, kwargs, task, data, ctx)
             if last:
                 if self.loss_fn is None:
                     raise PlanError(
@@ -486,6 +492,25 @@ class TorchStageExecutor:
         self._check_grad(task, ctx, outs, inputs, "output")
         self._stash[(task.stage, task.mb)] = (inputs, outs)
         return map_tensors(out, _sendable)
+
+    def _call(
+        self,
+        mod: nn.Module,
+        x: Any,
+        kwargs: Mapping[str, Any],
+        task: Task,
+        data: Any,
+        ctx: TaskContext,
+    ) -> Any:
+        """``call_module``, with what went wrong said where a user can act on it: an error
+        from the module keeps its type and traceback and gains a note (``add_note``) naming
+        the task and, for the common misuses, the fix (the peers' ``PeerStepError`` carries
+        the note too)."""
+        try:
+            return call_module(mod, x, kwargs)
+        except (TypeError, RuntimeError, ValueError) as e:
+            e.add_note(_call_hint(task, x, data, ctx, self.input_fn is _default_input))
+            raise
 
     def _check_grad(
         self,
@@ -603,6 +628,35 @@ class TorchStageExecutor:
     def close(self) -> None:
         """Stop the compute thread."""
         self.worker.close()
+
+
+def _shape_of(value: Any) -> str:
+    leaves = tensor_leaves(value)
+    if isinstance(value, torch.Tensor):
+        return f"a tensor of shape {tuple(value.shape)}"
+    kind = type(value).__name__
+    shapes = ", ".join(str(tuple(t.shape)) for t in leaves[:4])
+    return f"a {kind} of {len(leaves)} tensor(s) ({shapes}{', ...' if len(leaves) > 4 else ''})"
+
+
+def _call_hint(task: Task, x: Any, data: Any, ctx: TaskContext, default_input: bool) -> str:
+    """The note on an error raised by a stage's module (see ``TorchStageExecutor._call``)."""
+    where = f"rank {ctx.rank} step {ctx.step} {task}: the module of virtual stage {task.stage}"
+    if task.stage == 0:
+        if default_input and isinstance(x, tuple):
+            return (
+                f"{where} was called as module(*microbatch) with microbatch {task.mb}, a"
+                f" {type(x).__name__} of {len(x)} values. If only part of it is the model's"
+                " input (e.g. (inputs, target)), pass TorchStageExecutor(input_fn=lambda mb:"
+                " mb[0]) and read the rest in loss_fn(output, microbatch); return rr.Args(...)"
+                " from input_fn for several arguments or keywords"
+            )
+        return f"{where} failed on microbatch {task.mb} ({_shape_of(x)})"
+    return (
+        f"{where} failed on its input from virtual stage {task.stage - 1}, {_shape_of(x)}: the"
+        f" output of stage {task.stage - 1} must fit this stage's forward (where the model is"
+        " split, and what each stage returns)"
+    )
 
 
 def stage_inputs(

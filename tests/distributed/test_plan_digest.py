@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import rrfp_async as rr
-from rrfp_async.distributed._digest import PlanDigest, plan_disagreement
+from rrfp_async.distributed._digest import PlanDigest, adopt_default_seed, plan_disagreement
 from tests._pool import pooled_spawn
 
 # ---------------------------------------------------------------------- pure
@@ -132,6 +132,22 @@ def test_stage_defaults_are_finite_and_bounded() -> None:
         stage(max_message_bytes=0)
     with pytest.raises(rr.PlanError, match="step_timeout"):
         stage(step_timeout=-1.0)
+
+
+def test_tp_without_the_plan_check_needs_a_given_seed() -> None:
+    # Fails when verify_plan=False leaves TP ranks on their processes' own default seeds.
+    plan = rr.StepPlan(topology=rr.Topology(stages=1), microbatches=2)
+    layout = rr.ProcessLayout(pp=1, tp=2, rank=0)
+    sched = rr.StepSchedule.build(plan, "1f1b")
+    lin = torch.nn.Linear(2, 2)
+    default = rr.TorchStageExecutor({0: lin})
+    with pytest.raises(rr.PlanError, match=r"verify_plan=False\) with TP: .*seed=\.\.\."):
+        rr.DistributedStage(layout, sched, default, groups=rr.StageGroups(), verify_plan=False)
+    # A given seed passes that check (TP then needs a real group: construction goes on to
+    # the decision channel, which asks the unset default group for its size).
+    given = rr.TorchStageExecutor({0: lin}, seed=3)
+    with pytest.raises(ValueError, match="Default process group has not been initialized"):
+        rr.DistributedStage(layout, sched, given, groups=rr.StageGroups(), verify_plan=False)
 
 
 def test_a_stage_runs_steps_only_while_open() -> None:
@@ -258,3 +274,35 @@ def test_every_rank_names_the_disagreement(world: int, odd: int) -> None:
         f" {1e3 * results[0]['match']['first_step']:.1f} ms, later steps median"
         f" {later_ms[len(later_ms) // 2]:.1f} ms"
     )
+
+
+def test_default_seeds_adopt_the_lowest_default_ranks_seed() -> None:
+    plan = rr.StepPlan(topology=rr.Topology(stages=2), microbatches=4)
+    sched = rr.StepSchedule.build(plan, "1f1b")
+
+    def d(rank: int, seed: int | None, default: bool) -> PlanDigest:
+        layout = rr.ProcessLayout(pp=2, tp=2, rank=rank)
+        got = PlanDigest.of(
+            sched,
+            policy="strict",
+            layout=layout,
+            max_message_bytes=1,
+            rng_seed=seed,
+            seed_default=default,
+        )
+        return PlanDigest.decode(got.encode(), rank=rank)
+
+    big = (1 << 64) - 5
+    # Rank 0 gave its seed; the defaults (1, 2, 3) take rank 1's, the lowest default.
+    rows, job = adopt_default_seed([d(0, 7, False), d(1, big, True), d(2, 3, True), d(3, 4, True)])
+    assert job == big
+    assert [r.rng_seed & ((1 << 64) - 1) for r in rows] == [7, big, big, big]
+    # Given seeds are still compared: rank 0's 7 against rank 1's adopted seed.
+    why = plan_disagreement(rows)
+    assert why is not None and f"rank 0 has seed 7; rank 1 has seed {big}" in why, why
+    rows, job = adopt_default_seed([d(r, 10 + r, True) for r in range(4)])
+    assert job == 10 and plan_disagreement(rows) is None
+    rows, job = adopt_default_seed([d(r, 5, False) for r in range(4)])
+    assert job is None and [r.rng_seed for r in rows] == [5] * 4
+    # task_rng=False: nothing to adopt, whatever the flag says.
+    assert not d(0, None, True).seed_default

@@ -316,13 +316,17 @@ LAYOUT_STEPS = [(0, 4), (1, 3), (2, 4)]  # (step, microbatches): accumulated, th
 def layout_worker(rank: int, world: int, tp: int, seeds: str) -> dict[str, Any]:
     """PP 2 x TP ``tp`` x DP ``world / (2 tp)``: the tied model with dropout (its MLPs
     tensor-parallel), three steps accumulated, the DP average, SGD. ``seeds="rank"``: each
-    rank's executor takes its own seed (the plan check must refuse that within TP)."""
+    rank's executor takes its own seed (the plan check must refuse that within TP);
+    ``"unseeded"``: no seed given, and each process's torch seeded with its own number
+    after building (rank 0 keeps ``SEED``): the ranks must adopt the job's seed, rank 0's."""
     layout = rr.ProcessLayout.from_world(pp=2, tp=tp)
     groups = rr.build_groups(layout)
     ctx = TPContext(groups.tp, tp, layout.tp_rank) if tp > 1 else None
     mods, spec = build(2, "copies", tp=ctx)
     v = layout.pp_rank
     seed = rank if seeds == "rank" else None
+    if seeds == "unseeded":
+        torch.manual_seed(SEED if rank == 0 else 1000 + rank)
     ex = rr.TorchStageExecutor({v: mods[v]}, loss_fn, rank=rank, shared=spec, seed=seed)
     plan = rr.StepPlan(topology=rr.Topology(stages=2), microbatches=4)
     params = parameters([mods[v]])
@@ -346,6 +350,7 @@ def layout_worker(rank: int, world: int, tp: int, seeds: str) -> dict[str, Any]:
     finally:
         ex.close()
     out["state"] = stage_state(v, mods[v])
+    out["seed"] = ex.rng_seed
     return out
 
 
@@ -406,6 +411,19 @@ def test_accumulation_over_ties_in_other_layouts(tp: int, dp: int) -> None:
             got = _unshard(results, key, d)
             assert got.keys() <= want.keys()
             assert max_diff(got, want) <= bound, (key, d, max_diff(got, want))
+
+
+def test_unseeded_ranks_adopt_the_jobs_seed_and_match_the_reference() -> None:
+    # Fails when each rank keeps its own process's default seed (torch.initial_seed(),
+    # random in a fresh process): the TP check refuses the step, or, without the check,
+    # TP ranks draw other masks. Rank 0's seed is SEED, so the result is the reference's.
+    results = pooled_spawn(layout_worker, 4, 2, "unseeded", timeout=280)
+    assert not [r["error"] for r in results if "error" in r]
+    assert [r["seed"] for r in results] == [SEED] * 4
+    grads, after = _layout_reference(1)
+    for key, want in (("grads", grads), ("state", after)):
+        got = _unshard(results, key, 0)
+        assert max_diff(got, want) <= 1e-5, (key, max_diff(got, want))
 
 
 def test_tp_ranks_with_different_seeds_are_refused_at_the_first_step() -> None:
