@@ -66,7 +66,8 @@ def _local_values(p: torch.Tensor) -> torch.Tensor:
     """
     dtensor = sys.modules.get("torch.distributed.tensor")
     if dtensor is not None and isinstance(p, dtensor.DTensor):
-        return p.detach().to_local()
+        local: torch.Tensor = p.detach().to_local()
+        return local
     return p.detach()
 
 
@@ -84,7 +85,7 @@ def fingerprint(p: torch.Tensor) -> int | None:
     if bool((sample == sample[0]).all()):
         return None
     h = hashlib.blake2b(digest_size=8)
-    shapes = (tuple(p.shape), str(p.dtype))
+    shapes: tuple[object, ...] = (tuple(p.shape), str(p.dtype))
     if local.shape != p.shape:  # a shard: its own shape counts too
         shapes += (tuple(local.shape),)
     h.update(repr(shapes).encode())
