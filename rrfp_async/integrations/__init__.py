@@ -32,6 +32,7 @@ def __getattr__(name: str) -> Any:
 
     return getattr(importlib.import_module(where, __name__), name)
 
+
 __all__ = [
     "MegatronForwardBackward",
     "ScheduleInterleavedReadinessFirst",

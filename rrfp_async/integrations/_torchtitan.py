@@ -324,7 +324,8 @@ def _check_options(options: dict[str, Any]) -> dict[str, Any]:
         raise PlanError(
             f"{FACE}.readiness_first: unknown option(s) {unknown}; it takes {list(OPTIONS)}"
         )
-    out = dict(options)
+    # JSON null is the default, except for step_timeout, where it means no watchdog.
+    out = {k: v for k, v in options.items() if v is not None or k == "step_timeout"}
     if out.get("policy") is not None:
         from ..policies._policy import get_policy
 
@@ -369,8 +370,9 @@ def readiness_first(config: Any, **options: Any) -> Any:
             ``readiness_first``; ``strict`` runs the hint's order as torch does),
             ``memory_factor`` (scale of the admission bound), ``split_backward``,
             ``step_timeout`` (seconds; default 300, torchtitan's first-step timeout; null:
-            none) and ``hint`` (an ``rr.HINTS`` name or a torch schedule name, with the plain
-            names ``ReadinessFirst`` / ``InterleavedReadinessFirst`` only).
+            none) and ``hint`` (an ``rr.HINTS`` name or a torch schedule name, with the
+            plain names ``ReadinessFirst`` / ``InterleavedReadinessFirst`` only). A null
+            value is the default (for ``step_timeout``: no watchdog).
 
     Returns:
         ``config``, unchanged.

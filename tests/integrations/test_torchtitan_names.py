@@ -89,6 +89,8 @@ def test_the_factory_records_checked_options_and_returns_the_config() -> None:
     assert tt.schedule_options() == {"policy": "strict", "memory_factor": 2, "step_timeout": None}
     assert tt.readiness_first(node) is node
     assert tt.schedule_options() == {}  # each application starts afresh
+    tt.readiness_first(node, policy=None, hint=None, step_timeout=None)  # JSON null
+    assert tt.schedule_options() == {"step_timeout": None}  # the default, or no watchdog
     with pytest.raises(rr.PlanError, match=r"unknown option\(s\) \['polcy', 'x'\]"):
         tt.readiness_first(node, polcy="strict", x=1)
     with pytest.raises(rr.PlanError, match="memory_factor must be > 0"):
