@@ -43,7 +43,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("integrations", ("integrations",)),
     ("bench", ("bench",)),
     ("cli", ("cli",)),
-    ("face", ("__init__", "__main__", "pipelining", "megatron")),
+    ("face", ("__init__", "__main__", "pipelining", "megatron", "torchtitan")),
 )
 
 

@@ -40,6 +40,7 @@ import asyncio
 import hashlib
 import json
 import logging
+import sys
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -65,19 +66,42 @@ def ties_digest(spec: TieSpec) -> str:
     return json.dumps(sorted((k, sorted(map(list, v))) for k, v in spec.items()))
 
 
+def _local_values(p: torch.Tensor) -> torch.Tensor:
+    """The values of ``p`` this rank holds: a DTensor's local shard, else ``p`` itself.
+
+    A sharded parameter's fingerprint is its local shard's: the check compares the ranks of
+    one pipeline, which sit at the same data- and tensor-parallel coordinate, so two tied
+    copies sharded alike hold the same shard there (and every pipeline checks its own
+    coordinate); a tie between differently sharded copies is not seen as one (their local
+    values differ), nor is a coincidence in one shard taken for a tie by every pipeline.
+    DTensor is looked up in ``sys.modules``: a DTensor exists only once its module is
+    imported, and importing it here would cost seconds for nothing.
+    """
+    dtensor = sys.modules.get("torch.distributed.tensor")
+    if dtensor is not None and isinstance(p, dtensor.DTensor):
+        local: torch.Tensor = p.detach().to_local()
+        return local
+    return p.detach()
+
+
 def fingerprint(p: torch.Tensor) -> int | None:
-    """A 63-bit fingerprint of a parameter's shape and values, or None when it cannot tell
-    a tie from a coincidence (fewer than 2 elements, or every sampled value equal)."""
-    n = p.numel()
+    """A 63-bit fingerprint of a parameter's shape and the values this rank holds of it (a
+    DTensor's local shard, with its global and local shapes), or None when it cannot tell a
+    tie from a coincidence (fewer than 2 local elements, or every sampled value equal)."""
+    local = _local_values(p)
+    n = local.numel()
     if n < 2:
         return None
-    flat = p.detach().reshape(-1)
+    flat = local.reshape(-1)
     sample = flat[:_SAMPLE] if n <= 2 * _SAMPLE else torch.cat([flat[:_SAMPLE], flat[-_SAMPLE:]])
     sample = sample.to("cpu", copy=True)
     if bool((sample == sample[0]).all()):
         return None
     h = hashlib.blake2b(digest_size=8)
-    h.update(repr((tuple(p.shape), str(p.dtype))).encode())
+    shapes: tuple[object, ...] = (tuple(p.shape), str(p.dtype))
+    if local.shape != p.shape:  # a shard: its own shape counts too
+        shapes += (tuple(local.shape),)
+    h.update(repr(shapes).encode())
     h.update(bytes(sample.contiguous().view(torch.uint8).tolist()))
     return int.from_bytes(h.digest(), "little") & ((1 << 63) - 1)
 

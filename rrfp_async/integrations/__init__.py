@@ -4,6 +4,8 @@
   schedule API over the readiness-first runtime.
 * :mod:`rrfp_async.megatron`: ``get_forward_backward_func``, megatron-core's
   forward-backward function over the readiness-first runtime.
+* :mod:`rrfp_async.torchtitan`: torchtitan's schedule names and override factory
+  (``_torchtitan``; importing that face patches torchtitan's schedule lookup).
 
 The peers are imported lazily: ``import rrfp_async`` never imports them.
 """
@@ -27,6 +29,7 @@ _WHERE = {
 
 
 __getattr__, __dir__ = exports(__name__, _WHERE)
+
 
 __all__ = [
     "MegatronForwardBackward",

@@ -50,6 +50,7 @@ from __future__ import annotations
 
 import asyncio
 import inspect
+import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -233,6 +234,8 @@ class _ReadinessFirst:
                 f"hint {hint!r} splits the backward into input and weight gradients (its I/W"
                 " actions): split_backward=False does not fit it"
             )
+        if split_backward:
+            _refuse_fsdp_split(self._stages, getattr(self._hint, "__name__", self._hint))
         self._policy = policy
         self._memory_factor = memory_factor
         self._split = bool(split_backward)
@@ -890,6 +893,42 @@ def _step_split(
         return_outputs=return_outputs,
         loss_kwargs=loss_kwargs,
     )
+
+
+def _fsdp_parts(module: Any) -> list[str]:
+    """The submodules of ``module`` that FSDP manages (FSDP2's ``fully_shard`` or FSDP1).
+    Looked up in ``sys.modules``: a module is wrapped only once FSDP is imported."""
+    fsdp = sys.modules.get("torch.distributed.fsdp")
+    if fsdp is None or not isinstance(module, torch.nn.Module):
+        return []
+    kinds = tuple(
+        c
+        for c in (
+            getattr(fsdp, "FSDPModule", None),
+            getattr(fsdp, "FullyShardedDataParallel", None),
+        )
+        if isinstance(c, type)
+    )
+    return [n or "(the stage)" for n, m in module.named_modules() if kinds and isinstance(m, kinds)]
+
+
+def _refuse_fsdp_split(stages: Sequence[Any], hint: Any) -> None:
+    """The split backward's W calls the autograd nodes of the weight gradients itself
+    (``_split_backward``), outside the engine, so FSDP's hooks never run for it: its
+    parameters are not unsharded for W (resharded storage: "data is not allocated yet") and
+    the gradients would bypass its reduce-scatter (silently lost where the storage is kept).
+    Refused, naming the wrapped parts."""
+    for s in stages:
+        parts = _fsdp_parts(s.submod)
+        if parts:
+            raise PlanError(
+                f"stage {s.stage_index}: the split backward (input and weight gradients as"
+                f" separate tasks, which hint {hint!r} or split_backward=True asks for) is not"
+                f" supported on FSDP-wrapped modules ({', '.join(parts[:3])}): W would run past"
+                " FSDP's unshard and reduce-scatter. Use an order without the split (1F1B,"
+                " Interleaved1F1B, LoopedBFS, an rrfp_async hint other than zb_h1) or a stage"
+                " without FSDP"
+            )
 
 
 def _check_stages(stages: Sequence[Any]) -> None:

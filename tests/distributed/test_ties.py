@@ -77,10 +77,26 @@ def reference() -> dict[str, torch.Tensor]:
     return {"wte": e.emb.weight.detach().clone(), "norm": h.norm.weight.detach().clone()}
 
 
+def as_dtensors(mod: nn.Module, rank: int) -> None:
+    """Every parameter of ``mod`` as a DTensor on this rank's 1-device mesh (the pipeline
+    ranks' meshes, as torchtitan builds them: PP x a data-parallel dimension of size 1);
+    rank 1's matrices sharded (on one device a shard holds every value)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+
+    mesh = init_device_mesh("cpu", (2, 1), mesh_dim_names=("pp", "dp"))["dp"]
+    for m in mod.modules():
+        for name, p in list(m.named_parameters(recurse=False)):
+            where = Shard(0) if p.dim() > 1 and rank == 1 else Replicate()
+            setattr(m, name, nn.Parameter(DTensor.from_local(p.detach(), mesh, [where])))
+
+
 def worker(rank: int, world: int, mode: str) -> dict[str, Any]:
     torch.set_num_threads(1)
     e, h = build()
     mod: nn.Module = e if rank == 0 else h
+    if mode == "dtensor":
+        as_dtensors(mod, rank)
     ex = rr.TorchStageExecutor(
         {rank: mod}, loss_fn, rank=rank, shared=SPEC if mode == "declared" else None
     )
@@ -133,6 +149,17 @@ def test_declared_tie_trains_like_one_parameter() -> None:
 
 def test_an_undeclared_tie_is_an_error_on_every_rank_naming_both() -> None:
     r0, r1 = pooled_spawn(worker, 2, "undeclared", timeout=150)
+    for r in (r0, r1):
+        msg = r.get("error", "")
+        assert "'emb.weight' of virtual stage 0 on global rank 0" in msg, msg
+        assert "'weight' of virtual stage 1 on global rank 1" in msg, msg
+        assert "norm" not in msg.split("tied weights do:")[1].split(".")[0]
+
+
+def test_an_undeclared_tie_of_dtensor_parameters_is_found() -> None:
+    # torchtitan's parameters are DTensors; the check fingerprints each rank's local shard
+    # (it failed with ".tolist() is not supported for tensor subclasses, got DTensor").
+    r0, r1 = rr.spawn(worker, 2, "dtensor", timeout=150)
     for r in (r0, r1):
         msg = r.get("error", "")
         assert "'emb.weight' of virtual stage 0 on global rank 0" in msg, msg

@@ -279,3 +279,41 @@ def test_keyword_inputs_reach_every_stage_as_in_torch() -> None:
             assert torch.equal(a, b), (a - b).abs().max()
         for a, b in zip(default[r]["params"], want[r]["params"], strict=True):
             torch.testing.assert_close(a, b, rtol=0, atol=1e-5)
+
+
+def fsdp_worker(rank: int, world: int) -> dict[str, Any]:
+    """A stage wrapped in FSDP2 (``fully_shard``, as torchtitan wraps every stage) under a
+    split-backward order, and under 1F1B."""
+    import torch.distributed.pipelining as tp
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.pipelining import PipelineStage
+
+    from rrfp_async.pipelining import ScheduleReadinessFirst
+
+    torch.set_num_threads(1)
+    mesh = init_device_mesh("cpu", (world, 1), mesh_dim_names=("pp", "dp"))
+    part = full_model(world)[rank]
+    fully_shard(part[0], mesh=mesh["dp"])
+    stage = PipelineStage(part, rank, world, torch.device("cpu"), group=mesh.get_group("pp"))
+    out: dict[str, Any] = {}
+    for name, kw in (
+        ("split", {"split_backward": True}),
+        ("zb_h1", {"hint": "zb_h1", "split_backward": True}),
+        ("1f1b", {"hint": tp.Schedule1F1B}),
+    ):
+        try:
+            ScheduleReadinessFirst(stage, N_MB, loss_fn=loss_fn, **kw).close()
+            out[name] = "built"
+        except rr.PlanError as e:
+            out[name] = str(e)
+    return out
+
+
+def test_split_backward_is_refused_on_fsdp_stages() -> None:
+    # W calls the weight-gradient nodes itself, past FSDP's unshard and reduce-scatter: it
+    # failed at the first W (resharded storage) or, with the storage kept, lost gradients.
+    for r in rr.spawn(fsdp_worker, 2, timeout=200):
+        for name in ("split", "zb_h1"):
+            assert "split backward" in r[name] and "FSDP-wrapped modules (0)" in r[name], r
+        assert r["1f1b"] == "built"
