@@ -12,7 +12,7 @@ schedule names of ``schedule_names()``; ``readiness_first``'s keyword arguments 
 them (``'rrfp_async.torchtitan.readiness_first={"policy": "strict", "hint": "1F1B"}'``).
 See ``rrfp_async.integrations._torchtitan`` for what is patched and why, and
 docs/compatibility.md for the how-to. torchtitan is an optional dependency; importing this
-module without it raises ``PlanError``.
+module without it raises ``ExtraMissingError`` (an ``ImportError``).
 """
 
 from .integrations._torchtitan import (

@@ -18,8 +18,10 @@ and options of their day, and are not checked.
 
 from __future__ import annotations
 
+import ast
 import concurrent.futures
 import importlib
+import importlib.util
 import os
 import re
 import shlex
@@ -33,6 +35,8 @@ from typing import Any
 import click
 import pytest
 from click.testing import CliRunner
+
+from rrfp_async import ExtraMissingError
 
 ROOT = Path(__file__).resolve().parent.parent
 PAGES = sorted(
@@ -203,6 +207,31 @@ def _has_attr(obj: object, name: str) -> bool:
     )
 
 
+def _resolve_source(parts: list[str]) -> str | None:
+    """For a name whose import needs a peer that is not installed (``rrfp_async.torchtitan.
+    readiness_first``): None when the longest prefix that is a module file of the package
+    exists and its ``__all__`` names the next part (if any), else why not. Nothing is
+    imported."""
+    for j in range(len(parts), 0, -1):
+        base = ROOT.joinpath(*parts[:j])
+        path = base / "__init__.py" if base.is_dir() else base.with_suffix(".py")
+        if path.is_file():
+            break
+    else:
+        return "no such module"
+    module, attrs = ".".join(parts[:j]), parts[j:]
+    if not attrs:
+        return None
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    names: set[str] = set()
+    for node in tree.body:
+        if isinstance(node, ast.Assign) and any(
+            isinstance(t, ast.Name) and t.id == "__all__" for t in node.targets
+        ):
+            names |= {c.value for c in ast.walk(node.value) if isinstance(c, ast.Constant)}
+    return None if attrs[0] in names else f"{module} has no attribute {attrs[0]!r} in __all__"
+
+
 def _resolve(dotted: str) -> str | None:
     """None when ``dotted`` (``rrfp_async.x.y``) names a module or an attribute of one, else
     why not."""
@@ -214,6 +243,10 @@ def _resolve(dotted: str) -> str | None:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
                 obj = importlib.import_module(name)
+        except ExtraMissingError:
+            # A face for a peer not installed here (rrfp_async.torchtitan): its source is
+            # looked at instead of its import.
+            return _resolve_source(parts)
         except ModuleNotFoundError as e:
             if e.name is not None and not name.startswith(e.name):
                 return f"importing {name} failed: {e}"  # a dependency is missing
@@ -248,6 +281,9 @@ def test_resolve_refuses_what_is_not_there() -> None:
     assert _resolve("rrfp_async.no_such_name") is not None
     assert _resolve("rrfp_async.Task.no_such_method") is not None
     assert _resolve("rrfp_async.no_such_module.x") is not None
+    if importlib.util.find_spec("torchtitan") is None:  # read from the source, not imported
+        assert _resolve("rrfp_async.torchtitan.readiness_first") is None
+        assert _resolve("rrfp_async.torchtitan.no_such_name") is not None
 
 
 # ---- commands ---------------------------------------------------------------------------
@@ -416,6 +452,8 @@ def test_commands_exist_and_take_their_options() -> None:
         elif words[0] == "./dev":
             if len(words) > 1 and words[1] not in dev:
                 bad[tag] = f"./dev has no command {words[1]!r} (it has {sorted(dev)})"
+        elif "-m" in words[:-1] and words[words.index("-m") + 1].split(".")[0] in _PEERS:
+            continue  # a peer's own command (torchrun -m torchtitan.train): its flags are its
         else:
             got = _script_check(words)
             if isinstance(got, str):

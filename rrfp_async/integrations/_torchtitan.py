@@ -77,7 +77,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .._check import check_bool, check_real, describe
-from .._errors import PlanError, RRFPError
+from .._errors import ExtraMissingError, PlanError, RRFPError
 from .._tasks import StepPlan, Topology
 from ._torch_pipelining import ScheduleInterleavedReadinessFirst, ScheduleReadinessFirst
 
@@ -439,8 +439,9 @@ def install() -> None:
     rrfp_async.torchtitan`` calls it.
 
     Raises:
-        PlanError: torchtitan is not installed, or lacks (by feature) what is patched; the
-            message names its version.
+        ExtraMissingError: torchtitan is not installed (an ImportError).
+        PlanError: torchtitan lacks (by feature) what is patched; the message names its
+            version.
     """
     global _installed
     if _installed:
@@ -448,7 +449,9 @@ def install() -> None:
     try:
         tt = importlib.import_module("torchtitan")
     except ImportError as e:
-        raise PlanError(f"rrfp_async.torchtitan needs torchtitan installed: {e}") from e
+        raise ExtraMissingError(
+            f"rrfp_async.torchtitan needs torchtitan installed (pip install torchtitan): {e}"
+        ) from e
     version = _version(tt)
     pp = importlib.import_module("torchtitan.distributed.pipeline_parallel")
     overrides = importlib.import_module("torchtitan.config.override")

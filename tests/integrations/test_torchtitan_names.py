@@ -236,5 +236,5 @@ def test_without_torchtitan_the_face_says_so(monkeypatch: pytest.MonkeyPatch) ->
     monkeypatch.setitem(sys.modules, "torchtitan", None)  # not importable
     monkeypatch.delitem(sys.modules, "rrfp_async.torchtitan", raising=False)
     monkeypatch.setattr(tt, "_installed", False)
-    with pytest.raises(rr.PlanError, match="needs torchtitan installed"):
+    with pytest.raises(rr.ExtraMissingError, match="needs torchtitan installed"):
         importlib.import_module("rrfp_async.torchtitan")
