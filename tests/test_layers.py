@@ -29,6 +29,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
             "_workloads",
             "_admission",
             "_bridges",
+            "_streams",
         ),
     ),
     ("models", ("models",)),

@@ -47,6 +47,10 @@ HEADER_LEN = 16
 HEADER_BYTES = HEADER_LEN * 8
 MAX_NDIM = HEADER_LEN - 9
 DATA, CLOSE, DATA_INLINE, ABORT = 1, 2, 3, 4
+DATA_DEVICE = 5
+"""Kind of a header whose payload travels on the edge's payload communicator (NCCL), not
+on the control group: the header (and a pytree's structure, inline behind it) on gloo, the
+payload's bytes on the device."""
 MAX_ABORT_TEXT = 1024
 """Most bytes of cause text an ABORT carries (longer text is cut; a header announcing more
 is refused)."""

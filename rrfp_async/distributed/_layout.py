@@ -17,6 +17,7 @@ import torch.distributed as dist
 
 from .._errors import PlanError
 from .._tasks import StepPlan
+from ..channels import _nccl_rules as nccl_rules
 
 __all__ = ["ProcessLayout", "StageGroups", "build_groups", "pipeline_neighbors"]
 
@@ -206,13 +207,15 @@ def build_groups(
                     dp = g
     control = dist.new_group(list(range(layout.world_size)), backend="gloo")
     p2p = None
+    # RRFP_NCCL_RULES: the NCCL groups are checked gloo groups (channels._nccl_rules).
+    rules = nccl_rules.enabled()
     if layout.pp > 1:  # one group per pipeline, created by every rank in the same order
         for plane in layout.grid:
             for t in range(layout.tp):
                 ranks = [row[t] for row in plane]
-                g = dist.new_group(ranks, backend=p2p_backend)
+                g = dist.new_group(ranks, backend="gloo" if rules else p2p_backend)
                 if layout.rank in ranks:
-                    p2p = g
+                    p2p = nccl_rules.CheckedGroup(g) if rules else g
     return StageGroups(tp=tp, decisions=decisions, dp=dp, control=control, p2p=p2p)
 
 
