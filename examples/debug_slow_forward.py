@@ -70,6 +70,7 @@ def worker(rank: int, world: int, out: str, policy: str, slow: tuple[int, int, f
             policy=policy,
             observer=rr.LogObserver(rank=rank),
             trace_dir=d / "traces",  # one argument: every rank writes its trace there
+            emulated_gpu_time=True,  # the forwards sleep for their GPU time: the traces say so
             step_timeout=60.0,
         )
         g = torch.Generator().manual_seed(0)

@@ -1,18 +1,22 @@
 """A megatron-core training loop on the readiness-first runtime: one changed line.
 
-Run:  python examples/megatron_dropin.py --spawn          (2 gloo processes on the CPU)
-      python examples/megatron_dropin.py --spawn --megatron   (Megatron's own 1F1B)
+Run:  python examples/megatron_dropin.py --spawn                 (2 gloo processes, 1F1B)
+      python examples/megatron_dropin.py --spawn --vp 2          (interleaved, 2 chunks/rank)
+      python examples/megatron_dropin.py --spawn --vp 2 --megatron   (megatron's own schedule)
 
-The script is written as megatron-core's own examples are (``parallel_state``, a
-``TransformerConfig``, ``GPTModel``, ``forward_step_func`` returning ``(output,
-loss_func)``); ``--megatron`` swaps back the one import that differs. Needs
-``pip install rrfp-async[megatron]``.
+The script is written as Megatron-LM's ``training.py`` (megatron-core 0.19) calls the
+schedule: ``get_forward_backward_func(schedule_pg_collection=...)`` (where the installed
+megatron-core has that argument: 0.16 runs the same script without it), the model as a list
+of chunks (one per virtual pipeline stage), one data iterator per chunk, and every keyword
+``train_step`` passes. ``--megatron`` swaps back the one import that differs. Needs
+``pip install rrfp-async[megatron]``; runs on megatron-core 0.16 and 0.19.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import inspect
 import threading
 import warnings
 from typing import Any
@@ -25,7 +29,7 @@ VOCAB, HIDDEN, SEQ, MBS, N_MB, STEPS = 64, 32, 16, 2, 4, 3
 
 
 # --- Only needed without a GPU: megatron-core assumes CUDA. On a GPU machine delete this
-# block (and the call to cpu_shims below). -------------------------------------------------
+# block (and the calls to cpu_shims and cpu_rng_tracker below). ----------------------------
 def cpu_shims() -> None:
     from torch.overrides import TorchFunctionMode
 
@@ -65,7 +69,7 @@ def batches(step: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
 
 
 def forward_step(data_iterator: Any, model: torch.nn.Module) -> Any:
-    tokens, labels = next(data_iterator)
+    tokens, labels = next(data_iterator)  # every chunk reads its own copy of the microbatch
     pos = torch.arange(tokens.shape[1]).unsqueeze(0).expand_as(tokens)
     out = model(tokens, pos, None, labels=labels)  # per-token losses on the last stage
 
@@ -76,13 +80,15 @@ def forward_step(data_iterator: Any, model: torch.nn.Module) -> Any:
     return out, loss_func
 
 
-def worker(rank: int, world: int, use_megatron: bool) -> list[float]:
+def worker(rank: int, world: int, use_megatron: bool, vp: int | None) -> list[float]:
     cpu_shims()  # only without a GPU
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # "Transformer Engine / Apex not installed"
         from megatron.core import parallel_state
         from megatron.core.models.gpt import GPTModel
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+        from megatron.core.pipeline_parallel.utils import is_vp_first_stage, is_vp_last_stage
+        from megatron.core.process_groups_config import ProcessGroupCollection
         from megatron.core.transformer.transformer_config import TransformerConfig
 
         if use_megatron:
@@ -90,45 +96,77 @@ def worker(rank: int, world: int, use_megatron: bool) -> list[float]:
         else:  # the one changed line
             from rrfp_async.megatron import get_forward_backward_func
 
-        parallel_state.initialize_model_parallel(pipeline_model_parallel_size=world)
+        parallel_state.initialize_model_parallel(
+            pipeline_model_parallel_size=world, virtual_pipeline_model_parallel_size=vp
+        )
         cpu_rng_tracker()  # only without a GPU
+        chunks = vp or 1
+        interleaved = {}
+        if vp is not None:  # Megatron-LM's p2p setting for the interleaved schedule
+            interleaved = {
+                "virtual_pipeline_model_parallel_size": vp,
+                "overlap_p2p_comm": True,
+                "batch_p2p_comm": False,
+            }
         config = TransformerConfig(
-            num_layers=2 * world,
+            num_layers=2 * world * chunks,
             hidden_size=HIDDEN,
             num_attention_heads=4,
             hidden_dropout=0.0,
             attention_dropout=0.0,
             pipeline_model_parallel_size=world,
             pipeline_dtype=torch.float32,
+            **interleaved,
         )
-        torch.manual_seed(rank)
-        model = GPTModel(
-            config=config,
-            transformer_layer_spec=get_gpt_layer_local_spec(),
-            vocab_size=VOCAB,
-            max_sequence_length=SEQ,
-            pre_process=parallel_state.is_pipeline_first_stage(),
-            post_process=parallel_state.is_pipeline_last_stage(),
-            share_embeddings_and_output_weights=False,
-        )
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        model = []  # one chunk per virtual pipeline stage, as Megatron-LM's get_model builds
+        for c in range(chunks):
+            torch.manual_seed(100 * c + rank)
+            model.append(
+                GPTModel(
+                    config=config,
+                    transformer_layer_spec=get_gpt_layer_local_spec(),
+                    vocab_size=VOCAB,
+                    max_sequence_length=SEQ,
+                    pre_process=parallel_state.is_pipeline_first_stage()
+                    and is_vp_first_stage(c, vp),
+                    post_process=parallel_state.is_pipeline_last_stage()
+                    and is_vp_last_stage(c, vp),
+                    share_embeddings_and_output_weights=False,
+                    **({"vp_stage": c} if vp is not None else {}),
+                )
+            )
+    params = [p for m in model for p in m.parameters()]
+    opt = torch.optim.SGD(params, lr=0.1)
+    # training.py: get_forward_backward_func(schedule_pg_collection=pg_collection) (0.19).
+    pgc = ProcessGroupCollection.use_mpu_process_groups()
+    from megatron.core.pipeline_parallel import get_forward_backward_func as installed
+
+    factory_args = inspect.signature(installed).parameters  # the installed megatron-core's
+    with_pgc = {"schedule_pg_collection": pgc} if "schedule_pg_collection" in factory_args else {}
     losses: list[float] = []
     for step in range(STEPS):
-        forward_backward_func = get_forward_backward_func()
-        reduced = forward_backward_func(
+        forward_backward_func = get_forward_backward_func(**with_pgc)
+        data = batches(step)
+        iterators = [iter(data) for _ in model] if vp is not None else iter(data)
+        reduced = forward_backward_func(  # every keyword training.py's train_step passes
             forward_step_func=forward_step,
-            data_iterator=iter(batches(step)),
+            data_iterator=iterators,
             model=model,
             num_microbatches=N_MB,
             seq_length=SEQ,
             micro_batch_size=MBS,
+            decoder_seq_length=None,
             forward_only=False,
+            adjust_tensor_shapes_fn=None,
+            force_all_reduce=False,
+            p2p_communicator=None,
+            pg_collection=None,
         )
         opt.step()
         opt.zero_grad()
         if reduced:  # the last pipeline stage
             losses.append(sum(float(d["lm loss"]) for d in reduced) / len(reduced))
-    close = getattr(get_forward_backward_func(), "close", None)
+    close = getattr(get_forward_backward_func(**with_pgc), "close", None)
     if close is not None:
         close()
     parallel_state.destroy_model_parallel()
@@ -138,12 +176,14 @@ def worker(rank: int, world: int, use_megatron: bool) -> list[float]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--spawn", action="store_true", help="run 2 gloo processes here")
-    ap.add_argument("--megatron", action="store_true", help="Megatron's own 1F1B instead")
+    ap.add_argument("--megatron", action="store_true", help="Megatron's own schedule instead")
+    ap.add_argument("--vp", type=int, default=None, help="virtual pipeline size (interleaved)")
     args = ap.parse_args()
     if not args.spawn:
         ap.error("run with --spawn (2 gloo processes on this machine)")
-    res = rr.spawn(worker, 2, args.megatron, timeout=300)
-    which = "megatron 1F1B" if args.megatron else "rrfp_async readiness-first"
+    res = rr.spawn(worker, 2, args.megatron, args.vp, timeout=300)
+    kind = "interleaved" if args.vp else "1F1B"
+    which = f"megatron {kind}" if args.megatron else f"rrfp_async readiness-first ({kind})"
     for step, loss in enumerate(res[-1]):
         print(f"{which}: step {step} mean lm loss {loss:.6f}")
 

@@ -1,4 +1,4 @@
-"""Train a Hugging Face causal LM (GPT-2) through a 2-process readiness-first pipeline.
+"""Train a Hugging Face causal LM (Qwen2) through a 2-process readiness-first pipeline.
 
 Without torchrun (the script spawns the processes itself on 127.0.0.1):
 
@@ -10,14 +10,17 @@ synchronous loop in either case: ``with rr.DistributedStage(...)`` + ``run_step_
     torchrun --nproc-per-node 2 --master-addr 127.0.0.1 --master-port 29512 \\
         examples/train_hf_causal_lm.py
 
-The model is ``GPT2LMHeadModel`` from a small config with random weights (nothing is
-downloaded), split by hand: rank 0 embeds (``wte`` + ``wpe``) and runs the first blocks, the
-last rank runs the other blocks, ``ln_f`` and ``lm_head``. ``lm_head.weight`` *is*
-``wte.weight`` in GPT-2: ``rr.from_stage_modules`` finds that tie (one parameter object in
-two stage modules) and the executor declares it (``shared=``); each rank then holds its own
-copy, and the library sums the two copies' gradients after every step. Microbatches
-have different lengths (6-24 tokens) and rows padded within a microbatch; the attention mask
-reaches every stage as a side input.
+The model is ``Qwen2ForCausalLM`` from a small config with random weights (nothing is
+downloaded), with its input and output embeddings tied as the small Qwen2 checkpoints are.
+One call splits it: ``rr.split_causal_lm(model, 2)`` gives rank 0 the embedding and the first
+decoder layers, the last rank the other layers, the final norm and ``lm_head``; every stage
+builds the causal mask (from the padding mask, which reaches every stage as a side input),
+the position ids and the rotary tables the way the model's own forward does, and the split's
+``loss_fn`` is the model's own loss. ``lm_head.weight`` *is* ``model.embed_tokens.weight``:
+the split finds that tie (one parameter object in two stages) and ``split.executor`` declares
+it; each rank then holds its own copy, and the library sums the two copies' gradients after
+every step. Microbatches have different lengths (6-24 tokens) and rows padded within a
+microbatch. See docs/hf_models.md for the families it splits and what it refuses.
 
 Each step prints the pipeline's mean loss next to the loss of a plain single-process
 reference (the whole model, autograd, same init and data); at the end, how far the
@@ -36,10 +39,7 @@ import time
 
 import torch
 import torch.distributed as dist
-from torch import nn
-from transformers import GPT2Config, GPT2LMHeadModel
-from transformers.loss.loss_utils import ForCausalLMLoss
-from transformers.masking_utils import create_causal_mask
+from transformers import Qwen2Config, Qwen2ForCausalLM
 
 import rrfp_async as rr
 
@@ -50,7 +50,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--microbatches", type=int, default=4)
-    ap.add_argument("--layers", type=int, default=4, help="GPT-2 blocks (split over the ranks)")
+    ap.add_argument("--layers", type=int, default=4, help="decoder layers (split over the ranks)")
     ap.add_argument("--policy", default="readiness_first")
     ap.add_argument("--hint", default="breadth_first_weighted")
     ap.add_argument("--split-backward", action="store_true", help="I and W instead of B")
@@ -60,64 +60,25 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     return ap.parse_args(argv)
 
 
-def build_model(args: argparse.Namespace) -> GPT2LMHeadModel:
+def build_model(args: argparse.Namespace) -> Qwen2ForCausalLM:
     """The whole model, from the seed: every rank builds the same one and keeps its stage."""
     torch.manual_seed(args.seed)
-    cfg = GPT2Config(
-        n_layer=args.layers,
-        n_embd=64,
-        n_head=4,
+    cfg = Qwen2Config(
         vocab_size=VOCAB,
-        n_positions=64,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=args.layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
         tie_word_embeddings=True,
-        resid_pdrop=0.0,
-        embd_pdrop=0.0,
-        attn_pdrop=0.0,
         bos_token_id=0,
         eos_token_id=0,
+        pad_token_id=0,
     )
-    model = GPT2LMHeadModel(cfg)
+    model = Qwen2ForCausalLM(cfg)
     model.loss_type = "ForCausalLM"  # what model(labels=...) computes (silences a warning)
     return model
-
-
-class GPT2Stage(nn.Module):
-    """Blocks ``lo:hi`` of the model; the first stage embeds, the last normalises and
-    projects to the vocabulary. Every stage builds the causal mask from the padding mask
-    the way ``GPT2Model.forward`` does."""
-
-    def __init__(self, model: GPT2LMHeadModel, lo: int, hi: int, *, first: bool, last: bool):
-        super().__init__()
-        tr = model.transformer
-        self.config, self.first, self.last = tr.config, first, last
-        if first:
-            self.wte, self.wpe = tr.wte, tr.wpe
-        self.h = nn.ModuleList(tr.h[lo:hi])
-        if last:
-            self.ln_f, self.lm_head = tr.ln_f, model.lm_head
-
-    def forward(self, x: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
-        pos = torch.arange(x.shape[1]).unsqueeze(0)
-        h = self.wte(x) + self.wpe(pos) if self.first else x
-        mask = create_causal_mask(
-            config=self.config,
-            inputs_embeds=h,
-            attention_mask=attention_mask,
-            cache=None,
-            position_ids=pos,
-        )
-        for block in self.h:
-            h = block(h, None, mask)
-        return self.lm_head(self.ln_f(h)) if self.last else h
-
-
-def split(model: GPT2LMHeadModel, stages: int) -> list[nn.Module]:
-    n = model.config.n_layer
-    cuts = [round(i * n / stages) for i in range(stages + 1)]
-    return [
-        GPT2Stage(model, cuts[i], cuts[i + 1], first=i == 0, last=i == stages - 1)
-        for i in range(stages)
-    ]
 
 
 def microbatches(args: argparse.Namespace, step: int) -> list[rr.Microbatch]:
@@ -140,19 +101,9 @@ def microbatches(args: argparse.Namespace, step: int) -> list[rr.Microbatch]:
     return out
 
 
-def loss_fn(logits: torch.Tensor, mb: rr.Microbatch) -> torch.Tensor:
-    """The loss GPT2LMHeadModel computes from ``labels`` (Hugging Face's own function)."""
-    return ForCausalLMLoss(logits, mb.data["labels"], VOCAB)
-
-
-def first_input(mb: rr.Microbatch) -> rr.Args:
-    """Stage 0 is called ``stage(input_ids, attention_mask=mask)``."""
-    return rr.Args(mb.data["input_ids"], attention_mask=mb.data["attention_mask"])
-
-
 def reference(
     args: argparse.Namespace, *, reverse: bool = False
-) -> tuple[GPT2LMHeadModel, list[float]]:
+) -> tuple[Qwen2ForCausalLM, list[float]]:
     """The whole model trained in this process by plain autograd on the same microbatches
     (loss / M per microbatch, like the pipeline), and its mean loss per step; with
     ``reverse``, each step's microbatches in the opposite order (the same sums, rounded
@@ -178,19 +129,15 @@ def train(rank: int, world: int, args: argparse.Namespace) -> None:
     compare with the single-process reference. The last rank prints."""
     layout = rr.ProcessLayout.from_world(pp=world)
     model = build_model(args)
-    # Every stage module of the whole model; the tie (wte.weight is lm_head.weight: one
-    # object in two stages) is found here, then each rank keeps only its own stage.
-    stages = rr.from_stage_modules(split(model, world))
-    stage_module = stages.modules[layout.pp_rank]
+    # One call: the stage modules of the whole model (each rank keeps only its own), the
+    # tie (lm_head.weight is model.embed_tokens.weight: one object in two stages), the
+    # model's own loss, and what each stage reads from its microbatch (the padding mask).
+    split = rr.split_causal_lm(model, world)
+    stage_module = split.modules[layout.pp_rank]
     last = layout.pp_rank == world - 1
-    executor = rr.TorchStageExecutor(
-        stages.modules_of([layout.pp_rank]),
-        loss_fn,
-        input_fn=first_input,
-        side_inputs=["attention_mask"],  # every stage after the first gets it as a keyword
-        shared=stages.shared,  # {"0:wte.weight": ((0, "wte.weight"), (1, "lm_head.weight"))}
-        rank=layout.rank,
-    )
+    # split.shared == {"0:model.embed_tokens.weight": ((0, "model.embed_tokens.weight"),
+    #                                                 (1, "lm_head.weight"))}
+    executor = split.executor([layout.pp_rank], rank=layout.rank)
     opt = torch.optim.AdamW(stage_module.parameters(), lr=args.lr)
     plan = rr.StepPlan(
         topology=rr.Topology(stages=world),

@@ -5,12 +5,13 @@ Run:  python examples/what_if_1024_gpus.py [--stages 128] [--tp 8] [--microbatch
 
 Each simulation is one step of 262,144 tasks (128 stages x 1024 microbatches x forward and
 backward) run by the real stage loop and policies on a virtual clock; the script prints the
-wall time each one took (about 10 s of CPU time each on the 2-core development machine;
+wall time each one took (8.7 s and 11.5 s on the 2-core development machine, 2026-12-02;
 BENCHMARKS.md, simulator section).
 
-TP enters the simulator today as a cost scaling only: every stage's compute is divided by
-the TP degree (ideal tensor parallelism: no TP all-reduce inside a task, no cost for the TP
-leader's decision broadcast), while a message between pipeline stages keeps its latency.
+TP enters this example as a cost scaling only: every stage's compute is divided by the TP
+degree (ideal tensor parallelism: no TP all-reduce inside a task, no cost for the TP
+leader's decisions; ``rr.simulate(tp=...)`` prices those, docs/simulation.md), while a
+message between pipeline stages keeps its latency.
 Time is virtual (declared cost model), not measured.
 """
 

@@ -34,6 +34,8 @@ from typing import Any, Literal, ParamSpec, Self, TypeVar, TypeVarTuple, cast
 import torch
 import torch.distributed as dist
 
+from ._errors import InterruptedStepError
+
 __all__ = [
     "ComputeWorker",
     "EventMode",
@@ -340,6 +342,14 @@ class _Job:
         self.loop = loop
 
 
+def _interrupted(e: BaseException, thread: str) -> InterruptedStepError:
+    return InterruptedStepError(
+        f"{type(e).__name__}{': ' + str(e) if str(e) else ''} was raised on the compute"
+        f" thread {thread!r} (by the stage's module or hook): the task failed with it",
+        e,
+    )
+
+
 class ComputeWorker:
     """One compute thread (a "stream"): tasks run one at a time, in submission order.
 
@@ -485,8 +495,12 @@ class ComputeWorker:
                 continue
             try:
                 out = job.call()
-            except BaseException as e:
+            except Exception as e:
                 post(loop, _reject, fut, e)
+            except BaseException as e:
+                # A KeyboardInterrupt from user code would end the event loop it reaches
+                # (asyncio lets BaseExceptions through): it fails the task as an Exception.
+                post(loop, _reject, fut, _interrupted(e, self._name))
             else:
                 post(loop, _resolve, fut, out)
 

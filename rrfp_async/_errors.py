@@ -18,6 +18,10 @@ The hierarchy::
     ├── DivergenceError             TP ranks of a stage would run different task sequences
     ├── ObserverError               an observer (tracing, logging) raised during a step; the
     │                               step fails with it only when nothing else failed first
+    ├── InterruptedStepError        user code on the compute thread raised a BaseException
+    │                               that is no Exception (KeyboardInterrupt, SystemExit):
+    │                               the step failed with this (everywhere) and the stage
+    │                               stays usable; the sync face re-raises the original
     ├── StepTimeoutError            the watchdog fired: a step ran past its time limit
     │   └── loop.VirtualTimeLimit   a simulated step ran past its virtual or wall limit
     ├── loop.VirtualClockStall      (also a RuntimeError) nothing can ever wake the
@@ -25,6 +29,8 @@ The hierarchy::
     ├── ClosedError                 the pipeline or stage was closed (after a failure it
     │                               could not recover from, or by the user)
     ├── TraceError (ValueError)     a trace file is not a trace (wrong structure or values)
+    ├── ExtraMissingError           a feature needs an optional dependency (an extra) that
+    │   (ImportError)               is not installed: the message names the pip command
     └── SpawnError                  a spawned worker process failed or ran out of time
 
 Every message says which rank, which step and which task, and what was waited for.
@@ -37,7 +43,9 @@ __all__ = [
     "ClosedError",
     "DeadlockError",
     "DivergenceError",
+    "ExtraMissingError",
     "HintError",
+    "InterruptedStepError",
     "ObserverError",
     "PeerError",
     "PeerStepError",
@@ -189,6 +197,24 @@ class ObserverError(RRFPError):
         self.method = method
 
 
+class InterruptedStepError(RRFPError):
+    """A stage module (or anything run on a stage's compute thread) raised a
+    ``BaseException`` that is not an ``Exception``, such as ``KeyboardInterrupt``.
+
+    Raised on the event loop it would have killed (a ``BaseException`` ends an asyncio loop,
+    and with it the synchronous face's portal), it is an ordinary step failure: the step
+    fails on every rank, the stage stays usable for the next step, and
+    ``DistributedStage.run_step_sync`` re-raises the original exception to its caller.
+
+    Attributes:
+        original: The exception that was raised.
+    """
+
+    def __init__(self, message: str, original: BaseException) -> None:
+        super().__init__(message)
+        self.original = original
+
+
 class StepTimeoutError(RRFPError):
     """A step exceeded its watchdog time limit; the message points to the state dump."""
 
@@ -199,6 +225,12 @@ class ClosedError(RRFPError):
 
 class TraceError(RRFPError, ValueError):
     """A trace file does not have the structure or values of a trace."""
+
+
+class ExtraMissingError(RRFPError, ImportError):
+    """A feature needs an optional dependency that is not installed (``render_png`` needs
+    matplotlib, the ``plot`` extra). The message says what to install; the command line
+    reports it in one line and keeps the rest of its output."""
 
 
 class SpawnError(RRFPError):

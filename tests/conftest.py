@@ -32,3 +32,13 @@ def p2p_io(request, monkeypatch):  # type: ignore[no-untyped-def]
 
     monkeypatch.setenv(IO_ENV, request.param)
     return request.param
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _process_pool():  # type: ignore[no-untyped-def]
+    """Stops the multi-process tests' pool (``tests/_pool.py``) when the session ends; it
+    starts on the first ``pooled_spawn``, so a session without one starts nothing."""
+    yield
+    from tests._pool import shutdown
+
+    shutdown()

@@ -81,3 +81,45 @@ def test_peer_benchmark_runs_both_systems_on_the_same_work() -> None:
     assert runs[0]["peak_inflight"] == 2 and runs[2]["peak_inflight"] <= 2
     assert runs[4]["peak_inflight"] <= 2
     assert 0 < out["comm_share"] < 10
+
+
+def test_uniform_workload_and_torch_order_hints_are_validated() -> None:
+    from rrfp_async.bench._peer_config import make_steps
+
+    for st in make_steps(PeerConfig(workload="uniform", steps=3)):
+        assert len(set(st.tokens)) == 1  # every microbatch the step's mean length
+    multi = make_steps(PeerConfig(steps=3))
+    uni = make_steps(PeerConfig(workload="uniform", steps=3))
+    for a, b in zip(multi, uni, strict=True):
+        assert len(set(a.tokens)) > 1 and abs(sum(a.tokens) - sum(b.tokens)) < len(a.tokens)
+    with pytest.raises(ValueError, match="workload"):
+        PeerConfig(workload="images")
+    with pytest.raises(ValueError, match="unknown torch schedule"):
+        PeerConfig(dropin_hints=("torch:Nope",))
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(300)
+def test_dropin_rows_run_torchs_v_shape_order_and_pair_with_it() -> None:
+    """A drop-in row with torch's ZB-V order as its hint runs on V-shape placement with the
+    split backward, trains like torch's own ZB-V (same losses), and is paired with it."""
+    cfg = PeerConfig(
+        stages=2,
+        microbatches=4,
+        steps=2,
+        warmup_steps=1,
+        us_per_token=0.2,
+        torch_schedules=("Schedule1F1B", "ScheduleZBVZeroBubble"),
+        padded_cost=(),
+        hints=("1f1b",),
+        dropin_hints=("torch:ZBVZeroBubble",),
+        policies=("strict",),
+        memory_factors=(1.0,),
+        timeout=240,
+    )
+    out = peer_benchmark(cfg)
+    by = {(r["system"], r["schedule"] or r["hint"]): r for r in out["runs"]}
+    row = by[("drop-in", "torch:ZBVZeroBubble")]
+    assert not math.isnan(row["speedup_vs_same_torch"]) and row["speedup_vs_same_torch"] > 0
+    assert math.isnan(by[("rrfp_async", "1f1b")]["speedup_vs_same_torch"])
+    assert out["loss_max_diff"] < 1e-5 and out["losses_checked"] == len(out["runs"])

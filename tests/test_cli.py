@@ -204,7 +204,16 @@ def test_every_command_is_on_the_group() -> None:
     for cmd in ("simulate", "trace", "demo", "bench"):
         assert f"\n  {cmd} " in res.output, cmd
     res = CliRunner().invoke(main, ["bench", "--help"])
-    for cmd in ("simulator", "pipeline", "peer", "bridges", "logging", "overhead", "paper"):
+    for cmd in (
+        "simulator",
+        "pipeline",
+        "peer",
+        "megatron",
+        "bridges",
+        "logging",
+        "overhead",
+        "paper",
+    ):
         assert f"\n  {cmd} " in res.output, cmd
 
 
@@ -289,15 +298,15 @@ def _fake_peer(seen: list[Any]) -> Any:
 
         def row(system: str, name: str, steps: tuple[float, ...], note: str = "") -> Any:
             torch_row = system == "torch"
-            speedup = sorted(a / b for a, b in zip((0.1, 0.1), steps, strict=True))
+            speedup = sorted(a / b for a, b in zip((0.1,) * len(steps), steps, strict=True))
             return PeerRun(
                 system=system,
                 schedule=name if torch_row else None,
                 hint=None if torch_row else name,
                 policy=None if torch_row else "readiness_first",
                 memory_factor=None if torch_row else 2.0,
-                step_s=sum(steps) / 2,
-                speedup_vs_torch_1f1b=sum(speedup) / 2,
+                step_s=sorted(steps)[len(steps) // 2],
+                speedup_vs_torch_1f1b=speedup[len(speedup) // 2],
                 efficiency=0.5,
                 peak_inflight=2,
                 steps_s=steps,
@@ -307,10 +316,11 @@ def _fake_peer(seen: list[Any]) -> Any:
         return {
             "config": cfg,
             "runs": [
-                row("torch", "Schedule1F1B", (0.1, 0.1)),
-                row("torch", "Schedule1F1B", (0.2, 0.2), "padded cost"),
-                row("rrfp_async", "breadth_first_weighted", (0.09, 0.11)),
-                row("drop-in", "breadth_first_weighted", (0.05, 0.06), "0.90x native"),
+                # Six paired steps: enough for the sign test to call 6 of 6 a difference.
+                row("torch", "Schedule1F1B", (0.1,) * 6),
+                row("torch", "Schedule1F1B", (0.2,) * 6, "padded cost"),
+                row("rrfp_async", "breadth_first_weighted", (0.09, 0.11) * 3),
+                row("drop-in", "breadth_first_weighted", (0.05, 0.06) * 3, "0.90x native"),
             ],
             "loss_max_diff": 0.0,
             "comm_share": 0.1,

@@ -110,3 +110,29 @@ def test_nothing_from_the_network_is_unpickled() -> None:
                 if any(n.split(".")[0] in ("pickle", "cloudpickle", "dill") for n in names):
                     bad.append(f"{f.name}:{node.lineno} imports pickle")
     assert not bad, bad
+
+
+@pytest.mark.parametrize(
+    "face", ["rrfp_async", "rrfp_async.observability", "rrfp_async.integrations"]
+)
+def test_lazy_exports_match_the_type_checkers_imports(face: str) -> None:
+    """A lazy face lists each name twice, for the runtime (``_EXPORTS``) and for type
+    checkers (``if TYPE_CHECKING:`` imports): the two, and ``__all__``, name the same things
+    from the same modules."""
+    import importlib
+
+    mod = importlib.import_module(face)
+    path = pathlib.Path(mod.__file__)  # type: ignore[arg-type]
+    tree = ast.parse(path.read_text())
+    typed: dict[str, str] = {}
+    for node in tree.body:
+        if isinstance(node, ast.If) and getattr(node.test, "id", None) == "TYPE_CHECKING":
+            for imp in node.body:
+                assert isinstance(imp, ast.ImportFrom)
+                for alias in imp.names:
+                    typed[alias.asname or alias.name] = "." * imp.level + (imp.module or "")
+    table = next(v for k, v in vars(mod).items() if k in ("_EXPORTS", "_WHERE"))
+    assert typed == dict(table)
+    assert sorted(mod.__all__) == sorted(table)  # type: ignore[attr-defined]
+    for name in mod.__all__:  # type: ignore[attr-defined]
+        assert getattr(mod, name) is getattr(importlib.import_module(table[name], face), name)

@@ -288,3 +288,61 @@ def test_png_tells_two_chunks_of_a_rank_apart() -> None:
     styles = {(b.get_hatch(), tuple(b.get_facecolor()[0])) for b in bars}
     assert styles == {(h.get_hatch(), tuple(h.get_facecolor())) for h in handles}
     assert len(bars) == 2 * 2 * 2
+
+
+def test_a_failed_write_keeps_the_previous_trace(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A full disk under the trace: the write raises, the previous file is kept whole and no
+    temporary file is left (before: a torn file that is not JSON replaced the good one)."""
+    import errno
+
+    from rrfp_async.observability import _chrome
+
+    path = tmp_path / "t.json"
+    good = rr.simulate(stages=2, microbatches=2, record=True).chrome_trace()
+    rr.write_trace(path, good)
+    before = path.read_bytes()
+
+    def full(fd: int) -> None:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(_chrome.os, "fsync", full)
+    with pytest.raises(OSError, match="No space left"):
+        rr.write_trace(path, rr.simulate(stages=2, microbatches=4, record=True).chrome_trace())
+    assert path.read_bytes() == before and rr.load_trace(path)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["t.json"]
+
+
+def test_a_trace_is_read_from_a_pipe(tmp_path: Path) -> None:
+    """``rrfp-async trace <(cmd)`` / ``/dev/fd/N``: a pipe has no size to stat (refused
+    before as no such file)."""
+    import json
+    import os
+    import threading
+
+    from click.testing import CliRunner
+
+    from rrfp_async.cli import main
+
+    text = json.dumps(rr.simulate(stages=2, microbatches=2, record=True).chrome_trace())
+    for reader in ("load", "cli"):
+        r, w = os.pipe()
+
+        def feed(w: int = w) -> None:
+            with os.fdopen(w, "w") as f:
+                f.write(text)
+
+        t = threading.Thread(target=feed)
+        t.start()
+        try:
+            if reader == "load":
+                tr = rr.load_trace(f"/dev/fd/{r}")
+                assert tr["traceEvents"]
+            else:
+                res = CliRunner().invoke(main, ["trace", f"/dev/fd/{r}"])
+                assert res.exit_code == 0, res.output
+                assert "bubble" in res.output
+        finally:
+            t.join(10)
+            os.close(r)

@@ -59,7 +59,9 @@ from ._peer_config import (
     PeerConfig,
     PeerRun,
     Step,
+    WorkerRun,
     make_steps,
+    resolve_torch_schedule,
     step_lower_bound,
 )
 from ._peer_rr import rr_runs
@@ -128,21 +130,28 @@ def peer_worker(rank: int, world: int, cfg: PeerConfig) -> dict[str, Any]:
         (c, p, sp): [step_lower_bound(cfg, st, c, p, sp) for st in steps]
         for c, p, sp in {(r.chunks, r.placement, r.split) for r in runs}
     }
-    # The step time is the slowest rank's; the peak the largest of any rank.
+    times, peaks = slowest(runs, total)
+    # Losses live on the rank of the last virtual stage; every rank reports its own.
+    return {
+        "one_way_s": one_way,
+        "keys": [r.key for r in runs],
+        "chunks": [r.chunks for r in runs],
+        "errors": [r.error for r in runs],
+        "times": times,
+        "peaks": peaks,
+        "losses": [r.losses for r in runs],
+        "lower_bounds": [lbs[(r.chunks, r.placement, r.split)] for r in runs],
+    }
+
+
+def slowest(runs: Sequence[WorkerRun], total: int) -> tuple[list[list[float]], list[int]]:
+    """Every run's step times as the slowest rank's and its peak as the largest of any rank
+    (collective over the world; a run that did not run counts 0 s)."""
     local = torch.tensor([r.times[i] if r.times else 0.0 for r in runs for i in range(total)])
     dist.all_reduce(local, op=dist.ReduceOp.MAX)
     peaks = torch.tensor([r.peak for r in runs], dtype=torch.int64)
     dist.all_reduce(peaks, op=dist.ReduceOp.MAX)
-    # Losses live on the last rank; everyone reports them, the caller reads rank P-1's.
-    return {
-        "one_way_s": one_way,
-        "keys": [r.key for r in runs],
-        "errors": [r.error for r in runs],
-        "times": local.view(len(runs), total).tolist(),
-        "peaks": peaks.tolist(),
-        "losses": [r.losses for r in runs],
-        "lower_bounds": [lbs[(r.chunks, r.placement, r.split)] for r in runs],
-    }
+    return local.view(len(runs), total).tolist(), peaks.tolist()
 
 
 def _raw_one_way(cfg: PeerConfig, rank: int, steps: Sequence[Step], reps: int = 20) -> float:
@@ -176,7 +185,7 @@ def peer_benchmark(
     from ..distributed._spawn import spawn
 
     res = spawn(peer_worker, cfg.stages, cfg, timeout=cfg.timeout, on_progress=on_progress)
-    r0, last = res[0], res[-1]
+    r0 = res[0]
     w = cfg.warmup_steps
     keys = [tuple(k) for k in r0["keys"]]
     med = {k: statistics.median(r0["times"][i][w:]) for i, k in enumerate(keys)}
@@ -188,7 +197,16 @@ def peer_benchmark(
         else -1
     )
     base_steps = r0["times"][bi][w:] if bi >= 0 else None
-    ref: list[float] = next((ls for ls in last["losses"] if ls), [])
+    # The same model for every row with as many chunks (the virtual stages' modules are built
+    # from their index): the losses are compared within each such group. The rank of the
+    # last virtual stage holds them (rank 0 for V-shape).
+    losses: list[list[float]] = [
+        next((r["losses"][i] for r in res if r["losses"][i]), []) for i in range(len(keys))
+    ]
+    ref: dict[int, list[float]] = {}
+    for c, ls in zip(r0["chunks"], losses, strict=True):
+        if ls:
+            ref.setdefault(c, ls)
     diff = 0.0
     checked = 0
     rows: list[PeerRun] = []
@@ -202,13 +220,20 @@ def peer_benchmark(
             if ok
             else math.nan
         )
-        ls = last["losses"][i]
-        if ls and ref:
-            diff = max(diff, max(abs(a - b) for a, b in zip(ls, ref, strict=True)))
+        ls, base = losses[i], ref.get(r0["chunks"][i], [])
+        if ls and base:
+            diff = max(diff, max(abs(a - b) for a, b in zip(ls, base, strict=True)))
             checked += 1
         torch_row = key[0] == "torch"
         note = f"cannot run: {err}" if err else "padded cost" if torch_row and key[2] else ""
         native = ("rrfp_async", *key[1:])
+        same = math.nan
+        if key[0] == "drop-in" and ok and str(key[1]).startswith("torch:"):
+            # torch's order as the hint: against that torch schedule, paired step by step.
+            tkey = ("torch", resolve_torch_schedule(str(key[1]).removeprefix("torch:")), False)
+            if tkey in keys and not r0["errors"][keys.index(tkey)]:
+                tt = r0["times"][keys.index(tkey)][w:]
+                same = statistics.median(b / t for b, t in zip(tt, steps_s, strict=True))
         if key[0] == "drop-in" and ok and native in keys:
             # The adapter's cost: the native row at the same hint, policy and memory, paired.
             nat = r0["times"][keys.index(native)][w:]
@@ -228,6 +253,7 @@ def peer_benchmark(
                     else math.nan
                 ),
                 efficiency=eff,
+                speedup_vs_same_torch=same,
                 peak_inflight=int(r0["peaks"][i]),
                 steps_s=steps_s if ok else (),
                 note=note,

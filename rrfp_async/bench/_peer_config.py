@@ -86,7 +86,13 @@ class PeerConfig:
         policies: rrfp_async policies.
         dropin_hints: Hints of the rows that step torch's own ``PipelineStage`` objects
             through ``rr.pipelining.ScheduleReadinessFirst`` (x policies x memory factors);
-            empty: none.
+            empty: none. ``torch:<schedule>`` (``torch:ZBVZeroBubble``) runs torch's order
+            as the hint, on that schedule's chunks, placement and backward split: those rows
+            are also compared with that torch schedule, step by step
+            (``speedup_vs_same_torch``).
+        workload: ``"multimodal"``: each microbatch its own length (0-4 images and 8-48 text
+            tokens, variable-length work); ``"uniform"``: every microbatch of a step the
+            step's mean length (the same total work, no variation).
         memory_factors: Admission bounds as multiples of 1F1B's.
         timeout: Seconds for the whole run.
     """
@@ -117,6 +123,7 @@ class PeerConfig:
     dropin_hints: tuple[str, ...] = ("breadth_first_weighted",)
     memory_factors: tuple[float, ...] = (1.0, 2.0)
     timeout: float = 1200.0
+    workload: str = "multimodal"
 
     def __post_init__(self) -> None:
         if self.stages < 2 or self.microbatches < 1 or self.steps < 1 or self.warmup_steps < 0:
@@ -128,6 +135,11 @@ class PeerConfig:
                 raise ValueError(
                     f"unknown torch schedule {s!r}; choose from {list(TORCH_SCHEDULES)}"
                 )
+        if self.workload not in ("multimodal", "uniform"):
+            raise ValueError(f"workload must be 'multimodal' or 'uniform', got {self.workload!r}")
+        for h in self.dropin_hints:
+            if h.startswith("torch:"):
+                resolve_torch_schedule(h.removeprefix("torch:"))
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -142,6 +154,7 @@ class PeerRun:
     step_s: float
     speedup_vs_torch_1f1b: float
     efficiency: float
+    speedup_vs_same_torch: float = math.nan
     peak_inflight: int
     steps_s: tuple[float, ...] = field(default=())
     note: str = ""
@@ -156,6 +169,7 @@ class PeerRun:
             "memory_factor": self.memory_factor,
             "step_s": self.step_s,
             "speedup_vs_torch_1f1b": self.speedup_vs_torch_1f1b,
+            "speedup_vs_same_torch": self.speedup_vs_same_torch,
             "efficiency": self.efficiency,
             "peak_inflight": self.peak_inflight,
             "steps_s": list(self.steps_s),
@@ -177,6 +191,8 @@ def make_steps(cfg: PeerConfig) -> list[Step]:
     for s in range(total):
         wl = make_workload("multimodal", cfg.microbatches, virtual_stages=1, seed=cfg.seed + s)
         tokens = tuple(mb.tokens for mb in wl.microbatches)
+        if cfg.workload == "uniform":
+            tokens = (round(sum(tokens) / len(tokens)),) * len(tokens)
         rng = random.Random(hash((cfg.seed, s, "noise")) & 0xFFFFFFFF)
         fw: dict[int, list[list[float]]] = {}
         bw: dict[int, list[list[float]]] = {}

@@ -20,7 +20,7 @@ import torch.distributed as dist
 
 from .._costs import Durations
 from .._tasks import StepPlan
-from ._peer_config import PeerConfig, Step, WorkerRun
+from ._peer_config import TORCH_SCHEDULES, PeerConfig, Step, WorkerRun, resolve_torch_schedule
 from ._peer_stage import TableCost, make_inputs, make_modules, peer_loss
 
 __all__ = ["dropin_runs"]
@@ -45,39 +45,50 @@ def dropin_runs(
 def _dropin_run(
     cfg: PeerConfig, rank: int, steps: Sequence[Step], hint: str, pol: str, mf: float
 ) -> tuple[WorkerRun, Any]:
+    import torch.distributed.pipelining as tpp
     from torch.distributed.pipelining import PipelineStage
 
-    from ..integrations import ScheduleReadinessFirst
+    from ..integrations import ScheduleInterleavedReadinessFirst, ScheduleReadinessFirst
 
-    mods = make_modules(cfg, rank, 1, "interleaved", False, weight_sleep=False)
-    ((v, mod),) = mods.items()
-    stage = PipelineStage(mod, v, cfg.stages, torch.device("cpu"))
+    # "torch:<schedule>": torch's order is the hint, on that schedule's chunks and placement.
+    torch_name = (
+        resolve_torch_schedule(hint.removeprefix("torch:")) if hint.startswith("torch:") else None
+    )
+    n_chunks, placement = TORCH_SCHEDULES[torch_name] if torch_name else (1, "interleaved")
+    mods = make_modules(cfg, rank, n_chunks, placement, False, weight_sleep=False)
+    n_virtual = cfg.stages * n_chunks
+    stages = [
+        PipelineStage(mod, v, n_virtual, torch.device("cpu")) for v, mod in sorted(mods.items())
+    ]
     done: list[int] = []  # steps run so far: the next one's index in ``steps``
 
     def declared(plan: StepPlan, chunks: Sequence[Any]) -> Durations:
         # This step's sizes, as the native rows declare them; every rank reads them off the
         # step table (only the first rank has the inputs).
         st = steps[len(done)]
-        per = [[cfg.us_per_token * 1e-6 * t for t in st.tokens]]
+        per = [[cfg.us_per_token * 1e-6 / n_chunks * t for t in st.tokens]]
         return Durations.from_arrays(plan, per * plan.num_virtual)
 
-    sched = ScheduleReadinessFirst(
-        stage,
-        cfg.microbatches,
-        loss_fn=peer_loss,
-        hint=hint,
-        policy=pol,
-        memory_factor=mf,
-        step_timeout=120,
-        durations=declared,
-        emulate=TableCost(steps=tuple(steps), chunks=1),
+    common: dict[str, Any] = {
+        "loss_fn": peer_loss,
+        "hint": getattr(tpp, torch_name) if torch_name else hint,
+        "policy": pol,
+        "memory_factor": mf,
+        "step_timeout": 120,
+        "durations": declared,
+        "emulate": TableCost(steps=tuple(steps), chunks=n_chunks),
+    }
+    sched: Any = (
+        ScheduleInterleavedReadinessFirst(stages, cfg.microbatches, **common)
+        if n_chunks > 1
+        else ScheduleReadinessFirst(stages[0], cfg.microbatches, **common)
     )
-    run = WorkerRun(("drop-in", hint, pol, mf), 1, "interleaved", None)
+    run = WorkerRun(("drop-in", hint, pol, mf), n_chunks, placement, None, split=sched._split)
 
     def run_dropin(s: int) -> float:
         assert s == len(done), "the drop-in's step numbers follow the benchmark's"
         xs = make_inputs(cfg, s, steps[s].tokens, None)
-        first, last = 0 in mods, cfg.stages - 1 in mods
+        first, last = 0 in mods, n_virtual - 1 in mods
         losses: list[Any] = []
         dist.barrier()
         t0 = time.perf_counter()

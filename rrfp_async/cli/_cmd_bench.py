@@ -14,6 +14,7 @@ from typing import Any
 import click
 
 from ._cmd_bench_hf import bench_hf
+from ._cmd_bench_megatron import bench_megatron
 from ._cmd_bench_overhead import bench_overhead
 from ._cmd_bench_peer import bench_peer
 from ._options import (
@@ -44,6 +45,7 @@ def bench() -> None:
 bench.add_command(bench_peer)
 bench.add_command(bench_overhead)
 bench.add_command(bench_hf)
+bench.add_command(bench_megatron)
 
 
 @bench.command("simulator")

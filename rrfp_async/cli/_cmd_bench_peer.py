@@ -52,6 +52,23 @@ __all__ = ["bench_peer"]
     " Interleaved1F1B, InterleavedZeroBubble, ZBVZeroBubble.",
 )
 @hint_option("rrfp_async hint (repeatable).", repeatable=True)
+@click.option(
+    "--dropin-hint",
+    "dropin_hints",
+    multiple=True,
+    help="Hint of the drop-in rows (torch's PipelineStage stepped by"
+    " rr.pipelining.ScheduleReadinessFirst; repeatable): an rrfp_async hint, or torch:<schedule>"
+    " (torch:Interleaved1F1B, torch:ZBVZeroBubble, torch:DualPipeV) for torch's order on its"
+    " own placement, also paired with that torch schedule. Default: breadth_first_weighted.",
+)
+@click.option(
+    "--workload",
+    type=click.Choice(["multimodal", "uniform"]),
+    default="multimodal",
+    show_default=True,
+    help="multimodal: variable-length microbatches; uniform: every microbatch of a step the"
+    " step's mean length (the same total work).",
+)
 @policy_option("rrfp_async policy (repeatable).")
 @memory_factor_option(
     help_text="Admission bound as a multiple of 1F1B's (repeatable). Default: 1 and 2.",
@@ -83,6 +100,8 @@ def bench_peer(
     seed: int,
     torch_schedules: tuple[str, ...],
     hints: tuple[str, ...],
+    dropin_hints: tuple[str, ...],
+    workload: str,
     policies: tuple[str, ...],
     memory_factors: tuple[float, ...],
     simulated: bool,
@@ -118,6 +137,8 @@ def bench_peer(
                     s for s in base.padded_cost if s in (torch_schedules or base.torch_schedules)
                 ),
                 hints=hints or base.hints,
+                dropin_hints=dropin_hints or base.dropin_hints,
+                workload=workload,
                 policies=tuple(policy_names(policies, list(base.policies))),
                 memory_factors=memory_factors or base.memory_factors,
             )
@@ -159,7 +180,7 @@ def bench_peer(
     for res in results:
         cfg = res["config"]
         t = table(
-            f"{cfg.stages} gloo processes on 127.0.0.1, {cfg.microbatches} multimodal"
+            f"{cfg.stages} gloo processes on 127.0.0.1, {cfg.microbatches} {cfg.workload}"
             f" microbatches, {cfg.us_per_token:g} µs/token: real CPU compute + EMULATED GPU"
             f" time (jitter {cfg.jitter}); {cfg.steps} timed steps after {cfg.warmup_steps}"
             f" warm-up, configurations interleaved step by step; comm share"
@@ -208,7 +229,17 @@ def bench_peer(
                 vs,
                 f"{r['efficiency']:.2f}",
                 str(r["peak_inflight"]),
-                r["note"],
+                "; ".join(
+                    x
+                    for x in (
+                        r["note"],
+                        f"{r['speedup_vs_same_torch']:.2f}x torch's own"
+                        if r.get("speedup_vs_same_torch") == r.get("speedup_vs_same_torch")
+                        and r.get("speedup_vs_same_torch") is not None
+                        else "",
+                    )
+                    if x
+                ),
             )
         t.caption = (
             f"configuration: system, torch schedule or rrfp_async hint, policy, admission bound"
@@ -217,7 +248,9 @@ def bench_peer(
             f" losses of every configuration equal torch's within {res['loss_max_diff']:.1e}; bfw ="
             " breadth_first_weighted; ':split' = split backward (I/W); drop-in = torch's"
             " PipelineStage stepped by rr.pipelining.ScheduleReadinessFirst, 'x native' = its"
-            " step time paired with the rrfp_async row of the same hint, policy and memory"
+            " step time paired with the rrfp_async row of the same hint, policy and memory;"
+            " drop-in torch:<schedule> = torch's order as the hint on its placement, 'x torch's"
+            " own' = that torch schedule's step i / the row's step i, median"
         )
         con.print(t)
 

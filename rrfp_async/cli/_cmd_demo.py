@@ -7,7 +7,6 @@ from typing import Any
 
 import click
 
-from ..observability import chrome_trace, render_png, summarize, write_trace
 from ._options import (
     hint_option,
     jitter_option,
@@ -22,7 +21,7 @@ from ._options import (
     steps_option,
     tp_option,
 )
-from ._output import console, progress, speedup_table, table
+from ._output import console, optional_png, progress, speedup_table, table
 
 __all__ = ["demo_cmd"]
 
@@ -30,7 +29,7 @@ __all__ = ["demo_cmd"]
 @click.command("demo")
 @stages_option(4, minimum=2)
 @microbatches_option(16)
-@steps_option(4, "Timed steps per policy (after one warm-up step).")
+@steps_option(10, "Timed steps per policy (after one warm-up step; the verdict needs >= 6).")
 @tp_option()
 @hint_option()
 @policy_option("Policy to compare (repeatable). Default: strict, readiness_first, backfill.")
@@ -68,6 +67,7 @@ def demo_cmd(
     """
     # Lazy, so that --help stays fast: the harness imports torch.
     from ..bench._local import pipeline_step_times
+    from ..observability import chrome_trace, render_png, summarize, write_trace
 
     names = policy_names(policies, ["strict", "readiness_first", "backfill"])
     fmt, level = log_choice()
@@ -152,11 +152,6 @@ def demo_cmd(
         microbatches=microbatches,
         base=base,
     )
-    png = render_png(
-        panels,
-        out / "timeline.png",
-        title=f"demo step {traced}, {stages * tp} processes: real CPU compute + EMULATED GPU time",
-    )
     con.print(timing)
     con.print()
     con.print(behaviour)
@@ -164,4 +159,16 @@ def demo_cmd(
         f"traces: {', '.join(str(out / f'trace_{n}.json') for n in names)}"
         " (open in ui.perfetto.dev or chrome://tracing)"
     )
-    con.print(f"timeline: {png}  (total {res['wall_s']:.1f} s, spawn included)")
+    # Last, after every table: a plain install (no matplotlib) keeps the results.
+    png = optional_png(
+        lambda: render_png(
+            panels,
+            out / "timeline.png",
+            title=(
+                f"demo step {traced}, {stages * tp} processes: real CPU compute + EMULATED GPU time"
+            ),
+        )
+    )
+    if png is not None:
+        con.print(f"timeline: {png}")
+    con.print(f"total {res['wall_s']:.1f} s, spawn included")

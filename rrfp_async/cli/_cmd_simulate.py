@@ -4,14 +4,15 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import click
 from rich.table import Table
 
-from ..observability import LogObserver, render_png, write_trace
 from ..policies import HINTS
-from ..sim import SimResult, simulate
+
+if TYPE_CHECKING:
+    from ..sim import SimResult
 from ._options import (
     chunks_option,
     hint_option,
@@ -28,7 +29,7 @@ from ._options import (
     seed_option,
     stages_option,
 )
-from ._output import console, table
+from ._output import console, optional_png, table
 
 __all__ = ["simulate_cmd"]
 
@@ -86,6 +87,9 @@ def simulate_cmd(
     Time is virtual: the real stage-loop code runs on a discrete-event clock with a
     declared GPU cost model; nothing here measures this machine.
     """
+    from ..observability import LogObserver
+    from ..sim import simulate
+
     names = policy_names(policies, ["strict", "readiness_first"])
     record = trace_path is not None or png_path is not None
     fmt, _ = log_choice()
@@ -183,6 +187,8 @@ def _policy_path(path: str, policy: str, several: bool) -> Path:
 def _write_outputs(
     results: dict[str, SimResult], trace_path: str | None, png_path: str | None, title: str
 ) -> list[str]:
+    from ..observability import render_png, write_trace
+
     written: list[str] = []
     several = len(results) > 1
     if trace_path is not None:
@@ -190,5 +196,7 @@ def _write_outputs(
             written.append(str(write_trace(_policy_path(trace_path, n, several), r.chrome_trace())))
     if png_path is not None:
         panels = [(n, r.trace) for n, r in results.items() if r.trace is not None]
-        written.append(str(render_png(panels, png_path, title=title)))
+        png = optional_png(lambda: render_png(panels, png_path, title=title))
+        if png is not None:
+            written.append(png)
     return written

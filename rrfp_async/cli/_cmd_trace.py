@@ -10,17 +10,8 @@ from typing import Any
 import click
 
 from .._errors import TraceError
-from ..observability import (
-    load_trace,
-    merge_trace_files,
-    render_png,
-    stalls,
-    summarize,
-    trace_files,
-    write_trace,
-)
 from ._options import json_option, log_options, png_option
-from ._output import console, table
+from ._output import console, optional_png, table
 
 __all__ = ["trace_cmd"]
 
@@ -45,6 +36,16 @@ def trace_cmd(files: tuple[str, ...], out: str | None, png_path: str | None, as_
     rank1.json ..., a glob such as 'out/rank*.json', or the directory that holds them),
     merged into one timeline: messages joined across files, one clock.
     """
+    from ..observability import (
+        load_trace,
+        merge_trace_files,
+        render_png,
+        stalls,
+        summarize,
+        trace_files,
+        write_trace,
+    )
+
     try:
         paths = trace_files(files)
     except TraceError as e:  # an argument that names no file: a usage error (exit code 2)
@@ -63,7 +64,9 @@ def trace_cmd(files: tuple[str, ...], out: str | None, png_path: str | None, as_
     if out is not None:
         write_trace(out, tr)
     if png_path is not None:
-        render_png([(Path(name).name, tr)], png_path, title=_clock_title(meta))
+        optional_png(
+            lambda: render_png([(Path(name).name, tr)], png_path, title=_clock_title(meta))
+        )
     report = None
     if merged is not None:
         report = {

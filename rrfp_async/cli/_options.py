@@ -12,12 +12,14 @@ Nothing here imports a benchmark: ``rrfp-async --help`` must not pay for torch.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import click
 
-from ..observability import LogFormat, configure_logging
 from ..policies import available_policies
+
+if TYPE_CHECKING:
+    from ..observability import LogFormat
 
 __all__ = [
     "DEFAULT_HINT",
@@ -62,6 +64,8 @@ def _set_logging(ctx: click.Context, param: click.Parameter, value: Any) -> Any:
         meta[f"log_{param.name}"] = value
     fmt = meta.get("log_format", "console")
     level = meta.get("log_level", "warning")
+    from ..observability import configure_logging
+
     configure_logging(format=fmt, level=level)
     return value
 

@@ -31,7 +31,7 @@ import click
 from rich.console import Console
 from rich.table import Table
 
-from .._errors import RRFPError
+from .._errors import ExtraMissingError, RRFPError
 
 __all__ = [
     "CLEAN_ERRORS",
@@ -40,6 +40,7 @@ __all__ = [
     "clean_errors",
     "console",
     "json_error",
+    "optional_png",
     "progress",
     "table",
 ]
@@ -93,6 +94,22 @@ class CleanErrorsGroup(click.Group):
             traceback.print_exc(file=sys.stderr)
             click.echo(json_error(e))
             ctx.exit(1)
+
+
+def optional_png(render: Callable[[], Any]) -> str | None:
+    """Run ``render`` (a PNG timeline) unless its extra is missing: then say so in one line on
+    stderr and go on, so that a plain install keeps every table and file a command wrote.
+
+    Returns:
+        What ``render`` returned, as text, or None when matplotlib is missing.
+    """
+    try:
+        return str(render())
+    except ExtraMissingError as e:
+        console(stderr=True).print(
+            f"PNG skipped: {e}", markup=False, highlight=False, soft_wrap=True
+        )
+        return None
 
 
 def console(*, stderr: bool = False) -> Console:

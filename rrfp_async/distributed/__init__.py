@@ -1,8 +1,10 @@
 """The distributed wiring: process layout and groups, :class:`DistributedStage` (a
 :class:`~rrfp_async.loop.StageLoop` on gloo/NCCL channels), the torch stage executor, the
 local process spawner, the model splitter (``split_model``: stage modules and the parameters
-they share) and the example training harness."""
+they share; ``split_causal_lm``: a Hugging Face causal LM in one call) and the example
+training harness."""
 
+from ._causal_lm import CausalLMSplit, CausalLMStage, split_causal_lm
 from ._layout import ProcessLayout, StageGroups, build_groups, pipeline_neighbors
 from ._spawn import free_port, spawn
 from ._split import StageModule, StageSplit, from_pipe, from_stage_modules, split_model
@@ -11,6 +13,8 @@ from ._torch_executor import EmulatedCost, TorchStageExecutor
 from ._train import TrainConfig, TrainResult, fixed_microbatches, image_text_cost, train_worker
 
 __all__ = [
+    "CausalLMSplit",
+    "CausalLMStage",
     "DistributedStage",
     "EmulatedCost",
     "ProcessLayout",
@@ -28,6 +32,7 @@ __all__ = [
     "image_text_cost",
     "pipeline_neighbors",
     "spawn",
+    "split_causal_lm",
     "split_model",
     "train_worker",
 ]

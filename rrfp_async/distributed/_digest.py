@@ -14,7 +14,12 @@ full values catches a difference there too), and two scopes:
   microbatches, split backward, forward-only), the declared tied parameters (a digest), the
   hint's name, the policy and ``max_message_bytes``;
 * the ranks of one DP replica must also agree on the hint order and the admission bounds
-  (replicas may see other data, so a cost-aware hint may order them differently).
+  (replicas may see other data, so a cost-aware hint may order them differently);
+* the ranks of one TP group must also agree on the seed of the tasks' random streams
+  (``TorchStageExecutor.rng_seed``): they compute the same replicated activations, and a
+  dropout mask drawn differently on one of them would make them silently differ. Other
+  ranks may differ (a pipeline stays independent of the dispatch order with a seed per
+  rank; DP replicas may want masks of their own).
 
 The check costs one small all-gather (a few hundred µs on gloo), once per *plan*: it runs at
 the stage's first step and again only when a step's schedule changes the plan's key (the
@@ -39,7 +44,7 @@ from ._layout import ProcessLayout
 __all__ = ["PlanDigest", "plan_disagreement"]
 
 _MAGIC = 0x504C414E  # "PLAN"
-_VERSION = 2
+_VERSION = 3
 _STR_BYTES = 32
 _STR_WORDS = _STR_BYTES // 8
 _WORLD = (
@@ -59,9 +64,10 @@ _WORLD = (
     "max_message_bytes",
 )
 _REPLICA = ("hint_order", "bounds")
+_TP = ("task_rng", "rng_seed")
 _STRINGS = frozenset({"placement", "hint", "policy", "bounds"})
 _IDS = ("rank", "pp_rank", "tp_rank", "dp_rank")
-_ROW_LEN = 4 + len(_IDS) + sum(_STR_WORDS if f in _STRINGS else 1 for f in _WORLD + _REPLICA)
+_ROW_LEN = 4 + len(_IDS) + sum(_STR_WORDS if f in _STRINGS else 1 for f in _WORLD + _REPLICA + _TP)
 
 
 def _h63(text: str) -> int:
@@ -77,6 +83,12 @@ def _pack(text: str) -> list[int]:
     return list(struct.unpack(f"<{_STR_WORDS}q", raw.ljust(_STR_BYTES, b"\0")))
 
 
+def _signed64(x: int) -> int:
+    """``x`` modulo 2**64 as a signed int64 (what an int64 tensor holds)."""
+    x &= (1 << 64) - 1
+    return x - (1 << 64) if x >= 1 << 63 else x
+
+
 def _unpack(words: Sequence[int]) -> str:
     raw = struct.pack(f"<{_STR_WORDS}q", *words)
     return raw.rstrip(b"\0").decode(errors="ignore")
@@ -88,8 +100,10 @@ class PlanDigest:
 
     Every rank of the job must agree on the fields in ``_WORLD`` (layout, plan, hint name,
     policy, ``max_message_bytes``); the ranks of one DP replica also on ``hint_order`` (a
-    digest of every rank's hint order) and ``bounds``. Strings travel as 32 bytes of UTF-8
-    (truncated with ``...``); ``world_hash`` and ``replica_hash`` cover the full values.
+    digest of every rank's hint order) and ``bounds``; the ranks of one TP group also on
+    ``task_rng`` and ``rng_seed`` (the executor's seed as a signed int64). Strings travel
+    as 32 bytes of UTF-8 (truncated with ``...``); ``world_hash`` and ``replica_hash``
+    cover the full values.
     """
 
     rank: int
@@ -112,6 +126,8 @@ class PlanDigest:
     max_message_bytes: int
     hint_order: int
     bounds: str
+    task_rng: int
+    rng_seed: int
     world_hash: int
     replica_hash: int
 
@@ -124,8 +140,10 @@ class PlanDigest:
         layout: ProcessLayout,
         max_message_bytes: int,
         ties: str = "",
+        rng_seed: int | None = None,
     ) -> PlanDigest:
-        """The digest of this rank's ``schedule`` run with ``policy`` at ``layout``."""
+        """The digest of this rank's ``schedule`` run with ``policy`` at ``layout``, its
+        executor's seed ``rng_seed`` (None: no per-task streams)."""
         plan = schedule.plan
         topo = plan.topology
         order = ";".join(f"{r}:" + " ".join(map(str, schedule.hint[r])) for r in range(plan.stages))
@@ -154,6 +172,8 @@ class PlanDigest:
             dp_rank=layout.dp_rank,
             hint_order=hint_order,
             bounds=bounds,
+            task_rng=int(rng_seed is not None),
+            rng_seed=_signed64(rng_seed or 0),
             world_hash=_h63(repr(sorted(world.items()))),
             replica_hash=_h63(f"{hint_order}|{bounds}"),
             **world,  # type: ignore[arg-type]
@@ -163,7 +183,7 @@ class PlanDigest:
         """The row: ``_ROW_LEN`` int64 values."""
         row = [_MAGIC, _VERSION, self.world_hash, self.replica_hash]
         row += [getattr(self, f) for f in _IDS]
-        for f in _WORLD + _REPLICA:
+        for f in _WORLD + _REPLICA + _TP:
             v = getattr(self, f)
             row += _pack(v) if f in _STRINGS else [v]
         return row
@@ -185,7 +205,7 @@ class PlanDigest:
         for f in _IDS:
             values[f] = row[i]
             i += 1
-        for f in _WORLD + _REPLICA:
+        for f in _WORLD + _REPLICA + _TP:
             if f in _STRINGS:
                 values[f] = _unpack(row[i : i + _STR_WORDS])
                 i += _STR_WORDS
@@ -202,6 +222,11 @@ def _show(field: str, value: object) -> str:
         return f"bounds={value}"
     if field == "ties":
         return "no tied parameters" if not value else f"tied parameters #{value:016x}"
+    if field == "task_rng":
+        return "per-task random streams" if value else "no per-task random streams (task_rng=False)"
+    if field == "rng_seed":
+        assert isinstance(value, int)
+        return f"seed {value & ((1 << 64) - 1)}"
     return f"{field}={value!r}" if field in _STRINGS else f"{field}={value}"
 
 
@@ -245,12 +270,27 @@ def plan_disagreement(rows: Sequence[PlanDigest]) -> str | None:
             where = f"in DP replica {dp}, " if len(replicas) > 1 else ""
             diff = _differences(rep, _REPLICA) or ["bounds: they differ past the 32 bytes shown"]
             lines += [where + d for d in diff]
+    if lines:
+        # Same plan and hint name, other orders: say what usually causes it.
+        return "; ".join(lines) + (
+            " (a cost-aware hint is generated from declared durations: do these ranks see the"
+            " same microbatch sizes?)"
+        )
+    for key in sorted({(d.dp_rank, d.pp_rank) for d in rows}):
+        group = [d for d in rows if (d.dp_rank, d.pp_rank) == key]
+        diff = _differences(group, _TP)
+        if diff:
+            lines.append(
+                f"in the TP group of pipeline rank {key[1]} (DP replica {key[0]}), "
+                + "; ".join(diff)
+            )
     if not lines:
         return None
-    # Same plan and hint name, other orders: say what usually causes it.
     return "; ".join(lines) + (
-        " (a cost-aware hint is generated from declared durations: do these ranks see the"
-        " same microbatch sizes?)"
+        ": the ranks of a TP group compute the same replicated activations and must draw the"
+        " same dropout masks; build their TorchStageExecutor with the same seed=... (the"
+        " default, torch.initial_seed(), differs when each rank seeds torch with its own"
+        " number)"
     )
 
 

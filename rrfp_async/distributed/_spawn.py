@@ -16,9 +16,9 @@ import socket
 import sys
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from multiprocessing.reduction import ForkingPickler
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
 from .._check import check_int
 from .._errors import SpawnError
@@ -198,9 +198,54 @@ def spawn(
     ]
     for p in procs:
         p.start()
+    return collect_ranks(procs, results, progress, on_progress, timeout=timeout, grace=grace)
+
+
+def _drain(progress: Any, on_progress: Callable[[Any], None]) -> None:
+    while True:
+        try:
+            on_progress(progress.get_nowait())
+        except queue.Empty:
+            return
+
+
+class RankProcess(Protocol):
+    """What ``collect_ranks`` needs of the process running one rank (``multiprocessing.Process``
+    has it; the test suite's process pool gives the same face to its forked ranks)."""
+
+    @property
+    def exitcode(self) -> int | None: ...
+
+    def is_alive(self) -> bool: ...
+
+    def join(self, timeout: float | None = None) -> None: ...
+
+    def kill(self) -> None: ...
+
+
+def collect_ranks(
+    procs: Sequence[RankProcess],
+    results: Any,
+    progress: Any,
+    on_progress: Callable[[Any], None] | None,
+    *,
+    timeout: float,
+    grace: float,
+) -> list[Any]:
+    """Wait for the ranks started by ``spawn`` (``_worker`` in each of ``procs``, reporting
+    ``(rank, ok, value)`` on ``results``), stop every process, and return the results in
+    rank order or raise ``SpawnError`` naming every failed rank.
+
+    ``results`` and ``progress`` need ``get(timeout=)``/``get_nowait()`` and ``close()``
+    (a ``multiprocessing`` queue has them); ``progress`` may be None. Shared with the test
+    suite's process pool (``tests/_pool.py``), so that a pooled run reports exactly what
+    ``spawn`` reports.
+    """
+    world_size = len(procs)
     out: dict[int, Any] = {}
     failures: dict[int, str] = {}
     deadline = time.monotonic() + timeout
+    interrupted = True  # until the loop ends normally: then ranks get time to exit cleanly
 
     def failed(rank: int, why: str) -> None:
         nonlocal deadline
@@ -228,11 +273,7 @@ def spawn(
                     )
                 break
             if progress is not None and on_progress is not None:
-                while True:
-                    try:
-                        on_progress(progress.get_nowait())
-                    except queue.Empty:
-                        break
+                _drain(progress, on_progress)
             try:
                 rank, ok, value = results.get(timeout=min(left, 0.2))
             except queue.Empty:
@@ -252,14 +293,20 @@ def spawn(
                         break
                 continue
             take(rank, ok, value)
+        interrupted = False
     finally:
+        # Finished ranks leave the group together (barrier, destroy); after a failure, or
+        # when this wait itself was interrupted (Ctrl-C, a test's timeout), stop at once.
         for p in procs:
             if p.is_alive():
-                p.join(timeout=0.5 if failures else 10.0)
+                p.join(timeout=0.5 if failures or interrupted else 10.0)
         for p in procs:
             if p.is_alive():
                 p.kill()
                 p.join(timeout=5)
+        if progress is not None and on_progress is not None and not interrupted:
+            # What a rank reported just before its result: the loop ends on the results.
+            _drain(progress, on_progress)
         results.close()
         if progress is not None:
             progress.close()

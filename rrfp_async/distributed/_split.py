@@ -29,6 +29,7 @@ instead. ``from_pipe`` reads that list; ``from_stage_modules`` takes such groups
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -40,7 +41,14 @@ from .._errors import PlanError
 if TYPE_CHECKING:
     from torch.distributed.pipelining import Pipe
 
-__all__ = ["StageModule", "StageSplit", "from_pipe", "from_stage_modules", "split_model"]
+__all__ = [
+    "StageModule",
+    "StageSplit",
+    "from_pipe",
+    "from_stage_modules",
+    "register_block",
+    "split_model",
+]
 
 
 def _call(block: nn.Module, value: Any) -> Any:
@@ -55,6 +63,21 @@ def _call(block: nn.Module, value: Any) -> Any:
 class _Blocks(nn.Module):
     """A stage's share of one of the model's containers (``layers``): it only holds blocks,
     under their names in the container, so parameter names stay the model's. Never called."""
+
+
+def register_block(root: nn.Module, name: str, block: nn.Module) -> None:
+    """Register ``block`` in ``root`` under its dotted name in the model (``layers.3``,
+    ``model.layers.3``), creating the containers on the way as ``_Blocks``: the stage's
+    parameter and ``state_dict`` names are then the model's."""
+    *path, leaf = name.split(".")
+    holder = root
+    for part in path:
+        nxt = holder._modules.get(part)
+        if nxt is None:
+            nxt = _Blocks()
+            holder.add_module(part, nxt)
+        holder = nxt
+    holder.add_module(leaf, block)
 
 
 class StageModule(nn.Module):
@@ -83,15 +106,7 @@ class StageModule(nn.Module):
         self._block_names = tuple(name for name, _ in blocks)
         self._blocks = tuple(block for _, block in blocks)
         for name, block in blocks:
-            head, _, sub = name.partition(".")
-            if not sub:
-                self.add_module(head, block)
-                continue
-            holder = self._modules.get(head)
-            if holder is None:
-                holder = _Blocks()
-                self.add_module(head, holder)
-            holder.add_module(sub, block)
+            register_block(self, name, block)
 
     @property
     def block_names(self) -> tuple[str, ...]:
@@ -208,12 +223,30 @@ def _children(m: nn.Module) -> list[tuple[str, nn.Module]]:
     return [(n, c) for n, c in m._modules.items() if c is not None]
 
 
+def _refuse_hf(model: nn.Module) -> None:
+    """A Hugging Face model is never its children in sequence: its forward builds what its
+    layers need (masks, position ids, rotary tables) and returns a ``ModelOutput``. Only a
+    process that imported transformers can hold one, so nothing is imported here."""
+    tf = sys.modules.get("transformers")
+    base = getattr(tf, "PreTrainedModel", None) if tf is not None else None
+    if not (isinstance(base, type) and isinstance(model, base)):
+        return
+    raise PlanError(
+        f"model: the {type(model).__name__} is a Hugging Face model, whose forward builds what "
+        "its layers need (the causal mask, position ids, rotary tables) between its "
+        "children, which split_model only runs in sequence; split a causal LM with "
+        "rr.split_causal_lm(<the *ForCausalLM model>, n_stages) (docs/hf_models.md), other "
+        "models by hand"
+    )
+
+
 def _blocks(
     model: nn.Module | Sequence[nn.Module],
 ) -> tuple[list[tuple[str, nn.Module]], dict[str, int]]:
     """The model's leaf blocks ``(name, module)`` in running order, and the split points:
     ``{name: index of the block a stage beginning there starts with}``."""
     if isinstance(model, nn.Module):
+        _refuse_hf(model)
         top = _children(model)
         what = f"the {type(model).__name__}"
     elif isinstance(model, Sequence):
@@ -344,7 +377,8 @@ def split_model(
 
     Raises:
         PlanError: the model is not a sequential container (no children, a ``ModuleDict``,
-            parameters or buffers outside its blocks); an unknown split name; names not in
+            parameters or buffers outside its blocks, a Hugging Face model: see
+            ``split_causal_lm``); an unknown split name; names not in
             increasing order; a stage that would be empty; a number of stages below 1 or
             above the number of blocks.
     """

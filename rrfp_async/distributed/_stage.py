@@ -75,6 +75,7 @@ from .._check import check_bool
 from .._errors import (
     ChannelError,
     ClosedError,
+    InterruptedStepError,
     PeerError,
     PeerStepError,
     PlanError,
@@ -83,6 +84,7 @@ from .._errors import (
 from ..channels._decisions import DecisionChannel
 from ..channels._p2p import P2PChannel
 from ..loop import StageLoop, StageObserver, StepStats
+from ..loop._accumulate import GradStash, restore_grads, stash_grads
 from ..loop._checks import check_step_args
 from ..loop._executors import Executor
 from ..loop._portal import SyncPortal
@@ -198,15 +200,27 @@ class DistributedStage:
             at ``_post_agreement``); one int64[2] all-reduce per step.
         trace_dir: Record every step and write it, when the step ends (also when it fails),
             as a Chrome / Perfetto JSON file ``{trace_dir}/rank{global rank}.json``: each file
-            holds the last step its rank ran, and overwrites the previous one. Merge the
-            ranks' files into one timeline with ``rrfp-async trace {trace_dir}`` or
-            ``rr.merge_traces``. The write is part of ``run_step`` (on a loaded 2-core
-            machine: 4 ms for a rank's 32 tasks, 12 ms for 128); a write that fails is
-            logged (logger ``rrfp_async.distributed._stage``), never fails the step.
+            holds the last step its rank ran to the end, and replaces the previous one
+            atomically (a failed write keeps it). A step that failed goes to
+            ``failed-rank{global rank}.json`` instead (what ran before the failure), so a
+            failure never erases the last good step. Merge the ranks' files into one
+            timeline with ``rrfp-async trace {trace_dir}`` (or
+            ``'{trace_dir}/failed-rank*.json'`` for the failed step) or ``rr.merge_traces``.
+            The write is part of ``run_step`` (on a loaded 2-core machine: 4 ms for a rank's
+            32 tasks, 12 ms for 128); a write that fails is logged (logger
+            ``rrfp_async.distributed._stage``), never fails the step.
+        emulated_gpu_time: What the trace files say of their times: True when the tasks'
+            GPU time is emulated (sleeps from a cost model or in stand-in modules, on a CPU).
+            None (default): True exactly when the executor emulates it
+            (``TorchStageExecutor(emulate=...)``); a module that sleeps for its GPU time must
+            say so here.
 
     Tied parameters declared by the executor (``TorchStageExecutor(shared=...)``) have their
     gradients summed over every rank that holds them at the end of each training step,
-    before ``run_step`` returns (so before the optimizer).
+    before ``run_step`` returns (so before the optimizer). Steps that accumulate (no
+    ``zero_grad`` between them) add each step's contribution once: the accumulated gradient
+    is set aside while the step runs and added back after the reduction, also when the step
+    fails (see ``rrfp_async.loop._accumulate``).
 
     Use as ``async with stage:`` and ``await stage.run_step(...)`` on one event loop, or
     from synchronous code as ``with stage:`` and ``stage.run_step_sync(...)``.
@@ -243,6 +257,7 @@ class DistributedStage:
         max_microbatches: int | None = None,
         agree_steps: bool = True,
         trace_dir: str | Path | None = None,
+        emulated_gpu_time: bool | None = None,
     ) -> None:
         if schedule.plan.stages != layout.pp:
             raise PlanError(
@@ -278,6 +293,13 @@ class DistributedStage:
             bound_name="DistributedStage(max_message_bytes=...)",
         )
         self.trace_dir = None if trace_dir is None else Path(trace_dir)
+        if emulated_gpu_time is not None and not isinstance(emulated_gpu_time, bool):
+            raise PlanError(f"emulated_gpu_time must be a bool or None, got {emulated_gpu_time!r}")
+        self._emulated = (
+            getattr(executor, "emulate", None) is not None
+            if emulated_gpu_time is None
+            else emulated_gpu_time
+        )
         self._recorder: TraceRecorder | None = None
         if self.trace_dir is not None:
             try:
@@ -514,6 +536,8 @@ class DistributedStage:
         if self._recorder is not None:
             self._recorder.data = TraceData()  # each file holds one step
         agreed = False  # this step's end-of-step agreement is posted (once, on every rank)
+        failed = True  # until run_step returns
+        stash: GradStash = []  # the tied parameters' accumulated gradients, set aside
         try:
             # The control group's collectives run in the same order on every rank, also for a
             # step that failed elsewhere already (its run_step raises that right after).
@@ -522,11 +546,14 @@ class DistributedStage:
             training = not sched.plan.forward_only
             if training and not self._ties_checked:
                 await self._prepare_ties(sched, s)
+            if training and self._tie_groups is not None:
+                stash = stash_grads(p for ps in self._shared_parameters().values() for p in ps)
             stats = await self.stage.run_step(microbatches, step=s, schedule=sched, train=train)
             agreed = True
             await self._agree(s)
             if training and self._tie_groups is not None:
                 await self._reduce_ties(s)
+            failed = False
             return stats
         except BaseException as e:
             if self._told != s:  # (not yet by the stage, before it waited for its task)
@@ -537,22 +564,26 @@ class DistributedStage:
                 self._post_agreement(failed=True)
             raise
         finally:
+            restore_grads(stash)
             self._running = None
             if self._recorder is not None:
-                self._write_trace(s, sched)
+                self._write_trace(s, sched, failed=failed)
 
-    def _write_trace(self, step: int, schedule: StepSchedule) -> None:
-        """Write this step's recording to ``trace_dir`` (see the class's Args); a failure is
-        logged and never fails the step."""
+    def _write_trace(self, step: int, schedule: StepSchedule, *, failed: bool) -> None:
+        """Write this step's recording to ``trace_dir`` (see the class's Args): a step that
+        ended well to ``rank{r}.json``, a failed one to ``failed-rank{r}.json``, so that a
+        failure never overwrites the last good step (after a rank died, the survivors' and
+        the dead rank's ``rank*.json`` still hold the same step, and merge). A write that
+        fails is logged and never fails the step."""
         assert self._recorder is not None and self.trace_dir is not None
-        path = rank_trace_path(self.trace_dir, self.layout.rank)
+        path = rank_trace_path(self.trace_dir, self.layout.rank, failed=failed)
         try:
             write_trace(
                 path,
                 chrome_trace(
                     self._recorder.data,
                     clock="real",
-                    emulated=getattr(self.stage.executor, "emulate", None) is not None,
+                    emulated=self._emulated,
                     policy=self.stage.policy_name,
                     hint=schedule.hint_name,
                     title=f"{self._who()}, step {step}",
@@ -687,6 +718,9 @@ class DistributedStage:
                 ``async with``: there, ``await stage.run_step(...)``).
             PlanError, StepTimeoutError, PeerError: As ``run_step`` raises them (the same
                 objects, not wrapped).
+            BaseException: What a module raised on the compute thread when it was no
+                ``Exception`` (``KeyboardInterrupt``): ``run_step`` fails the step with
+                ``InterruptedStepError``, this re-raises the original.
         """
         portal = self._portal
         if portal is None:
@@ -702,7 +736,14 @@ class DistributedStage:
                 f" `with DistributedStage(...) as stage:` (on that block's event loop"
                 f" thread); {how}"
             )
-        return portal.call(self.run_step, microbatches, step=step, schedule=schedule, train=train)
+        try:
+            return portal.call(
+                self.run_step, microbatches, step=step, schedule=schedule, train=train
+            )
+        except InterruptedStepError as e:
+            # The step failed on every rank and the loop thread lives on; the caller gets
+            # what its module raised (a KeyboardInterrupt stays one).
+            raise e.original from None
 
     def _key(self, schedule: StepSchedule) -> tuple[object, ...]:
         """What decides whether a step's plan must be checked again (see the design note)."""
@@ -733,11 +774,15 @@ class DistributedStage:
             self._tie_groups = tie_groups(self._tie_spec, self.layout, schedule.plan.topology)
         self._ties_checked = True
 
-    async def _reduce_ties(self, step: int) -> None:
+    def _shared_parameters(self) -> dict[str, list[torch.nn.Parameter]]:
+        """The executor's tied parameters on this rank (``shared_parameters()``)."""
         shared = getattr(self.stage.executor, "shared_parameters", None)
+        return {} if shared is None else dict(shared())
+
+    async def _reduce_ties(self, step: int) -> None:
         assert self._tie_groups is not None
         await reduce_ties(
-            {} if shared is None else shared(),
+            self._shared_parameters(),
             self._tie_groups,
             timeout=self.step_timeout,
             who=self._who(),
@@ -769,6 +814,7 @@ class DistributedStage:
             layout=self.layout,
             max_message_bytes=self.max_message_bytes,
             ties=ties_digest(self._tie_spec) + ("" if self.check_ties else "|unchecked"),
+            rng_seed=getattr(self.stage.executor, "rng_seed", None),
         )
         group = self.groups.control
         on_cpu = group is not None or "gloo" in str(dist.get_backend())

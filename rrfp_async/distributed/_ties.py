@@ -13,6 +13,10 @@ nothing warns (the model trains silently wrong). Two parts:
   same list of gloo groups (one per tie and per pipeline, i.e. per TP and DP index) in the
   same order without talking (``tie_groups``). After a training step, each rank sums its
   local copies, all-reduces (sum) over the tie's group and writes the sum into every copy.
+  What is summed is this step's contribution alone: ``DistributedStage`` sets each copy's
+  accumulated gradient aside while the step runs and adds it back afterwards, so steps that
+  accumulate (no ``zero_grad`` between them) do not sum the earlier steps again (see
+  ``rrfp_async.loop._accumulate``).
   The plan check covers the declarations (a digest of them is part of the plan), so ranks
   that declare differently fail at the first step, before any group is built.
 * **Undeclared ties** are found at a stage's first training step: each rank fingerprints its
@@ -20,8 +24,14 @@ nothing warns (the model trains silently wrong). Two parts:
   LayerNorm's initial ones are skipped), the ranks all-gather the fingerprints as a small
   JSON document in a uint8 tensor (never pickled), and two parameters of one pipeline with
   the same fingerprint on different ranks that no tie declares are a ``PlanError`` on every
-  rank naming both. Parameters that are only *initialised* alike (every stage built from the
-  same seed) look the same: ``check_ties=False`` switches the search off.
+  rank naming both. The rule that tells a tie from equal initial values: a weight shared by
+  two *different* uses has different names in its two stage modules (GPT-2's ``wte.weight``
+  and ``lm_head.weight``), while stages that the same code built from the same seed (every
+  rank seeds alike, then builds its stage) hold look-alikes under the *same* name
+  (``0.weight`` on both). A match under different names is refused; a match under one name
+  is logged as a warning (logger ``rrfp_async.distributed._ties``) and trains untied. A tie
+  whose two places carry the same name must be declared. ``check_ties=False`` switches the
+  search off.
 """
 
 from __future__ import annotations
@@ -29,6 +39,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import json
+import logging
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -40,6 +51,8 @@ from .._bridges import work_future
 from .._errors import PeerError, PlanError, StepTimeoutError
 from .._tasks import Topology
 from ._layout import ProcessLayout
+
+_log = logging.getLogger(__name__)
 
 __all__ = ["find_undeclared_ties", "fingerprint", "reduce_ties", "tie_groups", "ties_digest"]
 
@@ -104,7 +117,8 @@ async def reduce_ties(
 ) -> None:
     """Sum each tie's gradient over its local copies and over the ranks holding it, and
     write the sum into every copy that requires grad (a copy without a gradient counts as
-    zero; a frozen copy keeps ``.grad`` None)."""
+    zero; a frozen copy keeps ``.grad`` None). The caller makes ``.grad`` hold this step's
+    contribution only (``stash_grads``) and adds the accumulated rest back after."""
     for name in sorted(shared):
         params = shared[name]
         grads = [p.grad for p in params if p.grad is not None]
@@ -183,6 +197,7 @@ async def find_undeclared_ties(
     tied = {(v, pname): name for name, places in spec.items() for v, pname in places}
     seen: dict[int, tuple[int, int, str]] = {}
     clashes: list[str] = []
+    lookalikes: list[str] = []
     for i, (s, b) in enumerate(zip(sizes, bufs, strict=True)):
         grank = group_ranks[i]
         if grank not in mine:
@@ -205,6 +220,15 @@ async def find_undeclared_ties(
             t1, t2 = tied.get((pv, pname)), tied.get((v, name))
             if t1 is not None and t1 == t2:
                 continue
+            if name == pname:
+                # The same name in both stage modules: the same code built both from the same
+                # seed (every rank seeds alike and builds its stage), not a weight shared
+                # between two different uses (wte / lm_head). Said, not refused.
+                lookalikes.append(
+                    f"{name!r} of virtual stages {pv} (global rank {pr}) and {v} (global rank"
+                    f" {grank})"
+                )
+                continue
             clashes.append(
                 f"{pname!r} of virtual stage {pv} on global rank {pr} and {name!r} of virtual"
                 f" stage {v} on global rank {grank}"
@@ -216,7 +240,18 @@ async def find_undeclared_ties(
             + (f" (and {len(clashes) - 4} more)" if len(clashes) > 4 else "")
             + ". Undeclared, each rank would train its own copy and they would silently drift"
             " apart: declare the tie (TorchStageExecutor(shared={name: [(stage, param name),"
-            " ...]}), or let rr.split_model find it). If they are only initialised alike"
-            " (every stage built from the same seed), pass check_ties=False to"
+            " ...]}), or let rr.split_model find it; stages of torch's pipeline() through"
+            " rr.pipelining: ScheduleReadinessFirst(..., shared=rr.from_pipe(pipe).shared))."
+            " If they are only initialised alike, pass check_ties=False to"
             " DistributedStage"
+        )
+    if lookalikes:
+        _log.warning(
+            "%s: parameters of the same name on different ranks start with the same values:"
+            " %s%s. Taken for stages built by the same code from the same seed (not tied);"
+            " if they are one shared weight, declare the tie (TorchStageExecutor(shared=...)),"
+            " else seed each rank's stage differently or pass check_ties=False",
+            who,
+            "; ".join(lookalikes[:4]),
+            f" (and {len(lookalikes) - 4} more)" if len(lookalikes) > 4 else "",
         )

@@ -16,6 +16,13 @@ Per task:
 * ``I(m, v)`` / ``W(m, v)``: the input gradient alone, then the parameter gradients from
   what ``I`` kept, without re-running the stage's backward: see ``_split_backward``.
 
+Randomness: each ``F(m, v)`` of step ``s`` runs on the random stream of ``task_seed(seed, s,
+v, m)`` (CPU and the stage's CUDA devices; see ``rrfp_async._rng``), so dropout masks do not
+depend on the order the forwards run in. No backward re-runs a forward (the split backward's
+fallback re-runs the *backward* of a kept graph), so the masks of a microbatch are drawn
+once; a module's own activation checkpointing (``torch.utils.checkpoint``) saves the task's
+stream at the forward and replays it in the recomputation.
+
 ``measure_split_backward`` times ``B`` against ``I`` + ``W`` on a stage of the example model.
 
 Emulated GPU time (``EmulatedCost``): on a CPU, after the real computation, the worker thread
@@ -39,6 +46,15 @@ from .._bridges import ComputeWorker
 from .._costs import CostModel, Durations, Microbatch
 from .._errors import PlanError
 from .._pytree import Args, call_module, map_tensors, tensor_leaves
+from .._rng import (
+    MAX_MICROBATCHES,
+    MAX_STAGES,
+    TASK_RNG_LOCK,
+    cuda_indices,
+    fork_seeded,
+    step_key,
+    task_key,
+)
 from .._tasks import StepPlan, Task
 from ..loop._executors import OutputHook, TaskContext
 from ._split_backward import WeightWork, input_backward, weight_backward
@@ -146,16 +162,26 @@ class TorchStageExecutor:
             ``Microbatch.tokens``).
         return_outputs: Keep the last stage's outputs of training steps too (forward-only
             steps always keep them); ``StepStats.outputs`` returns them.
+        seed: The seed of the tasks' random streams: the forward of microbatch ``m`` on
+            virtual stage ``v`` in step ``s`` draws from ``rr.task_rng(seed, s, v, m)``
+            whatever order the forwards run in (dropout masks are then the same under every
+            policy and hint). Default: ``torch.initial_seed()`` when the executor is built,
+            which is the same on every rank that seeded torch alike (or not at all). Ranks
+            seeded differently draw differently (still independent of the order); the ranks
+            of one TP group must agree (``DistributedStage`` checks it with the plan).
+        task_rng: False: forwards draw from torch's global generators as they stand, in
+            dispatch order (results with dropout then depend on that order).
 
     Raises:
         PlanError: No modules, a ``shared`` place that names no parameter of this rank's
-            modules, or a bad ``loss_scale``/``side_inputs``.
+            modules, a bad ``loss_scale``/``side_inputs``, or a ``seed`` that is no int.
 
     Attributes:
         losses: ``{microbatch: loss value}`` of the last step (on the last stage's rank),
             unscaled (what ``loss_fn`` returned).
         outputs: ``{microbatch: output}`` of the last step (last stage, see
             ``return_outputs``), detached.
+        rng_seed: The seed of the tasks' random streams (None with ``task_rng=False``).
         output_hook: Set by a stage whose endpoint sends thread-safely: called on the
             compute thread with each task's output as soon as it exists (see ``Executor``).
     """
@@ -174,6 +200,8 @@ class TorchStageExecutor:
         loss_scale: LossScale = "microbatch",
         tokens_fn: Callable[[Any], int] | None = None,
         return_outputs: bool = False,
+        seed: int | None = None,
+        task_rng: bool = True,
     ) -> None:
         if not modules:
             raise PlanError("a TorchStageExecutor needs at least one module")
@@ -198,6 +226,13 @@ class TorchStageExecutor:
         self.loss_scale = loss_scale
         self.tokens_fn = tokens_fn
         self.return_outputs = return_outputs
+        if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
+            raise PlanError(f"seed must be an int or None, got {seed!r}")
+        if not isinstance(task_rng, bool):
+            raise PlanError(f"task_rng must be a bool, got {task_rng!r}")
+        self.rng_seed: int | None = None
+        if task_rng:
+            self.rng_seed = (torch.initial_seed() if seed is None else seed) & ((1 << 64) - 1)
         self.shared_spec: dict[str, tuple[tuple[int, str], ...]] = {}
         self._shared: dict[str, list[nn.Parameter]] = {}
         if shared is not None:
@@ -212,6 +247,8 @@ class TorchStageExecutor:
         self._stash: dict[tuple[int, int], tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
         self._kept: dict[tuple[int, int], WeightWork] = {}
         self._param_lists: dict[int, list[nn.Parameter]] = {}
+        self._cuda_lists: dict[int, tuple[int, ...]] = {}
+        self._rng_key: int | None = None  # the step's step_key (None: no per-task streams)
         self._step: int | None = None
         self._total_tokens = 0
         self._durations: Durations | None = None
@@ -285,7 +322,20 @@ class TorchStageExecutor:
         if ctx.step != self._step:
             self._begin_step(ctx)
         t0 = time.perf_counter()
-        out = self._handlers[task.kind](task, data, ctx)
+        handler = self._handlers[task.kind]
+        key = self._rng_key
+        if key is None:
+            out = handler(task, data, ctx)
+        else:
+            # The lock covers every task, not only F: a backward can replay a forward
+            # (activation checkpointing sets the global generators too). See _rng.
+            with TASK_RNG_LOCK:
+                if task.kind == "F":
+                    s = task_key(key, task.stage, task.mb)
+                    with fork_seeded(s, self._cuda_of(task.stage)):
+                        out = handler(task, data, ctx)
+                else:
+                    out = handler(task, data, ctx)
         self.compute_seconds += time.perf_counter() - t0
         if self._durations is not None:
             assert self.emulate is not None
@@ -318,6 +368,17 @@ class TorchStageExecutor:
         self.losses = {}
         self.outputs = {}
         self._param_lists = {}  # requires_grad may change between steps
+        self._cuda_lists = {}  # and so may devices
+        if self.rng_seed is not None:
+            plan = ctx.plan
+            if plan.num_virtual > MAX_STAGES or plan.microbatches > MAX_MICROBATCHES:
+                raise PlanError(
+                    f"rank {ctx.rank} step {ctx.step}: per-task random streams tell apart at"
+                    f" most {MAX_STAGES} virtual stages and {MAX_MICROBATCHES} microbatches"
+                    f" a step; this plan has {plan.num_virtual} and {plan.microbatches}"
+                    " (TorchStageExecutor(task_rng=False) switches the streams off)"
+                )
+            self._rng_key = step_key(self.rng_seed, ctx.step)
         if self.loss_scale == "tokens":
             self._total_tokens = sum(self._tokens(mb, i) for i, mb in enumerate(ctx.microbatches))
         if self.emulate is not None:
@@ -494,6 +555,18 @@ class TorchStageExecutor:
                 p for p in self.modules[stage].parameters() if p.requires_grad
             ]
         return ps
+
+    def _cuda_of(self, stage: int) -> tuple[int, ...]:
+        """The CUDA devices whose generators a forward of ``stage`` seeds: those of its
+        parameters and buffers and the compute worker's, listed once per step."""
+        got = self._cuda_lists.get(stage)
+        if got is None:
+            mod = self.modules[stage]
+            tensors = [*mod.parameters(), *mod.buffers()]
+            got = self._cuda_lists[stage] = cuda_indices(
+                [*(t.device for t in tensors), self.worker.device]
+            )
+        return got
 
     def _input_grad(self, task: Task, grad: Any, ctx: TaskContext) -> Any:
         key = (task.stage, task.mb)

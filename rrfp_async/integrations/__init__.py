@@ -8,7 +8,9 @@
 The peers are imported lazily: ``import rrfp_async`` never imports them.
 """
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from .._lazy import exports
 
 if TYPE_CHECKING:
     from ._megatron import MegatronForwardBackward, get_forward_backward_func
@@ -24,14 +26,7 @@ _WHERE = {
 }
 
 
-def __getattr__(name: str) -> Any:
-    where = _WHERE.get(name)
-    if where is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    import importlib
-
-    return getattr(importlib.import_module(where, __name__), name)
-
+__getattr__, __dir__ = exports(__name__, _WHERE)
 
 __all__ = [
     "MegatronForwardBackward",

@@ -63,7 +63,7 @@ from .._pytree import Args
 from .._tasks import Placement, StepPlan, Task, Topology
 from ..distributed._layout import ProcessLayout, build_groups
 from ..distributed._stage import DEFAULT_STEP_TIMEOUT, DistributedStage
-from ..distributed._torch_executor import EmulatedCost, TorchStageExecutor
+from ..distributed._torch_executor import EmulatedCost, SharedSpec, TorchStageExecutor
 from ..loop._records import StepStats
 from ..policies._schedule import StepSchedule
 from ..policies._torch_hints import hint_from_torch
@@ -181,6 +181,7 @@ class _ReadinessFirst:
         step_timeout: float | None,
         durations: Callable[[StepPlan, Sequence[Any]], Durations] | None,
         emulate: EmulatedCost | None,
+        shared: SharedSpec | None,
         stage_kwargs: dict[str, Any],
     ) -> None:
         n = self._n_microbatches
@@ -251,6 +252,7 @@ class _ReadinessFirst:
             return_outputs=True,
             rank=dist.get_rank(),
             emulate=emulate,
+            shared=shared,
         )
         self._durations = durations
         self._rr: DistributedStage | None = None
@@ -689,6 +691,11 @@ class ScheduleReadinessFirst(_ReadinessFirst, PipelineScheduleSingle):
             ``breadth_first_weighted``) orders the heavy microbatches first; every rank
             must compute the same. Without it the default hint is cost-blind (1F1B's order).
         emulate: Emulated GPU time for CPU benchmarks (``rr.EmulatedCost``).
+        shared: Tied parameters (``rr.TorchStageExecutor``'s ``shared``), by stage index:
+            for stages of torch's tracer, ``rr.from_pipe(pipe).shared`` (its
+            ``replicated_params``, whose gradients torch's own schedules leave to the
+            caller). Summed over the ranks holding them at the end of every training step,
+            before ``scale_grads``, each step's contribution once when steps accumulate.
         **stage_kwargs: Further ``rr.DistributedStage`` keywords (``observer``,
             ``check_ties``, ...).
 
@@ -721,6 +728,7 @@ class ScheduleReadinessFirst(_ReadinessFirst, PipelineScheduleSingle):
         step_timeout: float | None = DEFAULT_STEP_TIMEOUT,
         durations: Callable[[StepPlan, Sequence[Any]], Durations] | None = None,
         emulate: EmulatedCost | None = None,
+        shared: SharedSpec | None = None,
         **stage_kwargs: Any,
     ) -> None:
         if isinstance(stage, (list, tuple)):
@@ -745,6 +753,7 @@ class ScheduleReadinessFirst(_ReadinessFirst, PipelineScheduleSingle):
             step_timeout=step_timeout,
             durations=durations,
             emulate=emulate,
+            shared=shared,
             stage_kwargs=stage_kwargs,
         )
 
@@ -799,6 +808,7 @@ class ScheduleInterleavedReadinessFirst(_ReadinessFirst, PipelineScheduleMulti):
         step_timeout: float | None = DEFAULT_STEP_TIMEOUT,
         durations: Callable[[StepPlan, Sequence[Any]], Durations] | None = None,
         emulate: EmulatedCost | None = None,
+        shared: SharedSpec | None = None,
         **stage_kwargs: Any,
     ) -> None:
         stages = list(stages) if isinstance(stages, (list, tuple)) else [stages]
@@ -836,6 +846,7 @@ class ScheduleInterleavedReadinessFirst(_ReadinessFirst, PipelineScheduleMulti):
             step_timeout=step_timeout,
             durations=durations,
             emulate=emulate,
+            shared=shared,
             stage_kwargs=stage_kwargs,
         )
         # torch's base class mapped the stages loop-style; V-shape maps them as torch's

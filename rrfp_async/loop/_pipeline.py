@@ -13,6 +13,7 @@ from .._errors import PlanError
 from ..channels._local import LatencyFn, LocalChannel
 from ..policies._policy import Policy
 from ..policies._schedule import StepSchedule
+from ._accumulate import GradStash, restore_grads, stash_grads
 from ._checks import check_step_args, check_step_timeout
 from ._diagnostics import make_deadlock
 from ._executors import Executor
@@ -181,7 +182,9 @@ class LocalPipeline:
         have any number of microbatches; ``train=False`` is a forward-only step). After a
         training step, the gradients of tied parameters that executors declare as distinct
         copies (``TorchStageExecutor(shared=...)``) are summed into every copy; one parameter
-        object used by two stages accumulates its gradient by itself.
+        object used by two stages accumulates its gradient by itself. Steps that accumulate
+        (no ``zero_grad`` between them) add each step's contribution once (see
+        ``rrfp_async.loop._accumulate``).
 
         A failing step raises one error, the first that happened (the others, e.g. every
         rank's watchdog, are attached as notes), never an ``ExceptionGroup``; the pipeline
@@ -231,29 +234,36 @@ class LocalPipeline:
         mon.failed = False
         self._running = self.stages[0]._next_step if step is None else step
         root: BaseException | None = None
+        training = train and not schedule.plan.forward_only
+        ties = self._tied_copies() if training else []
+        # Each tie's accumulated gradient waits aside while the step runs (restored also
+        # when it fails): see _accumulate's design note.
+        stash: GradStash = stash_grads(p for copies in ties for p in copies)
         try:
-            async with asyncio.TaskGroup() as tg:
-                tasks = [tg.create_task(one(s)) for s in self.stages]
-        except BaseExceptionGroup as eg:
-            root = unwrap_group(eg)
-        except BaseException as e:  # cancelled from outside: its stages were cancelled too
-            self._drop_in_flight()
-            for note in notes:  # the stages' own CancelledErrors stay in the task group
-                e.add_note(note)
-            raise
+            try:
+                async with asyncio.TaskGroup() as tg:
+                    tasks = [tg.create_task(one(s)) for s in self.stages]
+            except BaseExceptionGroup as eg:
+                root = unwrap_group(eg)
+            except BaseException as e:  # cancelled from outside: its stages were cancelled too
+                self._drop_in_flight()
+                for note in notes:  # the stages' own CancelledErrors stay in the task group
+                    e.add_note(note)
+                raise
+            finally:
+                self._running = None
+            if root is not None:
+                self._drop_in_flight()
+                # Raised outside the handler so the root keeps its own cause and context.
+                raise root
+            _reduce_shared(ties)
         finally:
-            self._running = None
-        if root is not None:
-            self._drop_in_flight()
-            # Raised outside the handler so the root keeps its own cause and context.
-            raise root
-        if train and not schedule.plan.forward_only:
-            self._reduce_shared()
+            restore_grads(stash)
         return [t.result() for t in tasks]
 
-    def _reduce_shared(self) -> None:
-        """Sum the gradients of each declared tie over its distinct parameter copies (one
-        object shared by two stages needs nothing: autograd accumulated into it)."""
+    def _tied_copies(self) -> list[list[Any]]:
+        """The distinct parameter copies of each declared tie that has two or more (one
+        object shared by two stages needs nothing: autograd accumulates into it)."""
         ties: dict[str, list[Any]] = {}
         seen: set[int] = set()
         for ex in self._executors:
@@ -266,18 +276,7 @@ class LocalPipeline:
             for name, params in shared().items():
                 got = ties.setdefault(name, [])
                 got.extend(p for p in params if all(p is not q for q in got))
-        for params in ties.values():
-            if len(params) < 2:
-                continue
-            grads = [p.grad for p in params if p.grad is not None]
-            if not grads:
-                continue
-            total = grads[0].clone()
-            for g in grads[1:]:
-                total += g
-            for p in params:
-                if p.requires_grad:  # a frozen copy keeps .grad None, as autograd leaves it
-                    p.grad = total.clone()
+        return [ties[name] for name in sorted(ties) if len(ties[name]) >= 2]
 
     def run_step_sync(
         self,
@@ -337,3 +336,18 @@ class LocalPipeline:
         self.channel.discard()
         for s in self.stages:
             s._forget_failed_steps()
+
+
+def _reduce_shared(ties: Sequence[Sequence[Any]]) -> None:
+    """Sum each tie's gradients (this step's contributions: see ``_accumulate``) over its
+    distinct copies and write the sum into every copy that requires grad."""
+    for params in ties:
+        grads = [p.grad for p in params if p.grad is not None]
+        if not grads:
+            continue
+        total = grads[0].clone()
+        for g in grads[1:]:
+            total += g
+        for p in params:
+            if p.requires_grad:  # a frozen copy keeps .grad None, as autograd leaves it
+                p.grad = total.clone()

@@ -18,15 +18,53 @@ The modules, one concept each (imports run down this list, never up):
 * ``_png``: ``render_png`` timelines.
 """
 
-from ._chrome import chrome_trace, clock_origin, load_trace, validate_chrome_trace, write_trace
-from ._logging import LogFormat, LogObserver, configure_logging
-from ._merge import MergedTrace, merge_trace_files, merge_traces, rank_trace_path, trace_files
-from ._paired import PairedRatio, paired_ratio
-from ._png import render_png
-from ._recorder import MultiObserver, TraceRecorder
-from ._records import Arrival, Decision, Ready, Send, Span, StepRecord, TraceData
-from ._stalls import stalls
-from ._summary import summarize
+from typing import TYPE_CHECKING
+
+from .._lazy import exports
+
+# Imported on first use: traces, summaries and PNGs need no torch (``rrfp-async trace``).
+_EXPORTS: dict[str, str] = {
+    "Arrival": "._records",
+    "Decision": "._records",
+    "LogFormat": "._logging",
+    "LogObserver": "._logging",
+    "MergedTrace": "._merge",
+    "MultiObserver": "._recorder",
+    "PairedRatio": "._paired",
+    "Ready": "._records",
+    "Send": "._records",
+    "Span": "._records",
+    "StepRecord": "._records",
+    "TraceData": "._records",
+    "TraceRecorder": "._recorder",
+    "chrome_trace": "._chrome",
+    "clock_origin": "._chrome",
+    "configure_logging": "._logging",
+    "load_trace": "._chrome",
+    "merge_trace_files": "._merge",
+    "merge_traces": "._merge",
+    "paired_ratio": "._paired",
+    "rank_trace_path": "._merge",
+    "render_png": "._png",
+    "stalls": "._stalls",
+    "summarize": "._summary",
+    "trace_files": "._merge",
+    "validate_chrome_trace": "._chrome",
+    "write_trace": "._chrome",
+}
+
+if TYPE_CHECKING:
+    from ._chrome import chrome_trace, clock_origin, load_trace, validate_chrome_trace, write_trace
+    from ._logging import LogFormat, LogObserver, configure_logging
+    from ._merge import MergedTrace, merge_trace_files, merge_traces, rank_trace_path, trace_files
+    from ._paired import PairedRatio, paired_ratio
+    from ._png import render_png
+    from ._recorder import MultiObserver, TraceRecorder
+    from ._records import Arrival, Decision, Ready, Send, Span, StepRecord, TraceData
+    from ._stalls import stalls
+    from ._summary import summarize
+
+__getattr__, __dir__ = exports(__name__, _EXPORTS)
 
 __all__ = [
     "Arrival",

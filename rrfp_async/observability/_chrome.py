@@ -25,10 +25,13 @@ Times are microseconds from the earliest event of the trace. ``from_chrome`` (in
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import json
 import math
+import os
 import socket
+import tempfile
 import time
 from collections.abc import Mapping
 from pathlib import Path
@@ -273,10 +276,27 @@ def chrome_trace(
 
 
 def write_trace(path: str | Path, trace: Mapping[str, Any]) -> Path:
-    """Write a trace dict as JSON; returns the path."""
+    """Write a trace dict as JSON, atomically: into a temporary file beside ``path``, flushed
+    to disk, then renamed over it. A write that fails (a full disk) raises and leaves the
+    previous file as it was, never a torn one (ARCHITECTURE invariant 8). Returns the path.
+
+    Raises:
+        OSError: The file cannot be written (the previous one, if any, is kept).
+    """
     p = Path(path)
     p.parent.mkdir(parents=True, exist_ok=True)
-    p.write_text(json.dumps(trace))
+    text = json.dumps(trace)
+    fd, tmp = tempfile.mkstemp(prefix=f".{p.name}.", suffix=".tmp", dir=p.parent)
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, p)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
     return p
 
 
@@ -302,14 +322,16 @@ def load_trace(path: str | Path) -> dict[str, Any]:
 def _load(path: str | Path, *, whole: bool) -> dict[str, Any]:
     """``load_trace``; with ``whole=False``, a flow may miss its other half (a per-rank
     file, to be merged)."""
-    size = Path(path).stat().st_size
-    if size > MAX_TRACE_BYTES:
+    # Read at most one byte past the bound (a pipe has no size to stat).
+    with open(path, "rb") as f:
+        raw = f.read(MAX_TRACE_BYTES + 1)
+    if len(raw) > MAX_TRACE_BYTES:
         raise TraceError(
-            f"{path} has {size} bytes, more than a trace may have (MAX_TRACE_BYTES ="
-            f" {MAX_TRACE_BYTES})"
+            f"{path} has more than {MAX_TRACE_BYTES} bytes, more than a trace may have"
+            " (MAX_TRACE_BYTES)"
         )
     try:
-        obj = json.loads(Path(path).read_text(), parse_constant=_no_constant)
+        obj = json.loads(raw.decode("utf-8"), parse_constant=_no_constant)
     except (json.JSONDecodeError, UnicodeDecodeError, ValueError) as e:
         raise TraceError(f"{path} is not a JSON trace: {e}") from e
     except RecursionError:

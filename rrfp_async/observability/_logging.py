@@ -53,14 +53,16 @@ import os
 import sys
 import threading
 from collections.abc import Callable, Sequence
-from typing import Any, Concatenate, Literal, ParamSpec, TextIO, TypeVar
+from typing import TYPE_CHECKING, Any, Concatenate, Literal, ParamSpec, TextIO, TypeVar
 
 import structlog
 from structlog.contextvars import bind_contextvars, unbind_contextvars
 
 from .._tasks import Task
-from ..loop import StageLoop, StepStats
 from . import _events as ev
+
+if TYPE_CHECKING:
+    from ..loop import StageLoop, StepStats
 
 __all__ = ["LogFormat", "LogObserver", "configure_logging", "get_logger", "log_stage_dump"]
 

@@ -51,9 +51,11 @@ __all__ = ["MergedTrace", "merge_trace_files", "merge_traces", "rank_trace_path"
 _RANK_FILE = re.compile(r"rank(\d+)\.json$")
 
 
-def rank_trace_path(directory: str | Path, rank: int) -> Path:
-    """Where rank ``rank``'s trace goes in ``directory``: ``rank{rank}.json``."""
-    return Path(directory) / f"rank{rank}.json"
+def rank_trace_path(directory: str | Path, rank: int, *, failed: bool = False) -> Path:
+    """Where rank ``rank``'s trace goes in ``directory``: ``rank{rank}.json`` (its last
+    step that ended well), or with ``failed`` ``failed-rank{rank}.json`` (its last step that
+    failed: what it ran before it failed; merge those with ``failed-rank*.json``)."""
+    return Path(directory) / (f"failed-rank{rank}.json" if failed else f"rank{rank}.json")
 
 
 def _natural(p: Path) -> tuple[str, int, str]:
@@ -86,7 +88,7 @@ def trace_files(specs: Iterable[str | Path]) -> list[Path]:
                 )
                 raise TraceError(f"no per-rank trace files (rank*.json) in {p}{hint}")
             out.extend(found)
-        elif p.is_file():
+        elif p.exists():  # a file, or a pipe (``<(cmd)``, ``/dev/fd/N``, ``/dev/stdin``)
             out.append(p)
         elif glob.has_magic(str(spec)):
             found = sorted(

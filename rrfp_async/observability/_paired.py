@@ -7,10 +7,20 @@ and emulated noise in step ``i``) can compare them step by step: the speedup of 
 is ``baseline[i] / candidate[i]``. Reporting only one number (a ratio of medians) hides how
 much those per-step ratios scatter; on a loaded machine they scatter across 1.0 and the
 headline is noise. So a ratio is reported as the *median* of the paired per-step ratios
-with their *min–max* range (not a confidence interval: with the few steps a demo times, a
-bootstrap would only dress the same few numbers up), and the verdict says "within noise"
-exactly when that range covers 1.0. One step has no spread: its range is unbounded
-(``0``–``inf``), which covers 1.0, so a single step is always "within noise".
+with their *min–max* range, and the verdict comes from the *Wilcoxon signed-rank test* on
+the log ratios: under "no difference" each step's log ratio is as likely positive as
+negative whatever its size, so every assignment of signs to the ranked ``|log ratio|`` is
+equally likely; the exact two-sided p-value is the share of assignments whose sum of
+positive ranks is at least as far from its mean as the observed one. The verdict claims a
+difference (``"faster in k of n steps"``, ``"slower in ..."``, ``k`` the steps on the
+winning side) only when that p-value is at most ``ALPHA`` (5 %), else it says ``"within
+noise"``. Unlike "the min–max excludes 1.0", or a sign test that counts steps, a couple of
+steps a load spike made slightly slower (0.97x among 1.1x–1.25x) do not flip the verdict,
+since their ranks are small; and a handful of steps can never claim anything: with fewer
+than 6 steps even "faster in every step" is ``within noise`` (5 of 5 has p = 0.0625), so a
+command that wants a verdict times at least 6 paired steps. Steps with a ratio of exactly
+1.0 are dropped, tied sizes share their mean rank (the exact distribution is counted on
+half-ranks).
 
 A candidate that never left the baseline's order (``same_order``: both ran the hint's
 order, zero deviations) ran the same tasks in the same order; whatever its ratio, it is
@@ -24,10 +34,51 @@ import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-__all__ = ["PairedRatio", "paired_ratio"]
+__all__ = ["ALPHA", "PairedRatio", "paired_ratio", "signed_rank_test"]
 
 #: How the spread is computed, for labels.
 SPREAD_METHOD = "min–max"
+
+#: The test's level: a difference is claimed when its two-sided p-value is at most this.
+ALPHA = 0.05
+
+
+def signed_rank_test(ratios: Sequence[float]) -> float:
+    """The exact two-sided Wilcoxon signed-rank p-value of ``log(ratios)`` against 0."""
+    return _signed_rank(ratios)[0]
+
+
+def _signed_rank(ratios: Sequence[float]) -> tuple[float, int]:
+    """``(p-value, side)``: side > 0 when the positive log ratios outrank the negative ones,
+    < 0 when the negative do, 0 on a tie."""
+    d = [math.log(r) for r in ratios if r != 1.0]
+    n = len(d)
+    if n == 0:
+        return 1.0, 0
+    order = sorted(range(n), key=lambda i: abs(d[i]))
+    half_ranks = [0] * n  # 2 x the rank (mean rank for tied sizes): integers
+    i = 0
+    while i < n:
+        j = i
+        while j + 1 < n and abs(d[order[j + 1]]) == abs(d[order[i]]):
+            j += 1
+        for k in range(i, j + 1):
+            half_ranks[order[k]] = i + j + 2  # 2 x the mean of ranks i+1 .. j+1
+        i = j + 1
+    w = sum(h for h, x in zip(half_ranks, d, strict=True) if x > 0)
+    # counts[s]: sign assignments whose positive half-ranks sum to s.
+    counts = [1] + [0] * sum(half_ranks)
+    top = 0
+    for h in half_ranks:
+        for s in range(top, -1, -1):
+            if counts[s]:
+                counts[s + h] += counts[s]
+        top += h
+    total = 2**n
+    lower = sum(counts[: w + 1]) / total
+    upper = sum(counts[w:]) / total
+    side = (w > top - w) - (w < top - w)
+    return min(1.0, 2 * min(lower, upper)), side
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -70,17 +121,36 @@ class PairedRatio:
         return max(self.ratios) if self.steps > 1 else math.inf
 
     @property
+    def faster_steps(self) -> int:
+        """Steps in which the candidate was faster (ratio > 1)."""
+        return sum(r > 1.0 for r in self.ratios)
+
+    @property
+    def slower_steps(self) -> int:
+        """Steps in which the candidate was slower (ratio < 1)."""
+        return sum(r < 1.0 for r in self.ratios)
+
+    @property
+    def p_value(self) -> float:
+        """The signed-rank test's two-sided p-value (see the design note)."""
+        return signed_rank_test(self.ratios)
+
+    @property
     def within_noise(self) -> bool:
-        """The spread covers 1.0: no step-by-step evidence of a difference."""
-        return self.low <= 1.0 <= self.high
+        """No step-by-step evidence of a difference: the signed-rank test's p-value is
+        above ``ALPHA``."""
+        return self.p_value > ALPHA
 
     @property
     def verdict(self) -> str:
-        """``"within noise"`` iff the spread covers 1.0; else ``"faster in every step"`` or
-        ``"slower in every step"`` (the candidate against the baseline)."""
+        """``"within noise"``, or ``"faster in k of n steps"`` / ``"slower in k of n
+        steps"`` (the candidate against the baseline) when the signed-rank test says so;
+        the direction is the side whose log ratios outrank the other's."""
         if self.within_noise:
             return "within noise"
-        return "faster in every step" if self.low > 1.0 else "slower in every step"
+        if _signed_rank(self.ratios)[1] > 0:
+            return f"faster in {self.faster_steps} of {self.steps} steps"
+        return f"slower in {self.slower_steps} of {self.steps} steps"
 
     @property
     def spread(self) -> str:
@@ -97,8 +167,8 @@ class PairedRatio:
             baseline: The baseline's name, for the text.
 
         Returns:
-            E.g. ``"within noise"`` or ``"faster in every step; same order as strict: ratio
-            is noise"``.
+            E.g. ``"within noise"`` or ``"faster in 8 of 8 steps; same order as strict:
+            ratio is noise"``.
         """
         if self.same_order:
             return f"{self.verdict}; same order as {baseline}: ratio is noise"

@@ -18,7 +18,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from .._errors import PlanError
+from .._errors import ExtraMissingError, PlanError
 from .._tasks import Task
 from ._records import TraceData, from_chrome
 from ._summary import summarize
@@ -76,7 +76,7 @@ def render_png(
         labels: Write microbatch numbers on bars wide enough to hold them.
 
     Raises:
-        RuntimeError: matplotlib is not installed (``pip install rrfp-async[plot]``).
+        ExtraMissingError: matplotlib is not installed (``pip install rrfp-async[plot]``).
         PlanError: ``path`` has an extension matplotlib cannot write (``.png``, ``.pdf``,
             ``.svg``, ... are fine).
     """
@@ -86,8 +86,10 @@ def render_png(
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
         from matplotlib.backend_bases import FigureCanvasBase
-    except ImportError as e:  # pragma: no cover - matplotlib is a dev / plot extra
-        raise RuntimeError("render_png needs matplotlib: pip install 'rrfp-async[plot]'") from e
+    except ImportError as e:
+        raise ExtraMissingError(
+            "render_png needs matplotlib (the plot extra): pip install 'rrfp-async[plot]'"
+        ) from e
     kinds = FigureCanvasBase.get_supported_filetypes()
     ext = Path(path).suffix.lower().lstrip(".")
     if ext not in kinds:

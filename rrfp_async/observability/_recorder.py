@@ -10,11 +10,13 @@ through its public surface (``rank``, ``step``, ``now()``, ``view``, ``schedule`
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from .._tasks import Task
-from ..loop import StageLoop, StepStats
 from ._records import Arrival, Decision, Ready, Send, Span, StepRecord, TraceData
+
+if TYPE_CHECKING:
+    from ..loop import StageLoop, StepStats
 
 __all__ = ["MultiObserver", "TraceRecorder"]
 

@@ -10,6 +10,7 @@ from typing import Any
 import pytest
 
 import rrfp_async as rr
+from tests._pool import pooled_spawn
 
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(120)]
 
@@ -105,7 +106,7 @@ def _worker(rank: int, world: int) -> dict[str, Any]:
 
 
 def test_decision_channel_order_stale_close_and_gaps() -> None:
-    leader, follower = rr.spawn(_worker, 2, timeout=100)
+    leader, follower = pooled_spawn(_worker, 2, timeout=100)
     assert follower["step0"] == "0F0"
     # The stale step-0 decisions were dropped by step 1's receive.
     assert follower["step1"] == ["0B7", "0F8"]

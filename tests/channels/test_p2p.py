@@ -11,6 +11,7 @@ import torch
 import rrfp_async as rr
 from rrfp_async.channels._p2p import P2PChannel
 from rrfp_async.channels._wire import HEADER_LEN, LOST, MAGIC, encode_header
+from tests._pool import pooled_spawn
 
 pytestmark = [
     pytest.mark.distributed,
@@ -108,7 +109,7 @@ def _worker(rank: int, world: int) -> dict[str, Any]:
 
 
 def test_out_of_order_variable_shapes_and_bad_headers() -> None:
-    res = rr.spawn(_worker, 2, timeout=150)[1]
+    res = pooled_spawn(_worker, 2, timeout=150)[1]
     assert res["ordered"] == [
         (0, "1F3", (1, 7, 4), "torch.float32", 84.0),
         (0, "1F2", (1, 3, 4), "torch.float32", 24.0),
@@ -184,7 +185,7 @@ def _grow_worker(rank: int, world: int) -> dict[str, Any]:
 
 
 def test_inline_capacity_grows_in_step_on_both_sides() -> None:
-    sender, receiver = rr.spawn(_grow_worker, 2, timeout=120)
+    sender, receiver = pooled_spawn(_grow_worker, 2, timeout=120)
     sizes = [4, 256, 256, 2, 1024, 1024, 0]
     got = receiver["got"]
     assert [t for t, _ in got] == [f"1F{i}" for i in range(len(sizes))]
@@ -238,7 +239,7 @@ def _mixed_worker(rank: int, world: int) -> dict[str, Any]:
 
 
 def test_direct_and_queued_sends_keep_their_order() -> None:
-    sender, receiver = rr.spawn(_mixed_worker, 2, timeout=120)
+    sender, receiver = pooled_spawn(_mixed_worker, 2, timeout=120)
     sizes = [4, 4096, 16, 0, 300, 2, 65536, 8, 1, 256] * 6
     # Both paths were taken: 4 of 10 sizes are over 1024 bytes (queued), and a small one
     # right behind a queued one waits in the queue too.
@@ -286,7 +287,7 @@ def _direct_failure_worker(rank: int, world: int) -> dict[str, Any]:
 
 
 def test_a_send_failing_where_it_is_posted_blames_the_peer() -> None:
-    sender, _ = rr.spawn(_direct_failure_worker, 2, timeout=120)
+    sender, _ = pooled_spawn(_direct_failure_worker, 2, timeout=120)
     assert (
         "rank 0 (global 0) lost rank 1 (global 1): sending message seq 0 (1F0)"
         in (sender["raised"])
@@ -375,7 +376,7 @@ async def _run_one(stage: rr.DistributedStage, out: dict[str, Any]) -> None:
 
 
 def test_messages_over_the_bound_are_refused_on_both_sides() -> None:
-    sender, receiver = rr.spawn(_bound_worker, 2, timeout=150)
+    sender, receiver = pooled_spawn(_bound_worker, 2, timeout=150)
     assert receiver["default_bound"] == 256 << 20
     msg = receiver["message"]
     assert receiver["error"] == "ProtocolError", msg
@@ -481,7 +482,7 @@ def _multi_edge_worker(rank: int, world: int) -> dict[str, Any]:
 def test_several_inbound_edges_in_adversarial_orders_land_in_the_right_place(
     p2p_io: str,
 ) -> None:
-    got = rr.spawn(_multi_edge_worker, 4, timeout=160)[0]
+    got = pooled_spawn(_multi_edge_worker, 4, timeout=160)[0]
     assert got["io"] == p2p_io
     arrivals = got["got"]
     per = len(_SCRIPTS[1])
@@ -568,5 +569,5 @@ def test_a_reused_output_buffer_is_not_torn_in_flight() -> None:
     """A tensor handed to ``send`` cannot change in flight (ARCHITECTURE invariant 10): each
     message carries the values the buffer had at ``send``. Red before: the message over the
     inline capacity went to the sender thread without a copy and carried the next values."""
-    got = rr.spawn(_reused_worker, 2, timeout=150)[1]
+    got = pooled_spawn(_reused_worker, 2, timeout=150)[1]
     assert got == [0.0, 1.0, 2.0, 3.0]

@@ -22,6 +22,7 @@ from rrfp_async.channels._wire import (
     pack_tree,
     unpack_tree,
 )
+from tests._pool import pooled_spawn
 
 CPU = torch.device("cpu")
 
@@ -185,7 +186,7 @@ def _tree_worker(rank: int, world: int) -> Any:
 @pytest.mark.timeout(120)
 @pytest.mark.usefixtures("p2p_io")
 def test_trees_and_requires_grad_flags_cross_processes() -> None:
-    got = rr.spawn(_tree_worker, 2, timeout=100)[1]
+    got = pooled_spawn(_tree_worker, 2, timeout=100)[1]
     torch.manual_seed(0)
     want = [
         _value(),

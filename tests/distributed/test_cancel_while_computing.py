@@ -25,6 +25,7 @@ import torch
 from torch import nn
 
 import rrfp_async as rr
+from tests._pool import pooled_spawn
 from tests.distributed._linear import WIDTH, batches, check_params, loss, reference
 
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(180)]
@@ -111,7 +112,7 @@ def _worker(rank: int, world: int, flag: str) -> dict[str, Any]:
 def test_a_rank_cancelled_while_computing_tells_first_then_waits_for_its_task(
     tmp_path: Path,
 ) -> None:
-    res = rr.spawn(_worker, 2, str(tmp_path / "rank0-saw-it"), timeout=150)
+    res = pooled_spawn(_worker, 2, str(tmp_path / "rank0-saw-it"), timeout=150)
     for r in res:
         assert r["steps"] == [0, 2, 3], r["errors"]
     assert res[0]["errors"] == {FAILED: "PeerStepError"}

@@ -25,8 +25,8 @@ import pytest
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
-import rrfp_async as rr
 from rrfp_async import StepPlan, Topology, TrainConfig, TrainResult, image_text_cost, train_worker
+from tests._pool import pooled_spawn
 from tests.distributed.test_training import _bitwise, _max_diff, _params, _reference
 
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(300)]
@@ -121,7 +121,7 @@ def _train_all(rank: int, world: int, cfgs: list[TrainConfig]) -> list[list[Trai
 def _run_cases(cfgs: list[TrainConfig]) -> int:
     """Train every config in one job, check the property; return the deviations."""
     pp = cfgs[0].pp
-    jobs = rr.spawn(_train_all, pp, cfgs, timeout=200)
+    jobs = pooled_spawn(_train_all, pp, cfgs, timeout=200)
     deviations = 0
     for k, cfg in enumerate(cfgs):
         results = [per_rank[k] for per_rank in jobs]

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 import rrfp_async as rr
+from tests._pool import pooled_spawn
 
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(180)]
 
@@ -77,7 +78,7 @@ def _two_stages(rank: int, world: int) -> dict[str, Any]:
 
 
 def test_two_stages_in_one_process_run_interleaved_steps() -> None:
-    res = rr.spawn(_two_stages, 2, timeout=120)
+    res = pooled_spawn(_two_stages, 2, timeout=120)
     for r in res:
         assert r["groups_differ"]
         assert r["executed"] == [(8, 6)] * 3
@@ -124,7 +125,7 @@ def _torch_next_to_a_stage(rank: int, world: int) -> dict[str, Any]:
 
 
 def test_a_stage_next_to_torch_schedule_1f1b_on_the_default_group() -> None:
-    res = rr.spawn(_torch_next_to_a_stage, 2, timeout=120)
+    res = pooled_spawn(_torch_next_to_a_stage, 2, timeout=120)
     assert [r["after"] for r in res] == [(1, 8, []), (1, 8, [])]
     # torch's step ran to completion, and computed what plain autograd computes
     torch.manual_seed(0)
@@ -188,7 +189,7 @@ def _shared_groups(rank: int, world: int) -> dict[str, Any]:
 
 
 def test_a_p2p_group_used_by_an_open_stage_is_refused() -> None:
-    res = rr.spawn(_shared_groups, 2, timeout=120)
+    res = pooled_spawn(_shared_groups, 2, timeout=120)
     for rank, r in enumerate(res):
         head = f"rank {rank} (global {rank}) of the pipeline of global ranks [0, 1]:"
         for key in ("second", "sync"):
@@ -228,7 +229,7 @@ def _other_loop(rank: int, world: int) -> dict[str, Any]:
 
 
 def test_run_step_on_another_event_loop_is_refused_at_once() -> None:
-    res = rr.spawn(_other_loop, 2, timeout=120)
+    res = pooled_spawn(_other_loop, 2, timeout=120)
     for rank, r in enumerate(res):
         kind, msg = r["error"]
         assert kind == "ClosedError", msg

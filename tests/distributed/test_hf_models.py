@@ -20,6 +20,7 @@ import torch
 pytest.importorskip("transformers")
 
 import rrfp_async as rr
+from tests._pool import pooled_spawn
 
 from . import _hf
 from ._hf import Job, Run
@@ -81,7 +82,7 @@ def test_gpt2_tied_embeddings_match_autograd(stages: int) -> None:
     # the summed gradient and stay equal (both are compared with the reference's weight).
     runs = GPT2_RUNS if stages == 2 else GPT2_RUNS[:2]
     job = Job(kind="gpt2", runs=runs, batches=_lm_batches(pad=True))
-    results = rr.spawn(_hf.worker, stages, job, timeout=100)
+    results = pooled_spawn(_hf.worker, stages, job, timeout=100)
     refs = _check(job, results, stages)
     _assert_not_trained_alike(refs, job)
     for i in range(len(runs)):
@@ -131,7 +132,7 @@ def _without_mask(batches: list[list[rr.Microbatch]]) -> list[list[rr.Microbatch
 def test_gpt2_undeclared_tie_fails_naming_both() -> None:
     job = Job(kind="gpt2", runs=(Run(),), batches=_lm_batches(pad=True), declare_ties=False)
     with pytest.raises(rr.SpawnError, match="PlanError") as ei:
-        rr.spawn(_hf.worker, 2, job, timeout=100)
+        pooled_spawn(_hf.worker, 2, job, timeout=100)
     text = str(ei.value)
     assert "'wte.weight' of virtual stage 0" in text
     assert "'lm_head.weight' of virtual stage 1" in text
@@ -149,7 +150,7 @@ def test_gpt2_undeclared_tie_without_check_drifts() -> None:
         declare_ties=False,
         check_ties=False,
     )
-    results = rr.spawn(_hf.worker, 2, job, timeout=100)
+    results = pooled_spawn(_hf.worker, 2, job, timeout=100)
     got = _hf.merged([r[0] for r in results], "params")
     first, last = got["transformer.wte.weight"]
     assert (first - last).abs().max().item() > 1e-3
@@ -171,7 +172,7 @@ def test_gpt2_frozen_first_stage() -> None:
         batches=_lm_batches(pad=True),
         freeze_first=True,
     )
-    results = rr.spawn(_hf.worker, 2, job, timeout=100)
+    results = pooled_spawn(_hf.worker, 2, job, timeout=100)
     _check(job, results, 2)
     model, mods = _hf.build(job, 2)
     init = _hf.snapshot(model, mods)["params"]
@@ -198,7 +199,7 @@ def test_llama_rotary_tables_cross_the_boundary() -> None:
     job = Job(kind="llama", runs=runs, batches=_lm_batches(pad=False))
     _, mods = _hf.build(job, 2)
     assert not any("rotary" in n for n, _ in mods[1].named_modules())
-    results = rr.spawn(_hf.worker, 2, job, timeout=100)
+    results = pooled_spawn(_hf.worker, 2, job, timeout=100)
     _assert_not_trained_alike(_check(job, results, 2), job)
 
 
@@ -219,7 +220,7 @@ def test_resnet_batchnorm_buffers_match_autograd() -> None:
     plan = _hf.plan_for(job, runs[1], 2)
     orders = [_hf.forward_order(plan, runs[1], mbs) for mbs in job.batches]
     assert any(o != sorted(o) for o in orders)  # the default hint does reorder forwards
-    results = rr.spawn(_hf.worker, 2, job, timeout=100)
+    results = pooled_spawn(_hf.worker, 2, job, timeout=100)
     refs = _check(job, results, 2)
     _assert_not_trained_alike(refs, job)
     bufs = refs[0]["buffers"]

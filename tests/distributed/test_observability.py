@@ -17,6 +17,7 @@ from rrfp_async.observability import (
     summarize,
     validate_chrome_trace,
 )
+from tests._pool import pooled_spawn
 
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(300)]
 
@@ -32,7 +33,7 @@ def test_real_run_trace_has_one_span_per_executed_task() -> None:
         trace_steps=(1,),
         return_params=False,
     )
-    results = rr.spawn(train_worker, 3, cfg, timeout=240)
+    results = pooled_spawn(train_worker, 3, cfg, timeout=240)
     per_rank = [r[0] for r in results]
     data = TraceData.merge(r.trace for r in per_rank if r.trace is not None)
     tr = chrome_trace(data, clock="real", emulated=True, policy="readiness_first", hint="1f1b")
@@ -73,7 +74,7 @@ def test_a_failing_rank_takes_its_peers_down_with_reports() -> None:
         pp=2, microbatches=4, steps=1, policies=("explode",), return_params=False, step_timeout=60
     )
     with pytest.raises(rr.SpawnError) as ei:
-        rr.spawn(_worker, 2, cfg, timeout=120)
+        pooled_spawn(_worker, 2, cfg, timeout=120)
     f = ei.value.failures
     assert "PolicyError" in f[0] and "policy bug on purpose" in f[0]
     assert "state of rank 0 when the step failed" in f[0]
@@ -89,7 +90,7 @@ def test_a_hung_rank_is_stopped_by_the_watchdog() -> None:
         pp=2, microbatches=4, steps=1, policies=("hang",), return_params=False, step_timeout=5
     )
     with pytest.raises(rr.SpawnError) as ei:
-        rr.spawn(_worker, 2, cfg, timeout=120)
+        pooled_spawn(_worker, 2, cfg, timeout=120)
     f = ei.value.failures
     assert "StepTimeoutError" in f[0]
     assert "after 5.0 s" in f[0] and "ready:" in f[0]

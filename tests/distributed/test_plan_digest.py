@@ -13,6 +13,7 @@ import torch
 
 import rrfp_async as rr
 from rrfp_async.distributed._digest import PlanDigest, plan_disagreement
+from tests._pool import pooled_spawn
 
 # ---------------------------------------------------------------------- pure
 
@@ -79,6 +80,32 @@ def test_hint_orders_are_compared_within_a_replica_only() -> None:
     assert why is not None
     assert why.startswith("in DP replica 0, hint_order: rank 0 has hint order #"), why
     assert "same microbatch sizes" in why
+
+
+def test_task_stream_seeds_are_compared_within_a_tp_group_only() -> None:
+    plan = rr.StepPlan(topology=rr.Topology(stages=2), microbatches=4)
+    sched = rr.StepSchedule.build(plan, "1f1b")
+
+    def d(rank: int, seed: int | None) -> PlanDigest:
+        layout = rr.ProcessLayout(pp=2, tp=2, rank=rank)  # TP groups: ranks 0, 1 and 2, 3
+        got = PlanDigest.of(
+            sched, policy="strict", layout=layout, max_message_bytes=1, rng_seed=seed
+        )
+        return PlanDigest.decode(got.encode(), rank=rank)
+
+    big = (1 << 64) - 5  # torch's seeds take 64 bits: the row keeps them whole
+    assert d(0, big).rng_seed == big - (1 << 64)
+    # Pipeline ranks may differ (a seed per rank); TP groups agree within themselves.
+    assert plan_disagreement([d(0, 7), d(1, 7), d(2, big), d(3, big)]) is None
+    why = plan_disagreement([d(0, 7), d(1, 7), d(2, big), d(3, 8)])
+    assert why is not None
+    assert why.startswith(
+        f"in the TP group of pipeline rank 1 (DP replica 0), rng_seed: rank 2 has seed {big};"
+        " rank 3 has seed 8"
+    ), why
+    assert "build their TorchStageExecutor with the same seed=" in why
+    why = plan_disagreement([d(0, 7), d(1, None), d(2, 1), d(3, 1)])
+    assert why is not None and "rank 1 has no per-task random streams (task_rng=False)" in why
 
 
 def reversed_f(order: tuple[rr.Task, ...]) -> list[rr.Task]:
@@ -201,7 +228,7 @@ def _worker(rank: int, world: int, odd: int) -> dict[str, dict[str, Any]]:
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize(("world", "odd"), [(2, 1), (4, 2)])
 def test_every_rank_names_the_disagreement(world: int, odd: int) -> None:
-    results = rr.spawn(_worker, world, odd, timeout=200)
+    results = pooled_spawn(_worker, world, odd, timeout=200)
     rest = [r for r in range(world) if r != odd]
     others = f"rank {rest[0]} has" if len(rest) == 1 else f"ranks {', '.join(map(str, rest))} have"
     expect = {

@@ -70,6 +70,12 @@ def test_the_slow_forward_is_found_from_the_logs_and_the_merged_trace(tmp_path: 
 
     # The merged trace: one timeline from the 4 per-rank files.
     merged = rr.merge_traces([str(tmp_path / "traces")])
+    # The traces say their GPU time is emulated (the forwards sleep for it): every file.
+    from rrfp_async.observability import merge_trace_files
+
+    assert merge_trace_files([str(tmp_path / "traces")]).emulated
+    for f in sorted((tmp_path / "traces").glob("rank*.json")):
+        assert json.loads(f.read_text())["otherData"]["rrfp"]["emulated_gpu_time"] is True, f
     assert sorted({s.lane for s in merged.spans}) == list(range(P))
     found = rr.stalls(merged)
     assert [f"{s['rank']}:{s['task']}" for s in found["slow"]] == [slow]

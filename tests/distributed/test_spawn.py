@@ -140,3 +140,17 @@ def test_every_process_claiming_rank_0_is_a_layout_error() -> None:
     assert msg.startswith("PlanError: the layout places this process at global rank 0, but"), msg
     assert "torch.distributed says it is global rank 1 (of 2)" in msg
     assert "lost rank" not in str(ei.value)
+
+
+def _report_then_return(rank: int, world: int, n: int) -> int:
+    from rrfp_async.distributed._spawn import report_progress
+
+    for i in range(n):
+        report_progress((rank, i))
+    return rank
+
+
+def test_every_progress_message_reaches_on_progress_even_just_before_the_result() -> None:
+    seen: list[Any] = []
+    assert rr.spawn(_report_then_return, 2, 200, timeout=60, on_progress=seen.append) == [0, 1]
+    assert sorted(seen) == [(r, i) for r in range(2) for i in range(200)]

@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 import rrfp_async as rr
+from tests._pool import pooled_spawn
 
 pytestmark = [
     pytest.mark.distributed,
@@ -108,16 +109,16 @@ def _check(res: list[dict[str, Any]], want: list[dict[str, Any]], origin: int) -
 def test_a_failed_step_in_one_replica_fails_in_every_replica() -> None:
     # Fails without the agreement: replica 1 finishes step 1 and waits in the gradient
     # all-reduce for a replica that skipped it.
-    res = rr.spawn(_job, 4, 1, "1F1", False, timeout=240)  # replica 0's last stage
-    want = rr.spawn(_job, 4, 1, None, True, timeout=240)
+    res = pooled_spawn(_job, 4, 1, "1F1", False, timeout=240)  # replica 0's last stage
+    want = pooled_spawn(_job, 4, 1, None, True, timeout=240)
     _check(res, want, origin=1)
 
 
 def test_a_failure_in_the_last_task_fails_the_step_where_it_already_ended() -> None:
     # 0B2 is the step's last task: rank 1 has finished step 1 when rank 0 fails it. Fails
     # without the agreement: rank 1 applies step 1's gradients, rank 0 discards its own.
-    res = rr.spawn(_job, 2, 0, f"0B{M - 1}", False, timeout=240)
-    want = rr.spawn(_job, 2, 0, None, True, timeout=240)
+    res = pooled_spawn(_job, 2, 0, f"0B{M - 1}", False, timeout=240)
+    want = pooled_spawn(_job, 2, 0, None, True, timeout=240)
     _check(res, want, origin=0)
 
 
@@ -165,7 +166,7 @@ def test_a_failed_tp_rank_fails_the_step_on_its_tp_peers_at_once(victim: int) ->
     # all-gather check, there). Either way not after the 30 s watchdog,
     # and then every rank runs steps 2 and 3 (without these, the job fell out of step: steps 2
     # and 3 timed out).
-    res = rr.spawn(_tp_job, 4, victim, timeout=240)
+    res = pooled_spawn(_tp_job, 4, victim, timeout=240)
     for r, got in enumerate(res):
         assert got["ok"] == [0, 2, 3], (r, got)
         kind, origin, took = got["errors"][FAILED]

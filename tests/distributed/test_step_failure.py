@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 import rrfp_async as rr
+from tests._pool import pooled_spawn
 from tests.distributed._linear import WIDTH, batches, check_params, loss, reference
 
 pytestmark = [
@@ -132,7 +133,7 @@ def _reference(world: int, skip: int | None) -> list[dict[str, torch.Tensor]]:
 
 @pytest.mark.parametrize("world", [2, 3])
 def test_a_step_that_fails_on_one_rank_fails_on_every_rank_and_the_next_runs(world: int) -> None:
-    res = rr.spawn(_worker, world, timeout=240)
+    res = pooled_spawn(_worker, world, timeout=240)
     skipped = _reference(world, FAILED)
     for which in ("raise", "cancel"):
         victim = VICTIM[world][which]

@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 import rrfp_async as rr
+from tests._pool import pooled_spawn
 from tests.distributed.test_groups import _bad_inputs, _schedule, _Tagged
 
 STEPS, M = 3, 4
@@ -212,7 +213,7 @@ def _reference() -> list[dict[str, torch.Tensor]]:
 @pytest.mark.distributed
 @pytest.mark.timeout(180)
 def test_a_synchronous_training_loop_trains_like_the_async_one() -> None:
-    res = rr.spawn(_sync_worker, 2, timeout=150)
+    res = pooled_spawn(_sync_worker, 2, timeout=150)
     ref = _reference()
     for rank, r in enumerate(res):
         sync, asyn = r["sync"]["params"], r["async"]["params"]
@@ -276,7 +277,7 @@ def _cancelled_worker(rank: int, world: int) -> dict[str, Any]:
 @pytest.mark.distributed
 @pytest.mark.timeout(180)
 def test_a_distributed_step_under_move_on_after_is_cancelled_and_the_next_runs() -> None:
-    res = rr.spawn(_cancelled_worker, 2, timeout=150)
+    res = pooled_spawn(_cancelled_worker, 2, timeout=150)
     # Rank 1 gives up first; rank 0 learns it from rank 1's ABORT, before its own deadline.
     assert res[1]["cancelled"] and res[1]["error"] is None, res[1]
     assert not res[0]["cancelled"], res[0]

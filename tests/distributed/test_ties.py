@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import rrfp_async as rr
+from tests._pool import pooled_spawn
 
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(180)]
 
@@ -118,7 +119,7 @@ def worker(rank: int, world: int, mode: str) -> dict[str, Any]:
 
 def test_declared_tie_trains_like_one_parameter() -> None:
     # Fails when DistributedStage does not sum the tie's gradients over the two ranks.
-    r0, r1 = rr.spawn(worker, 2, "declared", timeout=150)
+    r0, r1 = pooled_spawn(worker, 2, "declared", timeout=150)
     ref = reference()
     assert "error" not in r0 and "error" not in r1
     torch.testing.assert_close(r0["wte"], ref["wte"], rtol=0, atol=1e-6)
@@ -131,7 +132,7 @@ def test_declared_tie_trains_like_one_parameter() -> None:
 
 
 def test_an_undeclared_tie_is_an_error_on_every_rank_naming_both() -> None:
-    r0, r1 = rr.spawn(worker, 2, "undeclared", timeout=150)
+    r0, r1 = pooled_spawn(worker, 2, "undeclared", timeout=150)
     for r in (r0, r1):
         msg = r.get("error", "")
         assert "'emb.weight' of virtual stage 0 on global rank 0" in msg, msg
@@ -141,6 +142,54 @@ def test_an_undeclared_tie_is_an_error_on_every_rank_naming_both() -> None:
 
 def test_without_the_check_an_undeclared_tie_drifts() -> None:
     # What the check protects against: each rank trains its own copy.
-    r0, r1 = rr.spawn(worker, 2, "unchecked", timeout=150)
+    r0, r1 = pooled_spawn(worker, 2, "unchecked", timeout=150)
     assert "error" not in r0
     assert not torch.allclose(r0["wte"], r1["wte"], atol=1e-4)
+
+
+def same_seed_worker(rank: int, world: int) -> dict[str, Any]:
+    """Every rank seeds alike and builds its stage: two look-alike Linears, 'lin.weight' on
+    both ranks, equal values, no tie."""
+    import logging
+
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    mod = nn.Sequential()
+    mod.add_module("lin", nn.Linear(8, 8))
+    seen: list[str] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            seen.append(record.getMessage())
+
+    log = logging.getLogger("rrfp_async.distributed._ties")
+    log.addHandler(Keep())
+    ex = rr.TorchStageExecutor(
+        {rank: mod}, (lambda out, mb: out.pow(2).mean()) if rank == 1 else None, rank=rank
+    )
+    layout = rr.ProcessLayout.from_world(pp=2)
+    plan = rr.StepPlan(topology=rr.Topology(stages=2), microbatches=2)
+    out: dict[str, Any] = {}
+    try:
+        with rr.DistributedStage(layout, rr.StepSchedule.build(plan), ex, step_timeout=60) as st:
+            out["step"] = st.run_step_sync([torch.randn(3, 8), torch.randn(3, 8)]).step
+    except rr.PlanError as err:
+        out["error"] = str(err)
+    finally:
+        ex.close()
+    out["warnings"] = seen
+    return out
+
+
+def test_stages_built_alike_from_one_seed_train_with_a_warning() -> None:
+    """Equal values under one name (the same code built both stages from the same seed) are
+    no tie: the step runs and a warning says what was seen (refused as a tie before, with
+    check_ties=False the only way out); a shared weight under two names stays refused
+    (test_an_undeclared_tie_is_an_error_on_every_rank_naming_both)."""
+    r0, r1 = pooled_spawn(same_seed_worker, 2, timeout=150)
+    for r in (r0, r1):
+        assert "error" not in r, r["error"]
+        assert r["step"] == 0
+        (w,) = r["warnings"]
+        assert "'lin.weight' of virtual stages 0 (global rank 0) and 1 (global rank 1)" in w
+        assert "same seed" in w and "declare the tie" in w

@@ -18,6 +18,7 @@ from typing import Any
 import pytest
 
 import rrfp_async as rr
+from tests._pool import pooled_spawn
 
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(300)]
 
@@ -79,7 +80,7 @@ def _job(rank: int, world: int, mode: str) -> dict[str, Any]:
 
 @pytest.mark.parametrize("mode", ["folded", "gather", "unchecked", "deduced"])
 def test_a_divergent_tp_sequence_is_caught_in_its_step(mode: str) -> None:
-    leader, follower = rr.spawn(_job, 2, mode, timeout=240)
+    leader, follower = pooled_spawn(_job, 2, mode, timeout=240)
     assert leader["fold"] is follower["fold"] is (mode in ("folded", "deduced"))
     if mode == "deduced":
         for got in (leader, follower):

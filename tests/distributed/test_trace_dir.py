@@ -9,11 +9,13 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 from click.testing import CliRunner
 
 import rrfp_async as rr
 from rrfp_async.cli import main
 from rrfp_async.observability import load_trace, merge_trace_files, validate_chrome_trace
+from tests._pool import pooled_spawn
 from tests.distributed.test_groups import _schedule, _Tagged
 from tests.distributed.test_sync_stage import _single
 
@@ -67,6 +69,52 @@ def test_a_stage_writes_its_last_step_and_never_fails_a_step_for_it(
         )
 
 
+class _FailsOn:
+    """``_Tiny``'s tasks, raising in one task of the steps named in ``steps``."""
+
+    def __init__(self, steps: set[int]) -> None:
+        self.steps = steps
+
+    async def execute(self, task: rr.Task, data: Any, ctx: rr.TaskContext, /) -> Any:
+        if ctx.step in self.steps and str(task) == "0B0":
+            raise RuntimeError(f"boom in step {ctx.step}")
+        return torch.full((2,), float(task.mb))
+
+
+@pytest.mark.timeout(30)
+def test_a_failed_step_never_replaces_the_last_good_trace(tmp_path: Path) -> None:
+    """A failed step goes to failed-rank{r}.json; rank{r}.json keeps the last good step
+    (before: a failing step overwrote it, so after a rank died the survivors' files held
+    their failed steps, often empty, and no longer merged with the dead rank's)."""
+    plan = rr.StepPlan(topology=rr.Topology(stages=1), microbatches=2)
+    stage = rr.DistributedStage(
+        rr.ProcessLayout(pp=1, rank=0),
+        rr.StepSchedule.build(plan, "1f1b"),
+        _FailsOn({1}),
+        groups=rr.StageGroups(),
+        verify_plan=False,
+        trace_dir=tmp_path,
+    )
+
+    def steps_in(name: str) -> tuple[set[int], list[str]]:
+        tr = json.loads((tmp_path / name).read_text())
+        xs = [e for e in tr["traceEvents"] if e["ph"] == "X"]
+        return {e["args"]["step"] for e in xs}, sorted(e["name"] for e in xs)
+
+    with stage:
+        stage.run_step_sync([0, 1])
+        with pytest.raises(RuntimeError, match="boom in step 1"):
+            stage.run_step_sync([0, 1])
+        assert steps_in("rank0.json") == ({0}, ["0B0", "0B1", "0F0", "0F1"])
+        assert steps_in("failed-rank0.json")[0] == {1}  # what ran before it failed
+        assert "0B0" not in steps_in("failed-rank0.json")[1]
+        stage.run_step_sync([0, 1])
+        assert steps_in("rank0.json")[0] == {2}
+    # The directory's files are the good steps: what `rrfp-async trace DIR` merges.
+    assert [p.name for p in rr.observability.trace_files([tmp_path])] == ["rank0.json"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["failed-rank0.json", "rank0.json"]
+
+
 def test_train_config_trace_dir() -> None:
     cfg = rr.TrainConfig(pp=2, steps=3, warmup_steps=1, trace_dir="out/t")
     assert cfg.traced_steps == (3,)  # the last step, warm-up counted
@@ -109,7 +157,7 @@ def test_training_writes_per_rank_traces_that_merge(tmp_path: Path) -> None:
         trace_dir=tmp_path / "traces",
         return_params=False,
     )
-    results = rr.spawn(rr.train_worker, 2, cfg, timeout=240)
+    results = pooled_spawn(rr.train_worker, 2, cfg, timeout=240)
     d = tmp_path / "traces" / "readiness_first"
     assert sorted(p.name for p in d.iterdir()) == ["rank0.json", "rank1.json"]
     with pytest.raises(rr.TraceError, match="holds rank 0, and 8 of its messages"):
@@ -156,7 +204,7 @@ def _stage_worker(rank: int, world: int, trace_dir: str) -> list[list[str]]:
 @pytest.mark.distributed
 @pytest.mark.timeout(300)
 def test_a_distributed_stage_writes_per_rank_traces_that_merge(tmp_path: Path) -> None:
-    executed = rr.spawn(_stage_worker, 2, str(tmp_path / "t"), timeout=240)
+    executed = pooled_spawn(_stage_worker, 2, str(tmp_path / "t"), timeout=240)
     out = tmp_path / "merged.json"
     data = rr.merge_traces([str(tmp_path / "t" / "rank*.json")], out=out)
     assert {s.step for s in data.spans} == {2}  # each file holds its rank's last step

@@ -24,6 +24,7 @@ from rrfp_async import (
     train_worker,
 )
 from rrfp_async.models import reference_train, unshard
+from tests._pool import pooled_spawn
 
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(300)]
 
@@ -97,7 +98,7 @@ def _deviations(results: list[list[TrainResult]], i: int) -> int:
 @pytest.mark.parametrize(("pp", "tp"), [(2, 1), (4, 1), (2, 2)], ids=["pp2", "pp4", "pp2xtp2"])
 def test_training_matches_single_process(pp: int, tp: int) -> None:
     cfg = _config(pp, tp)
-    results = rr.spawn(train_worker, pp * tp, cfg, timeout=240)
+    results = pooled_spawn(train_worker, pp * tp, cfg, timeout=240)
     ref = _reference(cfg)
     for i, policy in enumerate(POLICIES):
         diff = _max_diff(_params(results, i, cfg), ref)
@@ -110,7 +111,7 @@ def test_training_matches_single_process(pp: int, tp: int) -> None:
 @pytest.mark.parametrize(("pp", "tp"), [(2, 1), (4, 1), (2, 2)], ids=["pp2", "pp4", "pp2xtp2"])
 def test_ordered_weight_gradients_are_bitwise_order_independent(pp: int, tp: int) -> None:
     cfg = _config(pp, tp, split_backward=True, ordered_weights=True)
-    results = rr.spawn(train_worker, pp * tp, cfg, timeout=240)
+    results = pooled_spawn(train_worker, pp * tp, cfg, timeout=240)
     strict, rf = _params(results, 0, cfg), _params(results, 1, cfg)
     assert _deviations(results, 1) > 0
     assert _bitwise(strict, rf)
@@ -139,13 +140,13 @@ def test_tp_divergence_is_caught_without_coordination() -> None:
         cost=_strong_noise(),
     )
     with pytest.raises(rr.SpawnError, match="DivergenceError") as ei:
-        rr.spawn(train_worker, 4, cfg, timeout=240)
+        pooled_spawn(train_worker, 4, cfg, timeout=240)
     assert "executed different task sequences" in str(ei.value)
 
 
 def test_tp_coordination_keeps_results_equal() -> None:
     cfg = _config(2, 2, equal_lengths=True, policies=("readiness_first",), cost=_strong_noise())
-    results = rr.spawn(train_worker, 4, cfg, timeout=240)
+    results = pooled_spawn(train_worker, 4, cfg, timeout=240)
     ref = _reference(cfg)
     assert _max_diff(_params(results, 0, cfg), ref) <= 1e-5
     assert _deviations(results, 0) > 0
@@ -171,7 +172,7 @@ def test_data_parallel_replicas_average_gradients() -> None:
     assert not torch.equal(own[0][0][0].data["text"], own[1][0][0].data["text"])
     for d in (0, 1):
         assert _max_diff(_reference(cfg, own[d]), ref) > 1e-3
-    results = rr.spawn(train_worker, 4, cfg, timeout=240)
+    results = pooled_spawn(train_worker, 4, cfg, timeout=240)
     replicas: dict[int, list[list[TrainResult]]] = {}
     for per_rank in results:
         replicas.setdefault(per_rank[0].dp_rank, []).append(per_rank)
@@ -205,7 +206,7 @@ def test_policies_take_their_steps_in_turn_unless_told_otherwise(interleave: boo
     # gives (same losses: the steps of one policy do not see the other's).
     cfg = _config(2, steps=3, microbatches=4, interleave=interleave, progress=True)
     seen: list[tuple[str, int]] = []
-    results = rr.spawn(train_worker, 2, cfg, timeout=240, on_progress=seen.append)
+    results = pooled_spawn(train_worker, 2, cfg, timeout=240, on_progress=seen.append)
     a, b = POLICIES
     if interleave:
         assert seen == [(a, 0), (b, 0), (b, 1), (a, 1), (a, 2), (b, 2)]
@@ -229,7 +230,7 @@ def _mesh_layout(rank: int, world: int) -> tuple[int, int, int, list[int], dict[
 
 
 def test_layout_from_device_mesh() -> None:
-    res = rr.spawn(_mesh_layout, 4, timeout=120)
+    res = pooled_spawn(_mesh_layout, 4, timeout=120)
     assert [r[:3] for r in res] == [(0, 0, 1), (0, 1, 1), (1, 0, 1), (1, 1, 1)]
     assert res[3][3] == [2, 3]
     assert res[1][4] == {0: 1, 1: 3}

@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-import rrfp_async as rr
+from tests._pool import pooled_spawn
 
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(400)]
 
@@ -202,9 +202,9 @@ CASES = [
 @pytest.mark.parametrize(("schedule", "n"), CASES, ids=[c[0] for c in CASES])
 def test_torchtitan_call_style_gives_torchs_result(schedule: str, n: int) -> None:
     world = 2
-    want = rr.spawn(worker, world, "torch", schedule, n, timeout=300)
-    strict = rr.spawn(worker, world, "strict", schedule, n, timeout=300)
-    default = rr.spawn(worker, world, "default", schedule, n, timeout=300)
+    want = pooled_spawn(worker, world, "torch", schedule, n, timeout=300)
+    strict = pooled_spawn(worker, world, "strict", schedule, n, timeout=300)
+    default = pooled_spawn(worker, world, "default", schedule, n, timeout=300)
     holder = [r for r in range(world) if want[r]["losses"]]
     assert len(holder) == 1 and len(want[holder[0]]["losses"]) == 3 * n
     assert len(strict[holder[0]]["eval_losses"]) == n
@@ -283,7 +283,7 @@ def misuse_worker(rank: int, world: int) -> dict[str, str]:
 
 
 def test_inputs_torch_refuses_are_refused_alike() -> None:
-    got = rr.spawn(misuse_worker, 2, timeout=200)[0]
+    got = pooled_spawn(misuse_worker, 2, timeout=200)[0]
     assert got["mixed"].startswith("ValueError: When using pre-split inputs"), got["mixed"]
     assert got["mixed_kw"].startswith("ValueError: Unexpected keyword arguments"), got
     assert "scale" in got["mixed_kw"]

@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import rrfp_async as rr
+from tests._pool import pooled_spawn
 
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(240)]
 
@@ -89,9 +90,9 @@ def worker(rank: int, world: int, which: str, chunks: int) -> dict[str, Any]:
 @pytest.mark.parametrize("chunks", [1, 2], ids=["1f1b", "interleaved"])
 def test_same_script_one_changed_line_same_parameters_as_torch(chunks: int) -> None:
     world = 2
-    want = rr.spawn(worker, world, "torch", chunks, timeout=200)
-    strict = rr.spawn(worker, world, "strict", chunks, timeout=200)
-    default = rr.spawn(worker, world, "default", chunks, timeout=200)
+    want = pooled_spawn(worker, world, "torch", chunks, timeout=200)
+    strict = pooled_spawn(worker, world, "strict", chunks, timeout=200)
+    default = pooled_spawn(worker, world, "default", chunks, timeout=200)
     for r in range(world):
         for a, b in zip(strict[r]["params"], want[r]["params"], strict=True):
             assert torch.equal(a, b), (a - b).abs().max()  # bitwise: same order
@@ -139,7 +140,7 @@ def variable_worker(rank: int, world: int) -> dict[str, Any]:
 
 def test_variable_length_microbatches_torch_cannot_take() -> None:
     world = 2
-    res = rr.spawn(variable_worker, world, timeout=200)
+    res = pooled_spawn(variable_worker, world, timeout=200)
     model = full_model(world)
     g = torch.Generator().manual_seed(5)
     xs = [torch.randn(2, 3 + 4 * i, D, generator=g) for i in range(5)]
@@ -200,8 +201,8 @@ def async_worker(rank: int, world: int) -> dict[str, Any]:
 
 
 def test_step_async_trains_like_torch() -> None:
-    want = rr.spawn(worker, 2, "torch", 1, timeout=200)
-    got = rr.spawn(async_worker, 2, timeout=200)
+    want = pooled_spawn(worker, 2, "torch", 1, timeout=200)
+    got = pooled_spawn(async_worker, 2, timeout=200)
     for r in range(2):
         for a, b in zip(got[r]["params"], want[r]["params"], strict=True):
             assert torch.equal(a, b), (a - b).abs().max()
@@ -267,9 +268,9 @@ def kw_worker(rank: int, world: int, which: str) -> dict[str, Any]:
 def test_keyword_inputs_reach_every_stage_as_in_torch() -> None:
     """Fails on a drop-in that gives keyword inputs to the first stage only (silently wrong
     before: the loss differed from torch's with no error)."""
-    want = rr.spawn(kw_worker, 2, "torch", timeout=200)
-    strict = rr.spawn(kw_worker, 2, "strict", timeout=200)
-    default = rr.spawn(kw_worker, 2, "default", timeout=200)
+    want = pooled_spawn(kw_worker, 2, "torch", timeout=200)
+    strict = pooled_spawn(kw_worker, 2, "strict", timeout=200)
+    default = pooled_spawn(kw_worker, 2, "default", timeout=200)
     assert len(want[1]["losses"]) == 2 * N_MB
     assert strict[1]["losses"] == want[1]["losses"]
     torch.testing.assert_close(default[1]["losses"], want[1]["losses"])

@@ -13,7 +13,6 @@ import pytest
 import torch
 import torch.distributed as dist
 
-import rrfp_async as rr
 from rrfp_async._bridges import (
     ComputeWorker,
     cuda_event_future,
@@ -22,6 +21,7 @@ from rrfp_async._bridges import (
     work_future,
 )
 from rrfp_async.loop._runner import loop_factory
+from tests._pool import pooled_spawn
 
 # ---------------------------------------------------------------------------- torch_future
 
@@ -534,7 +534,7 @@ def _dist_checks(rank: int, world: int) -> list[dict[str, Any]]:
 @pytest.mark.distributed
 @pytest.mark.timeout(120)
 def test_work_future_with_gloo_p2p_and_collectives() -> None:
-    ranks = rr.spawn(_dist_checks, 2, timeout=90)
+    ranks = pooled_spawn(_dist_checks, 2, timeout=90)
     assert len(ranks[1]) == 2
     loops = [r["loop"] for r in ranks[1]]
     assert loops[0].startswith("asyncio") and loops[1].startswith("uvloop")

@@ -24,6 +24,7 @@ from rrfp_async.models import (
     stage_layers,
     unshard,
 )
+from tests._pool import pooled_spawn
 
 CFG = ImageTextConfig()
 
@@ -247,7 +248,7 @@ def _tp_worker(rank: int, world: int, cfg: ImageTextConfig, lr: float) -> bytes:
 @pytest.mark.timeout(120)
 def test_tp2_matches_tp1_forward_grads_and_one_sgd_step() -> None:
     lr = 0.05
-    res = [torch.load(io.BytesIO(b)) for b in rr.spawn(_tp_worker, 2, CFG, lr, timeout=100)]
+    res = [torch.load(io.BytesIO(b)) for b in pooled_spawn(_tp_worker, 2, CFG, lr, timeout=100)]
 
     ref = build_stage_modules(CFG, 2, [0, 1])
     mbs = _edge_mbs(CFG)

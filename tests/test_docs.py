@@ -1,0 +1,440 @@
+"""The docs name only what exists: every path, link, module, public name, command and option.
+
+The reference pages (README.md, BENCHMARKS.md, ARCHITECTURE.md, docs/*.md) are read as
+Markdown; what they name is checked against the checkout:
+
+* links ``[text](target)``: the file exists (relative to the page) and, for an anchor into
+  a Markdown page, a heading of that page has that GitHub slug;
+* paths in code spans (``examples/x.py``, ``docs/x.md``, a top-level entry such as
+  ``compat/env.sh``): the file or folder exists;
+* ``rrfp_async.x.y`` and ``rr.X.y``: the module imports and the attribute is there;
+* commands (``rrfp-async ...``, ``python examples/...``, ``python scripts/...``, ``torchrun
+  ... examples/...``, ``./dev ...``): the subcommand exists, its ``--help`` runs, and every
+  option the command line uses is one the command takes.
+
+History is not reference: the dated reports under docs/reports/ and CHANGELOG.md name files
+and options of their day, and are not checked.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import importlib
+import os
+import re
+import shlex
+import subprocess
+import sys
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import click
+import pytest
+from click.testing import CliRunner
+
+ROOT = Path(__file__).resolve().parent.parent
+PAGES = sorted(
+    [
+        ROOT / "README.md",
+        ROOT / "BENCHMARKS.md",
+        ROOT / "ARCHITECTURE.md",
+        *(ROOT / "docs").glob("*.md"),
+    ]
+)
+
+# Pages that other branches add (the docs link to them already). Each entry is removed when
+# its branch is merged; the test fails if a listed page exists, so the list cannot go stale.
+PENDING = {
+    "docs/testing.md": "h-harness (the pooled multi-process test harness)",
+    "docs/gpu.md": "the GPU / NCCL branch",
+}
+
+_FENCE = re.compile(r"^```[^\n]*\n(.*?)^```", re.M | re.S)
+_SPAN = re.compile(r"`([^`\n]+)`")
+_LINK = re.compile(r"(?<!!)\[[^\]\n]*\]\(([^)\s]+)\)")
+_MODULE = re.compile(r"(?<![\w.])rrfp_async(?:\.[A-Za-z_]\w*)+")
+_RR_NAME = re.compile(r"(?<![\w.])rr\.([A-Za-z_]\w*(?:\.[A-Za-z_]\w*)*)")
+_PATH_EXT = (".py", ".md", ".toml", ".sh", ".txt", ".png", ".json", ".cfg")
+# The repository's own top-level entries (not what a run left beside them: out/, caches).
+_IGNORED_TOP = {"out", "build", "dist", "__pycache__"}
+_TOP = {
+    p.name
+    for p in ROOT.iterdir()
+    if not p.name.startswith(".")
+    and p.name not in _IGNORED_TOP
+    and not p.name.endswith(".egg-info")
+}
+
+
+@dataclass(frozen=True)
+class Page:
+    path: Path
+    text: str  # the whole page
+    prose: str  # the page without its fenced code blocks
+    blocks: tuple[str, ...]  # the fenced code blocks' contents
+
+    @property
+    def name(self) -> str:
+        return str(self.path.relative_to(ROOT))
+
+
+def _page(path: Path) -> Page:
+    text = path.read_text(encoding="utf-8")
+    return Page(path, text, _FENCE.sub("", text), tuple(_FENCE.findall(text)))
+
+
+def _pages() -> list[Page]:
+    return [_page(p) for p in PAGES]
+
+
+def _slug(heading: str) -> str:
+    """GitHub's anchor for a heading: lower case, punctuation dropped, spaces to hyphens."""
+    s = heading.strip().lower().replace("`", "")
+    s = re.sub(r"[^\w\- ]", "", s)
+    return s.replace(" ", "-")
+
+
+def _anchors(page: Page) -> set[str]:
+    seen: dict[str, int] = {}
+    out = set()
+    for line in page.prose.splitlines():
+        m = re.match(r"^#{1,6}\s+(.*?)\s*#*\s*$", line)
+        if not m:
+            continue
+        s = _slug(m.group(1))
+        n = seen.get(s, 0)
+        seen[s] = n + 1
+        out.add(s if n == 0 else f"{s}-{n}")
+    return out
+
+
+def _pending_or_exists(rel: str) -> bool:
+    """Whether the repo path ``rel`` exists, or is a page another branch adds."""
+    return (ROOT / rel).exists() or rel.rstrip("/") in PENDING
+
+
+def test_pending_pages_are_still_pending() -> None:
+    """A page listed as pending that now exists must leave the list (so its links, anchors
+    included, are checked)."""
+    arrived = [p for p in PENDING if (ROOT / p).exists()]
+    assert not arrived, f"these pages exist now; remove them from PENDING: {arrived}"
+
+
+def test_slug_follows_github() -> None:
+    assert _slug("Paper scale, simulated — `rrfp-async bench paper`") == (
+        "paper-scale-simulated--rrfp-async-bench-paper"
+    )
+    assert _slug("Against torch.distributed.pipelining — x") == (
+        "against-torchdistributedpipelining--x"
+    )
+    assert _slug('"BF" and "BFW"') == "bf-and-bfw"
+
+
+@pytest.mark.parametrize("page", PAGES, ids=lambda p: str(p.relative_to(ROOT)))
+def test_links_resolve(page: Path) -> None:
+    pg = _page(page)
+    bad = []
+    for target in _LINK.findall(pg.prose):
+        if re.match(r"^[a-z]+:", target):  # https:, mailto:
+            continue
+        file, _, anchor = target.partition("#")
+        dest = (page.parent / file).resolve() if file else page
+        rel = os.path.relpath(dest, ROOT)
+        if not dest.exists():
+            if rel not in PENDING:
+                bad.append(f"{target}: no such file ({rel})")
+            continue
+        if anchor and dest.suffix == ".md" and anchor not in _anchors(_page(dest)):
+            bad.append(f"{target}: no heading with anchor #{anchor} in {rel}")
+    assert not bad, f"{pg.name}: " + "; ".join(bad)
+
+
+def _path_candidates(page: Page) -> list[str]:
+    """Code spans of the page (outside fenced blocks) that name a repo path."""
+    out = []
+    for span in _SPAN.findall(page.prose):
+        s = span.strip()
+        if not re.fullmatch(r"\.?[\w./-]+", s) or s.startswith(("..", "/")) or "//" in s:
+            continue
+        first = s.split("/", 1)[0]
+        if ("/" in s and first in _TOP) or (s in _TOP) or s.endswith((".py", ".md")):
+            out.append(s)
+    return out
+
+
+@pytest.mark.parametrize("page", PAGES, ids=lambda p: str(p.relative_to(ROOT)))
+def test_paths_exist(page: Path) -> None:
+    pg = _page(page)
+    bad = []
+    for s in _path_candidates(pg):
+        # A bare module file (``_admission.py`` in ARCHITECTURE.md's layer table) is the
+        # package's; anything else is relative to the repo root or to the page.
+        where = [ROOT / s, page.parent / s, ROOT / "rrfp_async" / s]
+        if not any(w.exists() for w in where) and not _pending_or_exists(s):
+            bad.append(s)
+    assert not bad, f"{pg.name} names paths that do not exist: {sorted(set(bad))}"
+
+
+def test_path_candidates_are_found() -> None:
+    """The path check is not vacuous: it sees spans that name paths, and only those."""
+    pg = Page(
+        ROOT / "x.md",
+        "",
+        "`examples/custom_policy.py` `docs/x.md` `compat/env.sh` `out/demo/` `step.json`"
+        " `rr.Task` `--json`",
+        (),
+    )
+    assert _path_candidates(pg) == ["examples/custom_policy.py", "docs/x.md", "compat/env.sh"]
+
+
+def _has_attr(obj: object, name: str) -> bool:
+    """``getattr`` or a declared field (a dataclass field, an annotated or slotted one)."""
+    if hasattr(obj, name):
+        return True
+    return any(
+        name in getattr(obj, attr, ())
+        for attr in ("__dataclass_fields__", "__annotations__", "__slots__")
+    )
+
+
+def _resolve(dotted: str) -> str | None:
+    """None when ``dotted`` (``rrfp_async.x.y``) names a module or an attribute of one, else
+    why not."""
+    parts = dotted.split(".")
+    obj: Any = None
+    for i in range(len(parts), 0, -1):
+        name = ".".join(parts[:i])
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                obj = importlib.import_module(name)
+        except ModuleNotFoundError as e:
+            if e.name is not None and not name.startswith(e.name):
+                return f"importing {name} failed: {e}"  # a dependency is missing
+            continue
+        for attr in parts[i:]:
+            if not _has_attr(obj, attr):
+                return f"{name} has no attribute {attr!r}"
+            obj = getattr(obj, attr, None)
+        return None
+    return "no such module"
+
+
+@pytest.mark.timeout(300)
+def test_modules_and_public_names_exist() -> None:
+    """Every ``rrfp_async.…`` and ``rr.…`` the pages name imports (modules are imported,
+    nothing is run)."""
+    names: dict[str, set[str]] = {}
+    for pg in _pages():
+        for m in _MODULE.findall(pg.text):
+            names.setdefault(m, set()).add(pg.name)
+        for m in _RR_NAME.findall(pg.text):
+            names.setdefault(f"rrfp_async.{m}", set()).add(pg.name)
+    assert "rrfp_async.simulate" in names and "rrfp_async.pipelining" in names  # not vacuous
+    bad = {n: (why, sorted(names[n])) for n in sorted(names) if (why := _resolve(n))}
+    assert not bad, f"named in the docs but missing: {bad}"
+
+
+def test_resolve_refuses_what_is_not_there() -> None:
+    assert _resolve("rrfp_async.simulate") is None
+    assert _resolve("rrfp_async.Task.parse") is None
+    assert _resolve("rrfp_async.channels.P2PChannel") is None
+    assert _resolve("rrfp_async.no_such_name") is not None
+    assert _resolve("rrfp_async.Task.no_such_method") is not None
+    assert _resolve("rrfp_async.no_such_module.x") is not None
+
+
+# ---- commands ---------------------------------------------------------------------------
+
+_STARTS = ("rrfp-async ", "python examples/", "python scripts/", "torchrun ", "./dev ")
+_STOP = {"|", "||", "&&", ";", ">", ">>", "2>", "&"}
+
+
+def _command_lines(page: Page) -> list[str]:
+    """Command lines of the page: lines of fenced blocks (backslash continuations joined,
+    comments dropped) and code spans, that start with a command the project provides."""
+    lines = []
+    for block in page.blocks:
+        joined = re.sub(r"\\\n\s*", " ", block)
+        lines += joined.splitlines()
+    lines += _SPAN.findall(page.prose)
+    out = []
+    for line in lines:
+        s = re.sub(r"^(?:\$ )?(?:[A-Z_]+=\S+ )+", "", line.strip())  # COLUMNS=80 cmd
+        if s.startswith(_STARTS):
+            out.append(s)
+    return out
+
+
+def _tokens(line: str) -> list[str]:
+    """The command's words up to a pipe, a redirection or a comment; ``[--opt x]`` is
+    optional syntax, read as ``--opt x``."""
+    try:
+        words = shlex.split(line.replace("[", " ").replace("]", " "), comments=True)
+    except ValueError:  # an unbalanced quote in a span that shows part of a command
+        words = line.split()
+    out = []
+    for w in words:
+        if w in _STOP:
+            break
+        out.append(w)
+    return out
+
+
+def _options(words: list[str]) -> list[str]:
+    return [w.split("=", 1)[0] for w in words if w.startswith("-") and w not in ("-", "--")]
+
+
+def _cli_main() -> click.Group:
+    from rrfp_async.cli import main
+
+    return main
+
+
+def _check_rrfp_async(words: list[str]) -> str | None:
+    """Walk the click tree along ``words`` (after ``rrfp-async``); None if the command
+    exists, its --help runs and it takes every option used."""
+    cmd: click.Command = _cli_main()
+    path: list[str] = []
+    rest = list(words)
+    while isinstance(cmd, click.Group):
+        while rest and rest[0].startswith("-"):  # group options (--log-format json)
+            opt = rest.pop(0).split("=", 1)[0]
+            if opt not in _opts_of(cmd):
+                return f"{' '.join(['rrfp-async', *path])} has no option {opt}"
+            if rest and not rest[0].startswith("-") and _takes_value(cmd, opt):
+                rest.pop(0)
+        if not rest:
+            break
+        sub = cmd.commands.get(rest[0])
+        if sub is None:
+            return f"{' '.join(['rrfp-async', *path])} has no command {rest[0]!r}"
+        path.append(rest.pop(0))
+        cmd = sub
+    res = CliRunner().invoke(_cli_main(), [*path, "--help"])
+    if res.exit_code != 0:
+        return f"rrfp-async {' '.join(path)} --help exited {res.exit_code}: {res.output}"
+    missing = [o for o in _options(rest) if o not in _opts_of(cmd) and o != "..."]
+    if missing:
+        return f"rrfp-async {' '.join(path)} takes no {missing}"
+    return None
+
+
+def _opts_of(cmd: click.Command) -> set[str]:
+    out = {"--help", "-h"}
+    for p in cmd.params:
+        if isinstance(p, click.Option):
+            out.update(p.opts)
+            out.update(p.secondary_opts)
+    return out
+
+
+def _takes_value(cmd: click.Command, opt: str) -> bool:
+    for p in cmd.params:
+        if isinstance(p, click.Option) and opt in p.opts:
+            return not p.is_flag
+    return False
+
+
+def _dev_commands() -> set[str]:
+    src = (ROOT / "dev").read_text(encoding="utf-8")
+    body = src[src.index('case "$cmd" in') :]
+    return set(re.findall(r"^\s+([a-z0-9-]+)\)", body, re.M))
+
+
+def _script_check(words: list[str]) -> tuple[str, list[str]] | str:
+    """For ``python examples/x.py ...`` / ``torchrun ... examples/x.py ...``: the script and
+    the options used, or why the command is wrong."""
+    idx = next((i for i, w in enumerate(words) if w.endswith(".py")), None)
+    if idx is None:
+        return f"no script in {' '.join(words)!r}"
+    script = words[idx]
+    if not (ROOT / script).is_file():
+        return f"{script}: no such file"
+    return script, _options(words[idx + 1 :])
+
+
+def _help_of(script: str) -> tuple[int, str]:
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    got = subprocess.run(
+        [sys.executable, script, "--help"],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    return got.returncode, got.stdout + got.stderr
+
+
+def _all_commands() -> dict[str, set[str]]:
+    cmds: dict[str, set[str]] = {}
+    for pg in _pages():
+        for line in _command_lines(pg):
+            cmds.setdefault(line, set()).add(pg.name)
+    return cmds
+
+
+def test_command_lines_are_found() -> None:
+    """The command check is not vacuous: fenced and inline commands are both read."""
+    pg = _page(ROOT / "README.md")
+    lines = _command_lines(pg)
+    assert any(line.startswith("./dev demo") for line in lines), lines
+    assert _tokens("rrfp-async bench soak [--steps 500] | tee x  # note") == [
+        "rrfp-async",
+        "bench",
+        "soak",
+        "--steps",
+        "500",
+    ]
+    assert _check_rrfp_async(["bench", "peer", "--no-such-option"]) is not None
+    assert _check_rrfp_async(["bench", "no-such-command"]) is not None
+    assert _check_rrfp_async(["--log-format", "json", "bench", "peer", "--json"]) is None
+
+
+@pytest.mark.timeout(600)
+def test_commands_exist_and_take_their_options() -> None:
+    """Every command line in the pages: its subcommand exists, ``--help`` runs, and it takes
+    every option the line uses (a renamed option breaks the docs, not the reader)."""
+    bad: dict[str, str] = {}
+    scripts: dict[str, set[str]] = {}  # script -> options used anywhere
+    dev = _dev_commands()
+    cmds = _all_commands()
+    for line, where in sorted(cmds.items()):
+        words = _tokens(line)
+        tag = f"{line} ({', '.join(sorted(where))})"
+        if words[0] == "rrfp-async":
+            why = _check_rrfp_async(words[1:])
+            if why:
+                bad[tag] = why
+        elif words[0] == "./dev":
+            if len(words) > 1 and words[1] not in dev:
+                bad[tag] = f"./dev has no command {words[1]!r} (it has {sorted(dev)})"
+        else:
+            got = _script_check(words)
+            if isinstance(got, str):
+                bad[tag] = got
+            else:
+                scripts.setdefault(got[0], set()).update(got[1])
+    assert scripts, "no script commands found"
+
+    def check(item: tuple[str, set[str]]) -> tuple[str, str | None]:
+        script, opts = item
+        if "argparse" not in (ROOT / script).read_text(encoding="utf-8"):
+            # No option parser: --help would run the script; it must take no options.
+            return script, (f"takes no options, the docs give {sorted(opts)}" if opts else None)
+        rc, out = _help_of(script)
+        if rc != 0:
+            return script, f"--help exited {rc}: {out[-2000:]}"
+        missing = sorted(o for o in opts if not re.search(rf"(?<![\w-]){re.escape(o)}\b", out))
+        return script, (f"takes no {missing}" if missing else None)
+
+    with concurrent.futures.ThreadPoolExecutor(max_workers=4) as pool:
+        for script, why in pool.map(check, sorted(scripts.items())):
+            if why:
+                bad[script] = why
+    assert not bad, "commands in the docs that do not run as written:\n" + "\n".join(
+        f"  {k}: {v}" for k, v in bad.items()
+    )
