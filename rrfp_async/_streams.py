@@ -36,13 +36,20 @@ from typing import Any
 import torch
 
 __all__ = [
+    "READY_ATTR",
     "Device",
     "HostEvent",
     "HostStream",
     "Pending",
     "current_host_stream",
+    "mark_ready",
+    "pending_events",
     "use_host_stream",
+    "wait_ready",
 ]
+
+READY_ATTR = "_rrfp_ready"
+"""Attribute of a received tensor: the event of its receive (see ``mark_ready``)."""
 
 
 class Pending:
@@ -215,5 +222,72 @@ class Device:
         else:
             event.wait(stream)
 
+    def consume(self, event: Any) -> None:
+        """Make this thread's compute wait for ``event`` before it reads what the event
+        guards: on CUDA the current stream waits on the device (the host goes on); on the
+        CPU the thread *is* the stream, so it blocks until the event completed (and raises
+        the error of a failed operation)."""
+        if self.is_cuda:
+            torch.cuda.current_stream(self.device).wait_event(event)
+        else:
+            event.synchronize()
+
     def __repr__(self) -> str:
         return f"Device({self.device})"
+
+
+# Received tensors carry the event of their receive
+# --------------------------------------------------
+# A channel that completes a receive on a comm stream records an event there and attaches
+# it to every tensor leaf of the value it delivers (``mark_ready``); the consumer, on the
+# thread (and CUDA stream) that computes with the value, calls ``wait_ready`` first, which
+# makes that stream wait for the event and then forgets it. The attribute travels with the
+# tensor through the loop untouched (the loop never reads payloads), so no interface
+# between the channel and the executor changes; a consumer that does not call
+# ``wait_ready`` is served by the channel itself, which then delivers only once the event
+# completed (``P2PChannel.consumer_waits``).
+
+
+def mark_ready(value: Any, event: Any) -> None:
+    """Attach ``event`` (the receive's) to every tensor leaf of ``value``."""
+    from ._pytree import tensor_leaves
+
+    for t in tensor_leaves(value):
+        setattr(t, READY_ATTR, event)
+
+
+def pending_events(value: Any) -> list[Any]:
+    """The distinct receive events attached to ``value``'s tensor leaves."""
+    from ._pytree import tensor_leaves
+
+    out: list[Any] = []
+    for t in tensor_leaves(value):
+        ev = getattr(t, READY_ATTR, None)
+        if ev is not None and all(ev is not e for e in out):
+            out.append(ev)
+    return out
+
+
+def wait_ready(value: Any, device: Device) -> int:
+    """Order this thread's compute after the receive events attached to ``value``'s tensor
+    leaves (``Device.consume``) and detach them; on CUDA each leaf is also recorded on the
+    current stream (``record_stream``: its memory came from the comm stream's pool and must
+    not be reused while this stream may still read it).
+
+    Returns:
+        How many distinct events it waited for.
+    """
+    from ._pytree import tensor_leaves
+
+    seen: list[Any] = []
+    for t in tensor_leaves(value):
+        ev = getattr(t, READY_ATTR, None)
+        if ev is None:
+            continue
+        if all(ev is not e for e in seen):
+            device.consume(ev)
+            seen.append(ev)
+        delattr(t, READY_ATTR)
+        if device.is_cuda and t.is_cuda:
+            t.record_stream(torch.cuda.current_stream(t.device))
+    return len(seen)

@@ -33,9 +33,14 @@ documented semantics:
 * **A receive is posted only after its header said it comes** (a receive kept posted on an
   NCCL communicator blocks the stream behind it): ``observe`` wraps the gloo control group,
   reads the headers that go by, and counts those announcing a device payload (kind
-  ``DATA_DEVICE``) per edge; a receive on a checked group beyond that count is an error; a
-  header sent before its payload's send was issued is one too (the receiver would post a
-  receive whose send may never be enqueued).
+  ``DATA_DEVICE``, and the ``WARMUP`` that opens an edge) per edge; a receive on a checked
+  group beyond that count is an error; a ``DATA_DEVICE`` header sent before its payload's
+  send was issued is one too (the receiver would post a receive whose send may never be
+  enqueued).
+* **Communicators are created at their first operation**, which blocks the issuing thread
+  until the peer's first operation on it (NCCL's lazy ``ncclCommInitRank`` of a p2p
+  communicator): modelled by a handshake on the gloo group underneath, so a transport whose
+  ranks open their communicators in orders that do not match stalls (and is logged).
 * **Device memory only.** A tensor on a checked group must be on the communicator's device,
   contiguous, not pinned host memory, and not a buffer the host packed
   (``_wire.pack_inline``/``pack_tree``: NCCL needs device memory, and packing a device tensor
@@ -68,7 +73,7 @@ import torch
 import torch.distributed as dist
 
 from .._streams import Pending, current_host_stream
-from ._wire import DATA_DEVICE, HEADER_BYTES, MAGIC
+from ._wire import DATA_DEVICE, HEADER_BYTES, MAGIC, WARMUP
 
 __all__ = [
     "RULES_ENV",
@@ -89,6 +94,8 @@ LAG_ENV = "RRFP_NCCL_RULES_LAG"
 REPORT_ENV = "RRFP_NCCL_RULES_REPORT"
 """``1``: log each violation and go on (to list every rule a design breaks) instead of
 raising at the first."""
+_INIT_TAG = 0x1717
+"""gloo tag of the handshake that models a communicator's creation (``CheckedGroup._open``)."""
 STALL_ENV = "RRFP_NCCL_RULES_STALL"
 """Seconds after which an operation still running is logged as a stall (default 10)."""
 
@@ -145,13 +152,17 @@ class _Registry:
             f"{os.environ.get('TORCHELASTIC_RUN_ID', '')}"
         )
         self._file: Any = None
+        self._dir = log_dir()  # fixed when made: a later registry (a test's) logs elsewhere
+        self._closed = False
         self._watchdog: threading.Thread | None = None
 
     def log(self, record: dict[str, Any]) -> None:
         line = json.dumps({"job": self.job, "pid": os.getpid(), **record})
         with self.lock:
+            if self._closed:  # a model device of a registry that was replaced: dropped
+                return
             if self._file is None:
-                d = log_dir()
+                d = self._dir
                 d.mkdir(parents=True, exist_ok=True)
                 self._file = open(d / f"ops-{os.getpid()}.jsonl", "a", buffering=1)  # noqa: SIM115
             self._file.write(line + "\n")
@@ -159,6 +170,7 @@ class _Registry:
     def close(self) -> None:
         """Close the log (a test that starts a fresh registry closes the old one)."""
         with self.lock:
+            self._closed = True
             if self._file is not None:
                 self._file.close()
                 self._file = None
@@ -381,27 +393,24 @@ class _Pair:
                     d.wait()
                     if d.error is not None:
                         raise d.error
-                t = ref()
-                if t is None:
-                    raise reg.violate(
-                        f"{what}: its tensor was freed before the operation ran on the stream"
-                        " (keep it alive, or record_stream it, until its work completes)"
-                    )
                 inner = self.group.inner
                 if op == "send":
+                    t = ref()
+                    if t is None:
+                        raise reg.violate(
+                            f"{what}: its tensor was freed before the operation ran on the"
+                            " stream (keep it alive, or record_stream it, until its work"
+                            " completes)"
+                        )
                     buf = t.detach().clone()  # what the tensor holds *now*, when the send runs
                     del t
                     inner.send([buf], self.peer, tag).wait()
                 else:
-                    del t
                     buf = torch.empty(shape, dtype=dtype)
                     inner.recv([buf], self.peer, tag).wait()
-                    t = ref()
-                    if t is None:
-                        raise reg.violate(f"{what}: its buffer was freed before the data landed")
                     with torch.no_grad():
-                        t.copy_(buf)
-                    del t
+                        ref.copy_(buf)
+                del item, ref
                 pending.set()
             except BaseException as e:
                 self.broken = e
@@ -463,6 +472,9 @@ class CheckedGroup:
             ``dist.get_backend`` and ``dist.get_group_rank`` take it); False for tests that
             run without an initialized default group.
         ranks: Group rank -> global rank (default: read from ``torch.distributed``).
+        model_init: Model NCCL's lazy communicator creation: the first operation on a pair
+            blocks its issuing thread until the peer's first operation on it (False for
+            single-threaded unit tests that issue both ends from one thread).
     """
 
     def __init__(
@@ -472,8 +484,10 @@ class CheckedGroup:
         device: torch.device | str = "cpu",
         register: bool = True,
         ranks: dict[int, int] | None = None,
+        model_init: bool = True,
     ) -> None:
         self.inner = inner
+        self.model_init = model_init
         self.reg = _reg()
         self.device = torch.device(device)
         self.lag = _env_float(LAG_ENV, 0.001)
@@ -540,6 +554,31 @@ class CheckedGroup:
                 " host reads it there; pack it on the device)"
             )
 
+    def _open(self, pair: _Pair, what: str) -> None:
+        """The communicator's creation at its first operation on ``pair``: NCCL creates a
+        p2p communicator lazily, and ``ncclCommInitRank`` blocks until the peer joins, i.e.
+        until the peer issues its own first operation on it. Modelled by a handshake on the
+        gloo group underneath (both ends post a send and a receive, then wait), so a
+        transport that opens its communicators in an order the peers do not share stalls
+        here (logged as a stall) as it would hang under NCCL."""
+        reg = self.reg
+        key = -id(pair)
+        with reg.lock:
+            reg.running[key] = (
+                time.monotonic(),
+                f"creating communicator {self.comm} at {what}: it waits for the peer's first"
+                " operation on the communicator (NCCL's lazy init)",
+            )
+        try:
+            mine, theirs = torch.zeros(1), torch.zeros(1)
+            ws = self.inner.send([mine], pair.peer, _INIT_TAG)
+            wr = self.inner.recv([theirs], pair.peer, _INIT_TAG)
+            wr.wait()
+            ws.wait()
+        finally:
+            with reg.lock:
+                reg.running.pop(key, None)
+
     def _issue(self, op: str, tensors: list[torch.Tensor], peer: int, tag: int) -> _DeferredWork:
         reg = self.reg
         me = threading.current_thread()
@@ -601,6 +640,8 @@ class CheckedGroup:
                     "thread": me.name,
                 }
             )
+            if pair.count == 0 and self.model_init:
+                self._open(pair, what)
             pair.count += 1
             deps = s.snapshot() if (s := current_host_stream()) is not None else []
             pending = Pending(what)
@@ -610,7 +651,11 @@ class CheckedGroup:
             base, size = _ptr(t)
             with reg.lock:
                 reg.nccl[base] = (weakref.ref(t), size, f"the payload of {what}")
-            pair.queue.put((op, weakref.ref(t), t.shape, t.dtype, tag, deps, pending, what))
+            # A send's tensor is the transport's to keep alive until the send ran (NCCL reads
+            # it then); a receive's buffer is held by its work, as ProcessGroupNCCL's work
+            # holds it (the transport may keep only views of it: an unpacked pytree).
+            held: Any = weakref.ref(t) if op == "send" else t
+            pair.queue.put((op, held, t.shape, t.dtype, tag, deps, pending, what))
         finally:
             with reg.lock:
                 reg.issuing = None
@@ -669,7 +714,14 @@ class ObservedGroup:
 
     def send(self, tensors: list[torch.Tensor], dst: int, tag: int = 0) -> Any:
         h = _header(tensors[0])
-        if h is not None and h == (MAGIC, DATA_DEVICE):
+        if h == (MAGIC, WARMUP):
+            # The header that opens an edge's payload communicator goes *before* its 1-byte
+            # send (the send blocks until the communicator exists, which needs the peer's
+            # receive, which needs this header); it counts as an announcement.
+            edge = (self.me, self._global[dst])
+            with self.reg.lock:
+                self.reg.headers_sent[edge] = self.reg.headers_sent.get(edge, 0) + 1
+        elif h is not None and h == (MAGIC, DATA_DEVICE):
             edge = (self.me, self._global[dst])
             reg = self.reg
             with reg.lock:
@@ -692,7 +744,7 @@ class ObservedGroup:
         return _ObservedWork(self.inner.recv_anysource(tensors, tag), self, tensors[0], None)
 
     def _seen(self, buf: torch.Tensor, src: int) -> None:
-        if buf.nbytes >= HEADER_BYTES and _header(buf) == (MAGIC, DATA_DEVICE):
+        if buf.nbytes >= HEADER_BYTES and _header(buf) in ((MAGIC, DATA_DEVICE), (MAGIC, WARMUP)):
             edge = (self._global[src], self.me)
             with self.reg.lock:
                 self.reg.announced[edge] = self.reg.announced.get(edge, 0) + 1

@@ -282,16 +282,23 @@ class DistributedStage:
         # must reach every rank (see P2PChannel's design note).
         neighbours = sorted({*inbound, *outbound})
         self._has_peers = bool(neighbours)
-        self.channel = P2PChannel(
-            layout.pp_rank,
-            global_ranks=layout.pipeline_peers(),
-            inbound=neighbours,
-            outbound=neighbours,
-            group=self.groups.p2p,
-            device=device,
-            max_bytes=max_message_bytes,
-            bound_name="DistributedStage(max_message_bytes=...)",
-        )
+        try:
+            self.channel = P2PChannel(
+                layout.pp_rank,
+                global_ranks=layout.pipeline_peers(),
+                inbound=neighbours,
+                outbound=neighbours,
+                group=self.groups.p2p,
+                device=device,
+                max_bytes=max_message_bytes,
+                bound_name="DistributedStage(max_message_bytes=...)",
+                payload_groups=self.groups.payload,
+            )
+        except ValueError as e:  # an edge the groups have no payload communicator for
+            raise PlanError(f"rank {layout.rank}: {e}") from None
+        # The torch executor makes its compute stream wait on each received tensor's event
+        # (_streams.wait_ready); any other executor gets payloads once they arrived.
+        self.channel.consumer_waits = bool(getattr(executor, "waits_for_events", False))
         self.trace_dir = None if trace_dir is None else Path(trace_dir)
         if emulated_gpu_time is not None and not isinstance(emulated_gpu_time, bool):
             raise PlanError(f"emulated_gpu_time must be a bool or None, got {emulated_gpu_time!r}")

@@ -55,6 +55,7 @@ from .._rng import (
     step_key,
     task_key,
 )
+from .._streams import Device, wait_ready
 from .._tasks import StepPlan, Task
 from ..loop._executors import OutputHook, TaskContext
 from ._split_backward import WeightWork, input_backward, weight_backward
@@ -186,6 +187,10 @@ class TorchStageExecutor:
             compute thread with each task's output as soon as it exists (see ``Executor``).
     """
 
+    waits_for_events = True
+    """Inputs are consumed through their receive's event (``_streams.wait_ready``), on the
+    compute stream: the channel hands them on at once (``P2PChannel.consumer_waits``)."""
+
     def __init__(
         self,
         modules: Mapping[int, nn.Module],
@@ -238,6 +243,7 @@ class TorchStageExecutor:
         if shared is not None:
             self._resolve_shared(shared)
         self.output_hook: OutputHook | None = None
+        self._ready_device = Device(self.worker.device or "cpu")
         self._failed_step: int | None = None
         self.losses: dict[int, float] = {}
         self.outputs: dict[int, Any] = {}
@@ -321,6 +327,9 @@ class TorchStageExecutor:
     def _run(self, task: Task, data: Any, ctx: TaskContext) -> Any:
         if ctx.step != self._step:
             self._begin_step(ctx)
+        # A received input carries its receive's event: the compute stream (on a CPU, this
+        # thread) waits for it before anything reads the input (see _streams.wait_ready).
+        wait_ready(data, self._ready_device)
         t0 = time.perf_counter()
         handler = self._handlers[task.kind]
         key = self._rng_key
