@@ -21,10 +21,12 @@ device path keeps them by construction:
   ``DATA_DEVICE`` header and hands (shape, dtype, structure) to the issue thread, which posts
   the receive; nothing is kept posted on a payload communicator. The sender issues the
   payload's send *before* it posts the header, so every receive posted has its send enqueued.
-* **One issuing thread per channel** (``rrfp-issue-<rank>``): it issues every payload send
-  and receive of every edge, in the order they were handed to it, so no communicator ever
-  has two issuers and no two communicators are issued on at once. It never blocks on the
-  device: an issue is an enqueue, and ``wait()`` orders a stream.
+* **One issuing thread per device and process** (``rrfp-issue-<device>``, ``_Issuer``): it
+  issues every payload send and receive of every channel on that device, in the order they
+  were handed to it, so no communicator ever has two issuers and no two communicators of a
+  device are issued on at once (NCCL's thread-safety rules), also when a process opens
+  several stages, one after the other or at once. It never blocks on the device: an issue
+  is an enqueue, and ``wait()`` orders a stream.
 * **Comm streams and events.** Each edge has a comm stream per direction; an operation is
   issued with it current, ``wait()`` orders it there, and an event recorded after it is
   what the other side waits on: ``send`` records an event on the producer's current stream
@@ -37,11 +39,14 @@ device path keeps them by construction:
   its output buffer changes nothing in flight (invariant 10); the buffer is kept (and
   ``record_stream``ed on its comm stream) until the event after its send completed.
 * **Communicators open in one order.** NCCL creates a p2p communicator at its first
-  operation, blocking until the peer's first operation on it. So the issue thread starts
-  by opening every payload communicator of its rank in one global order (by the edges'
-  global ranks): the sender posts a ``WARMUP`` header (gloo), then a 1-byte send; the
+  operation, blocking until the peer's first operation on it. So a channel's first item on
+  the issue thread opens every payload communicator of its rank in one global order (by the
+  edges' global ranks): the sender posts a ``WARMUP`` header (gloo), then a 1-byte send; the
   receiver posts the 1-byte receive once that header came. Every rank opens its edges in the
-  same order, so the smallest edge not yet open always has both ends at it: no deadlock.
+  same order, so the smallest edge not yet open always has both ends at it: no deadlock
+  (channels open in the order their stages start, the same on every rank). A channel that
+  closes while a peer never opened gives up waiting; one stuck in a communicator's creation
+  has its payload communicators aborted at close.
 * **Failures on gloo.** Every host thread blocks in gloo only (listeners, sender threads)
   or in nothing (the issue thread), so a dead peer breaks a gloo pair and is named as on the
   gloo path; a hung one is the step watchdog's. At close, payload sends still in flight
@@ -54,18 +59,19 @@ checked payload groups in ``build_groups``.
 
 from __future__ import annotations
 
+import os
 import queue
 import threading
 import time
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 import torch.distributed as dist
 
 from .._bridges import run_blocking
 from .._errors import PeerError, ProtocolError
-from .._streams import mark_ready
+from .._streams import Device, mark_ready
 from .._tasks import Task
 from ._p2p_io import ChannelState
 from ._wire import (
@@ -87,19 +93,65 @@ __all__ = ["DevicePath"]
 _POLL_S = 0.05
 """How often a wait of the issue thread (a peer's WARMUP, the sends in flight at close) looks
 whether the channel is closing or failed."""
+_GRACE_S = 2.0
+"""How long a closing channel waits at least for the issue thread to reach its end."""
+
+
+class _Issuer:
+    """The issue thread of one device in this process: every channel's payload operations
+    on that device, in the order they were queued (see the design note: no two threads issue
+    on communicators of one device). Made on first use, a daemon thread, never stopped; a
+    child process after ``fork`` makes its own."""
+
+    _by_device: ClassVar[dict[str, _Issuer]] = {}
+    _lock = threading.Lock()
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.queue: queue.SimpleQueue[tuple[DevicePath, tuple[Any, ...]]] = queue.SimpleQueue()
+        self.thread = threading.Thread(target=self._run, name=f"rrfp-issue-{device}", daemon=True)
+        self.thread.start()
+
+    @classmethod
+    def of(cls, device: torch.device) -> _Issuer:
+        """The issuer of ``device`` (made on first use)."""
+        with cls._lock:
+            got = cls._by_device.get(str(device))
+            if got is None:
+                got = cls._by_device[str(device)] = cls(device)
+            return got
+
+    def _run(self) -> None:
+        Device(self.device).bind_thread()
+        while True:
+            channel, item = self.queue.get()
+            try:
+                channel.issue_item(item)
+            except Exception as e:  # a bug here must not end the thread of every channel
+                channel.issue_failed(e)
+            del channel, item
+
+
+def _forget_issuers() -> None:
+    _Issuer._by_device = {}
+    _Issuer._lock = threading.Lock()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_issuers)
 
 
 class DevicePath(ChannelState):
     """``P2PChannel``'s device path (a part: see ``_p2p_io`` and the design note above)."""
 
     _payload: dict[tuple[int, int], Any]
-    _dq: queue.SimpleQueue[Any]
-    _issue_thread: threading.Thread | None
+    _issuer: _Issuer | None
+    _opened: bool
+    _ended: threading.Event
     _streams: dict[tuple[int, int], Any]
     _payload_peer: dict[tuple[int, int], int]
     _inflight: list[tuple[Any, torch.Tensor]]
     _warm_seen: dict[int, threading.Event]
-    _warm_done: threading.Event
     device_sent: int
     device_received: int
 
@@ -112,13 +164,13 @@ class DevicePath(ChannelState):
         """
         self._payload = dict(payload_groups or {})
         self._dmode = payload_groups is not None
-        self._dq = queue.SimpleQueue()
-        self._issue_thread = None
+        self._issuer = None
+        self._opened = False
+        self._ended = threading.Event()
         self._streams = {}
         self._payload_peer = {}
         self._inflight = []
         self._warm_seen = {}
-        self._warm_done = threading.Event()
         self.device_sent = 0
         self.device_received = 0
         if not self._dmode:
@@ -161,9 +213,13 @@ class DevicePath(ChannelState):
             self._streams[(a, b)] = self._dev.new_stream(f"comm {a}->{b}")
         for s in self._inbound:
             self._warm_seen[s] = threading.Event()
-        t = threading.Thread(target=self._issue, name=f"rrfp-issue-{self._rank}", daemon=True)
-        t.start()
-        self._issue_thread = t
+        self._issuer = _Issuer.of(self._device)
+        self._put("open")
+
+    def _put(self, *item: Any) -> None:
+        """Queue an item of this channel for the issue thread."""
+        assert self._issuer is not None
+        self._issuer.queue.put((self, item))
 
     # ------------------------------------------------------------------ the caller's side
 
@@ -200,7 +256,7 @@ class DevicePath(ChannelState):
             else:
                 empty = None if t is None else torch.empty(t.shape, dtype=t.dtype)
                 msgs = self.host_messages(dst, seq, step, task, empty, None)
-            self._dq.put(("send", dst, msgs, None, None, what))
+            self._put("send", dst, msgs, None, None, what)
             return
         header = encode_header(
             seq, step, task, t, tree=None if doc is None else len(doc), device=True
@@ -218,15 +274,15 @@ class DevicePath(ChannelState):
                 self._send_cap[dst] = grow(cap, len(doc), self._max_bytes)
         self._send_seq[dst] = seq + 1
         ready = self._dev.record()  # after the packing, on the producer's stream
-        self._dq.put(("send", dst, msgs, t, ready, what))
+        self._put("send", dst, msgs, t, ready, what)
 
     def device_control(self, dst: int, msgs: list[torch.Tensor], what: tuple[int, object]) -> None:
         """A control message (an ABORT) for edge ``dst``, behind its headers."""
-        self._dq.put(("send", dst, msgs, None, None, what))
+        self._put("send", dst, msgs, None, None, what)
 
     def device_close_edges(self, hdr: list[int]) -> None:
         """Post the CLOSE ``hdr`` on every outbound edge, behind its headers."""
-        self._dq.put(("close", hdr))
+        self._put("close", hdr)
 
     # ------------------------------------------------------------------ the listeners' side
 
@@ -248,43 +304,43 @@ class DevicePath(ChannelState):
     ) -> None:
         """Listener of ``src``: a ``DATA_DEVICE`` header came; the issue thread posts its
         receive (in the edge's order)."""
-        self._dq.put(("recv", src, step, task, dtype, shape, doc, rg))
+        self._put("recv", src, step, task, dtype, shape, doc, rg)
 
     def post_in_order(self, fn: Callable[..., object], *args: Any) -> None:
         """Hand ``fn(*args)`` to the loop behind the payloads handed to the issue thread."""
-        self._dq.put(("post", fn, args))
+        self._put("post", fn, args)
 
     # ------------------------------------------------------------------ the issue thread
 
-    def _issue(self) -> None:
-        """The issue thread (see the design note)."""
-        self._dev.bind_thread()
-        try:
-            opened = self._open_edges()
-        except Exception as e:  # a payload communicator that cannot open
-            if not self._closing:
-                self._post(
-                    self._fail,
-                    PeerError(
-                        f"{self._name(self._rank)}: opening the payload communicators failed: {e}"
-                    ),
-                )
-            opened = False
-        self._warm_done.set()
+    def issue_item(self, item: tuple[Any, ...]) -> None:
+        """Run one item of this channel on the issue thread (see ``_Issuer``)."""
+        kind = item[0]
+        if kind == "open":
+            try:
+                self._opened = self._open_edges()
+            except Exception as e:  # a payload communicator that cannot open
+                if not self._closing:
+                    self._post(
+                        self._fail,
+                        PeerError(
+                            f"{self._name(self._rank)}: opening the payload communicators"
+                            f" failed: {e}"
+                        ),
+                    )
+            return
+        if kind == "end":
+            self._ended.set()
+            return
+        self._reap_inflight()
+        if not self._opened and kind in ("send", "recv"):
+            return  # the channel failed or closed while opening; the stage knows
         handlers: dict[str, Callable[..., None]] = {
             "send": self._issue_send,
             "recv": self._issue_recv,
             "post": self._issue_post,
             "close": self._issue_close,
         }
-        while True:
-            item = self._dq.get()
-            if item is None:
-                return
-            self._reap_inflight()
-            if not opened and item[0] in ("send", "recv"):
-                continue  # the channel failed or closed while opening; the stage knows
-            handlers[item[0]](*item[1:])
+        handlers[kind](*item[1:])
 
     def _open_edges(self) -> bool:
         """Open every payload communicator of this rank in one global order (see the note).
@@ -392,6 +448,11 @@ class DevicePath(ChannelState):
         self.device_received += 1
         self._post(self._deliver_received, step, task, payload, src, ready)
 
+    def issue_failed(self, exc: BaseException) -> None:
+        """An item of this channel raised on the issue thread: the channel fails with it."""
+        err = PeerError(f"{self._name(self._rank)}: the payload issue thread failed: {exc!r}")
+        self._post(self._fail, err)
+
     def _issue_post(self, fn: Callable[..., object], args: tuple[Any, ...]) -> None:
         self._post(fn, *args)
 
@@ -437,21 +498,23 @@ class DevicePath(ChannelState):
     # ------------------------------------------------------------------ close
 
     def device_close(self, deadline: float) -> None:
-        """End the issue thread (after the listeners: what they handed on still reaches the
-        loop), wait for the payload sends in flight until ``deadline``, and abort the payload
-        communicators of those that did not complete (any thread)."""
-        t = self._issue_thread
-        if t is None:
+        """End this channel's use of the issue thread (after the listeners: what they
+        handed on still reaches the loop), wait for the payload sends in flight until
+        ``deadline``, and abort the payload communicators when they do not complete, or
+        when the issue thread is stuck opening a communicator of a peer that never came
+        (any thread)."""
+        if self._issuer is None:
             return
-        self._dq.put(None)
-        t.join(max(0.0, deadline - time.monotonic()))
-        if t.is_alive():
-            self._abort_payload_groups()  # stuck opening an edge of a peer that never came
+        self._put("end")
+        # At least a moment, even past the deadline: the thread is seldom busy for long.
+        if not self._ended.wait(max(_GRACE_S, deadline - time.monotonic())):
+            self._abort_payload_groups()
             return
         while self._inflight and time.monotonic() < deadline:
             self._reap_inflight()
             if self._inflight:
                 time.sleep(min(_POLL_S, max(0.0, deadline - time.monotonic())))
+        self._reap_inflight()
         if self._inflight:
             self._abort_payload_groups()
 
