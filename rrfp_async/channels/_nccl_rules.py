@@ -503,6 +503,13 @@ class CheckedGroup:
         if register:
             _register(self, inner, "nccl")
         self.reg.start_watchdog()
+        if model_init:
+            # The model devices start with the group, not at its first operation, so that the
+            # checker's own threads appear when the groups are built (a test counting the
+            # threads a stage leaves behind sees none of them come and go).
+            for r in range(self.size()):
+                if r != self.rank():
+                    self._pairs[r] = _Pair(self, r)
 
     def rank(self) -> int:
         """This process's rank in the group."""

@@ -266,6 +266,7 @@ class P2PChannel(ControlPath, SendPath, ReceivePath, DevicePath, ChannelState):
         self._peer_failures: dict[int, str] = {}
         self._aborted: set[int] = set()  # steps whose ABORT this rank sent or passed on
         self._threads: list[threading.Thread] = []
+        self._copy_streams = {}
         self._started = False
         self._closing = False
         self._failed: BaseException | None = None

@@ -93,6 +93,8 @@ __all__ = ["DevicePath"]
 _POLL_S = 0.05
 """How often a wait of the issue thread (a peer's WARMUP, the sends in flight at close) looks
 whether the channel is closing or failed."""
+BLOCKING_WAIT_ENV = ("TORCH_NCCL_BLOCKING_WAIT", "NCCL_BLOCKING_WAIT")
+"""Environment variables that make NCCL's ``wait()`` block the host (refused)."""
 _GRACE_S = 2.0
 """How long a closing channel waits at least for the issue thread to reach its end."""
 
@@ -130,6 +132,12 @@ class _Issuer:
             except Exception as e:  # a bug here must not end the thread of every channel
                 channel.issue_failed(e)
             del channel, item
+
+
+def _synchronize(dev: Device, event: Any) -> None:
+    """Wait for ``event`` on a helper thread bound to the channel's device."""
+    dev.bind_thread()
+    event.synchronize()
 
 
 def _forget_issuers() -> None:
@@ -175,6 +183,16 @@ class DevicePath(ChannelState):
         self.device_received = 0
         if not self._dmode:
             return
+        for var in BLOCKING_WAIT_ENV:
+            if os.environ.get(var, "0").lower() not in ("", "0", "false"):
+                # A blocking wait() would hold the issue thread until a receive completed,
+                # and a send until the peer's receive is posted: two ranks sending to each
+                # other at once would each wait for a receive queued behind its own send.
+                raise ValueError(
+                    f"rank {self._rank}: {var}={os.environ[var]} makes NCCL's Work.wait()"
+                    " block the host, which the device path never does (one issue thread per"
+                    f" device): unset it; failures are detected on gloo (docs/gpu.md)"
+                )
         want = {(self._rank, d) for d in self._outbound} | {(s, self._rank) for s in self._inbound}
         missing = sorted(want - set(self._payload))
         if missing:
@@ -491,9 +509,9 @@ class DevicePath(ChannelState):
                 return
             self._deliver(step, task, payload, src)
 
-        run_blocking(ready.synchronize, name=f"rrfp-ready-{src}->{self._rank}").add_done_callback(
-            done
-        )
+        run_blocking(
+            _synchronize, self._dev, ready, name=f"rrfp-ready-{src}->{self._rank}"
+        ).add_done_callback(done)
 
     # ------------------------------------------------------------------ close
 

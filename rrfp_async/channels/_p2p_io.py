@@ -211,6 +211,7 @@ class ChannelState:
     _queued: dict[int, int]
     _unreaped: dict[int, list[tuple[list[Any], tuple[int, object]]]]
     _threads: list[threading.Thread]
+    _copy_streams: dict[int, Any]  # gloo with CUDA payloads: an edge's staging stream
     _started: bool
     _closing: bool
     _failed: BaseException | None

@@ -63,7 +63,7 @@ class ReceivePath(ChannelState):
         raw: torch.Tensor | None = None  # reused while nothing kept a view of it
         while True:
             if raw is None or raw.numel() < rx.cap:
-                raw = torch.empty(rx.cap, dtype=torch.uint8)
+                raw = self._host_buffer(rx.cap)
             # The text is built only on a failure, inside the call (before the loop moves on).
             if not self._recv_or_lose(
                 raw, src, lambda: f"waiting for message seq {rx.expect} on {rx.edge} ({rx.last()})"
@@ -89,7 +89,7 @@ class ReceivePath(ChannelState):
                 # process, a larger one is partly filled.
                 cap = max((rx.cap for rx in rxs.values() if rx.open), default=self._inline0)
                 if raw is None or raw.numel() < cap:
-                    raw = torch.empty(cap, dtype=torch.uint8)
+                    raw = self._host_buffer(cap)
                 try:
                     work = self._pg.recv_anysource([raw], 0)
                     work.wait()
@@ -214,7 +214,7 @@ class ReceivePath(ChannelState):
                     kept = True  # the payload is a view of it
             else:
                 # gloo carries CPU tensors: a CUDA payload lands on the CPU first.
-                payload = torch.empty(shape, dtype=dtype)
+                payload = torch.empty(shape, dtype=dtype, pin_memory=self._dev.is_cuda)
                 if not self._recv_or_lose(
                     payload,
                     src,
@@ -225,23 +225,54 @@ class ReceivePath(ChannelState):
                     return False, False
                 # The next receive needs the larger buffer (its caller sees rx.cap).
                 rx.cap = grow(rx.cap, nbytes, self._max_bytes)
-            if code == TREE:
-                try:
-                    payload = unpack_tree(payload, tree_len, self._device)
-                except ProtocolError as e:
-                    self._post(
-                        self._fail,
-                        ProtocolError(f"{edge}: message seq {expect} ({task} of step {step}): {e}"),
-                    )
-                    return False, False
-            else:
-                if payload.device != self._device:
-                    payload = payload.to(self._device)
-                if rg and payload.is_floating_point():
-                    payload.requires_grad_(True)
+            try:
+                payload = self._to_device(src, payload, code == TREE, tree_len, rg)
+            except ProtocolError as e:
+                self._post(
+                    self._fail,
+                    ProtocolError(f"{edge}: message seq {expect} ({task} of step {step}): {e}"),
+                )
+                return False, False
+            if self._dev.is_cuda:
+                kept = False  # copied to the device (and waited for): the buffer is free
         self._advance(rx, task, step)
         self._post_rx(self._deliver, step, task, payload, src)
         return True, kept
+
+    def _host_buffer(self, n: int) -> torch.Tensor:
+        """A gloo receive buffer: pinned on a CUDA stage (its copy to the device is then a
+        non-blocking one), plain host memory elsewhere."""
+        return torch.empty(n, dtype=torch.uint8, pin_memory=self._dev.is_cuda)
+
+    def _to_device(self, src: int, payload: torch.Tensor, tree: bool, doc: int, rg: bool) -> Any:
+        """A gloo payload on the stage's device (listener thread). On CUDA the copies run on
+        the edge's copy stream, never the default stream, and this thread (not the consumer)
+        waits for them: the receive buffer is reused next.
+
+        Raises:
+            ProtocolError: A corrupt pytree structure.
+        """
+        if not self._dev.is_cuda:
+            if tree:
+                return unpack_tree(payload, doc, self._device)
+            if payload.device != self._device:
+                payload = payload.to(self._device)
+            if rg and payload.is_floating_point():
+                payload.requires_grad_(True)
+            return payload
+        s = self._copy_streams.get(-1 - src)
+        if s is None:
+            s = self._copy_streams[-1 - src] = self._dev.new_stream(f"copy {src}->")
+        with self._dev.use(s):
+            if tree:
+                out: Any = unpack_tree(payload, doc, self._device, non_blocking=True)
+            else:
+                out = payload.to(self._device, non_blocking=True)
+                if rg and out.is_floating_point():
+                    out.requires_grad_(True)
+            done = self._dev.record(s)
+        done.synchronize()
+        return out
 
     def _advance(self, rx: Inbound, task: Task, step: int) -> None:
         rx.expect += 1

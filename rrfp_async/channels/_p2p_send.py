@@ -7,11 +7,13 @@ communicators) ``send`` packs on the device and hands the message to the issue t
 
 from __future__ import annotations
 
+import ctypes
 from typing import Any
 
 import torch
 
 from .._errors import PeerError, ProtocolError
+from .._pytree import tensor_leaves
 from .._tasks import Task
 from ._p2p_io import REAP_BATCH, WATCH_TAG, ChannelState, edge_text, storage_ptr
 from ._wire import (
@@ -20,7 +22,10 @@ from ._wire import (
     grow,
     pack_inline,
     pack_tree,
+    pack_tree_device,
     size_text,
+    up8,
+    write_header,
 )
 
 __all__ = ["SendPath"]
@@ -53,6 +58,10 @@ class SendPath(ChannelState):
             )
         if self._dmode:
             self.device_send(dst, seq, step, task, payload)
+            self.sent += 1
+            return
+        if self._dev.is_cuda and any(t.is_cuda for t in tensor_leaves(payload)):
+            self._send_staged(dst, seq, step, task, payload)
             self.sent += 1
             return
         tree: int | None = None
@@ -106,6 +115,80 @@ class SendPath(ChannelState):
                 self._queued[dst] += 1
                 self._queues[dst].put(("send", [(msgs, what)]))
         self.sent += 1
+
+    def _send_staged(self, dst: int, seq: int, step: int, task: Task, payload: Any) -> None:
+        """gloo with CUDA payloads (see the design note): pack on the device, on the calling
+        thread's current stream (nothing blocks the compute thread), record an event there,
+        and let the edge's sender thread copy the bytes into pinned host memory on a stream
+        of its own once the event completed (``_stage``), then post the message."""
+        doc: bytes | None = None
+        meta: torch.Tensor
+        dev: torch.Tensor | None
+        if isinstance(payload, torch.Tensor):
+            x = payload.detach()
+            dev = x.to(self._device) if x.device != self._device else x.clone()
+            dev = dev.contiguous()
+            meta = torch.empty(x.shape, dtype=x.dtype, device="meta")
+            if payload.requires_grad and x.is_floating_point():
+                meta.requires_grad_(True)
+            nbytes = dev.nbytes
+        else:
+            try:
+                doc, dev = pack_tree_device(payload, self._device)
+            except ProtocolError as e:
+                raise ProtocolError(
+                    f"rank {self._rank} step {step}: cannot send the output for {task}: {e}"
+                ) from None
+            nbytes = up8(len(doc)) + (0 if dev is None else dev.nbytes)
+            meta = torch.empty(nbytes, dtype=torch.uint8, device="meta")
+        self.check_size(dst, step, task, meta, nbytes)
+        if step > self._last_step:
+            self._last_step = step
+        cap = self._send_cap[dst]
+        inline = HEADER_BYTES + nbytes <= cap
+        header = encode_header(
+            seq, step, task, meta, inline=inline, tree=None if doc is None else len(doc)
+        )
+        self._send_seq[dst] = seq + 1
+        if inline:
+            self.inline_sent += 1
+        else:
+            self._send_cap[dst] = grow(cap, nbytes, self._max_bytes)
+        ready = self._dev.record()
+        with self._locks[dst]:
+            self._queued[dst] += 1
+            self._queues[dst].put(("stage", [(header, inline, doc, dev, ready, (seq, task))]))
+
+    def _stage(
+        self,
+        dst: int,
+        header: list[int],
+        inline: bool,
+        doc: bytes | None,
+        dev: torch.Tensor | None,
+        ready: Any,
+    ) -> list[torch.Tensor]:
+        """Sender thread: the gloo messages of a staged payload, in pinned host memory (the
+        layout of ``pack_inline`` / ``pack_tree``), copied from the device with a
+        non-blocking copy on this edge's copy stream after the producer's event."""
+        off = HEADER_BYTES if inline else 0
+        body = (0 if doc is None else up8(len(doc))) + (0 if dev is None else dev.nbytes)
+        host = torch.zeros(off + body, dtype=torch.uint8, pin_memory=True)
+        if inline:
+            write_header(host, header)
+        if doc is not None:
+            ctypes.memmove(host.data_ptr() + off, doc, len(doc))
+            off += up8(len(doc))
+        if dev is not None and dev.nbytes:
+            s = self._copy_streams.get(dst)
+            if s is None:
+                s = self._copy_streams[dst] = self._dev.new_stream(f"copy ->{dst}")
+            with self._dev.use(s):
+                self._dev.wait_event(ready, s)
+                host[off:].copy_(dev.reshape(-1).view(torch.uint8), non_blocking=True)
+                done = self._dev.record(s)
+            done.synchronize()  # this thread waits, not the compute thread
+        return [host] if inline else [pack_inline(header, None), host]
 
     def host_messages(
         self, dst: int, seq: int, step: int, task: Task, t: torch.Tensor | None, tree: int | None
@@ -166,6 +249,7 @@ class SendPath(ChannelState):
     def _sender(self, dst: int) -> None:
         """An outbound edge's sender thread: posts and waits for what ``send`` queued, and
         waits (reaps) for what was posted elsewhere, in order."""
+        self._dev.bind_thread()
         q = self._queues[dst]
         peer = self._peer_rank[dst]
         lock = self._locks[dst]
@@ -179,6 +263,16 @@ class SendPath(ChannelState):
                 if kind == "bye":
                     self._pg.send(entries, peer, WATCH_TAG).wait()
                     continue
+                if kind == "stage":
+                    ((header, inline, doc, dev, ready, what),) = entries
+                    try:
+                        msgs = self._stage(dst, header, inline, doc, dev, ready)
+                    except BaseException:
+                        with lock:
+                            self._queued[dst] -= 1
+                        raise
+                    kind = "send"
+                    entries = [(msgs, what)]
                 if kind == "send":
                     ((msgs, what),) = entries
                     with lock:

@@ -165,6 +165,16 @@ def read_ints(fmt: struct.Struct, buf: torch.Tensor) -> tuple[int, ...]:
     return fmt.unpack(ctypes.string_at(buf.data_ptr(), fmt.size))
 
 
+def write_header(buf: torch.Tensor, header: Sequence[int]) -> None:
+    """Write a header at the start of ``buf`` (host memory of at least ``HEADER_BYTES``)."""
+    write_ints(_HEADER, buf, header)
+
+
+def up8(n: int) -> int:
+    """``n`` rounded up to the wire's alignment (8 bytes)."""
+    return _up(n)
+
+
 def pack_inline(header: list[int], payload: torch.Tensor | None) -> torch.Tensor:
     """One uint8 message: the header, then ``payload`` (contiguous) right behind it.
 
@@ -235,9 +245,13 @@ def pack_tree(tree: object) -> tuple[torch.Tensor, int]:
     return buf, len(doc)
 
 
-def unpack_tree(raw: torch.Tensor, doc_len: int, device: torch.device) -> object:
+def unpack_tree(
+    raw: torch.Tensor, doc_len: int, device: torch.device, *, non_blocking: bool = False
+) -> object:
     """The pytree packed in ``raw`` (uint8, CPU) by ``pack_tree``; tensor leaves are views of
-    ``raw`` (moved to ``device`` if it is not the CPU), ``requires_grad`` as at the sender.
+    ``raw`` (moved to ``device`` if it is not the CPU, ``non_blocking`` from pinned memory:
+    then the caller waits for the current stream before reusing ``raw``), ``requires_grad``
+    as at the sender.
 
     Raises:
         ProtocolError: The structure is corrupt or its leaves do not fill ``raw`` exactly.
@@ -264,7 +278,7 @@ def unpack_tree(raw: torch.Tensor, doc_len: int, device: torch.device) -> object
         t = raw[off : off + n].view(dtype).view(shape)
         off = _up(off + n)
         if device.type != "cpu":
-            t = t.to(device)
+            t = t.to(device, non_blocking=non_blocking)
         if rg and t.is_floating_point():
             t.requires_grad_(True)
         return t

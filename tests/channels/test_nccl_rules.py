@@ -309,6 +309,16 @@ def _mbs() -> list[torch.Tensor]:
 
 
 def _rules_rank(rank: int, world: int) -> dict[str, Any]:
+    from rrfp_async import _streams
+
+    bound: set[str] = set()
+    bind = _streams.Device.bind_thread
+
+    def spy(self: _streams.Device) -> None:  # which threads bind the stage's device
+        bound.add(threading.current_thread().name.rsplit("-", 1)[0])
+        bind(self)
+
+    _streams.Device.bind_thread = spy  # type: ignore[method-assign]
     layout = rr.ProcessLayout.from_world(pp=2)
     groups = rr.build_groups(layout)
     plan = rr.StepPlan(topology=rr.Topology(stages=2), microbatches=4)
@@ -316,8 +326,11 @@ def _rules_rank(rank: int, world: int) -> dict[str, Any]:
     mod = _Stage(0) if rank == 0 else _Second(1)
     ex = rr.TorchStageExecutor({rank: mod}, _loss if rank == 1 else None, rank=rank)
 
+    stage_on_device = [False]
+
     async def run() -> None:
         async with rr.DistributedStage(layout, sched, ex, groups=groups) as stage:
+            stage_on_device[0] = stage.channel.on_device
             for s in range(2):
                 await stage.run_step(_mbs(), step=s)
 
@@ -328,6 +341,8 @@ def _rules_rank(rank: int, world: int) -> dict[str, Any]:
     return {
         "grads": {k: p.grad.clone() for k, p in mod.named_parameters() if p.grad is not None},
         "losses": dict(ex.losses),
+        "bound": sorted(bound),
+        "on_device": stage_on_device[0],
     }
 
 
@@ -340,6 +355,11 @@ def test_a_pipeline_step_keeps_nccls_rules(tmp_path: Path, monkeypatch: pytest.M
     # Not vacuous: payloads went over the checked communicators, both ways.
     ops = [ln for f in tmp_path.glob("ops-*.jsonl") for ln in f.read_text().splitlines()]
     assert sum('"op": "send"' in ln for ln in ops) >= 2 * 2 * 4
+    # The device path ran, and every thread of the transport bound the stage's device.
+    for r in res:
+        assert r["on_device"]
+        assert {"rrfp-recv-0", "rrfp-recv-1", "rrfp-send-0", "rrfp-send-1"} & set(r["bound"])
+        assert "rrfp-issue" in r["bound"], r["bound"]
     # And the step computed what one process computes.
     a, b = _Stage(0), _Second(1)
     for mb in _mbs():
