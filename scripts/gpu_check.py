@@ -39,7 +39,6 @@ import asyncio
 import faulthandler
 import os
 import socket
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -372,92 +371,32 @@ def part_reference(cpu: bool) -> None:
 
 def part_idle(cpu: bool) -> None:
     import torch.distributed as dist
-    import torch.distributed.pipelining as tpp
 
-    dev = torch.device("cpu" if cpu else "cuda:0")
-    if dev.type == "cuda":
-        torch.cuda.set_device(dev)
+    from rrfp_async.bench._overhead_task import task_overhead
+
+    dev = "cpu" if cpu else "cuda:0"
+    if cpu:
+        torch.set_num_threads(1)  # like a rank: the compute thread does not fight a pool
+    else:
+        torch.cuda.set_device(0)
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ["MASTER_PORT"] = str(_free_port())
     dist.init_process_group("gloo", rank=0, world_size=1)
-    m, width, reps = 16, 1024 if dev.type == "cuda" else 256, 5
     try:
-        torch.manual_seed(0)
-        mod = nn.Sequential(nn.Linear(width, width), nn.Tanh(), nn.Linear(width, width)).to(dev)
-        g = torch.Generator().manual_seed(0)
-        mbs = [torch.randn(64, width, generator=g).to(dev) for _ in range(m)]
-        batch = torch.cat(mbs)
-
-        def sync() -> None:
-            if dev.type == "cuda":
-                torch.cuda.synchronize()
-
-        def kernels() -> float:  # the same work back to back, no scheduler
-            sync()
-            t = time.perf_counter()
-            for mb in mbs:
-                (_loss(mod(mb), mb) / m).backward()
-            sync()
-            return time.perf_counter() - t
-
-        def ours() -> tuple[float, dict[int, float]]:
-            layout = rr.ProcessLayout.from_world(pp=1)
-            plan = rr.StepPlan(topology=rr.Topology(stages=1), microbatches=m)
-            sched = rr.StepSchedule.build(plan, "1f1b")
-            worker = ComputeWorker(device=dev if dev.type == "cuda" else None)
-            ex = rr.TorchStageExecutor({0: mod}, _loss, worker=worker)
-            times = []
-
-            async def main() -> None:
-                async with rr.DistributedStage(layout, sched, ex, device=dev) as st:
-                    for s in range(reps):
-                        sync()
-                        t = time.perf_counter()
-                        await st.run_step(mbs, step=s)
-                        sync()
-                        times.append(time.perf_counter() - t)
-                        mod.zero_grad(set_to_none=True)
-
-            try:
-                rr.run(main())
-            finally:
-                ex.close()
-            return statistics.median(times[1:]), dict(ex.losses)
-
-        def theirs() -> tuple[float, dict[int, float]]:
-            stage = tpp.PipelineStage(mod, 0, 1, dev)
-            sched = tpp.Schedule1F1B(stage, n_microbatches=m, loss_fn=_loss)
-            times = []
-            out: list[torch.Tensor] = []
-            for _ in range(reps):
-                out = []
-                sync()
-                t = time.perf_counter()
-                sched.step(batch, target=batch, losses=out)
-                sync()
-                times.append(time.perf_counter() - t)
-                mod.zero_grad(set_to_none=True)
-            return statistics.median(times[1:]), {i: float(x) for i, x in enumerate(out)}
-
-        base = statistics.median(kernels() for _ in range(reps))
-        mod.zero_grad(set_to_none=True)
-        t_ours, l_ours = ours()
-        t_torch, l_torch = theirs()
-        tasks = 2 * m
-        idle_ours = max(0.0, t_ours - base) / tasks * 1e6
-        idle_torch = max(0.0, t_torch - base) / tasks * 1e6
-        print(
-            f"  kernels back to back {base * 1e3:.2f} ms; step: ours {t_ours * 1e3:.2f} ms,"
-            f" Schedule1F1B {t_torch * 1e3:.2f} ms"
-        )
-        print(
-            f"  idle per task: ours {idle_ours:.1f} µs, Schedule1F1B {idle_torch:.1f} µs"
-            f" ({idle_ours / max(idle_torch, 1e-9):.2f}x)"
-        )
-        same = all(abs(l_ours[i] - l_torch[i]) <= 1e-4 * max(1.0, abs(l_torch[i])) for i in l_ours)
-        _say(same and len(l_ours) == m, "the losses of both schedules agree")
+        r = task_overhead(dev, microbatches=16, width=1024 if not cpu else 256)
     finally:
         dist.destroy_process_group()
+    print(
+        f"  compute alone {r['compute_ms']:.2f} ms; step: ours {r['ours_ms']:.2f} ms,"
+        f" Schedule1F1B {r['torch_ms']:.2f} ms"
+    )
+    ratio = r["idle_ours_us"] / max(r["idle_torch_us"], 1e-9)
+    print(
+        f"  idle per task: ours {r['idle_ours_us']:.1f} µs, Schedule1F1B"
+        f" {r['idle_torch_us']:.1f} µs ({ratio:.2f}x); {r['handoffs_per_task']:.2f} thread"
+        " hand-offs per task"
+    )
+    _say(r["losses_agree"], "the losses of both schedules agree")
 
 
 PARTS: dict[str, Part] = {

@@ -556,6 +556,7 @@ class DistributedStage:
             if training and self._tie_groups is not None:
                 stash = stash_grads(p for ps in self._shared_parameters().values() for p in ps)
             stats = await self.stage.run_step(microbatches, step=s, schedule=sched, train=train)
+            self._order_after_step()
             agreed = True
             await self._agree(s)
             if training and self._tie_groups is not None:
@@ -571,10 +572,19 @@ class DistributedStage:
                 self._post_agreement(failed=True)
             raise
         finally:
+            self._order_after_step()  # (before the stashed tied gradients are added back)
             restore_grads(stash)
             self._running = None
             if self._recorder is not None:
                 self._write_trace(s, sched, failed=failed)
+
+    def _order_after_step(self) -> None:
+        """On CUDA the executor's tasks end when their kernels are enqueued: order the
+        device's default stream after them (no host wait) before anything else touches the
+        gradients (the tied and DP reductions, the caller's optimizer)."""
+        order = getattr(self.stage.executor, "order_after_step", None)
+        if order is not None:
+            order()
 
     def _write_trace(self, step: int, schedule: StepSchedule, *, failed: bool) -> None:
         """Write this step's recording to ``trace_dir`` (see the class's Args): a step that
