@@ -46,10 +46,11 @@ def task_overhead(
     """
     import torch.distributed.pipelining as tpp
 
-    from .. import ProcessLayout, StepPlan, StepSchedule, Topology
     from .._bridges import ComputeWorker
-    from ..distributed import DistributedStage, TorchStageExecutor
+    from .._tasks import StepPlan, Topology
+    from ..distributed import DistributedStage, ProcessLayout, TorchStageExecutor
     from ..loop import run
+    from ..policies import StepSchedule
 
     dev = torch.device(device)
     m = microbatches

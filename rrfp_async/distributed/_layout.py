@@ -17,6 +17,7 @@ import torch.distributed as dist
 
 from .._errors import PlanError
 from .._tasks import StepPlan
+from ..channels import _nccl_logs as nccl_logs
 from ..channels import _nccl_rules as nccl_rules
 
 __all__ = [
@@ -239,7 +240,7 @@ def build_groups(
                 ranks = [row[t] for row in plane]
                 g = dist.new_group(ranks, backend="gloo")
                 if layout.rank in ranks:
-                    p2p = nccl_rules.observe(g) if rules else g
+                    p2p = nccl_logs.observe(g) if rules else g
                 if not device:
                     continue
                 for a, b in payload_edges(layout.pp):

@@ -17,6 +17,7 @@ from torch import nn
 
 import rrfp_async as rr
 from rrfp_async._streams import HostEvent, HostStream, use_host_stream
+from rrfp_async.channels import _nccl_logs as logs
 from rrfp_async.channels import _nccl_rules as rules
 from rrfp_async.channels import _wire
 from tests._pool import pooled_spawn
@@ -103,7 +104,7 @@ def test_a_receive_completes_on_its_stream_and_reads_poison_before_the_event(fre
     assert torch.isnan(out).all()
     ev.synchronize(timeout=30)
     assert torch.equal(out, x)
-    assert rules.check_logs(fresh) == []
+    assert logs.check_logs(fresh) == []
 
 
 def test_wait_with_the_default_stream_current_is_refused(fresh: Path) -> None:
@@ -165,8 +166,8 @@ def test_the_observed_control_group_counts_announcements_and_orders_them(fresh: 
         (1, 0): queue.Queue(),
     }
     m = {0: 0, 1: 1}
-    ctl0 = rules.ObservedGroup(_Loopback(0, wires), register=False, ranks=m)
-    ctl1 = rules.ObservedGroup(_Loopback(1, wires), register=False, ranks=m)
+    ctl0 = logs.ObservedGroup(_Loopback(0, wires), register=False, ranks=m)
+    ctl1 = logs.ObservedGroup(_Loopback(1, wires), register=False, ranks=m)
     header = [_wire.MAGIC, _wire.DATA_DEVICE] + [0] * (_wire.HEADER_LEN - 2)
     msg = torch.tensor(header, dtype=torch.int64)
     # The header before its payload's send: refused.
@@ -261,7 +262,7 @@ def test_the_logs_name_both_ends_receiving_first_as_a_deadlock(tmp_path: Path) -
             [_op("j", "0-1#0", 1, 0, "recv", 0, 128), _op("j", "0-1#0", 1, 0, "send", 1, 128)]
         )
     )
-    (problem,) = rules.check_logs(tmp_path)
+    (problem,) = logs.check_logs(tmp_path)
     assert "operation 0 of global ranks 0 and 1: both receive" in problem
     assert "a deadlock" in problem
     # Matched ends, then a count that differs.
@@ -271,7 +272,7 @@ def test_the_logs_name_both_ends_receiving_first_as_a_deadlock(tmp_path: Path) -
     (tmp_path / "ops-1.jsonl").write_text(
         "\n".join([_op("k", "0-1#0", 1, 0, "recv", 0, 64), _op("k", "0-1#0", 1, 0, "recv", 1, 16)])
     )
-    (problem,) = rules.check_logs(tmp_path)
+    (problem,) = logs.check_logs(tmp_path)
     assert "operation 1" in problem and "matches the count exactly" in problem
 
 
@@ -351,7 +352,7 @@ def _rules_rank(rank: int, world: int) -> dict[str, Any]:
 def test_a_pipeline_step_keeps_nccls_rules(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv(rules.RULES_ENV, str(tmp_path))
     res = pooled_spawn(_rules_rank, 2, timeout=220)
-    assert rules.check_logs(tmp_path) == []
+    assert logs.check_logs(tmp_path) == []
     # Not vacuous: payloads went over the checked communicators, both ways.
     ops = [ln for f in tmp_path.glob("ops-*.jsonl") for ln in f.read_text().splitlines()]
     assert sum('"op": "send"' in ln for ln in ops) >= 2 * 2 * 4
