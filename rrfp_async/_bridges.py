@@ -403,6 +403,11 @@ class ComputeWorker:
         self._jobs: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()
+        self._last_event: torch.cuda.Event | None = None  # of the last enqueued call
+        self.handoffs = 0
+        """Thread hand-offs so far: loop -> worker and back per call, and (``run`` on
+        CUDA, ``event_mode="thread"``) loop -> the event's waiting thread and back."""
+        self.calls = 0
 
     @property
     def device(self) -> torch.device | None:
@@ -442,6 +447,58 @@ class ComputeWorker:
         stream = self._stream
         if stream is None:
             return await self._submit(functools.partial(fn, *args, **kwargs))
+        out, event = await self._submit(self._on_side_stream(fn, *args, **kwargs))
+        if self._event_mode == "thread":
+            self.handoffs += 2
+        await cuda_event_future(event, mode=self._event_mode)
+        return out
+
+    async def run_enqueued(self, fn: Callable[P, T], *args: P.args, **kwargs: P.kwargs) -> T:
+        """Like :meth:`run`, but on CUDA return once ``fn`` has *enqueued* its kernels on the
+        side stream, without waiting for them: no host sync per call (the GPU keeps the
+        next call's kernels queued behind these while the loop decides). Work ordered on
+        the side stream (the next call) needs nothing more; work on another stream waits on
+        :attr:`last_event` (``order_after``). An error a kernel raises surfaces at the next
+        synchronization (:meth:`drain`). Without CUDA, the same as :meth:`run`.
+
+        Args:
+            fn: The callable.
+            *args: Its positional arguments.
+            **kwargs: Its keyword arguments.
+
+        Returns:
+            What ``fn`` returned (its tensors ordered on the side stream).
+
+        Raises:
+            RuntimeError: The worker is closed.
+            Exception: Whatever ``fn`` raised.
+        """
+        if self._closed:
+            raise RuntimeError("ComputeWorker is closed")
+        if self._stream is None:
+            return await self._submit(functools.partial(fn, *args, **kwargs))
+        out, event = await self._submit(self._on_side_stream(fn, *args, **kwargs))
+        self._last_event = event
+        return out
+
+    @property
+    def last_event(self) -> torch.cuda.Event | None:
+        """The event recorded after the last :meth:`run_enqueued` call's kernels (CUDA)."""
+        return self._last_event
+
+    def order_after(self, stream: Any = None) -> None:
+        """Order ``stream`` (default: the device's current stream on this thread) after
+        every call enqueued so far, on the device: the host does not wait."""
+        ev = self._last_event
+        if ev is not None and self._stream is not None:
+            s = stream if stream is not None else torch.cuda.current_stream(self._stream.device)
+            s.wait_event(ev)
+
+    def _on_side_stream(
+        self, fn: Callable[P, T], *args: P.args, **kwargs: P.kwargs
+    ) -> Callable[[], tuple[T, torch.cuda.Event]]:
+        stream = self._stream
+        assert stream is not None
         caller_stream = torch.cuda.current_stream(stream.device)
 
         def _on_side_stream() -> tuple[T, torch.cuda.Event]:
@@ -454,9 +511,7 @@ class ComputeWorker:
                 event.record(stream)
             return out, event
 
-        out, event = await self._submit(_on_side_stream)
-        await cuda_event_future(event, mode=self._event_mode)
-        return out
+        return _on_side_stream
 
     async def drain(self) -> None:
         """Wait until every call submitted so far has ended (with CUDA: its kernels too).
@@ -468,7 +523,7 @@ class ComputeWorker:
         """
         if self._closed or self._thread is None:
             return
-        await self.run(_noop)
+        await self.run(_noop)  # on CUDA: after every kernel enqueued so far, too
 
     def _submit(self, call: Callable[[], T]) -> asyncio.Future[T]:
         loop = asyncio.get_running_loop()
@@ -479,6 +534,8 @@ class ComputeWorker:
                     self._thread = threading.Thread(target=self._work, name=self._name, daemon=True)
                     self._thread.start()
         self._jobs.put(_Job(call, fut, loop))
+        self.handoffs += 2  # to the worker thread, and the result back to the loop
+        self.calls += 1
         return fut
 
     def _work(self) -> None:

@@ -134,3 +134,17 @@ def test_tp_coordination_rows() -> None:
     assert set(terms["wait_first_us"]["measured"]) == {1, 2}
     assert terms["wait_first_us"]["loo"] == []  # leave-one-out needs three sizes
     assert {x["tp"] for x in model["share"]} == {1, 2, 8}
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(180)
+def test_task_section_counts_two_handoffs_per_task_and_agrees_with_torch() -> None:
+    (row,) = ov.task_overhead_isolated(microbatches=4, repeats=3)
+    assert row["microbatches"] == 4 and row["device"] == "cpu"
+    for key in ("compute_ms", "ours_ms", "torch_ms"):
+        assert row[key] > 0, key
+    assert row["idle_ours_us"] >= 0 and row["idle_torch_us"] >= 0
+    # On the CPU each task is one trip to the compute thread and back: no more hops (an
+    # event wait, a second submit) hide in a task.
+    assert row["handoffs_per_task"] == 2.0
+    assert row["losses_agree"]  # the same module, the same microbatches: the same losses

@@ -52,7 +52,6 @@ PAGES = sorted(
 # its branch is merged; the test fails if a listed page exists, so the list cannot go stale.
 PENDING = {
     "docs/testing.md": "h-harness (the pooled multi-process test harness)",
-    "docs/gpu.md": "the GPU / NCCL branch",
 }
 
 _FENCE = re.compile(r"^```[^\n]*\n(.*?)^```", re.M | re.S)

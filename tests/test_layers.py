@@ -31,6 +31,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
             "_admission",
             "_bridges",
             "_rng",
+            "_streams",
         ),
     ),
     ("models", ("models",)),

@@ -1,6 +1,6 @@
 """Overheads of the runtime in isolation, each against its raw baseline (``bench overhead``).
 
-Four sections, one module each, each a function returning rows (plain dicts; nothing is
+Five sections, one module each, each a function returning rows (plain dicts; nothing is
 printed here); this module gathers them for the command:
 
 * :func:`decision_latency` (``_overhead_decision``) -- the policy call plus the stage's
@@ -22,6 +22,9 @@ printed here); this module gathers them for the command:
 * :func:`split_backward_cost` (``_overhead_split``) -- ``I`` + ``W`` against ``B`` on a
   middle stage of the example model through ``TorchStageExecutor`` tasks: real CPU compute,
   no emulated time.
+* :func:`task_overhead` (``_overhead_task``) -- the host's time per task and the thread
+  hand-offs per task of a one-stage ``DistributedStage`` against torch ``Schedule1F1B`` on
+  the same module (idle per task = (step - compute alone) / tasks).
 
 Timing design (the statistics live in ``_overhead_common``): every figure is a median
 over batches (a batch times many back-to-back operations, so timer and scheduling noise is
@@ -40,6 +43,7 @@ from ._overhead_split import (
     split_backward_cost,
     split_backward_cost_isolated,
 )
+from ._overhead_task import task_overhead, task_overhead_isolated
 from ._overhead_tp import (
     TP_MODEL_TOLERANCE,
     TP_SHARE_TARGET,
@@ -62,6 +66,8 @@ __all__ = [
     "message_cost",
     "split_backward_cost",
     "split_backward_cost_isolated",
+    "task_overhead",
+    "task_overhead_isolated",
     "tp_coordination",
     "tp_model",
 ]

@@ -6,6 +6,14 @@ message of its own)::
     [magic, kind, seq, step, stage, task kind, microbatch, dtype, ndim, d0 .. d6]
 
 A CLOSE carries its cause instead: ``[magic, CLOSE, cause, step, n, global rank 0 .. n-1]``.
+A DATA_DEVICE header (the device path: see ``_p2p_device``) has a data header's fields; its
+payload travels on the edge's payload communicator (NCCL), not behind it; for a pytree the
+shape is ``(device bytes, structure bytes)`` and the structure (JSON, host bytes) is the
+control message's inline part, or a message of its own when it does not fit the edge's
+capacity (the same rule as an inline payload). The device bytes are the tensor leaves only,
+each at a multiple of 8 bytes from 0 (``pack_tree_device``): the layout of ``pack_tree``'s
+leaf part, so a staged copy (doc, padding, device bytes) is a ``pack_tree`` payload.
+A WARMUP header (no fields) opens an edge's payload communicator.
 An ABORT (a step failed on some rank: see ``P2PChannel``'s design note) is
 ``[magic, ABORT, 0, step, origin global rank, n, 0 ..]`` followed, when ``n > 0``, by a
 message of ``n`` bytes: the cause as UTF-8 text (at most ``MAX_ABORT_TEXT`` bytes). It takes
@@ -47,6 +55,12 @@ HEADER_LEN = 16
 HEADER_BYTES = HEADER_LEN * 8
 MAX_NDIM = HEADER_LEN - 9
 DATA, CLOSE, DATA_INLINE, ABORT = 1, 2, 3, 4
+DATA_DEVICE = 5
+"""Kind of a header whose payload travels on the edge's payload communicator (NCCL), not
+on the control group: the header (and a pytree's structure, inline behind it) on gloo, the
+payload's bytes on the device."""
+WARMUP = 6
+"""Kind of the header that opens an edge's payload communicator (see ``_p2p_device``)."""
 MAX_ABORT_TEXT = 1024
 """Most bytes of cause text an ABORT carries (longer text is cut; a header announcing more
 is refused)."""
@@ -101,12 +115,14 @@ def encode_header(
     *,
     inline: bool = False,
     tree: int | None = None,
+    device: bool = False,
 ) -> list[int]:
     """The int64 header of a data message (pure; used by tests to forge bad ones).
 
     ``inline``: the payload follows in the same message (else as a message of its own).
-    ``tree``: the payload is a packed pytree (``pack_tree``) whose structure takes ``tree``
-    bytes.
+    ``tree``: the payload is a packed pytree (``pack_tree``, or ``pack_tree_device``'s leaf
+    bytes with ``device``) whose structure takes ``tree`` bytes. ``device``: the payload
+    travels on the edge's payload communicator (kind ``DATA_DEVICE``).
     """
     shape: tuple[int, ...]
     if payload is None:
@@ -121,7 +137,7 @@ def encode_header(
         dtype, shape = DTYPE_CODE[payload.dtype], tuple(payload.shape)
         if payload.requires_grad:
             dtype |= REQUIRES_GRAD
-    kind = DATA_INLINE if inline else DATA
+    kind = DATA_DEVICE if device else DATA_INLINE if inline else DATA
     h = [MAGIC, kind, seq, step, task.stage, KIND_CODE[task.kind], task.mb, dtype, len(shape)]
     h += list(shape) + [0] * (MAX_NDIM - len(shape))
     return h
@@ -147,6 +163,16 @@ def write_ints(fmt: struct.Struct, buf: torch.Tensor, values: Sequence[int]) -> 
 def read_ints(fmt: struct.Struct, buf: torch.Tensor) -> tuple[int, ...]:
     """The integers packed as ``fmt`` at the start of ``buf`` (a CPU tensor)."""
     return fmt.unpack(ctypes.string_at(buf.data_ptr(), fmt.size))
+
+
+def write_header(buf: torch.Tensor, header: Sequence[int]) -> None:
+    """Write a header at the start of ``buf`` (host memory of at least ``HEADER_BYTES``)."""
+    write_ints(_HEADER, buf, header)
+
+
+def up8(n: int) -> int:
+    """``n`` rounded up to the wire's alignment (8 bytes)."""
+    return _up(n)
 
 
 def pack_inline(header: list[int], payload: torch.Tensor | None) -> torch.Tensor:
@@ -219,9 +245,13 @@ def pack_tree(tree: object) -> tuple[torch.Tensor, int]:
     return buf, len(doc)
 
 
-def unpack_tree(raw: torch.Tensor, doc_len: int, device: torch.device) -> object:
+def unpack_tree(
+    raw: torch.Tensor, doc_len: int, device: torch.device, *, non_blocking: bool = False
+) -> object:
     """The pytree packed in ``raw`` (uint8, CPU) by ``pack_tree``; tensor leaves are views of
-    ``raw`` (moved to ``device`` if it is not the CPU), ``requires_grad`` as at the sender.
+    ``raw`` (moved to ``device`` if it is not the CPU, ``non_blocking`` from pinned memory:
+    then the caller waits for the current stream before reusing ``raw``), ``requires_grad``
+    as at the sender.
 
     Raises:
         ProtocolError: The structure is corrupt or its leaves do not fill ``raw`` exactly.
@@ -248,7 +278,80 @@ def unpack_tree(raw: torch.Tensor, doc_len: int, device: torch.device) -> object
         t = raw[off : off + n].view(dtype).view(shape)
         off = _up(off + n)
         if device.type != "cpu":
-            t = t.to(device)
+            t = t.to(device, non_blocking=non_blocking)
+        if rg and t.is_floating_point():
+            t.requires_grad_(True)
+        return t
+
+    tree = decode_structure(doc, make)
+    if off != total:
+        raise ProtocolError(f"corrupt structure: its leaves end at byte {off}, payload {total}")
+    return tree
+
+
+def pack_tree_device(tree: object, device: torch.device) -> tuple[bytes, torch.Tensor | None]:
+    """A pytree's structure (host bytes, for the control message) and its tensor leaves'
+    bytes packed into one uint8 tensor on ``device`` with torch ops only (``cat`` of byte
+    views, on the current stream): nothing of a device tensor is read by the host. Each
+    leaf starts at a multiple of 8 bytes from 0. None when the leaves hold no bytes. A leaf
+    on another device is copied to ``device`` first.
+
+    Raises:
+        ProtocolError: A leaf or container the wire does not carry.
+    """
+    from .._pytree import encode_structure
+
+    doc, leaves = encode_structure(tree, dtype_code)
+    parts: list[torch.Tensor] = []
+    off = 0
+    for t in leaves:
+        if t.dim() > 64:
+            raise ProtocolError(f"a tensor leaf has {t.dim()} dims")
+        n = t.numel() * t.element_size()
+        if not n:
+            continue
+        x = t.detach()
+        if x.device != device:
+            x = x.to(device)
+        parts.append(x.contiguous().reshape(-1).view(torch.uint8))
+        end = _up(off + n)
+        if end > off + n:
+            parts.append(torch.zeros(end - off - n, dtype=torch.uint8, device=device))
+        off = end
+    if not parts:
+        return doc, None
+    return doc, torch.cat(parts)
+
+
+def unpack_tree_device(doc: bytes, flat: torch.Tensor | None, device: torch.device) -> object:
+    """The pytree whose structure is ``doc`` and whose leaves' bytes are ``flat`` (as
+    ``pack_tree_device`` made them): tensor leaves are views of ``flat`` (no copy, no host
+    read), ``requires_grad`` as at the sender.
+
+    Raises:
+        ProtocolError: The structure is corrupt or its leaves do not fill ``flat`` exactly.
+    """
+    from .._pytree import decode_structure
+
+    total = 0 if flat is None else flat.numel()
+    off = 0
+
+    def make(code: int, shape: tuple[int, ...], rg: bool) -> torch.Tensor:
+        nonlocal off
+        if not 0 <= code < len(DTYPES) or len(shape) > 64:
+            raise ProtocolError(f"corrupt structure: dtype code {code}, shape {shape}")
+        dtype = DTYPES[code]
+        n = math.prod(shape) * ITEMSIZE[dtype]
+        if not n:
+            t = torch.empty(shape, dtype=dtype, device=device)
+        elif flat is None or off + n > total:
+            raise ProtocolError(
+                f"corrupt structure: a {shape} {dtype} leaf at byte {off} overruns the"
+                f" payload of {total} bytes"
+            )
+        else:
+            t = flat[off : off + n].view(dtype).view(shape)
+            off = _up(off + n)
         if rg and t.is_floating_point():
             t.requires_grad_(True)
         return t

@@ -14,7 +14,7 @@ from ._output import console, table
 
 __all__ = ["bench_overhead"]
 
-_OVERHEAD_SECTIONS = ("decision", "message", "tp", "split")
+_OVERHEAD_SECTIONS = ("decision", "message", "tp", "split", "task")
 
 Rows = list[dict[str, Any]]
 
@@ -86,7 +86,11 @@ Rows = list[dict[str, Any]]
     show_default=True,
     help="Task compute for the TP share of step time.",
 )
-@microbatches_option(8, short=False, help_text="Microbatches of the I+W vs B measurement.")
+@microbatches_option(
+    8,
+    short=False,
+    help_text="Microbatches of the I+W vs B measurement (the task section: twice as many).",
+)
 @json_option("Print JSON instead of tables.")
 @log_options
 def bench_overhead(
@@ -138,6 +142,8 @@ def bench_overhead(
         out["split"] = ov.split_backward_cost_isolated(
             microbatches=microbatches, repeats=max(5, 2 * repeats)
         )
+    if "task" in chosen:
+        out["task"] = ov.task_overhead_isolated(microbatches=2 * microbatches)
     if as_json:
         click.echo(json.dumps(out, indent=2))
         return
@@ -147,6 +153,7 @@ def bench_overhead(
         "tp": lambda rows: [_tp_table(rows, compute_ms), _tp_step_table(rows)],
         "tp_model": _tp_model_tables,
         "split": lambda rows: [_split_table(rows)],
+        "task": lambda rows: [_task_table(rows)],
     }
     con = console()
     for section, rows in out.items():
@@ -455,5 +462,43 @@ def _split_table(rows: Rows) -> Table:
         " microbatches, median of rounds; (I+W) / B: from the executor's own"
         " measure_split_backward (source: helper) when it has one, else = tasks; tasks, with"
         " hand-off: median of per-round ratios of the CPU time / of the awaits of execute"
+    )
+    return t
+
+
+def _task_table(rows: Rows) -> Table:
+    t = table(
+        "per task: one stage, one process, real compute; ours (DistributedStage +"
+        " TorchStageExecutor) vs torch Schedule1F1B on the same module",
+        (
+            "device",
+            "mbs",
+            "compute ms",
+            "ours ms",
+            "Schedule1F1B ms",
+            "idle/task ours µs",
+            "idle/task torch µs",
+            "hand-offs/task",
+            "losses agree",
+        ),
+        left={"device"},
+    )
+    for r in rows:
+        t.add_row(
+            r["device"],
+            str(r["microbatches"]),
+            f"{r['compute_ms']:.2f}",
+            f"{r['ours_ms']:.2f}",
+            f"{r['torch_ms']:.2f}",
+            f"{r['idle_ours_us']:.1f}",
+            f"{r['idle_torch_us']:.1f}",
+            f"{r['handoffs_per_task']:.2f}",
+            "yes" if r["losses_agree"] else "NO",
+        )
+    t.caption = (
+        "compute: the same forwards and backwards back to back, no scheduler; idle per task"
+        " = (step - compute) / tasks (on a GPU: the device waiting for the host); hand-offs:"
+        " thread hand-offs of the stage's ComputeWorker per task (loop -> compute thread ->"
+        " loop; on CUDA tasks end when their kernels are enqueued, no event wait per task)"
     )
     return t

@@ -17,8 +17,16 @@ import torch.distributed as dist
 
 from .._errors import PlanError
 from .._tasks import StepPlan
+from ..channels import _nccl_logs as nccl_logs
+from ..channels import _nccl_rules as nccl_rules
 
-__all__ = ["ProcessLayout", "StageGroups", "build_groups", "pipeline_neighbors"]
+__all__ = [
+    "ProcessLayout",
+    "StageGroups",
+    "build_groups",
+    "payload_edges",
+    "pipeline_neighbors",
+]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -158,7 +166,13 @@ class StageGroups:
         p2p: This process's pipeline's own group for ``DistributedStage``'s activations and
             gradients (None when pp == 1, or for groups built by hand: the default group).
             One open stage per p2p group in a process: two users of one group's p2p mix
-            their messages (gloo aborts the process, or a peer hangs).
+            their messages (gloo aborts the process, or a peer hangs). Always gloo: it
+            carries the headers and control messages (and, without ``payload``, the
+            payloads).
+        payload: The device path's payload communicators (``p2p_backend="nccl"``, or the
+            NCCL-rules checker): ``(src, dst)`` pipeline ranks -> a 2-rank group that
+            carries that directed edge's payloads, for the edges of this rank between
+            neighbouring pipeline ranks (and last to first). None: payloads on ``p2p``.
     """
 
     tp: Any = None
@@ -166,6 +180,7 @@ class StageGroups:
     dp: Any = None
     control: Any = None
     p2p: Any = None
+    payload: dict[tuple[int, int], Any] | None = None
 
 
 def build_groups(
@@ -185,9 +200,18 @@ def build_groups(
         layout: The layout.
         tp_group: An existing TP group for model collectives (e.g. ``mesh.get_group("tp")``);
             the decision group is always a new, dedicated gloo group.
-        p2p_backend: Backend of the pipelines' p2p groups: gloo (a CUDA payload is staged
-            through the CPU), or "nccl" for device-to-device activations on GPUs.
+        p2p_backend: Where payloads travel: "gloo" (a CUDA payload is staged through the
+            CPU), or "nccl": device to device, on a 2-rank NCCL group per directed edge
+            between neighbouring pipeline ranks (``StageGroups.payload``; headers and control
+            stay on the gloo p2p group: see ``channels._p2p_device``). With
+            ``RRFP_NCCL_RULES`` set, "gloo" and "nccl" alike build the payload groups as the
+            NCCL-rules checker's gloo stand-ins (``channels._nccl_rules``).
+
+    Raises:
+        PlanError: An unknown ``p2p_backend``.
     """
+    if p2p_backend not in ("gloo", "nccl"):
+        raise PlanError(f"p2p_backend must be 'gloo' or 'nccl', got {p2p_backend!r}")
     tp = decisions = dp = None
     if layout.tp > 1:
         for plane in layout.grid:
@@ -206,14 +230,38 @@ def build_groups(
                     dp = g
     control = dist.new_group(list(range(layout.world_size)), backend="gloo")
     p2p = None
+    payload: dict[tuple[int, int], Any] | None = None
+    # RRFP_NCCL_RULES: the NCCL groups are checked gloo groups (channels._nccl_rules).
+    rules = nccl_rules.enabled()
+    device = rules or p2p_backend == "nccl"
     if layout.pp > 1:  # one group per pipeline, created by every rank in the same order
         for plane in layout.grid:
             for t in range(layout.tp):
                 ranks = [row[t] for row in plane]
-                g = dist.new_group(ranks, backend=p2p_backend)
+                g = dist.new_group(ranks, backend="gloo")
                 if layout.rank in ranks:
-                    p2p = g
-    return StageGroups(tp=tp, decisions=decisions, dp=dp, control=control, p2p=p2p)
+                    p2p = nccl_logs.observe(g) if rules else g
+                if not device:
+                    continue
+                for a, b in payload_edges(layout.pp):
+                    pg = dist.new_group([ranks[a], ranks[b]], backend="gloo" if rules else "nccl")
+                    if layout.rank in (ranks[a], ranks[b]):
+                        if payload is None:
+                            payload = {}
+                        payload[(a, b)] = nccl_rules.CheckedGroup(pg) if rules else pg
+    return StageGroups(tp=tp, decisions=decisions, dp=dp, control=control, p2p=p2p, payload=payload)
+
+
+def payload_edges(pp: int) -> list[tuple[int, int]]:
+    """The directed edges that get a payload communicator in a pipeline of ``pp`` ranks:
+    both ways between neighbours, and between the last rank and the first (interleaved
+    schedules loop back), in the order every rank creates them."""
+    edges: set[tuple[int, int]] = set()
+    for p in range(pp):
+        q = (p + 1) % pp
+        if q != p:
+            edges |= {(p, q), (q, p)}
+    return sorted(edges)
 
 
 def pipeline_neighbors(plan: StepPlan, rank: int) -> tuple[list[int], list[int]]:

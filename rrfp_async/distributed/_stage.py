@@ -296,16 +296,23 @@ class DistributedStage:
         # must reach every rank (see P2PChannel's design note).
         neighbours = sorted({*inbound, *outbound})
         self._has_peers = bool(neighbours)
-        self.channel = P2PChannel(
-            layout.pp_rank,
-            global_ranks=layout.pipeline_peers(),
-            inbound=neighbours,
-            outbound=neighbours,
-            group=self.groups.p2p,
-            device=device,
-            max_bytes=max_message_bytes,
-            bound_name="DistributedStage(max_message_bytes=...)",
-        )
+        try:
+            self.channel = P2PChannel(
+                layout.pp_rank,
+                global_ranks=layout.pipeline_peers(),
+                inbound=neighbours,
+                outbound=neighbours,
+                group=self.groups.p2p,
+                device=device,
+                max_bytes=max_message_bytes,
+                bound_name="DistributedStage(max_message_bytes=...)",
+                payload_groups=self.groups.payload,
+            )
+        except ValueError as e:  # an edge the groups have no payload communicator for
+            raise PlanError(f"rank {layout.rank}: {e}") from None
+        # The torch executor makes its compute stream wait on each received tensor's event
+        # (_streams.wait_ready); any other executor gets payloads once they arrived.
+        self.channel.consumer_waits = bool(getattr(executor, "waits_for_events", False))
         self.trace_dir = None if trace_dir is None else Path(trace_dir)
         if emulated_gpu_time is not None and not isinstance(emulated_gpu_time, bool):
             raise PlanError(f"emulated_gpu_time must be a bool or None, got {emulated_gpu_time!r}")
@@ -563,6 +570,7 @@ class DistributedStage:
             if training and self._tie_groups is not None:
                 stash = stash_grads(p for ps in self._shared_parameters().values() for p in ps)
             stats = await self.stage.run_step(microbatches, step=s, schedule=sched, train=train)
+            self._order_after_step()
             agreed = True
             await self._agree(s)
             if training and self._tie_groups is not None:
@@ -578,10 +586,19 @@ class DistributedStage:
                 self._post_agreement(failed=True)
             raise
         finally:
+            self._order_after_step()  # (before the stashed tied gradients are added back)
             restore_grads(stash)
             self._running = None
             if self._recorder is not None:
                 self._write_trace(s, sched, failed=failed)
+
+    def _order_after_step(self) -> None:
+        """On CUDA the executor's tasks end when their kernels are enqueued: order the
+        device's default stream after them (no host wait) before anything else touches the
+        gradients (the tied and DP reductions, the caller's optimizer)."""
+        order = getattr(self.stage.executor, "order_after_step", None)
+        if order is not None:
+            order()
 
     def _write_trace(self, step: int, schedule: StepSchedule, *, failed: bool) -> None:
         """Write this step's recording to ``trace_dir`` (see the class's Args): a step that

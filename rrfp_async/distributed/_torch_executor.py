@@ -55,6 +55,7 @@ from .._rng import (
     step_key,
     task_key,
 )
+from .._streams import Device, wait_ready
 from .._tasks import StepPlan, Task
 from ..loop._executors import OutputHook, TaskContext
 from ._split_backward import WeightWork, input_backward, weight_backward
@@ -190,6 +191,10 @@ class TorchStageExecutor:
             compute thread with each task's output as soon as it exists (see ``Executor``).
     """
 
+    waits_for_events = True
+    """Inputs are consumed through their receive's event (``_streams.wait_ready``), on the
+    compute stream: the channel hands them on at once (``P2PChannel.consumer_waits``)."""
+
     def __init__(
         self,
         modules: Mapping[int, nn.Module],
@@ -244,8 +249,10 @@ class TorchStageExecutor:
         if shared is not None:
             self._resolve_shared(shared)
         self.output_hook: OutputHook | None = None
+        self._ready_device = Device(self.worker.device or "cpu")
         self._failed_step: int | None = None
-        self.losses: dict[int, float] = {}
+        self._losses: dict[int, float] = {}
+        self._loss_t: dict[int, torch.Tensor] = {}  # CUDA losses, read on the host at the end
         self.outputs: dict[int, Any] = {}
         self.compute_seconds = 0.0
         self.emulated_seconds = 0.0
@@ -318,15 +325,43 @@ class TorchStageExecutor:
             return {}, {}
         return dict(self.losses), dict(self.outputs)
 
+    @property
+    def losses(self) -> dict[int, float]:
+        """``{microbatch: loss value}`` of the last step (the last stage's rank), unscaled.
+        On CUDA the values are read here, once the step's kernels completed (one host wait
+        when read, none per task)."""
+        if self._loss_t:
+            ev = self.worker.last_event
+            if ev is not None:
+                ev.synchronize()
+            for mb, t in self._loss_t.items():
+                self._losses[mb] = float(t)
+            self._loss_t = {}
+        return self._losses
+
     async def execute(self, task: Task, data: Any, ctx: TaskContext, /) -> Any:
-        """Run ``task`` on the compute thread; return the value to send on (or None)."""
+        """Run ``task`` on the compute thread; return the value to send on (or None). On
+        CUDA the task counts as done once its kernels are enqueued on the side stream (no
+        host sync per task: ``ComputeWorker.run_enqueued``); what consumes its output is
+        ordered after them on the device (the next task on the same stream, a send through
+        the event recorded at ``send``, the caller's stream through ``order_after_step``)."""
         if task.stage not in self.modules:
             raise PlanError(f"rank {ctx.rank}: no module for virtual stage {task.stage}")
-        return await self.worker.run(self._run, task, data, ctx)
+        return await self.worker.run_enqueued(self._run, task, data, ctx)
+
+    def order_after_step(self) -> None:
+        """Order the device's current stream (the default stream, from the loop thread)
+        after every kernel of the step, on the device: the gradients are then ready for
+        whatever the caller runs next there (an optimizer step, an all-reduce). No-op off
+        CUDA."""
+        self.worker.order_after()
 
     def _run(self, task: Task, data: Any, ctx: TaskContext) -> Any:
         if ctx.step != self._step:
             self._begin_step(ctx)
+        # A received input carries its receive's event: the compute stream (on a CPU, this
+        # thread) waits for it before anything reads the input (see _streams.wait_ready).
+        wait_ready(data, self._ready_device)
         t0 = time.perf_counter()
         handler = self._handlers[task.kind]
         key = self._rng_key
@@ -371,7 +406,8 @@ class TorchStageExecutor:
             left = sorted({*self._stash, *self._kept})
             raise PlanError(f"rank {ctx.rank}: step {self._step} left activations {left}")
         self._step = ctx.step
-        self.losses = {}
+        self._losses = {}
+        self._loss_t = {}
         self.outputs = {}
         self._param_lists = {}  # requires_grad may change between steps
         self._cuda_lists = {}  # and so may devices
@@ -446,7 +482,10 @@ class TorchStageExecutor:
                 f" (the mean loss of the microbatch), got {what}; reduce it (e.g. .mean())"
             )
         loss = loss.reshape(())
-        self.losses[task.mb] = float(loss.detach())
+        if loss.is_cuda:  # read on the host once per step (``losses``), not per task
+            self._loss_t[task.mb] = loss.detach().clone()
+        else:
+            self._losses[task.mb] = float(loss.detach())
         if self.loss_scale == "tokens":
             tok = self._tokens(mb, task.mb)
             return loss * (tok / self._total_tokens) if self._total_tokens else loss * 0.0

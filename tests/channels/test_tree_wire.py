@@ -20,7 +20,9 @@ from rrfp_async.channels._wire import (
     TREE,
     encode_header,
     pack_tree,
+    pack_tree_device,
     unpack_tree,
+    unpack_tree_device,
 )
 from tests._pool import pooled_spawn
 
@@ -112,6 +114,71 @@ def test_trailing_bytes_and_deep_or_unsupported_values_are_refused() -> None:
         pack_tree((torch.zeros(1), object()))
     with pytest.raises(rr.ProtocolError, match="dict keys must be str or int"):
         pack_tree({(1, 2): torch.zeros(1)})
+
+
+def test_device_packing_round_trips_as_views_of_one_buffer() -> None:
+    v = _value()
+    doc, flat = pack_tree_device(v, CPU)
+    assert flat is not None and flat.dtype == torch.uint8 and flat.numel() % 8 == 0
+    got = unpack_tree_device(doc, flat, CPU)
+    _same(got, v)
+    # Leaves are views of the one received buffer, each at a multiple of 8 bytes.
+    for t in tensor_leaves(got):
+        if t.numel():
+            assert t.untyped_storage().data_ptr() == flat.untyped_storage().data_ptr()
+            assert (t.data_ptr() - flat.data_ptr()) % 8 == 0
+    # The layout of pack_tree's leaf part: a staged copy (doc, padding, leaves) is a
+    # pack_tree payload (the gloo-on-GPU staging path relies on it).
+    buf, n = pack_tree(v)
+    up = (n + 7) // 8 * 8
+    assert bytes(buf[:n].tolist()) == doc
+    assert torch.equal(buf[up:], flat)
+    # Leaves without bytes: no device buffer at all (the message goes over gloo alone).
+    doc, flat = pack_tree_device((torch.zeros(0), {"k": 3}), CPU)
+    assert flat is None
+    _same(unpack_tree_device(doc, None, CPU), (torch.zeros(0), {"k": 3}))
+
+
+def test_device_packing_reads_nothing_on_the_host(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Any
+) -> None:
+    """The NCCL path's packing uses torch ops only: with the NCCL-rules checker's host-read
+    guards on, a leaf registered as a device payload is never read through ctypes, tolist,
+    item or numpy while it is packed or unpacked (``pack_tree`` is, and is refused)."""
+    import weakref
+
+    from rrfp_async.channels import _nccl_rules as rules
+
+    monkeypatch.setenv(rules.RULES_ENV, str(tmp_path))
+    monkeypatch.setattr(rules, "_registry", None)
+    reg = rules._reg()
+    try:
+        v = _value()
+        for i, t in enumerate(tensor_leaves(v)):
+            if t.numel():
+                base, size = rules._ptr(t)
+                reg.nccl[base] = (weakref.ref(t), size, f"leaf {i}")
+        doc, flat = pack_tree_device(v, CPU)
+        assert flat is not None
+        base, size = rules._ptr(flat)
+        reg.nccl[base] = (weakref.ref(flat), size, "the packed leaves")
+        _same(unpack_tree_device(doc, flat, CPU), v)
+        assert reg.violations == []
+        with pytest.raises(rules.NCCLRuleError, match=r"ctypes\.memmove"):
+            pack_tree(v)  # the host path reads the leaves through ctypes
+    finally:
+        reg.close()
+
+
+def test_corrupt_device_structures_are_protocol_errors() -> None:
+    doc, flat = pack_tree_device([torch.zeros(2), torch.ones(3)], CPU)
+    assert flat is not None
+    with pytest.raises(rr.ProtocolError, match="leaves end at byte"):
+        unpack_tree_device(doc, torch.cat([flat, torch.zeros(8, dtype=torch.uint8)]), CPU)
+    with pytest.raises(rr.ProtocolError, match="overruns the payload"):
+        unpack_tree_device(doc, flat[:8], CPU)
+    with pytest.raises(rr.ProtocolError, match="overruns the payload"):
+        unpack_tree_device(doc, None, CPU)
 
 
 def test_call_rule_and_map() -> None:

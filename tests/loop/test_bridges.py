@@ -366,6 +366,26 @@ async def test_compute_worker_runs_in_submission_order_on_one_thread() -> None:
 
 
 @pytest.mark.timeout(30)
+async def test_compute_worker_counts_its_handoffs_and_enqueued_runs_keep_the_order() -> None:
+    order: list[int] = []
+
+    def task(i: int) -> int:
+        time.sleep(0.01 * (3 - i))
+        order.append(i)
+        return i
+
+    async with ComputeWorker(name="hops") as worker:
+        assert worker.handoffs == 0
+        out = await asyncio.gather(*(worker.run_enqueued(task, i) for i in range(3)))
+        assert out == [0, 1, 2] and order == [0, 1, 2]
+        await worker.run(task, 3)
+        # Two hand-offs per call on a CPU (to the compute thread and back), none hidden.
+        assert (worker.calls, worker.handoffs) == (4, 8)
+        assert worker.last_event is None  # no CUDA: nothing to order on a device
+        worker.order_after()  # a no-op without CUDA
+
+
+@pytest.mark.timeout(30)
 async def test_compute_worker_keeps_the_loop_free() -> None:
     ticks = 0
 
