@@ -506,7 +506,7 @@ class TorchStageExecutor:
         last = self._is_last(task, ctx)
         if ctx.plan.forward_only:
             with torch.no_grad():
-                out = self._call(mod, x, kwargs, task, data, ctx)
+                out = self._call(mod, x, kwargs, task, ctx)
                 if not last:
                     return map_tensors(out, _detached)
                 self.outputs[task.mb] = map_tensors(out, _detached)
@@ -514,7 +514,7 @@ class TorchStageExecutor:
                     self._loss(task, out, mb, ctx)
             return None
         with torch.enable_grad():
-            out = self._call(mod, x, kwargs, task, data, ctx)
+            out = self._call(mod, x, kwargs, task, ctx)
             if last:
                 if self.loss_fn is None:
                     raise PlanError(
@@ -538,17 +538,18 @@ class TorchStageExecutor:
         x: Any,
         kwargs: Mapping[str, Any],
         task: Task,
-        data: Any,
         ctx: TaskContext,
     ) -> Any:
         """``call_module``, with what went wrong said where a user can act on it: an error
-        from the module keeps its type and traceback and gains a note (``add_note``) naming
-        the task and, for the common misuses, the fix (the peers' ``PeerStepError`` carries
-        the note too)."""
+        from the module keeps its type and traceback; one about its input (a signature or
+        shape that does not fit, ``_INPUT_ERRORS``) gains a note (``add_note``) naming the
+        task and the fix, which the peers' ``PeerStepError`` carries too."""
         try:
             return call_module(mod, x, kwargs)
         except (TypeError, RuntimeError, ValueError) as e:
-            e.add_note(_call_hint(task, x, data, ctx, self.input_fn is _default_input))
+            hint = _call_hint(e, task, x, ctx, self.input_fn is _default_input)
+            if hint is not None:
+                e.add_note(hint)
             raise
 
     def _check_grad(
@@ -678,8 +679,35 @@ def _shape_of(value: Any) -> str:
     return f"a {kind} of {len(leaves)} tensor(s) ({shapes}{', ...' if len(leaves) > 4 else ''})"
 
 
-def _call_hint(task: Task, x: Any, data: Any, ctx: TaskContext, default_input: bool) -> str:
-    """The note on an error raised by a stage's module (see ``TorchStageExecutor._call``)."""
+_INPUT_ERRORS = (
+    "positional argument",
+    "unexpected keyword argument",
+    "missing 1 required",
+    "missing 2 required",
+    "shapes cannot be multiplied",
+    "must match the size of tensor",
+    "size mismatch",
+    "expected input",
+    "expected 2d",
+    "expected 3d",
+    "expected 4d",
+    "input type",
+    "not enough values to unpack",
+    "too many values to unpack",
+    "cannot unpack",
+)
+"""Message fragments (lower case) of the errors a module raises on an input it was not built
+for: what ``_call_hint`` explains. Other errors keep their text as it is."""
+
+
+def _call_hint(
+    e: BaseException, task: Task, x: Any, ctx: TaskContext, default_input: bool
+) -> str | None:
+    """The note on ``e``, raised by a stage's module (see ``TorchStageExecutor._call``): the
+    task, and how the input was made, when the error is about the input (None otherwise)."""
+    text = str(e).lower()
+    if not any(frag in text for frag in _INPUT_ERRORS):
+        return None
     where = f"rank {ctx.rank} step {ctx.step} {task}: the module of virtual stage {task.stage}"
     if task.stage == 0:
         if default_input and isinstance(x, tuple):
@@ -690,7 +718,11 @@ def _call_hint(task: Task, x: Any, data: Any, ctx: TaskContext, default_input: b
                 " mb[0]) and read the rest in loss_fn(output, microbatch); return rr.Args(...)"
                 " from input_fn for several arguments or keywords"
             )
-        return f"{where} failed on microbatch {task.mb} ({_shape_of(x)})"
+        return (
+            f"{where} failed on microbatch {task.mb} ({_shape_of(x)}), given as"
+            " TorchStageExecutor's input_fn makes it (default: Microbatch.data or the"
+            " microbatch; a tuple is unpacked into positional arguments)"
+        )
     return (
         f"{where} failed on its input from virtual stage {task.stage - 1}, {_shape_of(x)}: the"
         f" output of stage {task.stage - 1} must fit this stage's forward (where the model is"
