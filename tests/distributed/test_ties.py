@@ -159,7 +159,7 @@ def test_an_undeclared_tie_is_an_error_on_every_rank_naming_both() -> None:
 def test_an_undeclared_tie_of_dtensor_parameters_is_found() -> None:
     # torchtitan's parameters are DTensors; the check fingerprints each rank's local shard
     # (it failed with ".tolist() is not supported for tensor subclasses, got DTensor").
-    r0, r1 = rr.spawn(worker, 2, "dtensor", timeout=150)
+    r0, r1 = pooled_spawn(worker, 2, "dtensor", timeout=150)
     for r in (r0, r1):
         msg = r.get("error", "")
         assert "'emb.weight' of virtual stage 0 on global rank 0" in msg, msg

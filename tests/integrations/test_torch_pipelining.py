@@ -313,7 +313,7 @@ def fsdp_worker(rank: int, world: int) -> dict[str, Any]:
 def test_split_backward_is_refused_on_fsdp_stages() -> None:
     # W calls the weight-gradient nodes itself, past FSDP's unshard and reduce-scatter: it
     # failed at the first W (resharded storage) or, with the storage kept, lost gradients.
-    for r in rr.spawn(fsdp_worker, 2, timeout=200):
+    for r in pooled_spawn(fsdp_worker, 2, timeout=200):
         for name in ("split", "zb_h1"):
             assert "split backward" in r[name] and "FSDP-wrapped modules (0)" in r[name], r
         assert r["1f1b"] == "built"
