@@ -255,6 +255,7 @@ def test_the_command_line_loads_no_benchmark_until_one_runs() -> None:
     assert out.stdout.strip() == "[]"
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_bench_soak_reports_flat_and_refuses_bad_policy() -> None:
     out = CliRunner().invoke(main, ["bench", "soak", "--steps", "20", "--fail-every", "5"])

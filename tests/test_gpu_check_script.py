@@ -64,6 +64,7 @@ def test_cpu_dry_run_runs_the_cpu_parts_and_they_pass() -> None:
     assert "== 3 of 3 parts passed" in out
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_a_part_that_hangs_is_stopped_at_its_timeout_with_every_stack_dumped() -> None:
     env = {**os.environ, "RRFP_GPU_CHECK_HANG": "idle"}

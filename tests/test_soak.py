@@ -19,7 +19,7 @@ import pytest
 
 from rrfp_async.bench._soak import SoakResult, format_soak, soak
 
-pytestmark = pytest.mark.timeout(180)
+pytestmark = [pytest.mark.timeout(180), pytest.mark.slow]
 
 STEPS = 60
 FAIL_EVERY = 5
