@@ -149,3 +149,20 @@ def test_a_short_tasks_noise_is_not_slow_unless_asked() -> None:
     assert [s["task"] for s in rr.stalls(tr, min_share=0.0)["slow"]] == ["0B1"]
     with pytest.raises(ValueError, match="min_share"):
         rr.stalls(tr, min_share=1.0)
+
+
+def test_a_task_that_jitters_like_the_others_is_not_slow() -> None:
+    # A loaded machine: rank 0's forwards take 0.5-3.5 ms around a 2.4 ms median (median
+    # absolute deviation 1.15 ms). 0F7 at 5 ms is over 2x the median and past it by over
+    # 2 % of the step (2.6 ms), but within 3 deviations (3.45 ms); 0F9 at 40 ms stands out.
+    ms = [0.5, 3.5, 0.8, 3.2, 2.0, 1.2, 2.8, 5.0, 1.5, 40.0]
+    spans, t = [], 0.0
+    for i, d in enumerate(ms):
+        spans.append(Span(0, 0, f"0F{i}", t, t + d * 1e-3))
+        t += d * 1e-3
+    tr = TraceData(spans=spans)
+    assert [s["task"] for s in rr.stalls(tr)["slow"]] == ["0F9"]
+    # Fails without the spread rule: the fixed thresholds alone flag the jitter too.
+    assert [s["task"] for s in rr.stalls(tr, spread=0.0)["slow"]] == ["0F7", "0F9"]
+    with pytest.raises(ValueError, match="spread"):
+        rr.stalls(tr, spread=-1.0)

@@ -157,7 +157,8 @@ def _print_stalls(con: Any, found: dict[str, Any]) -> None:
     """The slow tasks with the tasks that waited for them, then the longest waits."""
     if found["slow"]:
         t = table(
-            "slow tasks (over 2x their kind's median on their rank) and who waited for them",
+            "slow tasks (over 2x their kind's median on their rank, out of its spread) and"
+            " who waited for them",
             ("step", "rank", "task", "ms", "median ms", "waited for it (rank:task)"),
         )
         for s in found["slow"]:

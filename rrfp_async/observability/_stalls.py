@@ -3,7 +3,10 @@
 From a trace (one process's, a simulation's, or per-rank files merged), for each step:
 
 * **slow tasks**: a task that ran longer than ``slow_factor`` times the median of its kind
-  (F, B, I, W) on its rank;
+  (F, B, I, W) on its rank, and stands out of the run's own spread: past the median by more
+  than ``spread`` times the kind's median absolute deviation on that rank (on a loaded
+  machine every short task jitters; one that jitters like the others is not slow) and by
+  more than ``min_share`` of its step's makespan;
 * **waits**: an idle gap before a task (longer than ``min_wait`` times the rank's median task
   time), with what the task waited for: its input from another rank (named by the message:
   the producer task that sent it and its rank), or, when the input was there before the gap
@@ -47,6 +50,7 @@ def stalls(
     slow_factor: float = 2.0,
     min_wait: float = 0.5,
     min_share: float = 0.02,
+    spread: float = 3.0,
 ) -> dict[str, Any]:
     """Slow tasks and the waits they (or nothing unusual) caused; see the module docstring.
 
@@ -57,6 +61,8 @@ def stalls(
         min_share: A slow task also exceeds its median by at least this share of its
             step's makespan (a short task's noise — 3 ms for a 1 ms backward on a busy
             machine — is not what held the step up).
+        spread: A slow task also exceeds its median by more than this multiple of its
+            kind's median absolute deviation on its rank (the run's own spread; 0: off).
 
     Returns:
         ``{"slow": [...], "waits": [...]}``. A slow entry: ``rank, step, task, seconds,
@@ -69,10 +75,11 @@ def stalls(
         ``chain`` (the tasks from the wait to the root, as ``"<rank>:<task>"``).
     """
     data = trace if isinstance(trace, TraceData) else from_chrome(trace)
-    if slow_factor <= 1.0 or min_wait < 0 or not 0 <= min_share < 1:
+    if slow_factor <= 1.0 or min_wait < 0 or not 0 <= min_share < 1 or not spread >= 0:
         raise ValueError(
-            "slow_factor must be > 1, min_wait >= 0 and 0 <= min_share < 1; got"
-            f" slow_factor={slow_factor}, min_wait={min_wait}, min_share={min_share}"
+            "slow_factor must be > 1, min_wait >= 0, 0 <= min_share < 1 and spread >= 0; got"
+            f" slow_factor={slow_factor}, min_wait={min_wait}, min_share={min_share},"
+            f" spread={spread}"
         )
     by_kind: dict[tuple[int, str], list[float]] = defaultdict(list)
     by_lane: dict[int, list[float]] = defaultdict(list)
@@ -80,6 +87,8 @@ def stalls(
         by_kind[(s.lane, _kind(s.task))].append(s.end - s.start)
         by_lane[s.lane].append(s.end - s.start)
     med_kind = {k: statistics.median(v) for k, v in by_kind.items()}
+    # The median absolute deviation: a spread that one slow task does not move.
+    mad_kind = {k: statistics.median(abs(d - med_kind[k]) for d in v) for k, v in by_kind.items()}
     med_lane = {k: statistics.median(v) for k, v in by_lane.items()}
 
     first: dict[int, float] = {}
@@ -89,9 +98,10 @@ def stalls(
         last[s.step] = max(last.get(s.step, s.end), s.end)
 
     def is_slow(s: Span) -> bool:
-        m = med_kind[(s.lane, _kind(s.task))]
+        key = (s.lane, _kind(s.task))
+        m = med_kind[key]
         d = s.end - s.start
-        floor = min_share * (last[s.step] - first[s.step])
+        floor = max(min_share * (last[s.step] - first[s.step]), spread * mad_kind[key])
         return d > slow_factor * m + _EPS and d - m > floor + _EPS
 
     lane_spans: dict[tuple[int, int], list[Span]] = defaultdict(list)
