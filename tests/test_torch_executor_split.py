@@ -22,8 +22,8 @@ import torch.nn.functional as F
 from torch import nn
 
 import rrfp_async as rr
+from rrfp_async.bench._split_measure import measure_split_backward
 from rrfp_async.distributed import _split_backward as sb
-from rrfp_async.distributed import _torch_executor as te
 from rrfp_async.models import ImageTextConfig, build_stage_modules, loss_fn, make_microbatches
 
 CFG = ImageTextConfig()
@@ -472,15 +472,15 @@ def test_step_with_kept_weight_work_left_raises() -> None:
 
 
 def test_measure_split_backward_runs() -> None:
-    r = te.measure_split_backward(stages=2, stage=1, microbatches=2, repeats=1)
+    r = measure_split_backward(stages=2, stage=1, microbatches=2, repeats=1)
     for k in ("b", "i", "w", "iw", "ratio", "b_cpu", "iw_cpu", "ratio_cpu"):
         assert r[k] > 0, k
     assert r["iw"] == pytest.approx(r["i"] + r["w"])
     assert (r["stage"], r["stages"], r["microbatches"], r["split"]) == (1, 2, 2, 1.0)
-    r0 = te.measure_split_backward(stages=2, stage=0, microbatches=1, repeats=1)
+    r0 = measure_split_backward(stages=2, stage=0, microbatches=1, repeats=1)
     assert r0["stage"] == 0 and r0["b"] > 0
     with pytest.raises(rr.PlanError, match="outside"):
-        te.measure_split_backward(stages=2, stage=2)
+        measure_split_backward(stages=2, stage=2)
 
 
 def test_a_failed_step_does_not_block_the_next() -> None:

@@ -40,7 +40,7 @@ def split_backward_cost(
     the compute thread), ``*_wall`` the await of ``execute`` (hand-off to the thread
     included).
 
-    When ``_torch_executor.measure_split_backward`` exists (the executor's own measurement:
+    With ``_split_measure.measure_split_backward`` (the executor's own measurement:
     the task handlers called directly, CPU clock), it runs too with the same arguments and
     its ratio is the headline (``source``); the figures above stay as ``ratio_tasks``.
 
@@ -54,9 +54,10 @@ def split_backward_cost(
     """
 
     from .._tasks import StepPlan, Task, Topology
-    from ..distributed._torch_executor import TorchStageExecutor, stage_inputs
+    from ..distributed._torch_executor import TorchStageExecutor
     from ..loop._executors import TaskContext
     from ..models.image_text import ImageTextConfig, build_stage_modules, loss_fn, make_microbatches
+    from ._split_measure import stage_inputs
 
     v = stages // 2 if stage is None else stage
     if not 0 <= v < stages:
@@ -170,22 +171,16 @@ def split_backward_cost(
 
 
 def _split_helper(**kwargs: Any) -> dict[str, Any]:
-    """The executor's own ``measure_split_backward`` when it has one (CPU-time ratio, and
-    whether the graph split or the recompute fallback ran), else nothing."""
-    from ..distributed import _torch_executor
+    """``measure_split_backward``'s figures (CPU-time ratio, and whether the graph split or
+    the recompute fallback ran)."""
+    from ._split_measure import measure_split_backward
 
-    helper = getattr(_torch_executor, "measure_split_backward", None)
-    if not callable(helper):
-        return {}
-    try:
-        h = helper(**kwargs, threads=None)
-        return {
-            "helper_ratio": float(h.get("ratio_cpu", h["ratio"])),
-            "helper_ratio_wall": float(h["ratio"]),
-            "split_mode": "recompute fallback" if h.get("split", 1.0) == 0.0 else "graph split",
-        }
-    except (TypeError, KeyError, ValueError) as e:  # its interface moved: say so, go on
-        return {"helper_error": repr(e)}
+    h = measure_split_backward(**kwargs, threads=None)
+    return {
+        "helper_ratio": float(h["ratio_cpu"]),
+        "helper_ratio_wall": float(h["ratio"]),
+        "split_mode": "recompute fallback" if h["split"] == 0.0 else "graph split",
+    }
 
 
 def _split_rank(rank: int, world: int, kwargs: dict[str, Any]) -> list[Row]:

@@ -314,7 +314,16 @@ class _ReadinessFirst:
 
     def _loss(self, output: Any, mb: _Chunk) -> torch.Tensor:
         assert self._loss_fn is not None
-        loss = self._loss_fn(output, mb.target, **mb.loss_kwargs)
+        try:
+            loss = self._loss_fn(output, mb.target, **mb.loss_kwargs)
+        except Exception as e:
+            if mb.target is None:  # torch calls loss_fn(output, None) alike, and fails alike
+                e.add_note(
+                    "loss_fn(output, target) got target=None: the rank that holds the last"
+                    " stage passes the targets to step() (step(target=y) or target_mbs=[...],"
+                    " as torch's schedules need them)"
+                )
+            raise
         if isinstance(loss, torch.Tensor):
             mb.loss = loss.detach()
         return loss

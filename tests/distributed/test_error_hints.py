@@ -3,9 +3,11 @@
 A stage's module that raises keeps its exception on its own rank (type, message, the
 user's frame in the traceback) with a note (``add_note``) naming the task and, for the
 common misuses, the fix; every other rank's ``PeerStepError`` carries the type, the
-message and that note. Two misuses a newcomer makes: a ``(inputs, target)`` tuple
-microbatch without ``input_fn`` (the first stage is called as ``module(inputs, target)``)
-and a split whose stage outputs do not fit the next stage's input.
+message and that note. The misuses a newcomer makes: a ``(inputs, target)`` tuple
+microbatch without ``input_fn`` (the first stage is called as ``module(inputs, target)``),
+a split whose stage outputs do not fit the next stage's input, and, through the torch
+drop-in, a training step without the targets on the last stage. (Ranks given different
+numbers of microbatches: ``test_plan_digest.py``.)
 """
 
 from __future__ import annotations
@@ -108,3 +110,39 @@ def test_a_stage_input_that_does_not_fit_names_both_stages_on_every_rank() -> No
     assert r0["type"] == "PeerStepError", r0
     assert "RuntimeError: mat1 and mat2 shapes cannot be multiplied" in r0["text"], r0
     assert "a tensor of shape (3, 6)" in r0["text"], r0
+
+
+def _dropin_worker(rank: int, world: int) -> dict[str, Any]:
+    from torch.distributed.pipelining import PipelineStage
+
+    from rrfp_async.pipelining import ScheduleReadinessFirst
+
+    torch.manual_seed(rank)
+    mod = _Net(4, 4)
+    stage = PipelineStage(mod, rank, world, torch.device("cpu"))
+
+    def loss_fn(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.mse_loss(out, target)
+
+    out: dict[str, Any] = {}
+    with ScheduleReadinessFirst(stage, 2, loss_fn=loss_fn) as schedule:
+        try:
+            schedule.step(torch.randn(4, 4)) if rank == 0 else schedule.step()  # no target
+            out["error"] = None
+        except Exception as e:
+            out["type"] = type(e).__name__
+            out["text"] = str(e)
+            out["notes"] = list(getattr(e, "__notes__", []))
+    return out
+
+
+def test_a_training_step_without_targets_says_where_they_go() -> None:
+    # Fails without the note: rank 1 raised mse_loss's bare "'NoneType' object has no
+    # attribute 'size'" (torch's schedules fail the same way, with no word of step(target=)).
+    r0, r1 = pooled_spawn(_dropin_worker, 2, timeout=200)
+    assert r1["type"] != "PeerStepError", r1  # the last stage's own error, whole
+    (note,) = _hints(r1)
+    assert "loss_fn(output, target) got target=None" in note, note
+    assert "step(target=y) or target_mbs=[...]" in note, note
+    assert r0["type"] == "PeerStepError", r0
+    assert "step(target=y)" in r0["text"], r0

@@ -306,3 +306,60 @@ def test_default_seeds_adopt_the_lowest_default_ranks_seed() -> None:
     assert job is None and [r.rng_seed for r in rows] == [5] * 4
     # task_rng=False: nothing to adopt, whatever the flag says.
     assert not d(0, None, True).seed_default
+
+
+STEP_CASES: dict[str, tuple[int, int]] = {
+    "fewer": (3, 4),  # rank 0's plan changes (3 microbatches), rank 1's does not
+    "more": (4, 5),  # rank 1's changes
+    "both": (3, 3),  # both change alike: a new plan, checked, and it runs
+}
+
+
+def _step_worker(rank: int, world: int) -> dict[str, Any]:
+    """Step 0 with 4 microbatches everywhere, then each case's step 1 with
+    ``STEP_CASES[case][rank]`` microbatches, then a step with 4 again."""
+    layout = rr.ProcessLayout.from_world(pp=world)
+    groups = rr.build_groups(layout)
+    plan = rr.StepPlan(topology=rr.Topology(stages=world), microbatches=4)
+    out: dict[str, Any] = {}
+
+    async def go() -> None:
+        stage = rr.DistributedStage(
+            layout, rr.StepSchedule.build(plan, "1f1b"), _Tiny(), groups=groups, step_timeout=60
+        )
+        async with stage:
+            await stage.run_step(list(range(4)))
+            for case, counts in STEP_CASES.items():
+                t0 = time.perf_counter()
+                try:
+                    stats = await stage.run_step(list(range(counts[rank])))
+                    out[case] = ("ok", len(stats.executed))
+                except rr.RRFPError as e:
+                    out[case] = (type(e).__name__, str(e))
+                out[case + "_seconds"] = time.perf_counter() - t0
+                after = await stage.run_step(list(range(4)))  # the stage is usable again
+                out[case + "_after"] = len(after.executed)
+        stage.channel.close(10.0)
+
+    rr.run(go())
+    return out
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(240)
+def test_a_step_with_other_microbatch_counts_fails_at_once_on_every_rank() -> None:
+    # Fails without the per-step check: the rank whose plan changed waited alone in the
+    # plan check and its peer for its messages, until the 60 s watchdog (StepTimeoutError).
+    r0, r1 = pooled_spawn(_step_worker, 2, timeout=200)
+    for case, step in (("fewer", 1), ("more", 3)):  # each case's step, then one after it
+        a, b = STEP_CASES[case]
+        for r in (r0, r1):
+            kind, msg = r[case]
+            assert kind == "PlanError", (case, r[case])
+            assert f"step {step}: the ranks do not run the same step" in msg, msg
+            assert f"rank 0 has step {step}, {a} microbatches, training, plan #" in msg, msg
+            assert f"rank 1 has step {step}, {b} microbatches, training, plan #" in msg, msg
+            assert r[case + "_seconds"] < 30  # at once, not at the 60 s watchdog
+            assert r[case + "_after"] == 2 * 4  # this rank's F and B of 4 microbatches
+    for r in (r0, r1):  # both changed alike: the plan check ran and the step ran
+        assert r["both"] == ("ok", 2 * 3), r["both"]
