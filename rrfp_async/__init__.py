@@ -54,6 +54,8 @@ _EXPORTS: dict[str, str] = {
     "LogObserver": ".observability",
     "Microbatch": "._costs",
     "MultiObserver": ".observability",
+    "NonFinite": ".distributed._nonfinite",
+    "NonFiniteError": "._errors",
     "ObserverError": "._errors",
     "PairedRatio": ".observability",
     "PeerError": "._errors",
@@ -139,6 +141,7 @@ if TYPE_CHECKING:  # the same names for type checkers (tests/test_public_api.py 
         ExtraMissingError,
         HintError,
         InterruptedStepError,
+        NonFiniteError,
         ObserverError,
         PeerError,
         PeerStepError,
@@ -156,6 +159,7 @@ if TYPE_CHECKING:  # the same names for type checkers (tests/test_public_api.py 
     from ._workloads import WORKLOADS, Workload, make_workload
     from .distributed._causal_lm import CausalLMSplit, CausalLMStage, split_causal_lm
     from .distributed._layout import ProcessLayout, StageGroups, build_groups, pipeline_neighbors
+    from .distributed._nonfinite import NonFinite
     from .distributed._spawn import free_port, spawn
     from .distributed._split import (
         StageModule,
@@ -230,6 +234,8 @@ __all__ = [
     "LogObserver",
     "Microbatch",
     "MultiObserver",
+    "NonFinite",
+    "NonFiniteError",
     "ObserverError",
     "PairedRatio",
     "PeerError",

@@ -215,6 +215,12 @@ class InterruptedStepError(RRFPError):
         self.original = original
 
 
+class NonFiniteError(RRFPError, ArithmeticError):
+    """A task's loss, activation or gradient is NaN or infinite, with
+    ``TorchStageExecutor(nonfinite="raise")``: the step fails on every rank. The message
+    names the rank, step, task, microbatch and value."""
+
+
 class StepTimeoutError(RRFPError):
     """A step exceeded its watchdog time limit; the message points to the state dump."""
 

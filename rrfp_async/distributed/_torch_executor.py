@@ -34,6 +34,7 @@ runs that use it must say so.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -45,7 +46,7 @@ from torch import nn
 
 from .._bridges import ComputeWorker
 from .._costs import CostModel, Durations, Microbatch
-from .._errors import PlanError
+from .._errors import NonFiniteError, PlanError
 from .._pytree import Args, call_module, map_tensors, tensor_leaves
 from .._rng import (
     MAX_MICROBATCHES,
@@ -60,6 +61,7 @@ from .._streams import Device, wait_ready
 from .._tasks import StepPlan, Task
 from ..loop._executors import OutputHook, TaskContext
 from ._call_hints import call_hint
+from ._nonfinite import FiniteCheck, NonFinite, NonFiniteMode
 from ._split_backward import WeightWork, input_backward, weight_backward
 
 __all__ = ["EmulatedCost", "TorchStageExecutor"]
@@ -176,6 +178,13 @@ class TorchStageExecutor:
             TP group must agree (``DistributedStage`` checks it with the plan).
         task_rng: False: forwards draw from torch's global generators as they stand, in
             dispatch order (results with dropout then depend on that order).
+        nonfinite: What a NaN or infinite loss (and, with ``check_tensors``, activation or
+            gradient) gets: ``"warn"`` (default: a warning naming the rank, step, task and
+            microbatch, and a record in ``nonfinite_events``), ``"raise"`` (a
+            ``NonFiniteError`` from the task: the step fails on every rank) or ``"off"``.
+        check_tensors: Also check every floating tensor a task sends on (one ``isfinite``
+            pass per tensor; on CUDA a host sync per task). Losses are always checked
+            unless ``nonfinite="off"`` (free: they are read anyway).
 
     Raises:
         PlanError: No modules, a ``shared`` place that names no parameter of this rank's
@@ -187,6 +196,8 @@ class TorchStageExecutor:
         outputs: ``{microbatch: output}`` of the last step (last stage, see
             ``return_outputs``), detached.
         rng_seed: The seed of the tasks' random streams (None with ``task_rng=False``).
+        nonfinite_events: The non-finite values found in the last step (``NonFinite``
+            records; see ``nonfinite``).
         rng_seed_given: Whether ``seed`` was given (False: the default, agreed on by the
             job's ranks at the first plan check).
         output_hook: Set by a stage whose endpoint sends thread-safely: called on the
@@ -213,6 +224,8 @@ class TorchStageExecutor:
         return_outputs: bool = False,
         seed: int | None = None,
         task_rng: bool = True,
+        nonfinite: NonFiniteMode = "warn",
+        check_tensors: bool = False,
     ) -> None:
         if not modules:
             raise PlanError("a TorchStageExecutor needs at least one module")
@@ -251,10 +264,12 @@ class TorchStageExecutor:
         if shared is not None:
             self._resolve_shared(shared)
         self.output_hook: OutputHook | None = None
+        self._finite = FiniteCheck(nonfinite, check_tensors, rank)
         self._ready_device = Device(self.worker.device or "cpu")
         self._failed_step: int | None = None
         self._losses: dict[int, float] = {}
         self._loss_t: dict[int, torch.Tensor] = {}  # CUDA losses, read on the host at the end
+        self._loss_tasks: dict[int, Task] = {}  # (and the task of each)
         self.outputs: dict[int, Any] = {}
         self.compute_seconds = 0.0
         self.emulated_seconds = 0.0
@@ -317,6 +332,12 @@ class TorchStageExecutor:
             if mine:
                 self._shared[name] = mine
 
+    @property
+    def nonfinite_events(self) -> list[NonFinite]:
+        """The non-finite values found in the last step (see ``nonfinite``)."""
+        self.losses  # noqa: B018 (on CUDA, reading the losses checks them)
+        return list(self._finite.events)
+
     def shared_parameters(self) -> dict[str, list[nn.Parameter]]:
         """Tie name -> the distinct parameter objects of this executor's modules in that tie."""
         return {k: list(v) for k, v in self._shared.items()}
@@ -338,6 +359,9 @@ class TorchStageExecutor:
                 ev.synchronize()
             for mb, t in self._loss_t.items():
                 self._losses[mb] = float(t)
+                if self._step is not None:  # read here, so checked here (warned, not raised)
+                    with contextlib.suppress(NonFiniteError):
+                        self._finite.loss(self._step, self._loss_tasks[mb], self._losses[mb])
             self._loss_t = {}
         return self._losses
 
@@ -385,6 +409,7 @@ class TorchStageExecutor:
             d = self._durations.of(task) * self.emulate.scale
             self.emulated_seconds += d
             time.sleep(d)
+        self._finite.output(ctx.step, task, out)
         hook = self.output_hook
         if hook is not None:  # the stage sends the output from here (see Executor)
             hook(task, out, ctx.step)
@@ -408,6 +433,7 @@ class TorchStageExecutor:
             left = sorted({*self._stash, *self._kept})
             raise PlanError(f"rank {ctx.rank}: step {self._step} left activations {left}")
         self._step = ctx.step
+        self._finite.begin_step()
         self._losses = {}
         self._loss_t = {}
         self.outputs = {}
@@ -486,8 +512,10 @@ class TorchStageExecutor:
         loss = loss.reshape(())
         if loss.is_cuda:  # read on the host once per step (``losses``), not per task
             self._loss_t[task.mb] = loss.detach().clone()
+            self._loss_tasks[task.mb] = task
         else:
-            self._losses[task.mb] = float(loss.detach())
+            self._losses[task.mb] = value = float(loss.detach())
+            self._finite.loss(ctx.step, task, value)
         if self.loss_scale == "tokens":
             tok = self._tokens(mb, task.mb)
             return loss * (tok / self._total_tokens) if self._total_tokens else loss * 0.0
