@@ -60,6 +60,7 @@ def trace_cmd(files: tuple[str, ...], out: str | None, png_path: str | None, as_
         name = f"{len(paths)} files merged"
     summ = summarize(tr)
     found = stalls(tr)
+    states = _state_dumps(paths)
     meta = tr.get("otherData", {}).get("rrfp", {})
     if out is not None:
         write_trace(out, tr)
@@ -87,6 +88,7 @@ def trace_cmd(files: tuple[str, ...], out: str | None, png_path: str | None, as_
                     "merged": report,
                     "summary": summ,
                     "stalls": found,
+                    "states": states,
                     "png": png_path,
                     "out": out,
                 },
@@ -143,6 +145,9 @@ def trace_cmd(files: tuple[str, ...], out: str | None, png_path: str | None, as_
         f" the hint filled {summ['filled'] * 1e3:.2f} ms of idle time"
     )
     _print_stalls(con, found)
+    for fname, text in states.items():
+        con.print(f"state dump {fname}:")
+        con.print(text.rstrip(), markup=False, highlight=False)
     if out is not None:
         con.print(f"wrote {out}")
     if png_path is not None:
@@ -151,6 +156,24 @@ def trace_cmd(files: tuple[str, ...], out: str | None, png_path: str | None, as_
 
 #: How many waits the text output lists (all of them are in --json).
 WAITS_SHOWN = 10
+
+
+def _state_dumps(paths: list[Path]) -> dict[str, str]:
+    """The ranks' state dumps (``state-rank{r}.txt``: SIGUSR1 or a step timeout, see
+    ``DistributedStage.dump_state``) beside the trace files, in rank order."""
+    import re
+
+    found: dict[str, str] = {}
+    for d in sorted({p.parent for p in paths}):
+        files = [
+            f for f in d.glob("state-rank*.txt") if re.fullmatch(r"state-rank\d+\.txt", f.name)
+        ]
+        for f in sorted(files, key=lambda f: int(f.name[10:-4])):
+            try:
+                found[str(f)] = f.read_text(encoding="utf-8", errors="replace")
+            except OSError as e:
+                found[str(f)] = f"(unreadable: {e})"
+    return found
 
 
 def _print_stalls(con: Any, found: dict[str, Any]) -> None:

@@ -99,6 +99,7 @@ from ..observability import (
 )
 from ..policies._policy import Policy
 from ..policies._schedule import StepSchedule
+from . import _state_dump as state_dump
 from ._digest import PlanDigest, adopt_default_seed, plan_disagreement
 from ._digest import _ranks as ranks_have
 from ._layout import ProcessLayout, StageGroups, build_groups, pipeline_neighbors
@@ -393,10 +394,13 @@ class DistributedStage:
             raise
         self._loop = asyncio.get_running_loop()
         self._state = "open"
+        state_dump.install()  # (from the main thread; the sync face installs it in __enter__)
+        state_dump.register(self)
         return self
 
     async def __aexit__(self, exc_type: object, *exc: object) -> None:
         self._state = "closed"
+        state_dump.unregister(self)
         try:
             if self.decisions is not None:
                 timeout = 5.0 if exc_type is None else 0.5
@@ -421,6 +425,7 @@ class DistributedStage:
         """
         if self._state != "new":
             raise ClosedError(f"{self._who()}: a DistributedStage is opened once ({self._state})")
+        state_dump.install()  # (here: __aenter__ runs on the portal's thread)
         portal = SyncPortal()
         try:
             portal.call(self.__aenter__)
@@ -815,6 +820,7 @@ class DistributedStage:
         self._told = step
         if isinstance(e, StepTimeoutError):
             self._explain_timeout(e, step)
+            self.dump_state(f"step {step} timed out")
         elif isinstance(e, ChannelError) and not isinstance(e, PeerStepError):
             self._add_peer_failures(e)
         self._announce(step, e)
@@ -1015,6 +1021,28 @@ class DistributedStage:
                 f" build an equal StepSchedule and use the same policy: {why}"
             )
         self._agreed = self._key(sched)
+
+    def dump_state(self, reason: str = "requested") -> Path | None:
+        """Write this rank's state now (see ``rrfp_async.distributed._state_dump``): the
+        step, the running task, the ready and admitted sets, what each waiting task waits
+        for and the last events, to the log and to ``trace_dir/state-rank{r}.txt``. A
+        ``SIGUSR1`` to the process does it for every open stage; a step timeout does it too.
+
+        Returns:
+            The file written (None without a ``trace_dir``).
+        """
+        return state_dump.write_state(self, reason)
+
+    def _state_text(self) -> str:
+        return self.stage.dump(recent=True)
+
+    @property
+    def _dump_loop(self) -> asyncio.AbstractEventLoop | None:
+        return self._loop if self._state == "open" else None
+
+    @property
+    def _dump_rank(self) -> int:
+        return self.layout.rank
 
     def _explain_timeout(self, e: StepTimeoutError, step: int) -> None:
         """Open the watchdog's message with what the step waited for: the ranks whose
