@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import sys
 from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any, TypeVar
@@ -13,16 +14,31 @@ T = TypeVar("T")
 
 
 def loop_factory(use_uvloop: bool = True) -> Callable[[], asyncio.AbstractEventLoop] | None:
-    """uvloop's ``new_event_loop`` when asked for and installed (not on Windows), else None
-    (asyncio's default loop)."""
+    """uvloop's loop when asked for and installed (not on Windows), else None (asyncio's
+    default loop).
+
+    A uvloop that is installed but fails to start (a broken build, a libuv that cannot
+    get its file descriptors) does not stop the job: the factory logs a warning that names
+    the error and gives asyncio's default loop instead.
+    """
     if not use_uvloop or sys.platform == "win32":
         return None
     try:
         import uvloop
     except ImportError:  # pragma: no cover - uvloop is a dependency off Windows
         return None
-    factory: Callable[[], asyncio.AbstractEventLoop] = uvloop.new_event_loop
-    return factory
+
+    def new_loop() -> asyncio.AbstractEventLoop:
+        try:
+            loop: asyncio.AbstractEventLoop = uvloop.new_event_loop()
+        except Exception as e:
+            logging.getLogger("rrfp_async").warning(
+                "uvloop failed to start (%r): running on asyncio's default event loop", e
+            )
+            return asyncio.new_event_loop()
+        return loop
+
+    return new_loop
 
 
 def run(

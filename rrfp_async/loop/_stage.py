@@ -899,6 +899,7 @@ class StageLoop:
             if not st.admitted():
                 await self._wait(reason)
                 continue
+            st.deciding = True
             try:
                 task = await policy(view)
             except RRFPError:
@@ -921,6 +922,9 @@ class StageLoop:
                     rank=self.rank,
                     step=st.step,
                 ) from e
+            # (Only on a return: a step that fails in the policy's turn, a timeout among
+            # them, keeps it for its dump.)
+            st.deciding = False
             pos = self._check_choice(st, task)
             if coord is not None:
                 coord.publish(st.step, st.decisions, task)

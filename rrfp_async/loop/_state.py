@@ -48,6 +48,7 @@ class StepState:
     adm_cache: tuple[int, list[int]] = (-1, [])
     awaited: int = -1  # the position a policy waits for (wait_until_ready), or -1
     changing: bool = False  # the policy waits for any change (wait_for_change)
+    deciding: bool = False  # the policy's turn: awaited, not returned yet
     running: int = -1  # the position of the task on the executor, or -1
     leader_wait: int = -1  # TP follower: the decision it awaits from its leader, or -1
     decided: int = -1  # TP follower: the leader's decided task, not ready here yet, or -1
@@ -128,7 +129,8 @@ class StepState:
         for its leader's decision, or for the task the leader decided to become ready here;
         the policy waiting for one task (``wait_until_ready``: which task, what that task
         waits for, and the ready tasks the policy holds back meanwhile) or for any change
-        (``wait_for_change``: the policy chose to wait); ready tasks that the admission bound
+        (``wait_for_change``: the policy chose to wait); a policy that has not returned
+        from its turn otherwise (it overran it); ready tasks that the admission bound
         holds back (with the real count and bound); otherwise the inputs (messages and
         local tasks) the next tasks in hint order wait for.
 
@@ -164,6 +166,13 @@ class StepState:
             else:
                 text += f"; nothing is admitted: {self._stalled()}"
             return text
+        if self.deciding:  # its turn, and it neither returned nor waits through the view
+            return (
+                f"policy {policy} has not returned its choice among ready and admitted"
+                f" {self._tasks(adm) if adm else '-'}: it blocks, or awaits something other"
+                " than the view's waits (wait_until_ready, wait_for_change); the stage runs"
+                " nothing until it returns"
+            )
         if adm:  # not a stall: the loop is about to ask the policy
             return f"ready and admitted: {self._tasks(adm)}"
         return self._stalled()

@@ -156,6 +156,38 @@ def test_a_policy_that_chose_to_wait_says_so() -> None:
     ), reason
 
 
+def test_a_policy_that_overran_its_turn_is_named() -> None:
+    st = state(4, 8, 2)
+    arrive(st, "2F0")
+    st.deciding = True  # its coroutine was awaited and has not returned
+    assert st.stall_reason("slowpoke") == (
+        "policy slowpoke has not returned its choice among ready and admitted 2F0: it"
+        " blocks, or awaits something other than the view's waits (wait_until_ready,"
+        " wait_for_change); the stage runs nothing until it returns"
+    )
+
+
+def test_a_step_timeout_under_an_overrunning_policy_names_the_policy() -> None:
+    # Fails on the old code: the dump said "ready and admitted: 0F0" (as if all were well).
+    async def slowpoke(view: rr.ReadyView) -> Task:
+        await asyncio.sleep(3600)  # neither wait_until_ready nor wait_for_change
+        return view.ready[0]
+
+    plan = rr.StepPlan(topology=rr.Topology(stages=1), microbatches=2)
+    stage = rr.StageLoop(
+        0,
+        schedule=rr.StepSchedule.build(plan, "1f1b"),
+        executor=rr.CostModelExecutor(rr.Durations.from_arrays(plan, [[1e-3, 1e-3]])),
+        endpoint=LocalChannel(1).endpoint(0),
+        policy=slowpoke,
+        step_timeout=0.2,
+    )
+    with pytest.raises(rr.StepTimeoutError) as err:
+        asyncio.run(stage.run_step([0, 1]))
+    text = str(err.value) + "".join(getattr(err.value, "__notes__", []))
+    assert "slowpoke has not returned its choice among ready and admitted 0F0" in text, text
+
+
 def test_a_tp_follower_waiting_for_the_leaders_decision_names_the_leader() -> None:
     st = state(2, 4, 0)
     run(st, "0F0")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import threading
 import time
 
@@ -126,3 +127,25 @@ def test_fast_iteration_reports_a_raising_callback_like_asyncio() -> None:
     assert str(seen[0]["message"]).startswith("Exception in callback")
     assert "boom" in str(seen[0]["message"])
     assert isinstance(seen[0]["handle"], asyncio.Handle)
+
+
+def test_a_uvloop_that_fails_to_start_falls_back_to_asyncio(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    # Fails on the old code: the OSError from uvloop ended rr.run before the coroutine ran.
+    uvloop = pytest.importorskip("uvloop")
+
+    def broken() -> asyncio.AbstractEventLoop:
+        raise OSError(24, "Too many open files")
+
+    monkeypatch.setattr(uvloop, "new_event_loop", broken)
+
+    async def which() -> str:
+        return type(asyncio.get_running_loop()).__module__
+
+    with caplog.at_level(logging.WARNING, logger="rrfp_async"):
+        assert rr.run(which()).startswith("asyncio")
+    assert [r.getMessage() for r in caplog.records] == [
+        "uvloop failed to start (OSError(24, 'Too many open files')): running on asyncio's"
+        " default event loop"
+    ]
