@@ -33,7 +33,7 @@ _EXPORTS: dict[str, str] = {
     "AdmissionLedger": "._admission",
     "Args": "._pytree",
     "CausalLMSplit": ".distributed._causal_lm",
-    "CausalLMStage": ".distributed._causal_lm",
+    "CausalLMStage": ".distributed._causal_lm_stage",
     "ChannelError": "._errors",
     "ClosedError": "._errors",
     "CostModel": "._costs",
@@ -157,7 +157,8 @@ if TYPE_CHECKING:  # the same names for type checkers (tests/test_public_api.py 
     from ._rng import task_rng, task_seed
     from ._tasks import Kind, Placement, StepPlan, Task, Topology, format_tasks, parse_tasks
     from ._workloads import WORKLOADS, Workload, make_workload
-    from .distributed._causal_lm import CausalLMSplit, CausalLMStage, split_causal_lm
+    from .distributed._causal_lm import CausalLMSplit, split_causal_lm
+    from .distributed._causal_lm_stage import CausalLMStage
     from .distributed._emulation import EmulatedCost
     from .distributed._layout import ProcessLayout, StageGroups, build_groups, pipeline_neighbors
     from .distributed._nonfinite import NonFinite

@@ -4,7 +4,8 @@ local process spawner, the model splitter (``split_model``: stage modules and th
 they share; ``split_causal_lm``: a Hugging Face causal LM in one call) and the example
 training harness."""
 
-from ._causal_lm import CausalLMSplit, CausalLMStage, split_causal_lm
+from ._causal_lm import CausalLMSplit, split_causal_lm
+from ._causal_lm_stage import CausalLMStage
 from ._emulation import EmulatedCost
 from ._layout import ProcessLayout, StageGroups, build_groups, pipeline_neighbors
 from ._spawn import free_port, spawn
