@@ -33,7 +33,7 @@ _EXPORTS: dict[str, str] = {
     "AdmissionLedger": "._admission",
     "Args": "._pytree",
     "CausalLMSplit": ".distributed._causal_lm",
-    "CausalLMStage": ".distributed._causal_lm",
+    "CausalLMStage": ".distributed._causal_lm_stage",
     "ChannelError": "._errors",
     "ClosedError": "._errors",
     "CostModel": "._costs",
@@ -42,7 +42,7 @@ _EXPORTS: dict[str, str] = {
     "DistributedStage": ".distributed._stage",
     "DivergenceError": "._errors",
     "Durations": "._costs",
-    "EmulatedCost": ".distributed._torch_executor",
+    "EmulatedCost": ".distributed._emulation",
     "ExecutedTask": ".loop",
     "Executor": ".loop._executors",
     "ExtraMissingError": "._errors",
@@ -157,7 +157,9 @@ if TYPE_CHECKING:  # the same names for type checkers (tests/test_public_api.py 
     from ._rng import task_rng, task_seed
     from ._tasks import Kind, Placement, StepPlan, Task, Topology, format_tasks, parse_tasks
     from ._workloads import WORKLOADS, Workload, make_workload
-    from .distributed._causal_lm import CausalLMSplit, CausalLMStage, split_causal_lm
+    from .distributed._causal_lm import CausalLMSplit, split_causal_lm
+    from .distributed._causal_lm_stage import CausalLMStage
+    from .distributed._emulation import EmulatedCost
     from .distributed._layout import ProcessLayout, StageGroups, build_groups, pipeline_neighbors
     from .distributed._nonfinite import NonFinite
     from .distributed._spawn import free_port, spawn
@@ -169,7 +171,7 @@ if TYPE_CHECKING:  # the same names for type checkers (tests/test_public_api.py 
         split_model,
     )
     from .distributed._stage import DistributedStage
-    from .distributed._torch_executor import EmulatedCost, TorchStageExecutor
+    from .distributed._torch_executor import TorchStageExecutor
     from .distributed._train import TrainConfig, TrainResult, image_text_cost, train_worker
     from .loop import ExecutedTask, LocalPipeline, StageLoop, StepStats, VirtualEventLoop, run
     from .loop._executors import CostModelExecutor, Executor, TaskContext

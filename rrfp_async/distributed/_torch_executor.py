@@ -23,13 +23,9 @@ fallback re-runs the *backward* of a kept graph), so the masks of a microbatch a
 once; a module's own activation checkpointing (``torch.utils.checkpoint``) saves the task's
 stream at the forward and replays it in the recomputation.
 
-``rrfp_async.bench._split_measure.measure_split_backward`` times ``B`` against ``I`` + ``W``
-on a stage of the example model (lab code, outside the runtime).
-
-Emulated GPU time (``EmulatedCost``): on a CPU, after the real computation, the worker thread
-sleeps for the duration a declared cost model gives the task (per token, per image patch,
-backward = 2x forward, with seeded jitter), like a host waiting for a GPU kernel. Reports of
-runs that use it must say so.
+How values cross the stage boundary (pytrees, side inputs, ties, gradient messages) is
+``_stage_io``; emulated GPU time (``emulate=``, a sleep after the real compute) is
+``_emulation``; timing ``B`` against ``I`` + ``W`` is lab code (``bench._split_measure``).
 """
 
 from __future__ import annotations
@@ -37,17 +33,16 @@ from __future__ import annotations
 import contextlib
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping
 from typing import Any, Literal
 
 import torch
 from torch import nn
 
 from .._bridges import ComputeWorker
-from .._costs import CostModel, Durations, Microbatch
+from .._costs import Durations
 from .._errors import NonFiniteError, PlanError
-from .._pytree import Args, call_module, map_tensors, tensor_leaves
+from .._pytree import call_module, map_tensors, tensor_leaves
 from .._rng import (
     MAX_MICROBATCHES,
     MAX_STAGES,
@@ -58,45 +53,27 @@ from .._rng import (
     task_key,
 )
 from .._streams import Device, wait_ready
-from .._tasks import StepPlan, Task
+from .._tasks import Task
 from ..loop._executors import OutputHook, TaskContext
 from ._call_hints import call_hint
+from ._emulation import EmulatedCost
 from ._nonfinite import FiniteCheck, NonFinite, NonFiniteMode
 from ._split_backward import WeightWork, input_backward, weight_backward
+from ._stage_io import (
+    SharedSpec,
+    SideInputs,
+    default_input,
+    detached,
+    grads_in,
+    grads_out,
+    input_leaf,
+    resolve_shared,
+    sendable,
+    side_inputs_of,
+    validate_side_inputs,
+)
 
-__all__ = ["EmulatedCost", "TorchStageExecutor"]
-
-
-@dataclass(frozen=True, kw_only=True)
-class EmulatedCost:
-    """Emulated GPU time for CPU runs: each task also sleeps for its cost-model duration.
-
-    Attributes:
-        cost: The declared cost model (per token / per patch, backward factor, jitter).
-        seed: Seed of the realized jitter; combined with the step number.
-        per_rank_noise: Draw the jitter per process (TP ranks then see different timings,
-            which is how divergence is provoked in tests), else per step only.
-        scale: Multiply every emulated duration (e.g. 0.1 for quick tests).
-    """
-
-    cost: CostModel
-    seed: int = 0
-    per_rank_noise: bool = False
-    scale: float = 1.0
-
-    def durations(
-        self, plan: StepPlan, microbatches: Sequence[Any], step: int, rank: int
-    ) -> Durations:
-        """The realized emulated durations of ``step`` (Microbatch sizes required)."""
-        if not all(isinstance(m, Microbatch) for m in microbatches):
-            raise PlanError("EmulatedCost needs rrfp_async.Microbatch objects (with sizes)")
-        seed = hash((self.seed, step, rank if self.per_rank_noise else -1)) & 0xFFFFFFFF
-        return self.cost.realize(plan, microbatches, seed=seed)
-
-
-def _default_input(mb: Any) -> Any:
-    return mb.data if isinstance(mb, Microbatch) else mb
-
+__all__ = ["TorchStageExecutor"]
 
 LossScale = Literal["microbatch", "tokens", "sum"]
 """How a step's loss is made from the microbatches' losses: ``"microbatch"``, the mean of
@@ -105,32 +82,7 @@ the microbatch losses (each ``/ M``); ``"tokens"``, weighted by each microbatch'
 token of the step, what variable-length data needs); ``"sum"``, their sum (no scaling; what
 torch pipelining does before it divides the gradients by M, ``scale_grads=True``)."""
 
-SideInputs = Callable[[int, Any], Mapping[str, Any]] | Sequence[str]
-"""Per-microbatch inputs a stage reads from its own rank's microbatch, not from the pipeline:
-a function ``(virtual stage, microbatch) -> {keyword: value}``, or the names of keys to take
-from each microbatch (a mapping, an ``rr.Args``' keywords, or a ``Microbatch`` whose ``data``
-is one) for every stage after the first."""
-
-SharedSpec = Mapping[str, Sequence[tuple[int, str]]]
-"""Tied parameters: tie name -> the places the parameter lives, as ``(virtual stage,
-parameter name inside that stage's module)``; the same mapping on every rank (see
-``rr.split_model``, which finds ties for you)."""
-
 _GRAD_LOCK = threading.Lock()  # W's `p.grad += g` for a parameter two compute threads share
-
-
-def _leaf(t: torch.Tensor) -> torch.Tensor:
-    """A received tensor as this stage's input leaf (grad wanted when the sender's was)."""
-    return t.detach().requires_grad_(t.requires_grad)
-
-
-def _sendable(t: torch.Tensor) -> torch.Tensor:
-    """An output tensor as it leaves the stage: no graph, its ``requires_grad`` kept."""
-    return t.detach().requires_grad_(True) if t.requires_grad else t.detach()
-
-
-def _detached(t: torch.Tensor) -> torch.Tensor:
-    return t.detach()
 
 
 class TorchStageExecutor:
@@ -216,7 +168,7 @@ class TorchStageExecutor:
         emulate: EmulatedCost | None = None,
         worker: ComputeWorker | None = None,
         rank: int = 0,
-        input_fn: Callable[[Any], Any] = _default_input,
+        input_fn: Callable[[Any], Any] = default_input,
         side_inputs: SideInputs | None = None,
         shared: SharedSpec | None = None,
         loss_scale: LossScale = "microbatch",
@@ -233,13 +185,7 @@ class TorchStageExecutor:
             raise PlanError(
                 f"loss_scale must be 'microbatch', 'tokens' or 'sum', got {loss_scale!r}"
             )
-        if side_inputs is not None and not callable(side_inputs):
-            if isinstance(side_inputs, str) or not all(isinstance(k, str) for k in side_inputs):
-                raise PlanError(
-                    "side_inputs must be a function (stage, microbatch) -> {keyword: value} or"
-                    f" a sequence of key names, got {side_inputs!r}"
-                )
-            side_inputs = tuple(side_inputs)
+        side_inputs = validate_side_inputs(side_inputs)
         self.modules = dict(modules)
         self.loss_fn = loss_fn
         self.emulate = emulate
@@ -262,7 +208,7 @@ class TorchStageExecutor:
         self.shared_spec: dict[str, tuple[tuple[int, str], ...]] = {}
         self._shared: dict[str, list[nn.Parameter]] = {}
         if shared is not None:
-            self._resolve_shared(shared)
+            self.shared_spec, self._shared = resolve_shared(self.modules, shared)
         self.output_hook: OutputHook | None = None
         self._finite = FiniteCheck(nonfinite, check_tensors, rank)
         self._ready_device = Device(self.worker.device or "cpu")
@@ -288,49 +234,6 @@ class TorchStageExecutor:
             "I": self._input_grad,
             "W": self._weight_grad,
         }
-
-    def _resolve_shared(self, shared: SharedSpec) -> None:
-        if not isinstance(shared, Mapping):
-            raise PlanError(
-                "shared must map a tie name to [(virtual stage, parameter name), ...], got"
-                f" {type(shared).__name__}"
-            )
-        for name, places in shared.items():
-            if not isinstance(name, str):
-                raise PlanError(f"shared: tie names must be strings, got {name!r}")
-            spec: list[tuple[int, str]] = []
-            mine: list[nn.Parameter] = []
-            for place in places:
-                if (
-                    not isinstance(place, (tuple, list))
-                    or len(place) != 2
-                    or not isinstance(place[0], int)
-                    or not isinstance(place[1], str)
-                ):
-                    raise PlanError(
-                        f"shared[{name!r}]: each place is (virtual stage, parameter name), got"
-                        f" {place!r}"
-                    )
-                v, pname = int(place[0]), place[1]
-                spec.append((v, pname))
-                mod = self.modules.get(v)
-                if mod is None:
-                    continue
-                try:
-                    param = mod.get_parameter(pname)
-                except AttributeError:
-                    raise PlanError(
-                        f"shared[{name!r}]: virtual stage {v}'s module has no parameter"
-                        f" {pname!r} (its parameters: {[n for n, _ in mod.named_parameters()][:8]}"
-                        " ...)"
-                    ) from None
-                if all(param is not q for q in mine):
-                    mine.append(param)
-            if len(spec) < 2:
-                raise PlanError(f"shared[{name!r}] names {len(spec)} place(s); a tie needs >= 2")
-            self.shared_spec[name] = tuple(sorted(spec))
-            if mine:
-                self._shared[name] = mine
 
     @property
     def nonfinite_events(self) -> list[NonFinite]:
@@ -469,33 +372,6 @@ class TorchStageExecutor:
     def _is_last(self, task: Task, ctx: TaskContext) -> bool:
         return task.stage == ctx.plan.num_virtual - 1
 
-    def _side(self, task: Task, mb: Any) -> Mapping[str, Any]:
-        side = self.side_inputs
-        if side is None:
-            return {}
-        if callable(side):
-            got = side(task.stage, mb)
-            if not isinstance(got, Mapping):
-                raise PlanError(
-                    f"{task}: side_inputs returned {type(got).__name__}, not a mapping of"
-                    " keyword -> value"
-                )
-            return got
-        if task.stage == 0:
-            return {}
-        src = _default_input(mb)
-        if isinstance(src, Args):
-            src = src.kwargs
-        if not isinstance(src, Mapping):
-            raise PlanError(
-                f"{task}: side_inputs={list(side)} reads keys of each microbatch, but"
-                f" microbatch {task.mb} is a {type(src).__name__}, not a mapping"
-            )
-        missing = [k for k in side if k not in src]
-        if missing:
-            raise PlanError(f"{task}: microbatch {task.mb} has no side input(s) {missing}")
-        return {k: src[k] for k in side}
-
     def _loss(self, task: Task, out: Any, mb: Any, ctx: TaskContext) -> torch.Tensor:
         assert self.loss_fn is not None
         loss = self.loss_fn(out, mb)
@@ -530,16 +406,16 @@ class TorchStageExecutor:
         if task.stage == 0:
             x = self.input_fn(data)  # data, never a leaf that wants grad
         else:
-            x = map_tensors(data, _leaf)
+            x = map_tensors(data, input_leaf)
             inputs = [t for t in tensor_leaves(x) if t.requires_grad]
-        kwargs = self._side(task, mb)
+        kwargs = side_inputs_of(self.side_inputs, task, mb)
         last = self._is_last(task, ctx)
         if ctx.plan.forward_only:
             with torch.no_grad():
                 out = self._call(mod, x, kwargs, task, ctx)
                 if not last:
-                    return map_tensors(out, _detached)
-                self.outputs[task.mb] = map_tensors(out, _detached)
+                    return map_tensors(out, detached)
+                self.outputs[task.mb] = map_tensors(out, detached)
                 if self.loss_fn is not None:
                     self._loss(task, out, mb, ctx)
             return None
@@ -553,14 +429,14 @@ class TorchStageExecutor:
                     )
                 loss = self._loss(task, out, mb, ctx)
                 if self.return_outputs:
-                    self.outputs[task.mb] = map_tensors(out, _detached)
+                    self.outputs[task.mb] = map_tensors(out, detached)
                 self._check_grad(task, ctx, [loss] if loss.requires_grad else [], inputs, "loss")
                 self._stash[(task.stage, task.mb)] = (inputs, [loss] if loss.requires_grad else [])
                 return None
         outs = [t for t in tensor_leaves(out) if t.requires_grad]
         self._check_grad(task, ctx, outs, inputs, "output")
         self._stash[(task.stage, task.mb)] = (inputs, outs)
-        return map_tensors(out, _sendable)
+        return map_tensors(out, sendable)
 
     def _call(
         self,
@@ -577,7 +453,7 @@ class TorchStageExecutor:
         try:
             return call_module(mod, x, kwargs)
         except (TypeError, RuntimeError, ValueError) as e:
-            hint = call_hint(e, task, x, ctx, default_input=self.input_fn is _default_input)
+            hint = call_hint(e, task, x, ctx, default_input=self.input_fn is default_input)
             if hint is not None:
                 e.add_note(hint)
             raise
@@ -601,45 +477,17 @@ class TorchStageExecutor:
             " parameters (requires_grad_(False)) if it is meant to be frozen"
         )
 
-    def _grads_in(
-        self, task: Task, ctx: TaskContext, grad: Any, n: int
-    ) -> list[torch.Tensor | None]:
-        """The received gradient message as one gradient per output leaf that requires
-        grad (see ``rrfp_async._pytree``: a tensor for one leaf, a tuple for several)."""
-        if grad is None:
-            return [None] * n
-        if isinstance(grad, torch.Tensor):
-            got: list[Any] = [grad]
-        elif isinstance(grad, (tuple, list)):
-            got = list(grad)
-        else:
-            got = [None] * (n + 1)  # reported below
-        if len(got) != n or not all(g is None or isinstance(g, torch.Tensor) for g in got):
-            raise PlanError(
-                f"rank {ctx.rank} step {ctx.step} {task}: the gradient message does not match"
-                f" the stage's {n} output tensor(s) that require grad: got"
-                f" {type(grad).__name__} of {len(got)}"
-            )
-        return got
-
-    @staticmethod
-    def _grads_out(gx: Sequence[torch.Tensor | None]) -> Any:
-        """The input gradients as the message sent upstream (see ``_grads_in``)."""
-        if not gx or all(g is None for g in gx):
-            return None
-        return gx[0] if len(gx) == 1 else tuple(gx)
-
     def _backward(self, task: Task, grad: Any, ctx: TaskContext) -> Any:
         inputs, outs = self._stash.pop((task.stage, task.mb))
         if outs:
             if self._is_last(task, ctx):
                 torch.autograd.backward(outs)
             else:
-                gs = self._grads_in(task, ctx, grad, len(outs))
+                gs = grads_in(task, ctx, grad, len(outs))
                 live = [(o, g) for o, g in zip(outs, gs, strict=True) if g is not None]
                 if live:
                     torch.autograd.backward([o for o, _ in live], [g for _, g in live])
-        return self._grads_out([t.grad for t in inputs])
+        return grads_out([t.grad for t in inputs])
 
     def _params(self, stage: int) -> list[nn.Parameter]:
         """The stage's parameters that require grad, listed once per step (walking the
@@ -670,7 +518,7 @@ class TorchStageExecutor:
         if self._is_last(task, ctx):
             live: list[tuple[torch.Tensor, torch.Tensor | None]] = [(o, None) for o in outs]
         else:
-            gs = self._grads_in(task, ctx, grad, len(outs))
+            gs = grads_in(task, ctx, grad, len(outs))
             live = [(o, g) for o, g in zip(outs, gs, strict=True) if g is not None]
         if not live:
             self._kept[key] = WeightWork([], [], {}, params)
@@ -678,7 +526,7 @@ class TorchStageExecutor:
         gx, self._kept[key] = input_backward(
             [o for o, _ in live], [g for _, g in live], inputs, params
         )
-        return self._grads_out(gx)
+        return grads_out(gx)
 
     def _weight_grad(self, task: Task, _: Any, ctx: TaskContext) -> Any:
         work = self._kept.pop((task.stage, task.mb))

@@ -48,10 +48,11 @@ from ..observability import (
     write_trace,
 )
 from ..policies._schedule import StepSchedule
+from ._emulation import EmulatedCost
 from ._layout import ProcessLayout, build_groups
 from ._spawn import report_progress
 from ._stage import DistributedStage
-from ._torch_executor import EmulatedCost, TorchStageExecutor
+from ._torch_executor import TorchStageExecutor
 
 __all__ = [
     "TrainConfig",

@@ -62,9 +62,11 @@ from .._costs import Durations
 from .._errors import PlanError
 from .._pytree import Args
 from .._tasks import Placement, StepPlan, Task, Topology
+from ..distributed._emulation import EmulatedCost
 from ..distributed._layout import ProcessLayout, build_groups
 from ..distributed._stage import DEFAULT_STEP_TIMEOUT, DistributedStage
-from ..distributed._torch_executor import EmulatedCost, SharedSpec, TorchStageExecutor
+from ..distributed._stage_io import SharedSpec
+from ..distributed._torch_executor import TorchStageExecutor
 from ..loop._records import StepStats
 from ..policies._schedule import StepSchedule
 from ..policies._torch_hints import hint_from_torch
