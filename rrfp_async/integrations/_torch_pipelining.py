@@ -50,7 +50,6 @@ from __future__ import annotations
 
 import asyncio
 import inspect
-import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -68,6 +67,7 @@ from ..distributed._torch_executor import EmulatedCost, SharedSpec, TorchStageEx
 from ..loop._records import StepStats
 from ..policies._schedule import StepSchedule
 from ..policies._torch_hints import hint_from_torch
+from ._torch_fsdp import check_finalize, refuse_fsdp_split
 
 __all__ = ["ScheduleInterleavedReadinessFirst", "ScheduleReadinessFirst"]
 
@@ -235,7 +235,7 @@ class _ReadinessFirst:
                 " actions): split_backward=False does not fit it"
             )
         if split_backward:
-            _refuse_fsdp_split(self._stages, getattr(self._hint, "__name__", self._hint))
+            refuse_fsdp_split(self._stages, getattr(self._hint, "__name__", self._hint))
         self._policy = policy
         self._memory_factor = memory_factor
         self._split = bool(split_backward)
@@ -434,25 +434,9 @@ class _ReadinessFirst:
                 type or length, whole-batch and pre-split inputs mixed).
             PlanError, StepTimeoutError, PeerError: see ``rr.DistributedStage.run_step``.
         """
-        self._check_finalize(finalize_gradients)
+        check_finalize(finalize_gradients, self._stages)
         chunks = self._chunks(args, kwargs, target, loss_kwargs, arg_mbs, kwarg_mbs, target_mbs)
         return self._sync(chunks, losses, return_outputs)
-
-    def _check_finalize(self, finalize_gradients: bool) -> None:
-        if not isinstance(finalize_gradients, bool):
-            raise TypeError(f"finalize_gradients must be a bool, got {finalize_gradients!r}")
-        if finalize_gradients:
-            return
-        try:
-            from torch.distributed.fsdp import FSDPModule
-        except ImportError:  # pragma: no cover - every supported torch has it
-            return
-        fsdp = [s.stage_index for s in self._stages if isinstance(s.submod, FSDPModule)]
-        if fsdp:
-            raise PlanError(
-                f"finalize_gradients=False with FSDP stages {fsdp}: FSDP stages are not"
-                " supported by ScheduleReadinessFirst"
-            )
 
     def eval(
         self,
@@ -527,7 +511,7 @@ class _ReadinessFirst:
     ) -> Any:
         """``step`` for code that runs an event loop: the stage opens on the running loop
         (and must be stepped on it from then on); ``aclose()`` closes it."""
-        self._check_finalize(finalize_gradients)
+        check_finalize(finalize_gradients, self._stages)
         chunks = self._chunks(args, kwargs, target, loss_kwargs, arg_mbs, kwarg_mbs, target_mbs)
         train = self._check_grad_mode(True)
         if self._rr is None:
@@ -902,42 +886,6 @@ def _step_split(
         return_outputs=return_outputs,
         loss_kwargs=loss_kwargs,
     )
-
-
-def _fsdp_parts(module: Any) -> list[str]:
-    """The submodules of ``module`` that FSDP manages (FSDP2's ``fully_shard`` or FSDP1).
-    Looked up in ``sys.modules``: a module is wrapped only once FSDP is imported."""
-    fsdp = sys.modules.get("torch.distributed.fsdp")
-    if fsdp is None or not isinstance(module, torch.nn.Module):
-        return []
-    kinds = tuple(
-        c
-        for c in (
-            getattr(fsdp, "FSDPModule", None),
-            getattr(fsdp, "FullyShardedDataParallel", None),
-        )
-        if isinstance(c, type)
-    )
-    return [n or "(the stage)" for n, m in module.named_modules() if kinds and isinstance(m, kinds)]
-
-
-def _refuse_fsdp_split(stages: Sequence[Any], hint: Any) -> None:
-    """The split backward's W calls the autograd nodes of the weight gradients itself
-    (``_split_backward``), outside the engine, so FSDP's hooks never run for it: its
-    parameters are not unsharded for W (resharded storage: "data is not allocated yet") and
-    the gradients would bypass its reduce-scatter (silently lost where the storage is kept).
-    Refused, naming the wrapped parts."""
-    for s in stages:
-        parts = _fsdp_parts(s.submod)
-        if parts:
-            raise PlanError(
-                f"stage {s.stage_index}: the split backward (input and weight gradients as"
-                f" separate tasks, which hint {hint!r} or split_backward=True asks for) is not"
-                f" supported on FSDP-wrapped modules ({', '.join(parts[:3])}): W would run past"
-                " FSDP's unshard and reduce-scatter. Use an order without the split (1F1B,"
-                " Interleaved1F1B, LoopedBFS, an rrfp_async hint other than zb_h1) or a stage"
-                " without FSDP"
-            )
 
 
 def _check_stages(stages: Sequence[Any]) -> None:
