@@ -60,14 +60,15 @@ from torch.distributed.pipelining.schedules import PipelineScheduleMulti, Pipeli
 from .._costs import Durations
 from .._errors import PlanError
 from .._pytree import Args
-from .._tasks import Placement, StepPlan, Task, Topology
-from ..distributed._layout import ProcessLayout, build_groups
+from .._tasks import Placement, StepPlan, Task
+from ..distributed._layout import build_groups
 from ..distributed._stage import DEFAULT_STEP_TIMEOUT, DistributedStage
 from ..distributed._torch_executor import EmulatedCost, SharedSpec, TorchStageExecutor
 from ..loop._records import StepStats
 from ..policies._schedule import StepSchedule
 from ..policies._torch_hints import hint_from_torch
 from ._torch_fsdp import check_finalize, refuse_fsdp_split
+from ._torch_stages import check_stages, layout_of_group, stage_topology
 
 __all__ = ["ScheduleInterleavedReadinessFirst", "ScheduleReadinessFirst"]
 
@@ -96,43 +97,6 @@ def _stage_kwargs(stage: int, mb: _Chunk) -> dict[str, Any]:
     microbatch's keyword inputs feed every stage (torchtitan sends ``positions`` and
     ``attention_masks`` that way). The first stage has them in its input already."""
     return {} if stage == 0 else mb.kwargs
-
-
-def _layout_of(group: Any, group_rank: int, size: int) -> ProcessLayout:
-    """The ``ProcessLayout`` of a pipeline process group: PP = the group, DP = the other
-    groups like it (every rank all-gathers its group's global ranks as int64, no pickle)."""
-    world = dist.get_world_size()
-    mine = [dist.get_global_rank(group, i) if group is not None else i for i in range(size)]
-    grid: tuple[tuple[tuple[int, ...], ...], ...]
-    if world == size:
-        grid = (tuple((r,) for r in mine),)
-        return ProcessLayout(pp=size, rank=dist.get_rank(), grid=grid)
-    rows = [torch.empty(size, dtype=torch.int64) for _ in range(world)]
-    dist.all_gather(rows, torch.tensor(mine, dtype=torch.int64))
-    pipes = sorted({tuple(int(x) for x in r.tolist()) for r in rows})
-    flat = sorted(r for p in pipes for r in p)
-    if flat != list(range(world)):
-        raise PlanError(
-            f"the pipeline groups of the {world} ranks do not partition the world (each rank"
-            " in exactly one pipeline group of the same size): ScheduleReadinessFirst needs"
-            f" PP x DP; got pipelines {pipes[:4]}"
-        )
-    grid = tuple(tuple((r,) for r in p) for p in pipes)
-    return ProcessLayout(pp=size, dp=len(pipes), rank=dist.get_rank(), grid=grid)
-
-
-def _placement_of(indices: Sequence[int], size: int, grank: int, n_stages: int) -> Placement:
-    """The placement the stages of this rank follow (interleaved or V-shape), or PlanError."""
-    chunks = n_stages // size
-    for placement in ("interleaved", "vshape"):
-        topo = Topology(stages=size, chunks=chunks, placement=placement)
-        if sorted(indices) == sorted(s for s in range(n_stages) if topo.rank_of(s) == grank):
-            return placement
-    raise PlanError(
-        f"group rank {grank} holds stages {sorted(indices)} of {n_stages} on {size} ranks:"
-        " neither interleaved placement (stage i on rank i % P) nor V-shape"
-        " (ScheduleZBVZeroBubble / ScheduleDualPipeV); ScheduleReadinessFirst supports those two"
-    )
 
 
 def _check_mbs(mbs: Any, name: str, n: int) -> None:
@@ -189,41 +153,9 @@ class _ReadinessFirst:
         if isinstance(n, bool) or not isinstance(n, int) or n < 1:
             raise PlanError(f"n_microbatches must be an int >= 1, got {n!r}")
         first = stages[0]
-        group, size, grank, n_stages = (
-            first.group,
-            first.group_size,
-            first.group_rank,
-            first.num_stages,
-        )
-        for s in stages:
-            if s.group is not group or s.num_stages != n_stages:
-                raise PlanError(
-                    "every stage given to one schedule must share one process group and"
-                    " number of stages (stages of several pipelines in one schedule are not"
-                    " supported)"
-                )
-            if getattr(s, "dw_builder", None) is not None:
-                raise PlanError(
-                    f"stage {s.stage_index} has a dw_builder (torch's custom weight-gradient"
-                    " builder): not supported by ScheduleReadinessFirst; the runtime splits"
-                    " the backward itself (split_backward=True)"
-                )
-        if n_stages % size:
-            raise PlanError(f"{n_stages} stages do not divide over {size} ranks")
-        chunks = n_stages // size
-        if len(stages) != chunks:
-            raise PlanError(
-                f"this rank holds {len(stages)} of the {n_stages} stages, but {n_stages} stages"
-                f" on {size} ranks are {chunks} per rank: give this rank's {chunks} stage(s)"
-                + (
-                    " (a single-stage schedule takes one stage per rank: use"
-                    " ScheduleInterleavedReadinessFirst for several)"
-                    if len(stages) == 1
-                    else ""
-                )
-            )
-        placement = _placement_of([s.stage_index for s in stages], size, grank, n_stages)
-        self._topology = Topology(stages=size, chunks=chunks, placement=placement)
+        group, size, grank = first.group, first.group_size, first.group_rank
+        self._topology = stage_topology(stages)
+        placement = self._topology.placement
         self._stages = sorted(stages, key=lambda s: s.stage_index)
         hint = self._default_hint if hint is None else hint
         self._hint, torch_split = self._hint_source(hint, placement)
@@ -564,7 +496,7 @@ class _ReadinessFirst:
         return train and self._loss_fn is not None
 
     def _build(self) -> DistributedStage:
-        layout = _layout_of(self._group, self._group_rank, self._size)
+        layout = layout_of_group(self._group, self._group_rank, self._size)
         plan = StepPlan(
             topology=self._topology,
             microbatches=self._n_microbatches,
@@ -729,7 +661,7 @@ class ScheduleReadinessFirst(_ReadinessFirst, PipelineScheduleSingle):
     ) -> None:
         if isinstance(stage, (list, tuple)):
             stage = stage[0] if stage else None
-        _check_stages([stage])
+        check_stages([stage])
         PipelineScheduleSingle.__init__(
             self,
             stage,
@@ -808,7 +740,7 @@ class ScheduleInterleavedReadinessFirst(_ReadinessFirst, PipelineScheduleMulti):
         **stage_kwargs: Any,
     ) -> None:
         stages = list(stages) if isinstance(stages, (list, tuple)) else [stages]
-        _check_stages(stages)
+        check_stages(stages)
         if backward_requires_autograd is not True:
             raise PlanError(
                 "backward_requires_autograd=False (a backward that runs without autograd, e.g."
@@ -886,14 +818,3 @@ def _step_split(
         return_outputs=return_outputs,
         loss_kwargs=loss_kwargs,
     )
-
-
-def _check_stages(stages: Sequence[Any]) -> None:
-    from torch.distributed.pipelining.stage import _PipelineStageBase
-
-    if not stages or not all(isinstance(s, _PipelineStageBase) for s in stages):
-        raise PlanError(
-            "ScheduleReadinessFirst takes the torch.distributed.pipelining PipelineStage of"
-            " this rank (or a list of them), got"
-            f" {[type(s).__name__ for s in stages] or 'nothing'}"
-        )
