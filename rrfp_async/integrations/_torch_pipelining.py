@@ -49,7 +49,6 @@ V-shape, its placement.
 from __future__ import annotations
 
 import asyncio
-import inspect
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -59,7 +58,6 @@ from torch.distributed.pipelining.schedules import PipelineScheduleMulti, Pipeli
 
 from .._costs import Durations
 from .._errors import PlanError
-from .._pytree import Args
 from .._tasks import Placement, StepPlan, Task
 from ..distributed._layout import build_groups
 from ..distributed._stage import DEFAULT_STEP_TIMEOUT, DistributedStage
@@ -69,58 +67,16 @@ from ..policies._schedule import StepSchedule
 from ..policies._torch_hints import hint_from_torch
 from ._torch_fsdp import check_finalize, refuse_fsdp_split
 from ._torch_stages import check_stages, layout_of_group, stage_topology
+from ._torch_step_inputs import (
+    Chunk,
+    first_input,
+    listed_chunks,
+    split_step_inputs,
+    stage_side_inputs,
+    supported,
+)
 
 __all__ = ["ScheduleInterleavedReadinessFirst", "ScheduleReadinessFirst"]
-
-
-class _Chunk:
-    """One microbatch as torch's ``step`` splits it (what ``durations`` callables see)."""
-
-    __slots__ = ("args", "kwargs", "loss", "loss_kwargs", "target")
-
-    def __init__(
-        self, args: tuple[Any, ...], kwargs: dict[str, Any], target: Any, loss_kwargs: Any
-    ) -> None:
-        self.args = args
-        self.kwargs = kwargs
-        self.target = target
-        self.loss_kwargs = loss_kwargs or {}
-        self.loss: torch.Tensor | None = None  # the last stage's loss, detached
-
-
-def _first_input(mb: _Chunk) -> Args:
-    return Args(*mb.args, **mb.kwargs)
-
-
-def _stage_kwargs(stage: int, mb: _Chunk) -> dict[str, Any]:
-    """torch's rule (``forward_one_chunk``): positional inputs feed the first stage only, the
-    microbatch's keyword inputs feed every stage (torchtitan sends ``positions`` and
-    ``attention_masks`` that way). The first stage has them in its input already."""
-    return {} if stage == 0 else mb.kwargs
-
-
-def _check_mbs(mbs: Any, name: str, n: int) -> None:
-    """torch's ``_check_inputs``: a list of one entry per microbatch."""
-    if not isinstance(mbs, list):
-        raise TypeError(f"{name} must be a list but got a {type(mbs)}")
-    if len(mbs) != n:
-        raise ValueError(f"Expecting {n} {name} but got {len(mbs)}")
-
-
-def _supported(fn: Callable[..., Any], kwargs: dict[str, tuple[Any, Any]]) -> dict[str, Any]:
-    """The keywords of ``kwargs`` (name -> (value, default)) that ``fn`` accepts in the
-    installed torch: one a version lacks is left out when it has its default, else PlanError
-    (chosen by the signature, not the version string)."""
-    params = inspect.signature(fn).parameters
-    out = {}
-    for k, (v, default) in kwargs.items():
-        if k in params:
-            out[k] = v
-        elif v != default:
-            raise PlanError(
-                f"{k}={v!r}: torch {torch.__version__}'s {fn.__qualname__} has no such argument"
-            )
-    return out
 
 
 class _ReadinessFirst:
@@ -181,8 +137,8 @@ class _ReadinessFirst:
         self._executor = TorchStageExecutor(
             {s.stage_index: s.submod for s in self._stages},
             None if self._loss_fn is None else self._loss,
-            input_fn=_first_input,
-            side_inputs=_stage_kwargs,
+            input_fn=first_input,
+            side_inputs=stage_side_inputs,
             loss_scale="sum",
             return_outputs=True,
             rank=dist.get_rank(),
@@ -244,7 +200,7 @@ class _ReadinessFirst:
 
     # ------------------------------------------------------------------ torch's API
 
-    def _loss(self, output: Any, mb: _Chunk) -> torch.Tensor:
+    def _loss(self, output: Any, mb: Chunk) -> torch.Tensor:
         assert self._loss_fn is not None
         try:
             loss = self._loss_fn(output, mb.target, **mb.loss_kwargs)
@@ -269,73 +225,20 @@ class _ReadinessFirst:
         arg_mbs: Any,
         kwarg_mbs: Any,
         target_mbs: Any,
-    ) -> list[_Chunk]:
-        """The step's microbatches, as torch makes them (``_get_microbatch_inputs``):
-        whole-batch inputs chunked, or the caller's pre-split lists (never both)."""
-        n = self._n_microbatches
-        if loss_kwargs is not None and not isinstance(loss_kwargs, dict):
-            raise TypeError(f"loss_kwargs must be a dict, got {type(loss_kwargs)}")
-        if any(m is not None for m in (arg_mbs, kwarg_mbs, target_mbs)):
-            if args:
-                raise ValueError(
-                    "When using pre-split inputs, pass pre-split positional inputs through"
-                    " arg_mbs=... instead of positional args."
-                )
-            if kwargs:
-                raise ValueError(
-                    "Unexpected keyword arguments with pre-split inputs:"
-                    f" {', '.join(sorted(kwargs))}."
-                    " Pass pre-split keyword inputs through kwarg_mbs=..."
-                )
-            if target is not None:
-                raise ValueError(
-                    "When using pre-split inputs, pass pre-split targets through target_mbs=..."
-                    " instead of target=..."
-                )
-            for name, mbs in (("arg_mbs", arg_mbs), ("kwarg_mbs", kwarg_mbs)):
-                if mbs is not None:
-                    _check_mbs(mbs, name, n)
-            if target_mbs is not None:
-                _check_mbs(target_mbs, "target_mbs", n)
-            a = arg_mbs if arg_mbs is not None else [()] * n
-            k = kwarg_mbs if kwarg_mbs is not None else [{}] * n
-            for i in range(n):
-                if not isinstance(a[i], tuple):
-                    raise TypeError(
-                        f"arg_mbs must be a list of tuples, but arg_mbs[{i}] is a {type(a[i])}"
-                    )
-                if not isinstance(k[i], dict):
-                    raise TypeError(
-                        f"kwarg_mbs must be a list of dicts, but kwarg_mbs[{i}] is a {type(k[i])}"
-                    )
-            t = target_mbs if target_mbs is not None else [None] * n
-            return [_Chunk(a[i], dict(k[i]), t[i], loss_kwargs) for i in range(n)]
-        from torch.distributed.pipelining.microbatch import (
-            TensorChunkSpec,
-            _split_tensor,
-            split_args_kwargs_into_chunks,
+    ) -> list[Chunk]:
+        """The step's microbatches, as torch makes them (``split_step_inputs``)."""
+        return split_step_inputs(
+            self._n_microbatches,
+            self._args_chunk_spec,
+            self._kwargs_chunk_spec,
+            args,
+            kwargs,
+            target,
+            loss_kwargs,
+            arg_mbs,
+            kwarg_mbs,
+            target_mbs,
         )
-
-        if args or kwargs:
-            try:
-                a, k = split_args_kwargs_into_chunks(
-                    args, kwargs, n, self._args_chunk_spec, self._kwargs_chunk_spec
-                )
-            except AssertionError as e:  # torch asserts when a tensor splits into fewer chunks
-                raise PlanError(
-                    f"the batch does not split into n_microbatches={n} chunks (is its batch"
-                    f" dimension smaller than {n}?): {e}"
-                ) from None
-        else:
-            a, k = [()] * n, [{}] * n
-        spec = TensorChunkSpec(0)  # type: ignore[no-untyped-call]
-        t = list(_split_tensor(target, spec, n)) if target is not None else [None] * n
-        if len(a) != n or len(t) != n:
-            raise PlanError(
-                f"the batch splits into {len(a)} chunks (target: {len(t)}), not"
-                f" n_microbatches={n}: its batch dimension is smaller than {n}"
-            )
-        return [_Chunk(tuple(a[i]), dict(k[i]), t[i], loss_kwargs) for i in range(n)]
 
     def step(
         self,
@@ -410,22 +313,8 @@ class _ReadinessFirst:
         ``n_microbatches`` equal chunks of one shape). Every rank must step the same number
         of microbatches: ranks that pass no list give ``n_microbatches``. The outputs come
         back as a list (not merged)."""
-        n = next(
-            (len(x) for x in (arg_mbs, kwarg_mbs, target_mbs) if x is not None),
-            n_microbatches if n_microbatches is not None else self._n_microbatches,
-        )
-        for name, x in (("arg_mbs", arg_mbs), ("kwarg_mbs", kwarg_mbs), ("target_mbs", target_mbs)):
-            if x is not None and len(x) != n:
-                raise PlanError(f"{name} has {len(x)} microbatches, the others {n}")
-        chunks = [
-            _Chunk(
-                tuple(arg_mbs[i]) if arg_mbs is not None else (),
-                dict(kwarg_mbs[i]) if kwarg_mbs is not None else {},
-                target_mbs[i] if target_mbs is not None else None,
-                loss_kwargs,
-            )
-            for i in range(n)
-        ]
+        n = n_microbatches if n_microbatches is not None else self._n_microbatches
+        chunks = listed_chunks(arg_mbs, kwarg_mbs, target_mbs, loss_kwargs, n)
         return self._sync(chunks, losses, return_outputs, train=train, merge=False)
 
     async def step_async(
@@ -515,7 +404,7 @@ class _ReadinessFirst:
             **self._stage_kwargs,
         )
 
-    def _schedule_for(self, chunks: Sequence[_Chunk]) -> StepSchedule:
+    def _schedule_for(self, chunks: Sequence[Chunk]) -> StepSchedule:
         sched = self._base.for_microbatches(len(chunks))
         if self._durations is not None:
             sched = sched.with_durations(self._durations(sched.plan, chunks))
@@ -523,7 +412,7 @@ class _ReadinessFirst:
 
     def _sync(
         self,
-        chunks: list[_Chunk],
+        chunks: list[Chunk],
         losses: list[Any] | None,
         return_outputs: bool,
         *,
@@ -551,7 +440,7 @@ class _ReadinessFirst:
     def _finish(
         self,
         stats: StepStats,
-        chunks: Sequence[_Chunk],
+        chunks: Sequence[Chunk],
         losses: list[Any] | None,
         return_outputs: bool,
         train: bool,
@@ -614,7 +503,7 @@ class ScheduleReadinessFirst(_ReadinessFirst, PipelineScheduleSingle):
             default: as the hint does (torch's zero-bubble orders split it).
         step_timeout: Seconds a step may take before every rank fails it (None: no limit).
         durations: ``(plan, microbatches) -> rr.Durations``: the declared durations of a
-            step's tasks from its microbatches (``_Chunk`` objects with ``args``,
+            step's tasks from its microbatches (``Chunk`` objects with ``args``,
             ``kwargs``, ``target``), so that a cost-aware hint (the default
             ``breadth_first_weighted``) orders the heavy microbatches first; every rank
             must compute the same. Without it the default hint is cost-blind (1F1B's order).
@@ -755,7 +644,7 @@ class ScheduleInterleavedReadinessFirst(_ReadinessFirst, PipelineScheduleMulti):
             args_chunk_spec=args_chunk_spec,
             kwargs_chunk_spec=kwargs_chunk_spec,
             output_merge_spec=output_merge_spec,
-            **_supported(
+            **supported(
                 PipelineScheduleMulti.__init__,
                 {
                     "use_full_backward": (use_full_backward, None),
