@@ -58,14 +58,14 @@ from torch.distributed.pipelining.schedules import PipelineScheduleMulti, Pipeli
 
 from .._costs import Durations
 from .._errors import PlanError
-from .._tasks import Placement, StepPlan, Task
+from .._tasks import StepPlan
 from ..distributed._layout import build_groups
 from ..distributed._stage import DEFAULT_STEP_TIMEOUT, DistributedStage
 from ..distributed._torch_executor import EmulatedCost, SharedSpec, TorchStageExecutor
 from ..loop._records import StepStats
 from ..policies._schedule import StepSchedule
-from ..policies._torch_hints import hint_from_torch
 from ._torch_fsdp import check_finalize, refuse_fsdp_split
+from ._torch_schedule_hint import hint_source
 from ._torch_stages import check_stages, layout_of_group, stage_topology
 from ._torch_step_inputs import (
     Chunk,
@@ -114,7 +114,7 @@ class _ReadinessFirst:
         placement = self._topology.placement
         self._stages = sorted(stages, key=lambda s: s.stage_index)
         hint = self._default_hint if hint is None else hint
-        self._hint, torch_split = self._hint_source(hint, placement)
+        self._hint, torch_split = hint_source(hint, placement, self._topology, self._n_microbatches)
         if split_backward is None:
             split_backward = torch_split
         elif torch_split and not split_backward:
@@ -149,54 +149,6 @@ class _ReadinessFirst:
         self._rr: DistributedStage | None = None
         self._mode: str | None = None  # "sync" or "async", once opened
         self.last_stats: StepStats | None = None
-
-    def _hint_source(self, hint: Any, placement: Placement) -> tuple[Any, bool]:
-        """``(hint, split)``: a hint name, or a generator that asks torch for its order at
-        each step's size; ``split`` is whether that order splits the backward (I/W)."""
-        if hint is None:
-            if placement == "vshape":  # our generated hints are interleaved-only
-                hint = "ZBVZeroBubble"
-            else:
-                return "breadth_first_weighted", False
-        if isinstance(hint, str):
-            from ..policies._hints import canonical_hint_name
-
-            try:
-                canonical_hint_name(hint)
-            except Exception:
-                pass  # not one of ours: a torch schedule name
-            else:
-                if placement == "vshape":
-                    raise PlanError(
-                        f"hint {hint!r} orders interleaved placement; this rank's stages are"
-                        " V-shape: give a V-shape torch schedule as the hint"
-                        " (ScheduleZBVZeroBubble, ScheduleDualPipeV)"
-                    )
-                return hint, False
-        topo = self._topology
-        # Checked now, so that a bad schedule fails here and not at the first step.
-        plan, _ = hint_from_torch(
-            hint, stages=topo.stages, microbatches=self._n_microbatches, chunks=topo.chunks
-        )
-        if plan.topology.placement != placement:
-            raise PlanError(
-                f"hint {hint!r} places stages {plan.topology.placement}, but this rank's"
-                f" stages are placed {placement}"
-            )
-
-        def from_torch(plan: StepPlan, durations: Any) -> dict[int, list[Task]]:
-            _, order = hint_from_torch(
-                hint,
-                stages=topo.stages,
-                microbatches=plan.microbatches,
-                chunks=topo.chunks,
-                split_backward=plan.split_backward,
-            )
-            return order
-
-        name = hint if isinstance(hint, str) else getattr(hint, "__name__", "torch")
-        from_torch.__name__ = f"torch:{name}"
-        return from_torch, plan.split_backward
 
     # ------------------------------------------------------------------ torch's API
 
