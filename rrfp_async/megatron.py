@@ -22,7 +22,7 @@ It takes the installed megatron-core's arguments (0.16 - 0.19: the factory's ``p
 (virtual pipeline) schedule as megatron's factory would pick it, and refuses by name what
 it does not support. rrfp_async's own keywords go to ``get_forward_backward_func(policy=...,
 hint=..., memory_factor=..., step_timeout=...)``. See ``docs/compatibility.md`` for the
-versions, modes and call styles, and ``rrfp_async.integrations._megatron`` for how it works.
+versions, modes and call styles, and ``rrfp_async.integrations._megatron_dropin`` for how it works.
 megatron-core is an optional extra (``pip install rrfp-async[megatron]``).
 """
 

@@ -15,14 +15,14 @@ from typing import TYPE_CHECKING
 from .._lazy import exports
 
 if TYPE_CHECKING:
-    from ._megatron import MegatronForwardBackward, get_forward_backward_func
+    from ._megatron_dropin import MegatronForwardBackward, get_forward_backward_func
     from ._torch_pipelining import ScheduleInterleavedReadinessFirst, ScheduleReadinessFirst
 
 # Each adapter is imported when first named (torch.distributed.pipelining alone costs ~1 s
 # to import; a Megatron user should not pay it).
 _WHERE = {
-    "MegatronForwardBackward": "._megatron",
-    "get_forward_backward_func": "._megatron",
+    "MegatronForwardBackward": "._megatron_dropin",
+    "get_forward_backward_func": "._megatron_dropin",
     "ScheduleInterleavedReadinessFirst": "._torch_pipelining",
     "ScheduleReadinessFirst": "._torch_pipelining",
 }

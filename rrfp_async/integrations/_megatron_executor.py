@@ -1,0 +1,122 @@
+"""The megatron drop-in's executor: F is Megatron's ``forward_step``, B its ``backward_step``.
+
+The adapter keeps Megatron's two compute halves and replaces their order (the design note of
+``_megatron_dropin``): each task calls Megatron's own function as the installed version's
+schedules call it (the interleaved one naming the chunk, ``vp_stage``), on the compute
+thread of ``TorchStageExecutor``, whose task dispatch, step bookkeeping and failure handling
+it keeps. Each forward's input and output tensors are kept for its backward as Megatron's
+schedules keep them (the sent output's storage freed as Megatron frees it); the gradient
+sync around each backward is the call's (``_megatron_grad_sync``).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from .._errors import PlanError
+from .._pytree import map_tensors
+from .._tasks import Task
+from ..distributed._torch_executor import TorchStageExecutor
+from ..loop._executors import TaskContext
+from ._megatron_data import Microbatch
+from ._megatron_grad_sync import MegatronCall
+from ._megatron_peer import MegatronPeer
+
+__all__ = ["MegatronExecutor"]
+
+
+class MegatronExecutor(TorchStageExecutor):
+    """F = Megatron's ``forward_step``, B = Megatron's ``backward_step``, on the compute
+    thread of ``TorchStageExecutor`` (whose task dispatch, step bookkeeping and failure
+    handling it keeps)."""
+
+    def __init__(self, modules: dict[int, Any], peer: MegatronPeer, rank: int) -> None:
+        # Megatron's randomness stays Megatron's: its CUDA RNG tracker's named streams carry
+        # on from call to call (a per-task stream of the default generator alone would
+        # change its dropout masks and still leave the tracker's in dispatch order).
+        super().__init__(modules, None, rank=rank, task_rng=False)
+        self.peer = peer
+        self.call: MegatronCall | None = None
+        # (stage, mb) -> (input tensor, output tensor) as Megatron's schedules keep them
+        self._mstash: dict[tuple[int, int], tuple[Any, Any]] = {}
+        self._handlers["F"] = self._mforward
+        self._handlers["B"] = self._mbackward
+
+    def _begin_step(self, ctx: TaskContext) -> None:
+        if self._failed_step == self._step:
+            self._mstash.clear()
+        if self._mstash:
+            raise PlanError(
+                f"rank {ctx.rank}: step {self._step} left activations {sorted(self._mstash)}"
+            )
+        super()._begin_step(ctx)
+
+    def _mforward(self, task: Task, data: Any, ctx: TaskContext) -> Any:
+        s = self.peer.schedules
+        call = self.call
+        assert call is not None
+        model = self.modules[task.stage]
+        chunk = task.stage // call.pp
+        mb: Microbatch = ctx.microbatches[task.mb]
+        first, last = task.stage == 0, self._is_last(task, ctx)
+        # Megatron's receive buffers want grad: the received activation is such a leaf.
+        input_tensor = None if first else map_tensors(data, _received)
+        store: list[Any] = []
+        # As megatron's schedules call it: the interleaved one names the chunk (vp_stage).
+        extra = {"vp_stage": chunk} if call.interleaved else {}
+        with torch.set_grad_enabled(call.grad_enabled):
+            output_tensor, num_tokens = s.forward_step(
+                call.forward_step_func,
+                mb.iterators[chunk],
+                model,
+                ctx.plan.microbatches,
+                input_tensor,
+                store,
+                call.config,
+                call.cp_size,
+                collect_non_loss_data=call.collect_non_loss_data,
+                is_first_microbatch=s.check_first_val_step(
+                    call.first_val_step, call.forward_only, task.mb == 0
+                ),
+                current_microbatch=task.mb,
+                is_last_stage=last,
+                **extra,
+            )
+        if store:
+            call.store[task.mb] = store
+        call.num_tokens[(task.stage, task.mb)] = num_tokens
+        out = None if last else map_tensors(output_tensor, _sendable)
+        if not call.forward_only:
+            self._mstash[(task.stage, task.mb)] = (input_tensor, output_tensor)
+            if not last and isinstance(output_tensor, torch.Tensor):
+                # The message keeps its storage (a detached alias); the stashed output's is
+                # freed as Megatron frees it (the backward then needs only its graph).
+                s.deallocate_output_tensor(output_tensor, call.config.deallocate_pipeline_outputs)
+        return out
+
+    def _mbackward(self, task: Task, grad: Any, ctx: TaskContext) -> Any:
+        call = self.call
+        assert call is not None
+        input_tensor, output_tensor = self._mstash.pop((task.stage, task.mb))
+        model = self.modules[task.stage]
+
+        def run() -> Any:
+            with torch.enable_grad():
+                return self.peer.backward_step(
+                    input_tensor, output_tensor, grad, call.config, model
+                )
+
+        gx = call.backward(task.stage // call.pp, run)
+        return None if task.stage == 0 else gx
+
+
+def _received(t: torch.Tensor) -> torch.Tensor:
+    """A received activation as Megatron's receive buffers hold it: a leaf wanting grad."""
+    return t.detach().requires_grad_(t.is_floating_point())
+
+
+def _sendable(t: torch.Tensor) -> torch.Tensor:
+    """What a forward sends on: a detached alias (the stashed output keeps the graph)."""
+    return t.detach().requires_grad_(True) if t.requires_grad else t.detach()

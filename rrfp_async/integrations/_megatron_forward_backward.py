@@ -1,0 +1,297 @@
+"""``MegatronForwardBackward``: the function the megatron drop-in's factory returns.
+
+One call is one ``rr.DistributedStage`` step: the call's keywords are checked as megatron's
+schedule takes them (``_megatron_call_checks``), its process groups read
+(``_megatron_groups``), the step's schedule built from megatron's own order of the picked
+schedule (``megatron_order``, or the user's hint; forward-only steps in megatron's
+forward-only order; one per size, kept), the tasks run by ``MegatronExecutor`` (megatron's
+``forward_step`` and ``backward_step``) with the data read in microbatch order
+(``_megatron_data``) and megatron's gradient-sync moves around the backwards
+(``_megatron_grad_sync``), then megatron's ``finalize_model_grads_func``. The stage and its
+p2p group stay open from the first call for the pipeline it was first called with.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from .._costs import Durations
+from .._errors import PlanError
+from .._tasks import StepPlan, Task, Topology
+from ..distributed._layout import build_groups
+from ..distributed._stage import DEFAULT_STEP_TIMEOUT, DistributedStage
+from ..loop._records import StepStats
+from ..policies._schedule import StepSchedule
+from ._megatron_call_checks import bind_call, check_config, model_chunks, vp_group_size
+from ._megatron_data import InOrder, Microbatch
+from ._megatron_executor import MegatronExecutor
+from ._megatron_grad_sync import MegatronCall, per_chunk
+from ._megatron_groups import CallGroups, call_groups, layout_of
+from ._megatron_peer import megatron_order, peer
+
+__all__ = ["MegatronForwardBackward"]
+
+
+class MegatronForwardBackward:
+    """The function ``get_forward_backward_func()`` returns: call it as Megatron's.
+
+    Its keywords are those of the installed megatron-core's
+    ``forward_backward_pipelining_without_interleaving`` (or ``_with_interleaving``, when
+    the factory picked the interleaved schedule); ``inspect.signature`` shows them.
+
+    It keeps one ``rr.DistributedStage`` (and its p2p group) open from its first call on,
+    for the pipeline it was first called with; ``close()`` closes it (call it before
+    ``dist.destroy_process_group()``; the object can be called again afterwards and opens a
+    new one).
+
+    Attributes:
+        interleaved: The interleaved (virtual pipeline) schedule: ``model`` is a list of
+            chunks.
+        last_stats: The runtime's ``StepStats`` of the last call on this rank.
+    """
+
+    def __init__(
+        self,
+        *,
+        interleaved: bool,
+        pp_size: int | None,
+        vp_size: int | None,
+        policy: Any = "readiness_first",
+        hint: Any = None,
+        memory_factor: float | None = None,
+        step_timeout: float | None = DEFAULT_STEP_TIMEOUT,
+        durations: Callable[[StepPlan], Durations] | None = None,
+        **stage_kwargs: Any,
+    ) -> None:
+        self.peer = peer()
+        self.interleaved = interleaved
+        self.pp_size = pp_size
+        self.vp_size = vp_size
+        self.policy = policy
+        self.hint = hint
+        self.memory_factor = memory_factor
+        self.step_timeout = step_timeout
+        self.durations = durations
+        self.stage_kwargs = stage_kwargs
+        self.last_stats: StepStats | None = None
+        self._signature = self.peer.interleaved if interleaved else self.peer.one_f_one_b
+        self.__signature__ = self._signature
+        self._fn_name = (
+            "forward_backward_pipelining_with_interleaving"
+            if interleaved
+            else "forward_backward_pipelining_without_interleaving"
+        )
+        self._rr: DistributedStage | None = None
+        self._executor: MegatronExecutor | None = None
+        self._key: Any = None
+        self._pp_rank = 0
+        self._schedules: dict[tuple[Topology, int, int, bool], StepSchedule] = {}
+
+    # ------------------------------------------------------------------ the call
+
+    def __call__(self, **kwargs: Any) -> list[Any]:
+        """One step of ``num_microbatches`` microbatches, as megatron's schedule.
+
+        Keywords: exactly those of the installed megatron-core's schedule function
+        (``forward_step_func, data_iterator, model, num_microbatches, seq_length,
+        micro_batch_size, decoder_seq_length, forward_only, collect_non_loss_data,
+        first_val_step, adjust_tensor_shapes_fn, p2p_communicator, pg_collection,
+        force_all_reduce`` in 0.16 - 0.19). ``seq_length``, ``micro_batch_size`` and
+        ``decoder_seq_length`` are accepted and not needed (activations carry their
+        shapes); so is ``adjust_tensor_shapes_fn`` without interleaving.
+
+        Returns:
+            The loss dicts (what each ``loss_func`` returned last) in microbatch order on
+            the last pipeline stage, ``[]`` elsewhere (with ``collect_non_loss_data``, what
+            ``loss_func(output, non_loss_data=True)`` returned).
+
+        Raises:
+            PlanError: A keyword megatron's function does not take, or a required one
+                missing (naming it and the megatron-core version); a feature this adapter
+                does not support, named: context parallelism, a multi-module (cross-grid)
+                collection, ``collect_non_loss_data`` in a training step, partial activation
+                checkpointing, deferred embedding wgrad, activation offloading, the combined
+                MoE 1F1B, local CUDA graphs, an interleaved ``adjust_tensor_shapes_fn``;
+                model chunks that do not match the schedule; megatron's interleaved
+                microbatch constraints; or bad values.
+            StepTimeoutError, PeerError: see ``rr.DistributedStage.run_step``.
+        """
+        a = bind_call(self._signature, kwargs, self.peer, self._fn_name)
+        m = a["num_microbatches"]
+        if isinstance(m, bool) or not isinstance(m, int) or m < 1:
+            raise PlanError(f"num_microbatches must be an int >= 1, got {m!r}")
+        models, iterators = model_chunks(
+            a["model"], a["data_iterator"], interleaved=self.interleaved, vp_size=self.vp_size
+        )
+        from megatron.core.utils import get_model_config
+
+        config = get_model_config(models[0])
+        forward_only = bool(a["forward_only"])
+        check_config(config, models, a, forward_only, interleaved=self.interleaved, peer=self.peer)
+        groups = call_groups(self.peer, a["p2p_communicator"], a["pg_collection"])
+        pp = int(groups.pp.size())
+        if self.pp_size is not None and self.pp_size != pp:
+            raise PlanError(
+                f"get_forward_backward_func(pp_size={self.pp_size}), but the call's pipeline"
+                f" group ({groups.source}) has {pp} ranks"
+            )
+        group = vp_group_size(config, pp, m, interleaved=self.interleaved)
+        topology = Topology(stages=pp, chunks=len(models))
+        schedule = self._schedule(topology, m, group, forward_only)
+        if self.durations is not None and not forward_only:
+            schedule = schedule.with_durations(self.durations(schedule.plan))
+        stage = self._open(groups, models, self._schedule(topology, m, group, False))
+        executor = self._executor
+        assert executor is not None
+        call = MegatronCall(
+            forward_step_func=a["forward_step_func"],
+            config=config,
+            models=models,
+            microbatches=m,
+            forward_only=forward_only,
+            collect_non_loss_data=bool(a["collect_non_loss_data"]),
+            first_val_step=a["first_val_step"],
+            cp_size=groups.cp_size,
+            pp_rank=self._pp_rank,
+            pp=pp,
+            interleaved=self.interleaved,
+        )
+        executor.modules = {c * pp + self._pp_rank: mod for c, mod in enumerate(models)}
+        executor.call = call
+        srcs = [InOrder(it) for it in iterators]
+        mbs = [Microbatch(srcs, i) for i in range(m)]
+        timers = getattr(config, "timers", None)
+        if timers is not None:
+            timers("forward-backward", log_level=1).start(barrier=config.barrier_with_L1_time)
+        if self.interleaved and not forward_only and config.param_sync_func is not None:
+            sync = per_chunk(config.param_sync_func, len(models))
+            for c, mod in enumerate(models):
+                sync[c](mod.parameters())
+        call.disable_grad_sync()
+        try:
+            stats = stage.run_step_sync(mbs, schedule=schedule, train=not forward_only)
+        except BaseException:
+            call.enable_grad_sync()
+            raise
+        finally:
+            executor.call = None
+        self.last_stats = stats
+        # Megatron leaves no_sync entered after a forward-only step; it is closed here.
+        if forward_only:
+            call.enable_grad_sync()
+        else:
+            call.finish_grad_sync()
+        if not forward_only and config.finalize_model_grads_func is not None:
+            total = torch.zeros([], dtype=torch.int, device=_device())
+            for key in sorted(call.num_tokens, key=lambda k: (k[1], k[0])):
+                total += call.num_tokens[key].to(total.device)  # megatron's sum
+            config.finalize_model_grads_func(
+                models if self.interleaved else [models[0]],
+                total if config.calculate_per_token_loss else None,
+                pg_collection=groups.pg_collection,
+                force_all_reduce=a["force_all_reduce"],
+            )
+        if timers is not None:
+            timers("forward-backward").stop()
+        return [x for i in range(m) for x in call.store.get(i, [])]
+
+    # ------------------------------------------------------------------ the runtime
+
+    def _open(self, groups: CallGroups, models: list[Any], base: StepSchedule) -> DistributedStage:
+        key = (groups.key, len(models))
+        if self._rr is not None:
+            if key != self._key:
+                raise PlanError(
+                    f"this forward-backward function runs the pipeline {self._key} it was"
+                    f" first called with, not {key}: close() it first, or use another"
+                    " get_forward_backward_func(...) keyword set"
+                )
+            return self._rr
+        layout = layout_of(groups)
+        self._pp_rank = layout.pp_rank
+        pp = layout.pp
+        self._executor = MegatronExecutor(
+            {c * pp + layout.pp_rank: mod for c, mod in enumerate(models)},
+            self.peer,
+            dist.get_rank(),
+        )
+        kwargs: dict[str, Any] = {"check_ties": False}  # finalize_model_grads reduces ties
+        kwargs.update(self.stage_kwargs)
+        stage = DistributedStage(
+            layout,
+            base,
+            self._executor,
+            groups=build_groups(layout, tp_group=groups.tp if layout.tp > 1 else None),
+            policy=self.policy,
+            step_timeout=self.step_timeout,
+            **kwargs,
+        )
+        stage.__enter__()
+        self._rr, self._key = stage, key
+        return stage
+
+    def _hint_source(self, topo: Topology, group: int) -> Any:
+        if self.hint is not None:
+            return self.hint
+        interleaved = self.interleaved
+
+        def megatron(plan: StepPlan, durations: Any) -> dict[int, list[Task]]:
+            return megatron_order(
+                topo.stages, topo.chunks, plan.microbatches, group, interleaved=interleaved
+            )
+
+        megatron.__name__ = "megatron_interleaved" if interleaved else "megatron_1f1b"
+        return megatron
+
+    def _build(self, plan: StepPlan, group: int) -> StepSchedule:
+        return StepSchedule.build(
+            plan, self._hint_source(plan.topology, group), memory_factor=self.memory_factor
+        )
+
+    def _schedule(self, topo: Topology, m: int, group: int, forward_only: bool) -> StepSchedule:
+        """This step's schedule: megatron's order for ``m`` microbatches (or the user's
+        hint); forward-only steps in megatron's forward-only order. Built once per size."""
+        key = (topo, m, group, forward_only)
+        got = self._schedules.get(key)
+        if got is None:
+            plan = StepPlan(topology=topo, microbatches=m)
+            if not forward_only:
+                got = self._build(plan, group)
+            elif self.hint is not None:
+                got = self._build(plan, group).forward_only()
+            else:
+                fplan = StepPlan(topology=topo, microbatches=m, forward_only=True)
+                order = megatron_order(
+                    topo.stages,
+                    topo.chunks,
+                    m,
+                    group,
+                    interleaved=self.interleaved,
+                    forward_only=True,
+                )
+                got = StepSchedule.build(fplan, order)
+            self._schedules[key] = got
+        return got
+
+    def close(self) -> None:
+        """Close the runtime's stage (its channel and loop thread) and compute thread."""
+        stage, self._rr, self._key = self._rr, None, None
+        if stage is not None:
+            stage.__exit__(None, None, None)
+        executor, self._executor = self._executor, None
+        if executor is not None:
+            executor.close()
+
+    def __enter__(self) -> MegatronForwardBackward:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _device() -> torch.device:
+    return torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")

@@ -1,0 +1,398 @@
+"""The step of the torch drop-in: what ``ScheduleReadinessFirst`` and
+``ScheduleInterleavedReadinessFirst`` share (``ReadinessFirstBase``).
+
+The schedule classes (``_torch_pipelining``, whose design note describes the adapter) are
+torch's kinds; this mixin is their step. ``_setup`` reads the user's stages
+(``_torch_stages``), picks the hint (``_torch_schedule_hint``) and builds one
+``TorchStageExecutor`` over the stages' submodules; ``step``, ``eval``,
+``step_microbatches`` and ``step_async`` turn torch's call styles (``_torch_step_inputs``)
+into one ``rr.DistributedStage`` step each and return what torch's would: the merged outputs
+and per-microbatch losses on the last stage, gradients scaled by ``1/M`` with
+``scale_grads``.
+
+``step`` is synchronous like torch's: the stage runs on an event loop thread of its own
+(``DistributedStage``'s sync face), opened at the first step and kept until ``close()``.
+``step_async`` is the same step for code that already runs an event loop; a schedule keeps
+the face it was first stepped with.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from .._costs import Durations
+from .._errors import PlanError
+from .._tasks import StepPlan
+from ..distributed._emulation import EmulatedCost
+from ..distributed._layout import build_groups
+from ..distributed._stage import DistributedStage
+from ..distributed._stage_io import SharedSpec
+from ..distributed._torch_executor import TorchStageExecutor
+from ..loop._records import StepStats
+from ..policies._schedule import StepSchedule
+from ._torch_fsdp import check_finalize, refuse_fsdp_split
+from ._torch_schedule_hint import hint_source
+from ._torch_stages import layout_of_group, stage_topology
+from ._torch_step_inputs import (
+    Chunk,
+    first_input,
+    listed_chunks,
+    split_step_inputs,
+    stage_side_inputs,
+)
+
+__all__ = ["ReadinessFirstBase"]
+
+
+class ReadinessFirstBase:
+    """The implementation both schedule classes share: a mixin placed before torch's
+    ``PipelineScheduleSingle`` / ``PipelineScheduleMulti`` (whose constructors run first and
+    store the arguments this class reads: ``_n_microbatches``, ``_loss_fn``, the chunk
+    specs, ``scale_grads``), so every method that runs a step is this class's."""
+
+    _default_hint: Any = None  # a subclass made by name (torchtitan) binds its hint here
+    _stages: list[Any]
+    _n_microbatches: int
+    _loss_fn: Callable[..., torch.Tensor] | None
+    _args_chunk_spec: Any
+    _kwargs_chunk_spec: Any
+    _output_merge_spec: Any
+    scale_grads: bool
+
+    def _setup(
+        self,
+        stages: list[Any],
+        *,
+        hint: Any,
+        policy: Any,
+        memory_factor: float | None,
+        split_backward: bool | None,
+        step_timeout: float | None,
+        durations: Callable[[StepPlan, Sequence[Any]], Durations] | None,
+        emulate: EmulatedCost | None,
+        shared: SharedSpec | None,
+        stage_kwargs: dict[str, Any],
+    ) -> None:
+        n = self._n_microbatches
+        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+            raise PlanError(f"n_microbatches must be an int >= 1, got {n!r}")
+        first = stages[0]
+        group, size, grank = first.group, first.group_size, first.group_rank
+        self._topology = stage_topology(stages)
+        placement = self._topology.placement
+        self._stages = sorted(stages, key=lambda s: s.stage_index)
+        hint = self._default_hint if hint is None else hint
+        self._hint, torch_split = hint_source(hint, placement, self._topology, self._n_microbatches)
+        if split_backward is None:
+            split_backward = torch_split
+        elif torch_split and not split_backward:
+            raise PlanError(
+                f"hint {hint!r} splits the backward into input and weight gradients (its I/W"
+                " actions): split_backward=False does not fit it"
+            )
+        if split_backward:
+            refuse_fsdp_split(self._stages, getattr(self._hint, "__name__", self._hint))
+        self._policy = policy
+        self._memory_factor = memory_factor
+        self._split = bool(split_backward)
+        self._step_timeout = step_timeout
+        self._stage_kwargs = stage_kwargs
+        self._group = group
+        self._group_rank = grank
+        self._size = size
+        self._has_last = any(s.is_last for s in self._stages)
+        self._has_first = any(s.is_first for s in self._stages)
+        self._executor = TorchStageExecutor(
+            {s.stage_index: s.submod for s in self._stages},
+            None if self._loss_fn is None else self._loss,
+            input_fn=first_input,
+            side_inputs=stage_side_inputs,
+            loss_scale="sum",
+            return_outputs=True,
+            rank=dist.get_rank(),
+            emulate=emulate,
+            shared=shared,
+        )
+        self._durations = durations
+        self._rr: DistributedStage | None = None
+        self._mode: str | None = None  # "sync" or "async", once opened
+        self.last_stats: StepStats | None = None
+
+    # ------------------------------------------------------------------ torch's API
+
+    def _loss(self, output: Any, mb: Chunk) -> torch.Tensor:
+        assert self._loss_fn is not None
+        try:
+            loss = self._loss_fn(output, mb.target, **mb.loss_kwargs)
+        except Exception as e:
+            if mb.target is None:  # torch calls loss_fn(output, None) alike, and fails alike
+                e.add_note(
+                    "loss_fn(output, target) got target=None: the rank that holds the last"
+                    " stage passes the targets to step() (step(target=y) or target_mbs=[...],"
+                    " as torch's schedules need them)"
+                )
+            raise
+        if isinstance(loss, torch.Tensor):
+            mb.loss = loss.detach()
+        return loss
+
+    def _chunks(
+        self,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        target: Any,
+        loss_kwargs: Any,
+        arg_mbs: Any,
+        kwarg_mbs: Any,
+        target_mbs: Any,
+    ) -> list[Chunk]:
+        """The step's microbatches, as torch makes them (``split_step_inputs``)."""
+        return split_step_inputs(
+            self._n_microbatches,
+            self._args_chunk_spec,
+            self._kwargs_chunk_spec,
+            args,
+            kwargs,
+            target,
+            loss_kwargs,
+            arg_mbs,
+            kwarg_mbs,
+            target_mbs,
+        )
+
+    def step(
+        self,
+        *args: Any,
+        target: Any = None,
+        losses: list[Any] | None = None,
+        return_outputs: bool = True,
+        loss_kwargs: dict[str, Any] | None = None,
+        arg_mbs: list[tuple[Any, ...]] | None = None,
+        kwarg_mbs: list[dict[str, Any]] | None = None,
+        target_mbs: list[Any] | None = None,
+        finalize_gradients: bool = True,
+        **kwargs: Any,
+    ) -> Any:
+        """One training step, as torch's ``step``: the whole batch (``*args``, ``**kwargs``,
+        ``target``) chunked into ``n_microbatches``, or microbatches already split
+        (``arg_mbs``, ``kwarg_mbs``, ``target_mbs``: one entry per microbatch; torch 2.14's
+        call). Returns the merged outputs on the last stage's rank (None elsewhere, or with
+        ``return_outputs=False``); ``losses`` (last stage) is filled with each microbatch's
+        loss; ``loss_kwargs`` go to every ``loss_fn`` call. ``finalize_gradients`` (torch
+        2.15) defers FSDP's gradient reduction and has no effect on other stages, as in
+        torch; FSDP stages are not supported. Blocks until this rank's part of the step is
+        done.
+
+        Raises:
+            RuntimeError: Called under ``torch.no_grad()`` with a ``loss_fn`` (as torch).
+            TypeError, ValueError: Inputs as torch refuses them (pre-split lists of the wrong
+                type or length, whole-batch and pre-split inputs mixed).
+            PlanError, StepTimeoutError, PeerError: see ``rr.DistributedStage.run_step``.
+        """
+        check_finalize(finalize_gradients, self._stages)
+        chunks = self._chunks(args, kwargs, target, loss_kwargs, arg_mbs, kwarg_mbs, target_mbs)
+        return self._sync(chunks, losses, return_outputs)
+
+    def eval(
+        self,
+        *args: Any,
+        target: Any = None,
+        losses: list[Any] | None = None,
+        arg_mbs: list[tuple[Any, ...]] | None = None,
+        kwarg_mbs: list[dict[str, Any]] | None = None,
+        target_mbs: list[Any] | None = None,
+        return_outputs: bool = True,
+        loss_kwargs: dict[str, Any] | None = None,
+        **kwargs: Any,
+    ) -> Any:
+        """A forward-only step (torch's ``eval``), with ``step``'s inputs: outputs merged on
+        the last stage, the losses computed when targets and a ``loss_fn`` are given."""
+        chunks = self._chunks(args, kwargs, target, loss_kwargs, arg_mbs, kwarg_mbs, target_mbs)
+        if any(c.target is not None for c in chunks) or not self._has_last:
+            return self._sync(chunks, losses, return_outputs, train=False)
+        # No target: outputs only (the loss function would get None).
+        loss_fn, self._executor.loss_fn = self._executor.loss_fn, None
+        try:
+            return self._sync(chunks, losses, return_outputs, train=False)
+        finally:
+            self._executor.loss_fn = loss_fn
+
+    def step_microbatches(
+        self,
+        arg_mbs: Sequence[tuple[Any, ...]] | None = None,
+        kwarg_mbs: Sequence[dict[str, Any]] | None = None,
+        target_mbs: Sequence[Any] | None = None,
+        losses: list[Any] | None = None,
+        return_outputs: bool = True,
+        *,
+        n_microbatches: int | None = None,
+        train: bool = True,
+        loss_kwargs: dict[str, Any] | None = None,
+    ) -> Any:
+        """One step on microbatches already split, of any sizes and any count (torch needs
+        ``n_microbatches`` equal chunks of one shape). Every rank must step the same number
+        of microbatches: ranks that pass no list give ``n_microbatches``. The outputs come
+        back as a list (not merged)."""
+        n = n_microbatches if n_microbatches is not None else self._n_microbatches
+        chunks = listed_chunks(arg_mbs, kwarg_mbs, target_mbs, loss_kwargs, n)
+        return self._sync(chunks, losses, return_outputs, train=train, merge=False)
+
+    async def step_async(
+        self,
+        *args: Any,
+        target: Any = None,
+        losses: list[Any] | None = None,
+        return_outputs: bool = True,
+        loss_kwargs: dict[str, Any] | None = None,
+        arg_mbs: list[tuple[Any, ...]] | None = None,
+        kwarg_mbs: list[dict[str, Any]] | None = None,
+        target_mbs: list[Any] | None = None,
+        finalize_gradients: bool = True,
+        **kwargs: Any,
+    ) -> Any:
+        """``step`` for code that runs an event loop: the stage opens on the running loop
+        (and must be stepped on it from then on); ``aclose()`` closes it."""
+        check_finalize(finalize_gradients, self._stages)
+        chunks = self._chunks(args, kwargs, target, loss_kwargs, arg_mbs, kwarg_mbs, target_mbs)
+        train = self._check_grad_mode(True)
+        if self._rr is None:
+            self._rr = self._build()
+            await self._rr.__aenter__()
+            self._mode = "async"
+        self._refuse("async")
+        stats = await self._rr.run_step(chunks, schedule=self._schedule_for(chunks), train=train)
+        return self._finish(stats, chunks, losses, return_outputs, train, merge=True)
+
+    # ------------------------------------------------------------------ lifecycle
+
+    def close(self) -> None:
+        """Close the runtime's stage (its channel and loop thread). Call it (or use the
+        schedule as a context manager) before ``dist.destroy_process_group()``."""
+        stage, self._rr = self._rr, None
+        if stage is not None and self._mode == "sync":
+            stage.__exit__(None, None, None)
+        self._executor.close()
+
+    async def aclose(self) -> None:
+        """Close a schedule stepped with ``step_async``."""
+        stage, self._rr = self._rr, None
+        if stage is not None:
+            await stage.__aexit__(None, None, None)
+        self._executor.close()
+
+    def __enter__(self) -> Any:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # ------------------------------------------------------------------ internals
+
+    def _refuse(self, mode: str) -> None:
+        if self._mode != mode:
+            first = "step_async" if self._mode == "async" else "step"
+            raise PlanError(
+                f"this schedule was first stepped with {first}; use that one throughout (or"
+                " close() it and build another)"
+            )
+
+    def _check_grad_mode(self, train: bool) -> bool:
+        if train and self._loss_fn is not None and not torch.is_grad_enabled():
+            raise RuntimeError(
+                "step() requires gradients to be enabled for backward computation; it should"
+                " not be used under torch.no_grad() context. Please call eval() instead."
+            )
+        return train and self._loss_fn is not None
+
+    def _build(self) -> DistributedStage:
+        layout = layout_of_group(self._group, self._group_rank, self._size)
+        plan = StepPlan(
+            topology=self._topology,
+            microbatches=self._n_microbatches,
+            split_backward=self._split,
+            ordered_weights=self._split,
+        )
+        schedule = StepSchedule.build(plan, self._hint, memory_factor=self._memory_factor)
+        self._base = schedule
+        return DistributedStage(
+            layout,
+            schedule,
+            self._executor,
+            groups=build_groups(layout),
+            policy=self._policy,
+            step_timeout=self._step_timeout,
+            **self._stage_kwargs,
+        )
+
+    def _schedule_for(self, chunks: Sequence[Chunk]) -> StepSchedule:
+        sched = self._base.for_microbatches(len(chunks))
+        if self._durations is not None:
+            sched = sched.with_durations(self._durations(sched.plan, chunks))
+        return sched
+
+    def _sync(
+        self,
+        chunks: list[Chunk],
+        losses: list[Any] | None,
+        return_outputs: bool,
+        *,
+        train: bool = True,
+        merge: bool = True,
+    ) -> Any:
+        train = self._check_grad_mode(train)
+        try:
+            asyncio.get_running_loop()
+        except RuntimeError:
+            pass
+        else:
+            raise PlanError(
+                "step() blocks; inside a running event loop use `await schedule.step_async(...)`"
+            )
+        if self._rr is None:
+            stage = self._build()
+            stage.__enter__()
+            self._rr = stage
+            self._mode = "sync"
+        self._refuse("sync")
+        stats = self._rr.run_step_sync(chunks, schedule=self._schedule_for(chunks), train=train)
+        return self._finish(stats, chunks, losses, return_outputs, train, merge=merge)
+
+    def _finish(
+        self,
+        stats: StepStats,
+        chunks: Sequence[Chunk],
+        losses: list[Any] | None,
+        return_outputs: bool,
+        train: bool,
+        *,
+        merge: bool,
+    ) -> Any:
+        self.last_stats = stats
+        if train and self.scale_grads:
+            # torch's scale_grads: the gradients of the summed losses, divided by M.
+            for s in self._stages:
+                for p in s.submod.parameters():
+                    if p.grad is not None:
+                        p.grad.div_(len(chunks))
+        if not self._has_last:
+            return None
+        if losses is not None and stats.losses is not None:
+            # The loss tensors as loss_fn returned them (their dtype and device), detached.
+            losses.clear()
+            losses.extend(
+                c.loss if c.loss is not None else torch.tensor(x)
+                for c, x in zip(chunks, stats.losses, strict=True)
+            )
+        if not return_outputs or stats.outputs is None:
+            return None
+        outs = list(stats.outputs)
+        if not merge:
+            return outs
+        from torch.distributed.pipelining.microbatch import merge_chunks
+
+        return merge_chunks(outs, self._output_merge_spec)
