@@ -103,3 +103,20 @@ def test_off_checks_nothing_and_bad_modes_are_refused() -> None:
         rr.TorchStageExecutor({0: nn.Linear(1, 1)}, nonfinite="loud")  # type: ignore[arg-type]
     with pytest.raises(rr.PlanError, match="check_tensors must be a bool"):
         rr.TorchStageExecutor({0: nn.Linear(1, 1)}, check_tensors=1)  # type: ignore[arg-type]
+
+
+def test_a_loss_read_after_its_step_is_warned_even_under_raise(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    # CUDA losses are read once per step, after it: too late to fail the step, never silent.
+    from rrfp_async.distributed._nonfinite import FiniteCheck
+
+    check = FiniteCheck("raise", False, 3)
+    with caplog.at_level(logging.WARNING, logger="rrfp_async"):
+        check.loss(7, rr.Task(1, "F", 2), float("nan"), late=True)
+    assert [str(e) for e in check.events] == [
+        "rank 3 step 7 1F2: non-finite loss in microbatch 2 (nan)"
+    ]
+    assert [r.getMessage() for r in caplog.records] == [str(check.events[0])]
+    with pytest.raises(rr.NonFiniteError):  # read during its step: the step fails
+        check.loss(7, rr.Task(1, "F", 3), float("inf"))

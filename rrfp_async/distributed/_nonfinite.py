@@ -85,10 +85,13 @@ class FiniteCheck:
     def begin_step(self) -> None:
         self.events = []
 
-    def loss(self, step: int, task: Task, value: float) -> None:
-        """A microbatch's loss, read on the host."""
+    def loss(self, step: int, task: Task, value: float, *, late: bool = False) -> None:
+        """A microbatch's loss, read on the host. ``late``: read after its step (CUDA
+        losses, read once per step): too late to fail the step, so it is warned even under
+        ``"raise"``."""
         if self.mode != "off" and not math.isfinite(value):
-            self._found(NonFinite(self.rank, step, str(task), task.mb, "loss", f"{value}"))
+            event = NonFinite(self.rank, step, str(task), task.mb, "loss", f"{value}")
+            self._found(event, warn_only=late)
 
     def output(self, step: int, task: Task, out: Any) -> None:
         """What ``task`` sends on (``check_tensors``)."""
@@ -106,9 +109,9 @@ class FiniteCheck:
             what = _WHAT[task.kind]
             self._found(NonFinite(self.rank, step, str(task), task.mb, what, "; ".join(bad)))
 
-    def _found(self, event: NonFinite) -> None:
+    def _found(self, event: NonFinite, *, warn_only: bool = False) -> None:
         self.events.append(event)
-        if self.mode == "raise":
+        if self.mode == "raise" and not warn_only:
             raise NonFiniteError(
                 f"{event}; TorchStageExecutor(nonfinite='raise') fails the step on every rank"
             )

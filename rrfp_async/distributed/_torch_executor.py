@@ -30,7 +30,6 @@ How values cross the stage boundary (pytrees, side inputs, ties, gradient messag
 
 from __future__ import annotations
 
-import contextlib
 import threading
 import time
 from collections.abc import Callable, Mapping
@@ -41,7 +40,7 @@ from torch import nn
 
 from .._bridges import ComputeWorker
 from .._costs import Durations
-from .._errors import NonFiniteError, PlanError
+from .._errors import PlanError
 from .._pytree import call_module, map_tensors, tensor_leaves
 from .._rng import (
     MAX_MICROBATCHES,
@@ -263,8 +262,7 @@ class TorchStageExecutor:
             for mb, t in self._loss_t.items():
                 self._losses[mb] = float(t)
                 if self._step is not None:  # read here, so checked here (warned, not raised)
-                    with contextlib.suppress(NonFiniteError):
-                        self._finite.loss(self._step, self._loss_tasks[mb], self._losses[mb])
+                    self._finite.loss(self._step, self._loss_tasks[mb], self._losses[mb], late=True)
             self._loss_t = {}
         return self._losses
 
@@ -312,7 +310,8 @@ class TorchStageExecutor:
             d = self._durations.of(task) * self.emulate.scale
             self.emulated_seconds += d
             time.sleep(d)
-        self._finite.output(ctx.step, task, out)
+        if self._finite.tensors:  # (off the per-task path unless asked for)
+            self._finite.output(ctx.step, task, out)
         hook = self.output_hook
         if hook is not None:  # the stage sends the output from here (see Executor)
             hook(task, out, ctx.step)
