@@ -3,7 +3,7 @@
 from .._bridges import ComputeWorker, cuda_event_future, run_blocking, torch_future, work_future
 from ._pipeline import LocalPipeline
 from ._runner import loop_factory, run
-from ._stage import (
+from ._stage_loop import (
     Coordinator,
     ExecutedTask,
     StageLoop,

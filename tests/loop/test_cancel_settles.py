@@ -176,7 +176,7 @@ def test_an_anyio_scope_does_not_make_the_wait_spin(monkeypatch: pytest.MonkeyPa
     # stage's wait for its running task would be re-entered once per loop iteration
     # (thousands of times in 0.3 s). A one-stage pipeline's stage runs in the scope's own
     # task here (as a DistributedStage's does), not in a child task.
-    from rrfp_async.loop import _stage
+    from rrfp_async.loop import _stage_loop as _stage
 
     calls = []
     real_wait = asyncio.wait
