@@ -13,7 +13,7 @@ import bisect
 import collections
 import functools
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 import anyio
@@ -22,7 +22,6 @@ from .._admission import AdmissionLedger
 from .._check import check_bool, check_int, check_type, describe
 from .._errors import (
     ChannelError,
-    DeadlockError,
     DivergenceError,
     PeerError,
     PeerStepError,
@@ -32,20 +31,20 @@ from .._errors import (
     RRFPError,
     StepTimeoutError,
 )
-from .._tasks import StepPlan, Task
+from .._tasks import Task
 from ..channels._base import Endpoint
-from ..policies._policy import Policy, PolicyBase, ReadyView, get_policy, policy_name
+from ..policies._policy import Policy, PolicyBase, get_policy, policy_name
 from ..policies._schedule import StepSchedule
 from ._checks import check_step_args, check_step_timeout
-from ._diagnostics import dump
 from ._executors import Executor, TaskContext, check_awaitable, check_executor
-from ._observe import attach_observer_error, call_failed, guard_observer
+from ._loop_fields import Coordinator
+from ._loop_introspect import StageIntrospection
+from ._observe import guard_observer
 from ._records import ExecutedTask, StepStats
 from ._state import NO_DATA, StepState
 from ._view import StageView
 
 __all__ = [
-    "Coordinator",
     "ExecutedTask",
     "StageLoop",
     "StageMonitor",
@@ -107,35 +106,6 @@ class StageObserver(Protocol):
         """The step ended on this stage."""
 
 
-class Coordinator(Protocol):
-    """Makes the TP ranks of a stage run one task sequence (``channels.DecisionChannel``).
-
-    The leader's policy decides and ``publish``es each decision; followers ``receive`` it
-    and run that task once it is ready locally. Optional: ``has_decision(step) -> bool``
-    (whether ``receive`` would not wait) and ``leader`` (the leader's global rank) make a
-    follower's ``stall`` events say when, and for whom, it waits.
-    """
-
-    @property
-    def is_leader(self) -> bool:
-        """Whether this rank's policy decides."""
-
-    def begin_step(self, step: int, decisions: int) -> None:
-        """A step with ``decisions`` dispatches starts."""
-
-    def publish(self, step: int, seq: int, task: Task) -> None:
-        """Leader: announce decision ``seq`` without waiting."""
-
-    async def receive(self, step: int, seq: int) -> Task:
-        """Follower: the leader's decision ``seq``."""
-
-    async def end_step(self) -> None:
-        """Leader: every decision of the step has gone out."""
-
-    async def verify_sequence(self, step: int, executed: Sequence[Task]) -> None:
-        """Every rank: check that all TP ranks executed the same sequence."""
-
-
 class StageMonitor(Protocol):
     """Sees when stages block; raises a deadlock when no stage can ever progress."""
 
@@ -160,7 +130,7 @@ def _expire(w: asyncio.Future[bool]) -> None:
         w.set_result(False)
 
 
-class StageLoop:
+class StageLoop(StageIntrospection):
     """Runs one pipeline rank's share of each step, readiness-first.
 
     Args:
@@ -202,6 +172,8 @@ class StageLoop:
             ``verify_sequences`` or ``deduce_tp`` is not a bool.
         PolicyError: ``policy`` is neither a registered name nor a coroutine function.
     """
+
+    monitor: StageMonitor | None  # narrower than StageFields.monitor: the public type
 
     def __init__(
         self,
@@ -250,7 +222,7 @@ class StageLoop:
         self._hooks = self.policy if isinstance(self.policy, PolicyBase) else None
         self.monitor = monitor
         self.observer = observer
-        self._obs: StageObserver | None = None  # the guarded observer of this step
+        self._obs = None  # the guarded observer of this step
         self._obs_error: BaseException | None = None  # what it raised this step (_observe)
         self.step_timeout = step_timeout
         self.coordinator = coordinator
@@ -472,25 +444,6 @@ class StageLoop:
                     self.monitor.unblocked(self)
 
     # ------------------------------------------------------------------ the step
-
-    def now(self) -> float:
-        """The loop's clock (virtual time under a :class:`VirtualEventLoop`, else monotonic)."""
-        return self._now()
-
-    @property
-    def view(self) -> ReadyView:
-        """The policy's view of this stage (what observers and policies may read)."""
-        return self._view
-
-    @property
-    def plan(self) -> StepPlan:
-        """The step plan."""
-        return self.schedule.plan
-
-    @property
-    def step(self) -> int | None:
-        """The step being run, or None between steps."""
-        return None if self._st is None else self._st.step
 
     async def run_step(
         self,
@@ -1042,24 +995,3 @@ class StageLoop:
             deviations=st.deviations,
             tp_deduced=st.deduced,
         )
-
-    # ------------------------------------------------------------------ introspection
-
-    def waiting_for(self, limit: int | None = None) -> Iterator[str]:
-        """What the next unstarted, not-ready tasks (in hint order) wait for, one line each."""
-        st = self._st
-        return iter(()) if st is None else st.waiting_for(limit)
-
-    def dump(self, recent: bool = False) -> str:
-        """A readable snapshot of the stage: ready set, in-flight, what waiting tasks wait for
-        (and, with ``recent``, the last events of the flight recorder)."""
-        return dump(self, recent)
-
-    def _dump_on_failure(self, exc: BaseException) -> None:
-        """Attach this rank's state to the error and hand it to the observer's ``failed``
-        (:class:`~rrfp_async.LogObserver` logs it as event ``stage_dump``)."""
-        text = self.dump(recent=True)
-        attach_observer_error(self, exc)
-        call_failed(self, exc, text)  # a hook that raises adds a note, never replaces exc
-        if not isinstance(exc, DeadlockError):  # a deadlock carries every rank's grid
-            exc.add_note(f"state of rank {self.rank} when the step failed:\n{text}")
