@@ -22,12 +22,7 @@ from typing import Any, Protocol
 
 from .._admission import AdmissionLedger
 from .._check import check_bool, check_int, check_type, describe
-from .._errors import (
-    ChannelError,
-    PeerStepError,
-    PlanError,
-    StepTimeoutError,
-)
+from .._errors import ChannelError, PeerStepError, PlanError, StepTimeoutError
 from .._tasks import Task
 from ..channels._base import Endpoint
 from ..policies._policy import Policy, PolicyBase, get_policy, policy_name
