@@ -176,7 +176,7 @@ def test_no_import_cycles() -> None:
 def test_the_checker_sees_cycles_and_upward_imports() -> None:
     assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
     assert find_cycle({"a": {"b"}, "b": set()}) is None
-    assert layer_of("rrfp_async._tasks") < layer_of("rrfp_async.loop._stage")
-    assert layer_of("rrfp_async.channels._p2p") < layer_of("rrfp_async.loop._stage")
+    assert layer_of("rrfp_async._tasks") < layer_of("rrfp_async.loop._stage_loop")
+    assert layer_of("rrfp_async.channels._p2p") < layer_of("rrfp_async.loop._stage_loop")
     with pytest.raises(AssertionError, match="no layer"):
         layer_of("rrfp_async.somewhere_new")

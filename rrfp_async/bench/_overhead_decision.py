@@ -104,7 +104,7 @@ async def _decision_cases(
 ) -> list[dict[str, Any]]:
     """Build (and warm up) one stage per case on the running loop."""
     from ..channels._local import LocalChannel
-    from ..loop._stage import StageLoop
+    from ..loop import StageLoop
 
     loop_name = loop_kind(asyncio.get_running_loop())
     cases: list[dict[str, Any]] = []

@@ -32,8 +32,8 @@ import torch.distributed as dist
 from .._costs import CostModel, Microbatch, StageProfile
 from .._errors import PlanError
 from .._tasks import StepPlan, Topology
+from ..loop import StepStats
 from ..loop._runner import run
-from ..loop._stage import StepStats
 from ..models._tp import TPContext
 from ..models.image_text import ImageTextConfig, build_stage_modules, loss_fn, make_microbatches
 from ..observability import (

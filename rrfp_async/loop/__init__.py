@@ -1,10 +1,10 @@
 """The per-stage event loop: ready set, arbitration, executors' completions, virtual time."""
 
 from .._bridges import ComputeWorker, cuda_event_future, run_blocking, torch_future, work_future
+from ._loop_fields import Coordinator
 from ._pipeline import LocalPipeline
 from ._runner import loop_factory, run
-from ._stage import (
-    Coordinator,
+from ._stage_loop import (
     ExecutedTask,
     StageLoop,
     StageMonitor,

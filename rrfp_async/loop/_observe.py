@@ -32,7 +32,7 @@ from .._errors import ObserverError
 from .._tasks import Task
 from ._records import StepStats
 
-# ``StageLoop`` (``_stage`` imports this module; a stage is typed ``Any`` here to keep the
+# ``StageLoop`` (``_stage_loop`` imports this module; a stage is typed ``Any`` here to keep the
 # import graph acyclic): the guard reads ``rank``, ``step``, ``observer`` and sets
 # ``_obs``, ``_obs_error``, and calls ``fail``.
 StageLoop = Any

@@ -19,7 +19,7 @@ from ._diagnostics import make_deadlock
 from ._executors import Executor
 from ._portal import SyncPortal
 from ._records import StepStats
-from ._stage import StageLoop, StageObserver
+from ._stage_loop import StageLoop, StageObserver
 
 __all__ = ["LocalPipeline", "unwrap_group"]
 

@@ -15,10 +15,9 @@ from collections.abc import Sequence
 from typing import Any
 
 from .._errors import DeadlockError, PolicyError, RRFPError, StepTimeoutError
-from ..loop import StepStats
+from ..loop import StageLoop, StepStats
 from ..loop._diagnostics import deadlock_grid
 from ..loop._pipeline import LocalPipeline
-from ..loop._stage import StageLoop
 from ..loop._virtual import VirtualClockStall, VirtualEventLoop, VirtualTimeLimit
 
 __all__ = ["run_virtual"]
