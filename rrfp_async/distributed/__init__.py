@@ -5,10 +5,10 @@ they share; ``split_causal_lm``: a Hugging Face causal LM in one call) and the e
 training harness."""
 
 from ._causal_lm import CausalLMSplit, CausalLMStage, split_causal_lm
+from ._dist_stage import DistributedStage
 from ._layout import ProcessLayout, StageGroups, build_groups, pipeline_neighbors
 from ._spawn import free_port, spawn
 from ._split import StageModule, StageSplit, from_pipe, from_stage_modules, split_model
-from ._stage import DistributedStage
 from ._torch_executor import EmulatedCost, TorchStageExecutor
 from ._train import TrainConfig, TrainResult, fixed_microbatches, image_text_cost, train_worker
 

@@ -74,8 +74,8 @@ from .._costs import Durations
 from .._errors import PlanError
 from .._pytree import map_tensors
 from .._tasks import StepPlan, Task, Topology
+from ..distributed._dist_stage import DEFAULT_STEP_TIMEOUT, DistributedStage
 from ..distributed._layout import build_groups
-from ..distributed._stage import DEFAULT_STEP_TIMEOUT, DistributedStage
 from ..distributed._torch_executor import TorchStageExecutor
 from ..loop._executors import TaskContext
 from ..loop._records import StepStats

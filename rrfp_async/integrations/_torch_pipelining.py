@@ -62,8 +62,8 @@ from .._costs import Durations
 from .._errors import PlanError
 from .._pytree import Args
 from .._tasks import Placement, StepPlan, Task, Topology
+from ..distributed._dist_stage import DEFAULT_STEP_TIMEOUT, DistributedStage
 from ..distributed._layout import ProcessLayout, build_groups
-from ..distributed._stage import DEFAULT_STEP_TIMEOUT, DistributedStage
 from ..distributed._torch_executor import EmulatedCost, SharedSpec, TorchStageExecutor
 from ..loop._records import StepStats
 from ..policies._schedule import StepSchedule

@@ -212,7 +212,7 @@ class DistributedStage:
             ``'{trace_dir}/failed-rank*.json'`` for the failed step) or ``rr.merge_traces``.
             The write is part of ``run_step`` (on a loaded 2-core machine: 4 ms for a rank's
             32 tasks, 12 ms for 128); a write that fails is logged (logger
-            ``rrfp_async.distributed._stage``), never fails the step.
+            ``rrfp_async.distributed._dist_stage``), never fails the step.
         emulated_gpu_time: What the trace files say of their times: True when the tasks'
             GPU time is emulated (sleeps from a cost model or in stand-in modules, on a CPU).
             None (default): True exactly when the executor emulates it
