@@ -61,7 +61,6 @@ import asyncio
 import collections
 import hashlib
 import logging
-import threading
 import time
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
@@ -103,6 +102,7 @@ from . import _state_dump as state_dump
 from ._digest import PlanDigest, adopt_default_seed, plan_disagreement
 from ._digest import _ranks as ranks_have
 from ._layout import ProcessLayout, StageGroups, build_groups, pipeline_neighbors
+from ._p2p_registry import claim_p2p_group, release_p2p_group
 from ._ties import find_undeclared_ties, reduce_ties, tie_groups, ties_digest
 
 __all__ = [
@@ -117,10 +117,6 @@ DEFAULT_MAX_MESSAGE_BYTES = 256 << 20
 """Largest message a ``DistributedStage`` sends or accepts by default (256 MiB)."""
 
 _log = logging.getLogger(__name__)
-
-_p2p_lock = threading.Lock()
-_p2p_users: dict[int, tuple[Any, str]] = {}
-"""id(p2p group) -> (the group, kept alive while in use; the open stage that uses it)."""
 
 
 def _loop_name(loop: asyncio.AbstractEventLoop | None) -> str:
@@ -454,35 +450,16 @@ class DistributedStage:
         the design note); a stage without pipeline peers uses none."""
         if not self._has_peers:
             return
-        group = self.groups.p2p
-        key = id(group)  # None (the default group) has one id, like every group
         me = (
             f"{self._who()} of the pipeline of global ranks"
             f" {list(self.layout.pipeline_peers().values())}"
         )
-        with _p2p_lock:
-            other = _p2p_users.get(key)
-            if other is not None:
-                which = (
-                    "the default process group (these StageGroups have no p2p group)"
-                    if group is None
-                    else "the p2p group of these StageGroups"
-                )
-                raise PlanError(
-                    f"{me}: {which} is already used by another open DistributedStage in this"
-                    f" process ({other[1]}); two stages on one group take each other's"
-                    " messages (gloo aborts the process, or a peer hangs). Give each stage"
-                    " that is open at the same time its own groups: call"
-                    " rr.build_groups(layout) once per stage, on every rank in the same order"
-                )
-            _p2p_users[key] = (group, me)
-        self._p2p_key = key
+        self._p2p_key = claim_p2p_group(self.groups.p2p, me)
 
     def _release_p2p_group(self) -> None:
         key, self._p2p_key = self._p2p_key, None
         if key is not None:
-            with _p2p_lock:
-                _p2p_users.pop(key, None)
+            release_p2p_group(key)
 
     def _who(self) -> str:
         return f"rank {self.layout.pp_rank} (global {self.layout.rank})"
