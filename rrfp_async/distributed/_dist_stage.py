@@ -64,7 +64,6 @@ import logging
 import time
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
-from types import TracebackType
 from typing import Any
 
 import torch
@@ -75,7 +74,6 @@ from .._check import check_bool
 from .._errors import (
     ChannelError,
     ClosedError,
-    InterruptedStepError,
     PeerError,
     PeerStepError,
     PlanError,
@@ -103,6 +101,7 @@ from ._digest import PlanDigest, adopt_default_seed, plan_disagreement
 from ._digest import _ranks as ranks_have
 from ._layout import ProcessLayout, StageGroups, build_groups, pipeline_neighbors
 from ._p2p_registry import claim_p2p_group, release_p2p_group
+from ._sync_face import SyncFace
 from ._ties import find_undeclared_ties, reduce_ties, tie_groups, ties_digest
 
 __all__ = [
@@ -147,7 +146,7 @@ def _check_layout_rank(layout: ProcessLayout) -> None:
         )
 
 
-class DistributedStage:
+class DistributedStage(SyncFace):
     """This process's stage: a ``StageLoop`` on a ``P2PChannel``, with TP coordination.
 
     Args:
@@ -409,42 +408,6 @@ class DistributedStage:
             finally:
                 self._release_p2p_group()
 
-    def __enter__(self) -> DistributedStage:
-        """Open the stage for a synchronous training loop: start an event loop on a thread
-        of its own (anyio's blocking portal; uvloop when installed) and open the stage on
-        it; ``run_step_sync`` then runs steps there, and the end of the ``with`` block
-        closes the stage and stops the thread.
-
-        Raises:
-            ClosedError: The stage was opened before.
-            PlanError: Another open stage of this process uses the same p2p group.
-        """
-        if self._state != "new":
-            raise ClosedError(f"{self._who()}: a DistributedStage is opened once ({self._state})")
-        state_dump.install()  # (here: __aenter__ runs on the portal's thread)
-        portal = SyncPortal()
-        try:
-            portal.call(self.__aenter__)
-        except BaseException:
-            portal.close()
-            raise
-        self._portal = portal
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        portal, self._portal = self._portal, None
-        if portal is None:  # not opened with ``with``
-            return
-        try:
-            portal.call(self.__aexit__, exc_type, exc, tb)
-        finally:
-            portal.close()
-
     def _claim_p2p_group(self) -> None:
         """Refuse to open on a p2p group that another open stage of this process uses (see
         the design note); a stage without pipeline peers uses none."""
@@ -460,9 +423,6 @@ class DistributedStage:
         key, self._p2p_key = self._p2p_key, None
         if key is not None:
             release_p2p_group(key)
-
-    def _who(self) -> str:
-        return f"rank {self.layout.pp_rank} (global {self.layout.rank})"
 
     async def run_step(
         self,
@@ -833,58 +793,6 @@ class DistributedStage:
             if notes:
                 cause += " [" + "; ".join(notes) + "]"
         self.channel.abort(step, cause)
-
-    def run_step_sync(
-        self,
-        microbatches: Sequence[Any],
-        *,
-        step: int | None = None,
-        schedule: StepSchedule | None = None,
-        train: bool = True,
-    ) -> StepStats:
-        """``run_step`` for synchronous code, inside ``with DistributedStage(...) as stage:``:
-        the step runs on the stage's event loop thread and this call blocks until it ends.
-
-        Args:
-            microbatches: The step's microbatches (any number).
-            step: The step number (default: one more than the last).
-            schedule: A schedule for this step.
-            train: False for a forward-only step.
-
-        Returns:
-            This rank's stats.
-
-        Raises:
-            ClosedError: The stage is not open with ``with`` (not yet, no more, or with
-                ``async with``: there, ``await stage.run_step(...)``).
-            PlanError, StepTimeoutError, PeerError: As ``run_step`` raises them (the same
-                objects, not wrapped).
-            BaseException: What a module raised on the compute thread when it was no
-                ``Exception`` (``KeyboardInterrupt``): ``run_step`` fails the step with
-                ``InterruptedStepError``, this re-raises the original.
-        """
-        portal = self._portal
-        if portal is None:
-            if self._state == "open":
-                how = (
-                    "it was opened with `async with`: there, run steps with"
-                    " `await stage.run_step(...)`"
-                )
-            else:
-                how = "it is not open yet" if self._state == "new" else "it was closed"
-            raise ClosedError(
-                f"{self._who()}: run_step_sync runs steps inside"
-                f" `with DistributedStage(...) as stage:` (on that block's event loop"
-                f" thread); {how}"
-            )
-        try:
-            return portal.call(
-                self.run_step, microbatches, step=step, schedule=schedule, train=train
-            )
-        except InterruptedStepError as e:
-            # The step failed on every rank and the loop thread lives on; the caller gets
-            # what its module raised (a KeyboardInterrupt stays one).
-            raise e.original from None
 
     def _key(self, schedule: StepSchedule) -> tuple[object, ...]:
         """What decides whether a step's plan must be checked again (see the design note)."""
