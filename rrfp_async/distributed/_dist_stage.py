@@ -59,9 +59,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import hashlib
 import logging
-import time
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -97,12 +95,11 @@ from ..observability import (
 from ..policies._policy import Policy
 from ..policies._schedule import StepSchedule
 from . import _state_dump as state_dump
-from ._digest import PlanDigest, adopt_default_seed, plan_disagreement
-from ._digest import _ranks as ranks_have
 from ._layout import ProcessLayout, StageGroups, build_groups, pipeline_neighbors
 from ._p2p_registry import claim_p2p_group, release_p2p_group
+from ._plan_check import PlanCheck
 from ._sync_face import SyncFace
-from ._ties import find_undeclared_ties, reduce_ties, tie_groups, ties_digest
+from ._ties import find_undeclared_ties, reduce_ties, tie_groups
 
 __all__ = [
     "DEFAULT_MAX_MESSAGE_BYTES",
@@ -146,7 +143,7 @@ def _check_layout_rank(layout: ProcessLayout) -> None:
         )
 
 
-class DistributedStage(SyncFace):
+class DistributedStage(SyncFace, PlanCheck):
     """This process's stage: a ``StageLoop`` on a ``P2PChannel``, with TP coordination.
 
     Args:
@@ -614,94 +611,6 @@ class DistributedStage(SyncFace):
     # Posting exactly once per counted step, whatever happened, keeps the group's
     # collectives matched across ranks. Cost: one int64[2] all-reduce per step.
 
-    # Design note: the step check
-    # ---------------------------
-    # The plan check runs when a rank's plan changes, decided locally: a rank given 3
-    # microbatches where its peers got 4 would enter the plan check's all-gather alone, and
-    # its peers would wait for its messages, until the watchdog fired (step_timeout, 300 s
-    # by default) with no word of the cause. So every step first posts one small
-    # all-gather on the control group, [step, microbatches, plan key hash, train, changed],
-    # on every rank (``verify_plan``; one process: none). A rank whose plan is unchanged
-    # does not wait for it: it runs the step, and a watcher beside the step fails it
-    # (``step_aborted``) the moment the rows differ; a rank whose plan changed waits for the
-    # rows first, and runs the plan check (which names the differing fields) only when
-    # every rank's plan changed at this step, so that every rank posts it. Every rank reads the
-    # same rows, so every rank fails alike, at once, with a ``PlanError`` that names each
-    # rank's step, microbatch count and plan. Cost: one all-gather a step, off the critical
-    # path of an unchanged plan (a few hundred µs on gloo, overlapped with the step).
-
-    def _post_step_check(
-        self, step: int, schedule: StepSchedule, *, changed: bool
-    ) -> tuple[Any, Any] | None:
-        """Post this step's step check (see the design note); None when there is none."""
-        if not self.verify_plan or self._control_broken is not None or self.layout.world_size == 1:
-            return None
-        p = schedule.plan
-        key = hashlib.blake2b(repr(self._key(schedule)).encode(), digest_size=8).digest()
-        key63 = int.from_bytes(key, "little") >> 1
-        row = [step, p.microbatches, key63, int(not p.forward_only), int(changed)]
-        group = self.groups.control
-        buf = torch.tensor(row, dtype=torch.int64)
-        if group is None and "gloo" not in str(dist.get_backend()):
-            buf = buf.to(self._device)
-        outs = [torch.empty_like(buf) for _ in range(dist.get_world_size(group))]
-        try:
-            work = dist.all_gather(outs, buf, group=group, async_op=True)
-        except RuntimeError:
-            return None  # the group broke (a lost rank): the step fails anyway
-        return outs, work
-
-    async def _step_check_rows(self, step: int, posted: tuple[Any, Any]) -> list[list[int]]:
-        """The step check's rows, one per rank of the control group."""
-        outs, work = posted
-        try:
-            async with asyncio.timeout(self.step_timeout):
-                await work_future(work)
-        except TimeoutError:
-            self._control_broken = StepTimeoutError(
-                f"{self._who()} step {step}: the step check did not complete within"
-                f" {self.step_timeout} s: not every rank started this step (a rank is hung,"
-                " stopped or lost)"
-            )
-            raise self._control_broken from None
-        except RuntimeError as e:
-            raise PeerError(
-                f"{self._who()} step {step}: the step check (an all-gather) failed: a rank"
-                f" died or the group broke: {e}"
-            ) from e
-        return [o.tolist() for o in outs]
-
-    def _step_check_verdict(
-        self, step: int, rows: list[list[int]], *, differ: bool = False
-    ) -> None:
-        """Raise a ``PlanError`` naming every rank's row when the rows differ (or when
-        ``differ``: the caller knows they do) in step, microbatches, plan or train."""
-        if not differ and all(r[:4] == rows[0][:4] for r in rows):
-            return
-        groups: dict[tuple[int, ...], list[int]] = {}
-        for rank, r in enumerate(rows):
-            groups.setdefault(tuple(r[:4]), []).append(rank)
-        parts = [
-            f"{ranks_have(ranks)} step {r[0]}, {r[1]} microbatches,"
-            f" {'training' if r[3] else 'forward-only'}, plan #{r[2] & 0xFFFFFFFF:08x}"
-            for r, ranks in sorted(groups.items(), key=lambda kv: kv[1][0])
-        ]
-        raise PlanError(
-            f"{self._who()} step {step}: the ranks do not run the same step: "
-            + "; ".join(parts)
-            + ". Every rank must give each step the same number of microbatches (and the same"
-            " schedule, train= and step number); a rank's data loader that ran out early or"
-            " yields other batch counts is the usual cause"
-        )
-
-    async def _watch_step_check(self, step: int, posted: tuple[Any, Any]) -> None:
-        """Beside a running step: fail it when the step check's rows differ."""
-        try:
-            self._step_check_verdict(step, await self._step_check_rows(step, posted))
-        except (PlanError, PeerError, StepTimeoutError) as e:
-            self.stage.step_aborted(step, e)
-            raise
-
     def _post_agreement(self, *, failed: bool) -> tuple[torch.Tensor, Any] | None:
         """Post this step's agreement all-reduce (see the design note); None when switched
         off or when the control group can no longer be used."""
@@ -794,18 +703,6 @@ class DistributedStage(SyncFace):
                 cause += " [" + "; ".join(notes) + "]"
         self.channel.abort(step, cause)
 
-    def _key(self, schedule: StepSchedule) -> tuple[object, ...]:
-        """What decides whether a step's plan must be checked again (see the design note)."""
-        p = schedule.plan
-        return (
-            p.topology,
-            p.microbatches,
-            p.split_backward,
-            p.ordered_weights,
-            p.forward_only,
-            schedule.hint_name,
-        )
-
     async def _prepare_ties(self, schedule: StepSchedule, step: int) -> None:
         """Before the first training step: look for undeclared ties (collective over the
         control group), then build the declared ties' groups (see ``_ties``)."""
@@ -837,75 +734,6 @@ class DistributedStage(SyncFace):
             who=self._who(),
             step=step,
         )
-
-    async def check_plan(self, schedule: StepSchedule | None = None, *, step: int = 0) -> None:
-        """Check that every rank runs the same plan: all-gather each rank's ``PlanDigest``
-        over the control group and compare (see the design note). Collective: every rank
-        calls it at the same point; ``run_step`` does, at the first step and when the plan
-        changes, so call it yourself only to take its cost out of a timed step.
-
-        Args:
-            schedule: The schedule to check (default: the stage's).
-            step: The step number, for messages.
-
-        Raises:
-            PlanError: The ranks disagree; the message names each differing field and the
-                ranks on each side.
-            StepTimeoutError: Not every rank joined within ``step_timeout``.
-            PeerError: The all-gather failed (a rank died).
-        """
-        if self._control_broken is not None:
-            raise self._control_broken
-        sched = schedule if schedule is not None else self.stage.schedule
-        mine = PlanDigest.of(
-            sched,
-            policy=self.stage.policy_name,
-            layout=self.layout,
-            max_message_bytes=self.max_message_bytes,
-            ties=ties_digest(self._tie_spec) + ("" if self.check_ties else "|unchecked"),
-            rng_seed=getattr(self.stage.executor, "rng_seed", None),
-            seed_default=not getattr(self.stage.executor, "rng_seed_given", True),
-        )
-        group = self.groups.control
-        on_cpu = group is not None or "gloo" in str(dist.get_backend())
-        buf = torch.tensor(mine.encode(), dtype=torch.int64)
-        if not on_cpu:
-            buf = buf.to(self._device)
-        n = dist.get_world_size(group)
-        outs = [torch.empty_like(buf) for _ in range(n)]
-        t0 = time.perf_counter()
-        try:
-            async with asyncio.timeout(self.step_timeout):
-                await work_future(dist.all_gather(outs, buf, group=group, async_op=True))
-        except TimeoutError:
-            # The collective is still posted: this group can no longer be used.
-            self._control_broken = StepTimeoutError(
-                f"{self._who()} step {step}: the plan check did not complete within"
-                f" {self.step_timeout} s: not every rank joined the all-gather of plan digests"
-                f" (over the {n} ranks of the control group). A rank is hung, stopped or"
-                " lost, or it did not check at this step: a rank checks at its stage's first"
-                " step and when its schedule's plan or hint name changes, so the ranks'"
-                " schedules changed at different steps"
-            )
-            raise self._control_broken from None
-        except RuntimeError as e:
-            raise PeerError(
-                f"{self._who()} step {step}: the plan check (an all-gather over {n} ranks)"
-                f" failed: a rank died or the group broke: {e}"
-            ) from e
-        self.plan_check_seconds = time.perf_counter() - t0
-        self.plan_checks += 1
-        rows = [PlanDigest.decode(o.tolist(), rank=i) for i, o in enumerate(outs)]
-        rows, job_seed = adopt_default_seed(rows)
-        if job_seed is not None and mine.seed_default:
-            self.stage.executor.rng_seed = job_seed  # type: ignore[attr-defined]
-        why = plan_disagreement(rows)
-        if why is not None:
-            raise PlanError(
-                f"{self._who()} step {step}: the ranks disagree on the plan; every rank must"
-                f" build an equal StepSchedule and use the same policy: {why}"
-            )
-        self._agreed = self._key(sched)
 
     def dump_state(self, reason: str = "requested") -> Path | None:
         """Write this rank's state now (see ``rrfp_async.distributed._state_dump``): the
