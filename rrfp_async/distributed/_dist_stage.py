@@ -59,7 +59,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -94,10 +94,10 @@ from . import _state_dump as state_dump
 from ._layout import ProcessLayout, StageGroups, build_groups, pipeline_neighbors
 from ._p2p_registry import claim_p2p_group, release_p2p_group
 from ._plan_check import PlanCheck
+from ._stage_grads import GradientSync
 from ._step_agreement import StepAgreement
 from ._step_failure import FailureTelling
 from ._sync_face import SyncFace
-from ._ties import find_undeclared_ties, reduce_ties, tie_groups
 
 __all__ = [
     "DEFAULT_MAX_MESSAGE_BYTES",
@@ -141,7 +141,7 @@ def _check_layout_rank(layout: ProcessLayout) -> None:
         )
 
 
-class DistributedStage(SyncFace, PlanCheck, StepAgreement, FailureTelling):
+class DistributedStage(SyncFace, PlanCheck, StepAgreement, FailureTelling, GradientSync):
     """This process's stage: a ``StageLoop`` on a ``P2PChannel``, with TP coordination.
 
     Args:
@@ -559,14 +559,6 @@ class DistributedStage(SyncFace, PlanCheck, StepAgreement, FailureTelling):
             if self._recorder is not None:
                 self._write_trace(s, sched, failed=failed)
 
-    def _order_after_step(self) -> None:
-        """On CUDA the executor's tasks end when their kernels are enqueued: order the
-        device's default stream after them (no host wait) before anything else touches the
-        gradients (the tied and DP reductions, the caller's optimizer)."""
-        order = getattr(self.stage.executor, "order_after_step", None)
-        if order is not None:
-            order()
-
     def _write_trace(self, step: int, schedule: StepSchedule, *, failed: bool) -> None:
         """Write this step's recording to ``trace_dir`` (see the class's Args): a step that
         ended well to ``rank{r}.json``, a failed one to ``failed-rank{r}.json``, so that a
@@ -592,38 +584,6 @@ class DistributedStage(SyncFace, PlanCheck, StepAgreement, FailureTelling):
                 "%s: could not write its trace of step %d to %s: %r", self._who(), step, path, e
             )
 
-    async def _prepare_ties(self, schedule: StepSchedule, step: int) -> None:
-        """Before the first training step: look for undeclared ties (collective over the
-        control group), then build the declared ties' groups (see ``_ties``)."""
-        modules = getattr(self.stage.executor, "modules", None)
-        if self.check_ties and isinstance(modules, Mapping):
-            await find_undeclared_ties(
-                modules,
-                self._tie_spec,
-                self.layout,
-                self.groups.control,
-                timeout=self.step_timeout,
-                who=f"{self._who()} step {step}",
-            )
-        if self._tie_spec:
-            self._tie_groups = tie_groups(self._tie_spec, self.layout, schedule.plan.topology)
-        self._ties_checked = True
-
-    def _shared_parameters(self) -> dict[str, list[torch.nn.Parameter]]:
-        """The executor's tied parameters on this rank (``shared_parameters()``)."""
-        shared = getattr(self.stage.executor, "shared_parameters", None)
-        return {} if shared is None else dict(shared())
-
-    async def _reduce_ties(self, step: int) -> None:
-        assert self._tie_groups is not None
-        await reduce_ties(
-            self._shared_parameters(),
-            self._tie_groups,
-            timeout=self.step_timeout,
-            who=self._who(),
-            step=step,
-        )
-
     def dump_state(self, reason: str = "requested") -> Path | None:
         """Write this rank's state now (see ``rrfp_async.distributed._state_dump``): the
         step, the running task, the ready and admitted sets, what each waiting task waits
@@ -645,13 +605,3 @@ class DistributedStage(SyncFace, PlanCheck, StepAgreement, FailureTelling):
     @property
     def _dump_rank(self) -> int:
         return self.layout.rank
-
-    def allreduce_gradients(self, params: Iterable[torch.nn.Parameter]) -> None:
-        """Average gradients over the data-parallel group (no-op without DP). Blocking."""
-        if self.groups.dp is None:
-            return
-        n = self.layout.dp
-        for p in params:
-            if p.grad is not None:
-                dist.all_reduce(p.grad, group=self.groups.dp)
-                p.grad /= n
