@@ -58,7 +58,6 @@ changes: it consumes no step number, tells nobody, and leaves a running step alo
 from __future__ import annotations
 
 import asyncio
-import logging
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -81,12 +80,7 @@ from ..loop._checks import check_step_args
 from ..loop._executors import Executor
 from ..loop._portal import SyncPortal
 from ..observability import (
-    MultiObserver,
     TraceData,
-    TraceRecorder,
-    chrome_trace,
-    rank_trace_path,
-    write_trace,
 )
 from ..policies._policy import Policy
 from ..policies._schedule import StepSchedule
@@ -95,6 +89,7 @@ from ._layout import ProcessLayout, StageGroups, build_groups, pipeline_neighbor
 from ._p2p_registry import claim_p2p_group, release_p2p_group
 from ._plan_check import PlanCheck
 from ._stage_grads import GradientSync
+from ._stage_trace import StageViews
 from ._step_agreement import StepAgreement
 from ._step_failure import FailureTelling
 from ._sync_face import SyncFace
@@ -109,8 +104,6 @@ DEFAULT_STEP_TIMEOUT = 30.0
 """Seconds a step of a ``DistributedStage`` may take by default before its watchdog fires."""
 DEFAULT_MAX_MESSAGE_BYTES = 256 << 20
 """Largest message a ``DistributedStage`` sends or accepts by default (256 MiB)."""
-
-_log = logging.getLogger(__name__)
 
 
 def _loop_name(loop: asyncio.AbstractEventLoop | None) -> str:
@@ -141,7 +134,9 @@ def _check_layout_rank(layout: ProcessLayout) -> None:
         )
 
 
-class DistributedStage(SyncFace, PlanCheck, StepAgreement, FailureTelling, GradientSync):
+class DistributedStage(
+    SyncFace, PlanCheck, StepAgreement, FailureTelling, GradientSync, StageViews
+):
     """This process's stage: a ``StageLoop`` on a ``P2PChannel``, with TP coordination.
 
     Args:
@@ -202,7 +197,7 @@ class DistributedStage(SyncFace, PlanCheck, StepAgreement, FailureTelling, Gradi
             ``'{trace_dir}/failed-rank*.json'`` for the failed step) or ``rr.merge_traces``.
             The write is part of ``run_step`` (on a loaded 2-core machine: 4 ms for a rank's
             32 tasks, 12 ms for 128); a write that fails is logged (logger
-            ``rrfp_async.distributed._dist_stage``), never fails the step.
+            ``rrfp_async.distributed._stage_trace``), never fails the step.
         emulated_gpu_time: What the trace files say of their times: True when the tasks'
             GPU time is emulated (sleeps from a cost model or in stand-in modules, on a CPU).
             None (default): True exactly when the executor emulates it
@@ -306,24 +301,7 @@ class DistributedStage(SyncFace, PlanCheck, StepAgreement, FailureTelling, Gradi
         # The torch executor makes its compute stream wait on each received tensor's event
         # (_streams.wait_ready); any other executor gets payloads once they arrived.
         self.channel.consumer_waits = bool(getattr(executor, "waits_for_events", False))
-        self.trace_dir = None if trace_dir is None else Path(trace_dir)
-        if emulated_gpu_time is not None and not isinstance(emulated_gpu_time, bool):
-            raise PlanError(f"emulated_gpu_time must be a bool or None, got {emulated_gpu_time!r}")
-        self._emulated = (
-            getattr(executor, "emulate", None) is not None
-            if emulated_gpu_time is None
-            else emulated_gpu_time
-        )
-        self._recorder: TraceRecorder | None = None
-        if self.trace_dir is not None:
-            try:
-                self.trace_dir.mkdir(parents=True, exist_ok=True)
-            except OSError as e:
-                raise PlanError(
-                    f"rank {layout.rank}: cannot create trace_dir {str(trace_dir)!r}: {e}"
-                ) from None
-            self._recorder = TraceRecorder(layout.pipeline_peers())
-            observer = MultiObserver(observer, self._recorder)
+        observer = self._open_trace(trace_dir, emulated_gpu_time, executor, observer)
         self.decisions: DecisionChannel | None = None
         if layout.tp > 1:
             self.decisions = DecisionChannel(
@@ -558,50 +536,3 @@ class DistributedStage(SyncFace, PlanCheck, StepAgreement, FailureTelling, Gradi
             self._running = None
             if self._recorder is not None:
                 self._write_trace(s, sched, failed=failed)
-
-    def _write_trace(self, step: int, schedule: StepSchedule, *, failed: bool) -> None:
-        """Write this step's recording to ``trace_dir`` (see the class's Args): a step that
-        ended well to ``rank{r}.json``, a failed one to ``failed-rank{r}.json``, so that a
-        failure never overwrites the last good step (after a rank died, the survivors' and
-        the dead rank's ``rank*.json`` still hold the same step, and merge). A write that
-        fails is logged and never fails the step."""
-        assert self._recorder is not None and self.trace_dir is not None
-        path = rank_trace_path(self.trace_dir, self.layout.rank, failed=failed)
-        try:
-            write_trace(
-                path,
-                chrome_trace(
-                    self._recorder.data,
-                    clock="real",
-                    emulated=self._emulated,
-                    policy=self.stage.policy_name,
-                    hint=schedule.hint_name,
-                    title=f"{self._who()}, step {step}",
-                ),
-            )
-        except Exception as e:
-            _log.warning(
-                "%s: could not write its trace of step %d to %s: %r", self._who(), step, path, e
-            )
-
-    def dump_state(self, reason: str = "requested") -> Path | None:
-        """Write this rank's state now (see ``rrfp_async.distributed._state_dump``): the
-        step, the running task, the ready and admitted sets, what each waiting task waits
-        for and the last events, to the log and to ``trace_dir/state-rank{r}.txt``. A
-        ``SIGUSR1`` to the process does it for every open stage; a step timeout does it too.
-
-        Returns:
-            The file written (None without a ``trace_dir``).
-        """
-        return state_dump.write_state(self, reason)
-
-    def _state_text(self) -> str:
-        return self.stage.dump(recent=True)
-
-    @property
-    def _dump_loop(self) -> asyncio.AbstractEventLoop | None:
-        return self._loop if self._state == "open" else None
-
-    @property
-    def _dump_rank(self) -> int:
-        return self.layout.rank
