@@ -20,26 +20,22 @@ or, from a synchronous training loop (the stage runs on an event loop thread of 
 
 The plan check before a stage's first step: see ``_digest``.
 
+How it is built: ``DistributedStage`` is this module's wiring (the channels, the stage loop,
+opening and closing, ``run_step``) over parts, one concept per module (see
+``_stage_fields``): the synchronous face (``_sync_face``), the plan and step checks
+(``_plan_check``), the end-of-step agreement (``_step_agreement``), telling a failed step to
+the peers and naming a lost rank (``_step_failure``), the tied and data-parallel gradient
+reductions (``_stage_grads``), the traces and state dumps (``_stage_trace``), and the p2p
+groups in use (``_p2p_registry``).
+
 Design note: one stage, one p2p group, one event loop
 -----------------------------------------------------
-A stage's channel keeps a receive posted on every inbound edge. Two users of point-to-point
-on one process group (two stages, or a stage next to torch pipelining on the default group)
-would take each other's messages: gloo aborts the process when a message is larger than
-the posted buffer, else a peer hangs. So ``build_groups`` gives each pipeline a p2p group of
-its own, and a stage refuses to open on a p2p group that another open stage of this process
-uses (``PlanError``). The channel's threads hand every message to the event loop the stage
+Two users of point-to-point on one process group take each other's messages, so a stage
+refuses to open on a p2p group that another open stage of this process uses (``PlanError``;
+see ``_p2p_registry``). The channel's threads hand every message to the event loop the stage
 was opened on, so a step run on another loop would wait for messages that never reach it:
 ``run_step`` refuses at once (``ClosedError`` naming both loops) instead of waiting for the
 watchdog.
-
-Design note: naming a lost rank
--------------------------------
-A killed rank breaks its TCP connections: its neighbours' channel threads fail at once and
-the step fails with ``PeerError`` "rank 0 lost rank 1 (global 1)". A stopped (hung) rank
-breaks nothing: the neighbours wait until the step watchdog fires (``step_timeout``, 30 s
-by default), and the ``StepTimeoutError`` then opens with the ranks whose messages of the
-step did not arrive (the plan says how many each must send; the channel counts what came).
-A failing rank's CLOSE carries its cause, so a rank further away names the lost rank too.
 
 Design note: a step fails everywhere or nowhere
 -----------------------------------------------
@@ -66,12 +62,7 @@ import torch
 import torch.distributed as dist
 
 from .._check import check_bool
-from .._errors import (
-    ClosedError,
-    PeerError,
-    PeerStepError,
-    PlanError,
-)
+from .._errors import ClosedError, PeerError, PeerStepError, PlanError
 from ..channels._decisions import DecisionChannel
 from ..channels._p2p import P2PChannel
 from ..loop import StageLoop, StageObserver, StepStats
@@ -79,9 +70,7 @@ from ..loop._accumulate import GradStash, restore_grads, stash_grads
 from ..loop._checks import check_step_args
 from ..loop._executors import Executor
 from ..loop._portal import SyncPortal
-from ..observability import (
-    TraceData,
-)
+from ..observability import TraceData
 from ..policies._policy import Policy
 from ..policies._schedule import StepSchedule
 from . import _state_dump as state_dump
