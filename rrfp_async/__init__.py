@@ -39,7 +39,7 @@ _EXPORTS: dict[str, str] = {
     "CostModel": "._costs",
     "CostModelExecutor": ".loop._executors",
     "DeadlockError": "._errors",
-    "DistributedStage": ".distributed._stage",
+    "DistributedStage": ".distributed._dist_stage",
     "DivergenceError": "._errors",
     "Durations": "._costs",
     "EmulatedCost": ".distributed._emulation",
@@ -159,6 +159,7 @@ if TYPE_CHECKING:  # the same names for type checkers (tests/test_public_api.py 
     from ._workloads import WORKLOADS, Workload, make_workload
     from .distributed._causal_lm import CausalLMSplit, split_causal_lm
     from .distributed._causal_lm_stage import CausalLMStage
+    from .distributed._dist_stage import DistributedStage
     from .distributed._emulation import EmulatedCost
     from .distributed._layout import ProcessLayout, StageGroups, build_groups, pipeline_neighbors
     from .distributed._nonfinite import NonFinite
@@ -170,7 +171,6 @@ if TYPE_CHECKING:  # the same names for type checkers (tests/test_public_api.py 
         from_stage_modules,
         split_model,
     )
-    from .distributed._stage import DistributedStage
     from .distributed._torch_executor import TorchStageExecutor
     from .distributed._train import TrainConfig, TrainResult, image_text_cost, train_worker
     from .loop import ExecutedTask, LocalPipeline, StageLoop, StepStats, VirtualEventLoop, run

@@ -265,9 +265,9 @@ def hf_worker(rank: int, world: int, cfg: HFConfig) -> dict[str, Any]:
     import torch.distributed.pipelining as tpp
 
     from .._tasks import StepPlan, Topology
+    from ..distributed._dist_stage import DistributedStage
     from ..distributed._layout import ProcessLayout, build_groups
     from ..distributed._split import split_model
-    from ..distributed._stage import DistributedStage
     from ..distributed._torch_executor import TorchStageExecutor
     from ..loop._runner import loop_factory
     from ..policies._schedule import StepSchedule

@@ -103,8 +103,8 @@ def _tp_rank(
 
     from .._tasks import StepPlan, Task, Topology
     from ..channels._decisions import DecisionChannel
+    from ..distributed._dist_stage import DistributedStage
     from ..distributed._layout import ProcessLayout, build_groups
-    from ..distributed._stage import DistributedStage
     from ..loop._runner import loop_factory
     from ..policies._schedule import StepSchedule
 

@@ -33,7 +33,7 @@ def rr_runs(
 ) -> tuple[list[WorkerRun], list[Callable[[], None]]]:
     """This rank's rrfp_async runs, each stepping a ``DistributedStage`` on ``loop``, and the
     closers of their executors (the caller closes them after the last step)."""
-    from ..distributed._stage import DistributedStage
+    from ..distributed._dist_stage import DistributedStage
     from ..distributed._torch_executor import TorchStageExecutor
     from ..policies._schedule import StepSchedule
 

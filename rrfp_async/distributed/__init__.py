@@ -6,11 +6,11 @@ training harness."""
 
 from ._causal_lm import CausalLMSplit, split_causal_lm
 from ._causal_lm_stage import CausalLMStage
+from ._dist_stage import DistributedStage
 from ._emulation import EmulatedCost
 from ._layout import ProcessLayout, StageGroups, build_groups, pipeline_neighbors
 from ._spawn import free_port, spawn
 from ._split import StageModule, StageSplit, from_pipe, from_stage_modules, split_model
-from ._stage import DistributedStage
 from ._torch_executor import TorchStageExecutor
 from ._train import TrainConfig, TrainResult, fixed_microbatches, image_text_cost, train_worker
 

@@ -48,10 +48,10 @@ from ..observability import (
     write_trace,
 )
 from ..policies._schedule import StepSchedule
+from ._dist_stage import DistributedStage
 from ._emulation import EmulatedCost
 from ._layout import ProcessLayout, build_groups
 from ._spawn import report_progress
-from ._stage import DistributedStage
 from ._torch_executor import TorchStageExecutor
 
 __all__ = [

@@ -28,9 +28,9 @@ import torch.distributed as dist
 from .._costs import Durations
 from .._errors import PlanError
 from .._tasks import StepPlan
+from ..distributed._dist_stage import DistributedStage
 from ..distributed._emulation import EmulatedCost
 from ..distributed._layout import build_groups
-from ..distributed._stage import DistributedStage
 from ..distributed._stage_io import SharedSpec
 from ..distributed._torch_executor import TorchStageExecutor
 from ..loop._records import StepStats

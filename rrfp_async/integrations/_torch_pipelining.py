@@ -57,8 +57,8 @@ from torch.distributed.pipelining.schedules import PipelineScheduleMulti, Pipeli
 from .._costs import Durations
 from .._errors import PlanError
 from .._tasks import StepPlan
+from ..distributed._dist_stage import DEFAULT_STEP_TIMEOUT
 from ..distributed._emulation import EmulatedCost
-from ..distributed._stage import DEFAULT_STEP_TIMEOUT
 from ..distributed._stage_io import SharedSpec
 from ._readiness_first_base import ReadinessFirstBase
 from ._torch_stages import check_stages

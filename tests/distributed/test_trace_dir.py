@@ -47,13 +47,13 @@ def test_a_stage_writes_its_last_step_and_never_fails_a_step_for_it(
             assert names == ["0B0", "0B1", "0F0", "0F1"]  # one step's tasks, not two
         assert tr["otherData"]["rrfp"]["policy"] == "readiness_first"
         # A write that fails is logged; the step goes on.
-        import rrfp_async.distributed._stage as mod
+        import rrfp_async.distributed._stage_trace as mod
 
         def broken(*a: Any, **k: Any) -> None:
             raise OSError("disk full")
 
         monkeypatch.setattr(mod, "write_trace", broken)
-        with caplog.at_level(logging.WARNING, logger="rrfp_async.distributed._stage"):
+        with caplog.at_level(logging.WARNING, logger="rrfp_async.distributed._stage_trace"):
             st = stage.run_step_sync([0, 1])
         assert st.step == 2
         assert "could not write its trace of step 2" in caplog.text and "disk full" in caplog.text
