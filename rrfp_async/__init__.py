@@ -87,8 +87,8 @@ _EXPORTS: dict[str, str] = {
     "TraceData": ".observability",
     "TraceError": "._errors",
     "TraceRecorder": ".observability",
-    "TrainConfig": ".distributed._train",
-    "TrainResult": ".distributed._train",
+    "TrainConfig": ".bench._demo_train",
+    "TrainResult": ".bench._demo_train",
     "VirtualEventLoop": ".loop",
     "WORKLOADS": "._workloads",
     "Workload": "._workloads",
@@ -102,7 +102,7 @@ _EXPORTS: dict[str, str] = {
     "from_stage_modules": ".distributed._split",
     "hint_from_torch": ".policies",
     "hint_peak": "._admission",
-    "image_text_cost": ".distributed._train",
+    "image_text_cost": ".bench._demo_train",
     "load_trace": ".observability",
     "lower_bound": ".sim._simulate",
     "make_hint": ".policies",
@@ -124,7 +124,7 @@ _EXPORTS: dict[str, str] = {
     "summarize": ".observability",
     "task_rng": "._rng",
     "task_seed": "._rng",
-    "train_worker": ".distributed._train",
+    "train_worker": ".bench._demo_train",
     "validate_chrome_trace": ".observability",
     "validate_hint": ".policies",
     "write_trace": ".observability",
@@ -157,6 +157,7 @@ if TYPE_CHECKING:  # the same names for type checkers (tests/test_public_api.py 
     from ._rng import task_rng, task_seed
     from ._tasks import Kind, Placement, StepPlan, Task, Topology, format_tasks, parse_tasks
     from ._workloads import WORKLOADS, Workload, make_workload
+    from .bench._demo_train import TrainConfig, TrainResult, image_text_cost, train_worker
     from .distributed._causal_lm import CausalLMSplit, split_causal_lm
     from .distributed._causal_lm_stage import CausalLMStage
     from .distributed._dist_stage import DistributedStage
@@ -172,7 +173,6 @@ if TYPE_CHECKING:  # the same names for type checkers (tests/test_public_api.py 
         split_model,
     )
     from .distributed._torch_executor import TorchStageExecutor
-    from .distributed._train import TrainConfig, TrainResult, image_text_cost, train_worker
     from .loop import ExecutedTask, LocalPipeline, StageLoop, StepStats, VirtualEventLoop, run
     from .loop._executors import CostModelExecutor, Executor, TaskContext
     from .observability import (

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 import rrfp_async as rr
-from rrfp_async.bench import _local as _bench
+from rrfp_async.bench import _local_bench as _bench
 
 pytestmark = pytest.mark.timeout(60)
 

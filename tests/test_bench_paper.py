@@ -117,7 +117,7 @@ def test_tables_and_cli(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def test_coordination_rows_price_tp_against_free() -> None:
-    from rrfp_async.sim._tp import TP_DECISION_LATENCY
+    from rrfp_async.sim._sim_tp import TP_DECISION_LATENCY
 
     rows = bp.coordination_rows([TINY], seeds=1)
     assert [r["schedule"] for r in rows] == [c.schedule for c in bp.TP_CONFIGS]

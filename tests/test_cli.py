@@ -131,7 +131,7 @@ def test_log_options_on_every_command() -> None:
 
 
 def test_bench_simulator_scaling_table(monkeypatch: pytest.MonkeyPatch) -> None:
-    from rrfp_async.bench import _local
+    from rrfp_async.bench import _local_bench as _local
 
     small = functools.partial(_local.simulator_scaling, sizes=((2, 4), (4, 8)))
     monkeypatch.setattr(_local, "simulator_scaling", small)
@@ -149,7 +149,7 @@ def test_bench_simulator_scaling_table(monkeypatch: pytest.MonkeyPatch) -> None:
 
 def test_bench_pipeline_prints_the_paired_speedup_table(monkeypatch: pytest.MonkeyPatch) -> None:
     # The table the demo prints too (cli/_output.speedup_table), from fixed step times.
-    from rrfp_async.bench import _local
+    from rrfp_async.bench import _local_bench as _local
     from rrfp_async.observability._paired import paired_ratio
 
     def fake(**kw: Any) -> dict[str, Any]:

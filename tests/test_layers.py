@@ -180,3 +180,21 @@ def test_the_checker_sees_cycles_and_upward_imports() -> None:
     assert layer_of("rrfp_async.channels._p2p") < layer_of("rrfp_async.loop._stage_loop")
     with pytest.raises(AssertionError, match="no layer"):
         layer_of("rrfp_async.somewhere_new")
+
+
+def test_module_names_are_unique_across_packages() -> None:
+    """One concept per module, one name per concept: a module's file name says which one
+    without its package (``_stage.py`` in two packages was two concepts under one name)."""
+    seen: dict[str, list[str]] = {}
+    for mod, path in modules().items():
+        if path.name != "__init__.py":
+            seen.setdefault(path.name, []).append(mod)
+    repeated = {name: mods for name, mods in seen.items() if len(mods) > 1}
+    assert not repeated, f"module names repeat across packages: {repeated}"
+
+
+def test_no_package_file_is_over_700_lines() -> None:
+    long = {
+        mod: n for mod, path in modules().items() if (n := len(path.read_text().splitlines())) > 700
+    }
+    assert not long, f"split by concept: {long}"

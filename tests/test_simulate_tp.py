@@ -1,5 +1,5 @@
 """TP coordination in the simulator (``simulate(tp=..., tp_latency=..., tp_check=...)``) and
-the model of its cost (``rrfp_async.sim._tp``).
+the model of its cost (``rrfp_async.sim._sim_tp``).
 
 * latency 0 (and no check) reproduces the step without TP exactly, for random pipelines;
 * causality: the TP group starts each task no earlier than the leader's decision plus the
@@ -19,7 +19,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from rrfp_async import PlanError, simulate
-from rrfp_async.sim._tp import TP_DECISION_LATENCY, TPTerm, fit_tp_term, leave_one_out
+from rrfp_async.sim._sim_tp import TP_DECISION_LATENCY, TPTerm, fit_tp_term, leave_one_out
 
 POLICIES = ["strict", "readiness_first", "greedy", "backfill"]
 

@@ -13,7 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import rrfp_async as rr
-from rrfp_async.observability._records import Arrival, Ready, Send, Span, TraceData
+from rrfp_async.observability._trace_data import Arrival, Ready, Send, Span, TraceData
 
 pytestmark = pytest.mark.timeout(120)
 

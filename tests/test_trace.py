@@ -23,7 +23,7 @@ from rrfp_async.observability import (
     validate_chrome_trace,
     write_trace,
 )
-from rrfp_async.observability._records import from_chrome
+from rrfp_async.observability._trace_data import from_chrome
 
 
 def _check_trace_matches(res: rr.SimResult) -> dict:

@@ -14,7 +14,7 @@ from click.testing import CliRunner
 import rrfp_async as rr
 from rrfp_async.cli import main
 from rrfp_async.observability import TraceData
-from rrfp_async.observability._records import Span
+from rrfp_async.observability._trace_data import Span
 
 
 @pytest.fixture(scope="module")

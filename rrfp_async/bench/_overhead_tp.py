@@ -447,7 +447,7 @@ def tp_model(
         cost_us, share}], task_ms}``: the shares of a step of ``decisions`` tasks of
         ``task_ms`` from the fitted per-step total, for every measured and predicted TP.
     """
-    from ..sim._tp import fit_tp_term
+    from ..sim._sim_tp import fit_tp_term
 
     terms = []
     fitted = {}

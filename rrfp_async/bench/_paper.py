@@ -344,7 +344,7 @@ def coordination_rows(
     makespan with every TP group's coordination simulated (``simulate(tp=sc.tp)``, the
     fitted latency unless ``tp_latency`` is given) against the same seeds with it free,
     and the ratio vs strict 1F1B both ways (strict 1F1B coordinated as well)."""
-    from ..sim._tp import TP_DECISION_LATENCY, TP_STEP_CHECK
+    from ..sim._sim_tp import TP_DECISION_LATENCY, TP_STEP_CHECK
 
     rows = []
     for sc in scenarios:

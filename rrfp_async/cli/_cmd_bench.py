@@ -83,7 +83,7 @@ def bench_simulator(
 ) -> None:
     """Wall time of one simulated step, how it grows with the step, and simulated makespan
     ratios of the policies."""
-    from ..bench._local import simulator_policy_table, simulator_scaling, simulator_wall_time
+    from ..bench._local_bench import simulator_policy_table, simulator_scaling, simulator_wall_time
 
     con = console()
     t = table(
@@ -161,7 +161,7 @@ def bench_pipeline(
     seed: int,
 ) -> None:
     """Step times of a real multi-process gloo pipeline training the example model."""
-    from ..bench._local import pipeline_step_times
+    from ..bench._local_bench import pipeline_step_times
 
     names = policy_names(policies, ["strict", "readiness_first"])
     res = pipeline_step_times(
@@ -214,7 +214,7 @@ def bench_pipeline(
 @log_options
 def bench_bridges(repeats: int) -> None:
     """Cost of each awaitable bridge on this machine (µs per awaited operation)."""
-    from ..bench._bridges import bridge_overheads
+    from ..bench._bridge_overheads import bridge_overheads
 
     rows = bridge_overheads(repeats)
     keys = [k for k in rows[0] if k != "name"] if rows else []
@@ -235,7 +235,7 @@ def bench_bridges(repeats: int) -> None:
 @log_options
 def bench_logging(repeats: int) -> None:
     """Overhead of step-traced logging on a simulated 16 x 128 step (disabled and enabled)."""
-    from ..bench._local import logging_overhead
+    from ..bench._local_bench import logging_overhead
 
     t = table(
         "simulated 16 x 128 step, wall time, median of interleaved runs",

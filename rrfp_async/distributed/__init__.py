@@ -1,8 +1,9 @@
 """The distributed wiring: process layout and groups, :class:`DistributedStage` (a
 :class:`~rrfp_async.loop.StageLoop` on gloo/NCCL channels), the torch stage executor, the
 local process spawner, the model splitter (``split_model``: stage modules and the parameters
-they share; ``split_causal_lm``: a Hugging Face causal LM in one call) and the example
-training harness."""
+they share; ``split_causal_lm``: a Hugging Face causal LM in one call). The example model's
+training harness (``TrainConfig``, ``train_worker``) is lab, not runtime: it lives in
+``rrfp_async.bench._demo_train``."""
 
 from ._causal_lm import CausalLMSplit, split_causal_lm
 from ._causal_lm_stage import CausalLMStage
@@ -12,7 +13,6 @@ from ._layout import ProcessLayout, StageGroups, build_groups, pipeline_neighbor
 from ._spawn import free_port, spawn
 from ._split import StageModule, StageSplit, from_pipe, from_stage_modules, split_model
 from ._torch_executor import TorchStageExecutor
-from ._train import TrainConfig, TrainResult, fixed_microbatches, image_text_cost, train_worker
 
 __all__ = [
     "CausalLMSplit",
@@ -24,17 +24,12 @@ __all__ = [
     "StageModule",
     "StageSplit",
     "TorchStageExecutor",
-    "TrainConfig",
-    "TrainResult",
     "build_groups",
-    "fixed_microbatches",
     "free_port",
     "from_pipe",
     "from_stage_modules",
-    "image_text_cost",
     "pipeline_neighbors",
     "spawn",
     "split_causal_lm",
     "split_model",
-    "train_worker",
 ]

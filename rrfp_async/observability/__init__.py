@@ -24,18 +24,18 @@ from .._lazy import exports
 
 # Imported on first use: traces, summaries and PNGs need no torch (``rrfp-async trace``).
 _EXPORTS: dict[str, str] = {
-    "Arrival": "._records",
-    "Decision": "._records",
+    "Arrival": "._trace_data",
+    "Decision": "._trace_data",
     "LogFormat": "._logging",
     "LogObserver": "._logging",
     "MergedTrace": "._merge",
     "MultiObserver": "._recorder",
     "PairedRatio": "._paired",
-    "Ready": "._records",
-    "Send": "._records",
-    "Span": "._records",
-    "StepRecord": "._records",
-    "TraceData": "._records",
+    "Ready": "._trace_data",
+    "Send": "._trace_data",
+    "Span": "._trace_data",
+    "StepRecord": "._trace_data",
+    "TraceData": "._trace_data",
     "TraceRecorder": "._recorder",
     "chrome_trace": "._chrome",
     "clock_origin": "._chrome",
@@ -60,9 +60,9 @@ if TYPE_CHECKING:
     from ._paired import PairedRatio, paired_ratio
     from ._png import render_png
     from ._recorder import MultiObserver, TraceRecorder
-    from ._records import Arrival, Decision, Ready, Send, Span, StepRecord, TraceData
     from ._stalls import stalls
     from ._summary import summarize
+    from ._trace_data import Arrival, Decision, Ready, Send, Span, StepRecord, TraceData
 
 __getattr__, __dir__ = exports(__name__, _EXPORTS)
 

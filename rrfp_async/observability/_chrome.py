@@ -39,8 +39,8 @@ from typing import Any, get_args
 
 from .._errors import TraceError
 from .._tasks import Kind, Task
-from ._records import TraceData
 from ._summary import summarize
+from ._trace_data import TraceData
 
 __all__ = [
     "MAX_TRACE_BYTES",

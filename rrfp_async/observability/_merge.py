@@ -44,7 +44,7 @@ from typing import Any
 from .._errors import TraceError
 from .._tasks import Task
 from ._chrome import _load, chrome_trace, validate_chrome_trace, write_trace
-from ._records import Arrival, Decision, Ready, Send, Span, StepRecord, TraceData, from_chrome
+from ._trace_data import Arrival, Decision, Ready, Send, Span, StepRecord, TraceData, from_chrome
 
 __all__ = ["MergedTrace", "merge_trace_files", "merge_traces", "rank_trace_path", "trace_files"]
 

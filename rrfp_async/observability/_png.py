@@ -20,8 +20,8 @@ from typing import Any
 
 from .._errors import ExtraMissingError, PlanError
 from .._tasks import Task
-from ._records import TraceData, from_chrome
 from ._summary import summarize
+from ._trace_data import TraceData, from_chrome
 
 __all__ = [
     "CHUNK_HATCHES",

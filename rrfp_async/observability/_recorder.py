@@ -13,7 +13,7 @@ from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from .._tasks import Task
-from ._records import Arrival, Decision, Ready, Send, Span, StepRecord, TraceData
+from ._trace_data import Arrival, Decision, Ready, Send, Span, StepRecord, TraceData
 
 if TYPE_CHECKING:
     from ..loop import StageLoop, StepStats

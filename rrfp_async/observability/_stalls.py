@@ -31,7 +31,7 @@ from collections import defaultdict
 from collections.abc import Mapping
 from typing import Any
 
-from ._records import Span, TraceData, from_chrome
+from ._trace_data import Span, TraceData, from_chrome
 
 __all__ = ["stalls"]
 

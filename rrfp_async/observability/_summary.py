@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from ._records import TraceData, from_chrome
+from ._trace_data import TraceData, from_chrome
 
 __all__ = ["summarize"]
 

@@ -51,7 +51,7 @@ from ..policies._policy import Policy
 from ..policies._schedule import StepSchedule
 from ..policies._validate import Hint
 from ._guard import run_virtual
-from ._tp import TPDecision, attach, resolve_tp, tp_executors
+from ._sim_tp import TPDecision, attach, resolve_tp, tp_executors
 
 __all__ = [
     "DEFAULT_WALL_LIMIT",
@@ -361,7 +361,7 @@ def simulate(
             compute per TP rank in the durations or cost model): each stage is the leader
             of a TP group whose followers start a task only ``tp_latency`` after the
             leader's decision (the look-ahead included), and the step ends ``tp_check``
-            after the last task (see ``rrfp_async.sim._tp``). 1 (default): none.
+            after the last task (see ``rrfp_async.sim._sim_tp``). 1 (default): none.
         tp_latency: Seconds a TP decision takes to reach the followers (None: the fitted
             model ``TP_DECISION_LATENCY(tp)``; 0: free, the step is exactly the one without
             TP).

@@ -76,7 +76,7 @@ def _ordered(cfg: TrainConfig) -> bool:
 
 
 def _plan(cfg: TrainConfig) -> StepPlan:
-    """The plan ``train_worker`` runs for ``cfg`` (see ``distributed/_train.py``)."""
+    """The plan ``train_worker`` runs for ``cfg`` (see ``bench/_demo_train.py``)."""
     return StepPlan(
         topology=Topology(stages=cfg.pp, chunks=cfg.chunks),
         microbatches=cfg.microbatches,

@@ -238,8 +238,8 @@ def pipeline_step_times(
             "train_image_text.py --policy strict --policy strict"
         )
     from ..distributed._spawn import spawn
-    from ..distributed._train import TrainConfig, image_text_cost, train_worker
     from ..observability import TraceData
+    from ._demo_train import TrainConfig, image_text_cost, train_worker
 
     cfg = TrainConfig(
         pp=stages,

@@ -32,6 +32,11 @@ import torch.distributed as dist
 from .._costs import CostModel, Microbatch, StageProfile
 from .._errors import PlanError
 from .._tasks import StepPlan, Topology
+from ..distributed._dist_stage import DistributedStage
+from ..distributed._emulation import EmulatedCost
+from ..distributed._layout import ProcessLayout, build_groups
+from ..distributed._spawn import report_progress
+from ..distributed._torch_executor import TorchStageExecutor
 from ..loop import StepStats
 from ..loop._runner import run
 from ..models._tp import TPContext
@@ -48,11 +53,6 @@ from ..observability import (
     write_trace,
 )
 from ..policies._schedule import StepSchedule
-from ._dist_stage import DistributedStage
-from ._emulation import EmulatedCost
-from ._layout import ProcessLayout, build_groups
-from ._spawn import report_progress
-from ._torch_executor import TorchStageExecutor
 
 __all__ = [
     "TrainConfig",
