@@ -233,6 +233,14 @@ def pack_tree(tree: object) -> tuple[torch.Tensor, int]:
     buf = torch.empty(off, dtype=torch.uint8)
     base = buf.data_ptr()
     ctypes.memmove(base, doc, len(doc))
+    # The alignment padding is zeroed: a payload's bytes are a function of its value (not
+    # of whatever the allocator left there), like the device path's zero parts.
+    ends = [len(doc)] + [
+        o + t.numel() * t.element_size() for t, o in zip(leaves, offsets, strict=True)
+    ]
+    for end, start in zip(ends, [*offsets, off], strict=True):
+        if start > end:
+            ctypes.memset(base + end, 0, start - end)
     for t, o in zip(leaves, offsets, strict=True):
         n = t.numel() * t.element_size()
         if not n:
