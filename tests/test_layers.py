@@ -182,6 +182,103 @@ def test_the_checker_sees_cycles_and_upward_imports() -> None:
         layer_of("rrfp_async.somewhere_new")
 
 
+#: Packages whose ``__init__`` is a face: a module outside one reaches its names through that
+#: ``__init__``, never its private ``_x`` modules. The base modules (``rrfp_async/_errors.py``
+#: ...) are single modules with no face and the top-level face layer (``__init__``,
+#: ``pipelining``, ...) is the face itself: both import what they need directly.
+PACKAGES = tuple(
+    head for _, members in LAYERS[1:-1] for head in members if (PACKAGE / head).is_dir()
+)
+
+#: ``(importer, private module) -> why`` for the reaches into another package's private
+#: module the face rule allows. Empty: every cross-package import goes through a face.
+FACE_EXEMPTIONS: dict[tuple[str, str], str] = {}
+
+
+def reaches_past_the_face(importer: str, target: str) -> bool:
+    """Whether ``importer`` imports ``target`` from inside another package, past its face:
+    ``target`` is ``rrfp_async.<pkg>._x...`` (a private module of a package with a face) and
+    ``importer`` is not ``<pkg>`` itself, one of its modules, or the top-level face layer."""
+    parts = target.split(".")
+    if len(parts) < 3 or parts[0] != "rrfp_async" or parts[1] not in PACKAGES:
+        return False
+    if not any(p.startswith("_") for p in parts[2:]):
+        return False
+    own = parts[1]
+    head = importer.split(".")
+    if len(head) == 1 or head[1] in LAYERS[-1][1]:
+        return False  # the top-level face re-exports from wherever a name lives
+    return head[1] != own
+
+
+def past_the_face(mods: dict[str, Path]) -> list[str]:
+    known = set(mods)
+    found: dict[str, None] = {}  # one line per import statement, in file order
+    for mod, path in mods.items():
+        for target, line in imports_of(mod, path, known):
+            if reaches_past_the_face(mod, target) and (mod, target) not in FACE_EXEMPTIONS:
+                found[f"{mod}:{line} imports {target}"] = None
+    return list(found)
+
+
+def test_cross_package_imports_go_through_faces() -> None:
+    """A package's ``__init__`` is its face: sibling packages import ``from ..loop import
+    StepStats``, never ``from ..loop._records import StepStats``, so a package can move a
+    name between its private modules without touching its neighbours. Names meant only for
+    the package family are imported in the face but kept out of ``__all__`` (the face's
+    docstring lists them under "Internal to the package family:")."""
+    found = past_the_face(modules())
+    assert not found, (
+        f"{len(found)} imports reach past a package's face (import the name from the "
+        "package, adding it to the face if it lacks it):\n" + "\n".join(found)
+    )
+
+
+def test_every_face_exemption_is_still_needed() -> None:
+    mods = modules()
+    known = set(mods)
+    seen = {
+        (mod, target) for mod, path in mods.items() for target, _ in imports_of(mod, path, known)
+    }
+    for key, why in FACE_EXEMPTIONS.items():
+        assert why.strip(), f"exemption {key} gives no reason"
+        assert key in seen, f"exemption {key} no longer matches an import: drop it"
+
+
+def test_the_checker_sees_imports_past_a_face() -> None:
+    assert reaches_past_the_face("rrfp_async.distributed._x", "rrfp_async.loop._records")
+    assert reaches_past_the_face("rrfp_async.cli._main", "rrfp_async.bench._local_bench")
+    assert reaches_past_the_face("rrfp_async.sim", "rrfp_async.loop._virtual")
+    # A private module's own package, the face itself, public modules and the base are fine.
+    assert not reaches_past_the_face("rrfp_async.loop._stage_loop", "rrfp_async.loop._records")
+    assert not reaches_past_the_face("rrfp_async.loop", "rrfp_async.loop._records")
+    assert not reaches_past_the_face("rrfp_async.distributed._x", "rrfp_async.loop")
+    assert not reaches_past_the_face("rrfp_async.bench._x", "rrfp_async.models.image_text")
+    assert not reaches_past_the_face("rrfp_async.loop._x", "rrfp_async._tasks")
+    assert not reaches_past_the_face("rrfp_async", "rrfp_async.loop._executors")
+    assert not reaches_past_the_face("rrfp_async.torchtitan", "rrfp_async.integrations._x")
+    # And the walk over the files finds one in a package laid out like this one.
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        root = Path(tmp) / "rrfp_async"
+        for rel, text in {
+            "__init__.py": "",
+            "loop/__init__.py": "from ._records import StepStats\n",
+            "loop/_records.py": "StepStats = 1\n",
+            "sim/__init__.py": "",
+            "sim/_ok.py": "from ..loop import StepStats\n",
+            "sim/_bad.py": "def f():\n    from ..loop._records import StepStats\n",
+        }.items():
+            (root / rel).parent.mkdir(parents=True, exist_ok=True)
+            (root / rel).write_text(text)
+        mods = {
+            ".".join(p.relative_to(tmp).with_suffix("").parts).removesuffix(".__init__"): p
+            for p in sorted(root.rglob("*.py"))
+        }
+        assert past_the_face(mods) == ["rrfp_async.sim._bad:2 imports rrfp_async.loop._records"]
+
+
 def test_module_names_are_unique_across_packages() -> None:
     """One concept per module, one name per concept: a module's file name says which one
     without its package (``_stage.py`` in two packages was two concepts under one name)."""
