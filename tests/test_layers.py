@@ -7,6 +7,7 @@ the package counts: module-level, inside functions and under ``TYPE_CHECKING``.
 from __future__ import annotations
 
 import ast
+import re
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -245,6 +246,58 @@ def test_every_face_exemption_is_still_needed() -> None:
         assert key in seen, f"exemption {key} no longer matches an import: drop it"
 
 
+def face_names(face: Path) -> tuple[set[str], set[str]]:
+    """``(__all__, internal)`` of a package's face: its public names, and the names its
+    docstring lists after "Internal to the package family:" (in double backticks) or, for a
+    lazy face, its ``_INTERNAL`` table (which that docstring points to)."""
+    tree = ast.parse(face.read_text())
+    public: set[str] = set()
+    internal: set[str] = set()
+    for node in tree.body:
+        if isinstance(node, ast.Assign) and len(node.targets) == 1:
+            target, value = node.targets[0], node.value
+        elif isinstance(node, ast.AnnAssign) and node.value is not None:
+            target, value = node.target, node.value
+        else:
+            continue
+        if isinstance(target, ast.Name) and target.id == "__all__":
+            public = set(ast.literal_eval(value))
+        elif isinstance(target, ast.Name) and target.id == "_INTERNAL":
+            internal |= set(ast.literal_eval(value))
+    doc = ast.get_docstring(tree) or ""
+    _, found, tail = doc.partition("Internal to the package family:")
+    assert found or not internal, f"{face}: _INTERNAL without the docstring's internal list"
+    return public, internal | set(re.findall(r"``(\w+)``", tail))
+
+
+def test_names_from_a_face_are_public_or_declared_internal() -> None:
+    """What a sibling package imports from a face is either public (``__all__``, documented
+    and held by test_public_api) or named in the face's "Internal to the package family:"
+    list, so the face's docstring shows both of the package's faces."""
+    mods = modules()
+    undeclared = []
+    for mod, path in mods.items():
+        if layer_of(mod) == len(LAYERS) - 1:
+            continue
+        is_pkg = path.name == "__init__.py"
+        package = mod if is_pkg else mod.rsplit(".", 1)[0]
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not isinstance(node, ast.ImportFrom) or not node.level:
+                continue
+            base = package.split(".")[: len(package.split(".")) - (node.level - 1)]
+            target = ".".join(base + ([node.module] if node.module else []))
+            parts = target.split(".")
+            if len(parts) != 2 or parts[1] not in PACKAGES or mod.split(".")[1] == parts[1]:
+                continue
+            public, internal = face_names(PACKAGE / parts[1] / "__init__.py")
+            for alias in node.names:
+                if alias.name not in public | internal:
+                    undeclared.append(f"{mod}:{node.lineno} {target}.{alias.name}")
+    assert not undeclared, "add to __all__ or to the face's internal list:\n" + "\n".join(
+        undeclared
+    )
+
+
 def test_the_checker_sees_imports_past_a_face() -> None:
     assert reaches_past_the_face("rrfp_async.distributed._x", "rrfp_async.loop._records")
     assert reaches_past_the_face("rrfp_async.cli._main", "rrfp_async.bench._local_bench")
@@ -277,6 +330,11 @@ def test_the_checker_sees_imports_past_a_face() -> None:
             for p in sorted(root.rglob("*.py"))
         }
         assert past_the_face(mods) == ["rrfp_async.sim._bad:2 imports rrfp_async.loop._records"]
+        (root / "loop/__init__.py").write_text(
+            '"""Loop.\n\nInternal to the package family: ``Hidden``."""\n'
+            'from ._records import StepStats\n__all__ = ["StepStats"]\n'
+        )
+        assert face_names(root / "loop/__init__.py") == ({"StepStats"}, {"Hidden"})
 
 
 def test_module_names_are_unique_across_packages() -> None:
