@@ -9,7 +9,9 @@ private; the commands and ``BENCHMARKS.md`` are the interface.
 Internal to the package family: ``__all__`` is empty; every name below (``_INTERNAL``: the
 benchmark bodies, their configs and the targets each command checks) is for ``cli/``. The
 face is lazy (``rrfp_async._lazy``): ``from ..bench import soak`` inside a command imports
-``_soak`` alone, so one command pays only for its own benchmark.
+``_soak`` alone, so one command pays only for its own benchmark. It caches nothing
+(``cache=False``): a command reads each name from its module when it runs, as it did when it
+imported the module itself, so a name a test replaces there is the one the command runs.
 """
 
 from typing import TYPE_CHECKING
@@ -99,6 +101,6 @@ if TYPE_CHECKING:
     from ._soak import format_soak as format_soak
     from ._soak import soak as soak
 
-__getattr__, __dir__ = exports(__name__, _INTERNAL)
+__getattr__, __dir__ = exports(__name__, _INTERNAL, cache=False)
 
 __all__: list[str] = []
