@@ -17,10 +17,15 @@ __all__ = ["exports"]
 
 
 def exports(
-    package: str, table: Mapping[str, str]
+    package: str, table: Mapping[str, str], *, cache: bool = True
 ) -> tuple[Callable[[str], Any], Callable[[], list[str]]]:
     """``(__getattr__, __dir__)`` for the face ``package`` whose public names live in the
-    modules ``table`` gives (relative to the package, e.g. ``"._tasks"``)."""
+    modules ``table`` gives (relative to the package, e.g. ``"._tasks"``).
+
+    With ``cache=False`` every lookup reads the name from its module afresh (a dictionary
+    lookup in ``sys.modules`` once imported): the face never holds a copy, so a name
+    replaced in its module (a test's ``monkeypatch``) is what the face gives, exactly as an
+    import from the module itself would."""
     import sys
 
     def __getattr__(name: str) -> Any:
@@ -28,7 +33,8 @@ def exports(
         if where is None:
             raise AttributeError(f"module {package!r} has no attribute {name!r}")
         value = getattr(importlib.import_module(where, package), name)
-        setattr(sys.modules[package], name, value)  # the next lookup is a plain attribute
+        if cache:
+            setattr(sys.modules[package], name, value)  # the next lookup is a plain attribute
         return value
 
     def __dir__() -> list[str]:

@@ -7,6 +7,7 @@ the package counts: module-level, inside functions and under ``TYPE_CHECKING``.
 from __future__ import annotations
 
 import ast
+import re
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -180,6 +181,160 @@ def test_the_checker_sees_cycles_and_upward_imports() -> None:
     assert layer_of("rrfp_async.channels._p2p") < layer_of("rrfp_async.loop._stage_loop")
     with pytest.raises(AssertionError, match="no layer"):
         layer_of("rrfp_async.somewhere_new")
+
+
+#: Packages whose ``__init__`` is a face: a module outside one reaches its names through that
+#: ``__init__``, never its private ``_x`` modules. The base modules (``rrfp_async/_errors.py``
+#: ...) are single modules with no face and the top-level face layer (``__init__``,
+#: ``pipelining``, ...) is the face itself: both import what they need directly.
+PACKAGES = tuple(
+    head for _, members in LAYERS[1:-1] for head in members if (PACKAGE / head).is_dir()
+)
+
+#: ``(importer, private module) -> why`` for the reaches into another package's private
+#: module the face rule allows. Empty: every cross-package import goes through a face.
+FACE_EXEMPTIONS: dict[tuple[str, str], str] = {}
+
+
+def reaches_past_the_face(importer: str, target: str) -> bool:
+    """Whether ``importer`` imports ``target`` from inside another package, past its face:
+    ``target`` is ``rrfp_async.<pkg>._x...`` (a private module of a package with a face) and
+    ``importer`` is not ``<pkg>`` itself, one of its modules, or the top-level face layer."""
+    parts = target.split(".")
+    if len(parts) < 3 or parts[0] != "rrfp_async" or parts[1] not in PACKAGES:
+        return False
+    if not any(p.startswith("_") for p in parts[2:]):
+        return False
+    own = parts[1]
+    head = importer.split(".")
+    if len(head) == 1 or head[1] in LAYERS[-1][1]:
+        return False  # the top-level face re-exports from wherever a name lives
+    return head[1] != own
+
+
+def past_the_face(mods: dict[str, Path]) -> list[str]:
+    known = set(mods)
+    found: dict[str, None] = {}  # one line per import statement, in file order
+    for mod, path in mods.items():
+        for target, line in imports_of(mod, path, known):
+            if reaches_past_the_face(mod, target) and (mod, target) not in FACE_EXEMPTIONS:
+                found[f"{mod}:{line} imports {target}"] = None
+    return list(found)
+
+
+def test_cross_package_imports_go_through_faces() -> None:
+    """A package's ``__init__`` is its face: sibling packages import ``from ..loop import
+    StepStats``, never ``from ..loop._records import StepStats``, so a package can move a
+    name between its private modules without touching its neighbours. Names meant only for
+    the package family are imported in the face but kept out of ``__all__`` (the face's
+    docstring lists them under "Internal to the package family:")."""
+    found = past_the_face(modules())
+    assert not found, (
+        f"{len(found)} imports reach past a package's face (import the name from the "
+        "package, adding it to the face if it lacks it):\n" + "\n".join(found)
+    )
+
+
+def test_every_face_exemption_is_still_needed() -> None:
+    mods = modules()
+    known = set(mods)
+    seen = {
+        (mod, target) for mod, path in mods.items() for target, _ in imports_of(mod, path, known)
+    }
+    for key, why in FACE_EXEMPTIONS.items():
+        assert why.strip(), f"exemption {key} gives no reason"
+        assert key in seen, f"exemption {key} no longer matches an import: drop it"
+
+
+def face_names(face: Path) -> tuple[set[str], set[str]]:
+    """``(__all__, internal)`` of a package's face: its public names, and the names its
+    docstring lists after "Internal to the package family:" (in double backticks) or, for a
+    lazy face, its ``_INTERNAL`` table (which that docstring points to)."""
+    tree = ast.parse(face.read_text())
+    public: set[str] = set()
+    internal: set[str] = set()
+    for node in tree.body:
+        if isinstance(node, ast.Assign) and len(node.targets) == 1:
+            target, value = node.targets[0], node.value
+        elif isinstance(node, ast.AnnAssign) and node.value is not None:
+            target, value = node.target, node.value
+        else:
+            continue
+        if isinstance(target, ast.Name) and target.id == "__all__":
+            public = set(ast.literal_eval(value))
+        elif isinstance(target, ast.Name) and target.id == "_INTERNAL":
+            internal |= set(ast.literal_eval(value))
+    doc = ast.get_docstring(tree) or ""
+    _, found, tail = doc.partition("Internal to the package family:")
+    assert found or not internal, f"{face}: _INTERNAL without the docstring's internal list"
+    return public, internal | set(re.findall(r"``(\w+)``", tail))
+
+
+def test_names_from_a_face_are_public_or_declared_internal() -> None:
+    """What a sibling package imports from a face is either public (``__all__``, documented
+    and held by test_public_api) or named in the face's "Internal to the package family:"
+    list, so the face's docstring shows both of the package's faces."""
+    mods = modules()
+    undeclared = []
+    for mod, path in mods.items():
+        if layer_of(mod) == len(LAYERS) - 1:
+            continue
+        is_pkg = path.name == "__init__.py"
+        package = mod if is_pkg else mod.rsplit(".", 1)[0]
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not isinstance(node, ast.ImportFrom) or not node.level:
+                continue
+            base = package.split(".")[: len(package.split(".")) - (node.level - 1)]
+            target = ".".join(base + ([node.module] if node.module else []))
+            parts = target.split(".")
+            if len(parts) != 2 or parts[1] not in PACKAGES or mod.split(".")[1] == parts[1]:
+                continue
+            public, internal = face_names(PACKAGE / parts[1] / "__init__.py")
+            for alias in node.names:
+                if alias.name not in public | internal:
+                    undeclared.append(f"{mod}:{node.lineno} {target}.{alias.name}")
+    assert not undeclared, "add to __all__ or to the face's internal list:\n" + "\n".join(
+        undeclared
+    )
+
+
+def test_the_checker_sees_imports_past_a_face() -> None:
+    assert reaches_past_the_face("rrfp_async.distributed._x", "rrfp_async.loop._records")
+    assert reaches_past_the_face("rrfp_async.cli._main", "rrfp_async.bench._local_bench")
+    assert reaches_past_the_face("rrfp_async.sim", "rrfp_async.loop._virtual")
+    # A private module's own package, the face itself, public modules and the base are fine.
+    assert not reaches_past_the_face("rrfp_async.loop._stage_loop", "rrfp_async.loop._records")
+    assert not reaches_past_the_face("rrfp_async.loop", "rrfp_async.loop._records")
+    assert not reaches_past_the_face("rrfp_async.distributed._x", "rrfp_async.loop")
+    assert not reaches_past_the_face("rrfp_async.bench._x", "rrfp_async.models.image_text")
+    assert not reaches_past_the_face("rrfp_async.loop._x", "rrfp_async._tasks")
+    assert not reaches_past_the_face("rrfp_async", "rrfp_async.loop._executors")
+    assert not reaches_past_the_face("rrfp_async.torchtitan", "rrfp_async.integrations._x")
+    # And the walk over the files finds one in a package laid out like this one.
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        root = Path(tmp) / "rrfp_async"
+        for rel, text in {
+            "__init__.py": "",
+            "loop/__init__.py": "from ._records import StepStats\n",
+            "loop/_records.py": "StepStats = 1\n",
+            "sim/__init__.py": "",
+            "sim/_ok.py": "from ..loop import StepStats\n",
+            "sim/_bad.py": "def f():\n    from ..loop._records import StepStats\n",
+        }.items():
+            (root / rel).parent.mkdir(parents=True, exist_ok=True)
+            (root / rel).write_text(text)
+        mods = {
+            ".".join(p.relative_to(tmp).with_suffix("").parts).removesuffix(".__init__"): p
+            for p in sorted(root.rglob("*.py"))
+        }
+        assert past_the_face(mods) == ["rrfp_async.sim._bad:2 imports rrfp_async.loop._records"]
+        (root / "loop/__init__.py").write_text(
+            '"""Loop.\n\nInternal to the package family: ``Hidden``."""\n'
+            'from ._records import StepStats\n__all__ = ["StepStats"]\n'
+        )
+        assert face_names(root / "loop/__init__.py") == ({"StepStats"}, {"Hidden"})
 
 
 def test_module_names_are_unique_across_packages() -> None:

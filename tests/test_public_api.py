@@ -115,12 +115,14 @@ def test_nothing_from_the_network_is_unpickled() -> None:
 
 
 @pytest.mark.parametrize(
-    "face", ["rrfp_async", "rrfp_async.observability", "rrfp_async.integrations"]
+    "face",
+    ["rrfp_async", "rrfp_async.observability", "rrfp_async.integrations", "rrfp_async.bench"],
 )
 def test_lazy_exports_match_the_type_checkers_imports(face: str) -> None:
     """A lazy face lists each name twice, for the runtime (``_EXPORTS``) and for type
     checkers (``if TYPE_CHECKING:`` imports): the two, and ``__all__``, name the same things
-    from the same modules."""
+    from the same modules. Names internal to the package family (``_INTERNAL``, for sibling
+    packages) are lazy and typed the same way but stay out of ``__all__``."""
     import importlib
 
     mod = importlib.import_module(face)
@@ -133,8 +135,11 @@ def test_lazy_exports_match_the_type_checkers_imports(face: str) -> None:
                 assert isinstance(imp, ast.ImportFrom)
                 for alias in imp.names:
                     typed[alias.asname or alias.name] = "." * imp.level + (imp.module or "")
-    table = next(v for k, v in vars(mod).items() if k in ("_EXPORTS", "_WHERE"))
-    assert typed == dict(table)
+    table = next((v for k, v in vars(mod).items() if k in ("_EXPORTS", "_WHERE")), {})
+    internal = vars(mod).get("_INTERNAL", {})
+    assert table or internal
+    assert not set(table) & set(internal)
+    assert typed == {**table, **internal}
     assert sorted(mod.__all__) == sorted(table)  # type: ignore[attr-defined]
-    for name in mod.__all__:  # type: ignore[attr-defined]
-        assert getattr(mod, name) is getattr(importlib.import_module(table[name], face), name)
+    for name, where in {**table, **internal}.items():
+        assert getattr(mod, name) is getattr(importlib.import_module(where, face), name)

@@ -129,7 +129,7 @@ def run_bridge_bench(use_uvloop: bool, repeats: int = 2000) -> list[Row]:
     Returns:
         Rows ``{"name", "loop", "us_per_op"}``; ``loop`` names the loop actually used.
     """
-    from ..loop._runner import loop_factory
+    from ..loop import loop_factory
 
     with asyncio.Runner(loop_factory=loop_factory(use_uvloop)) as runner:
         return runner.run(_loop_overheads(repeats))
@@ -141,7 +141,7 @@ def _gloo_rank(rank: int, world: int, n: int) -> list[Row]:
     import torch.distributed as dist
 
     from .._bridges import work_future
-    from ..loop._runner import loop_factory
+    from ..loop import loop_factory
 
     peer = 1 - rank
     buf = torch.zeros(16, dtype=torch.float32)  # 64 bytes
@@ -215,7 +215,7 @@ def gloo_bridge_bench(repeats: int = 500) -> list[Row]:
     Returns:
         Rows ``{"name", "loop", "us_per_op"}`` (``loop`` is ``"-"`` for blocking calls).
     """
-    from ..distributed._spawn import spawn
+    from ..distributed import spawn
 
     n = max(1, repeats // _BATCHES)
     return spawn(_gloo_rank, 2, n, timeout=120.0)[0]

@@ -32,14 +32,16 @@ import torch.distributed as dist
 from .._costs import CostModel, Microbatch, StageProfile
 from .._errors import PlanError
 from .._tasks import StepPlan, Topology
-from ..distributed._dist_stage import DistributedStage
-from ..distributed._emulation import EmulatedCost
-from ..distributed._layout import ProcessLayout, build_groups
-from ..distributed._spawn import report_progress
-from ..distributed._torch_executor import TorchStageExecutor
-from ..loop import StepStats
-from ..loop._runner import run
-from ..models._tp import TPContext
+from ..distributed import (
+    DistributedStage,
+    EmulatedCost,
+    ProcessLayout,
+    TorchStageExecutor,
+    build_groups,
+    report_progress,
+)
+from ..loop import StepStats, run
+from ..models import TPContext
 from ..models.image_text import ImageTextConfig, build_stage_modules, loss_fn, make_microbatches
 from ..observability import (
     LogFormat,
@@ -52,7 +54,7 @@ from ..observability import (
     rank_trace_path,
     write_trace,
 )
-from ..policies._schedule import StepSchedule
+from ..policies import StepSchedule
 
 __all__ = [
     "TrainConfig",

@@ -238,7 +238,7 @@ def split_spec(cfg: HFConfig) -> list[str] | int:
 
 def reference_losses(cfg: HFConfig, steps: Sequence[Sequence[Batch]]) -> list[float]:
     """Plain single-process forward of the whole model: each step's mean microbatch loss."""
-    from ..distributed._split import split_model
+    from ..distributed import split_model
 
     split = split_model(build_blocks(cfg), 1)
     out = []
@@ -265,12 +265,15 @@ def hf_worker(rank: int, world: int, cfg: HFConfig) -> dict[str, Any]:
     import torch.distributed.pipelining as tpp
 
     from .._tasks import StepPlan, Topology
-    from ..distributed._dist_stage import DistributedStage
-    from ..distributed._layout import ProcessLayout, build_groups
-    from ..distributed._split import split_model
-    from ..distributed._torch_executor import TorchStageExecutor
-    from ..loop._runner import loop_factory
-    from ..policies._schedule import StepSchedule
+    from ..distributed import (
+        DistributedStage,
+        ProcessLayout,
+        TorchStageExecutor,
+        build_groups,
+        split_model,
+    )
+    from ..loop import loop_factory
+    from ..policies import StepSchedule
 
     steps = make_steps(cfg)
     padded = [pad(s) for s in steps]
@@ -369,7 +372,7 @@ def hf_worker(rank: int, world: int, cfg: HFConfig) -> dict[str, Any]:
             for key in order:
                 results[key][0].append(fns[key](s))
             if rank == 0:
-                from ..distributed._spawn import report_progress
+                from ..distributed import report_progress
 
                 report_progress(s)
     finally:
@@ -392,7 +395,7 @@ def hf_benchmark(
         {"median", "min", "max", "per_step"}}, "loss_check": {...}, "tokens": {...}}``; a
         speedup is torch padded's step time / ours in the same step (> 1: ours is faster).
     """
-    from ..distributed._spawn import spawn
+    from ..distributed import spawn
 
     res = spawn(hf_worker, cfg.stages, cfg, timeout=cfg.timeout, on_progress=on_progress)
     w = cfg.warmup_steps

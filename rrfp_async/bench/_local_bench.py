@@ -9,9 +9,8 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from .._errors import PlanError
-from ..observability._logging import LogFormat
-from ..observability._paired import paired_ratio
-from ..sim._simulate import simulate
+from ..observability import LogFormat, paired_ratio
+from ..sim import simulate
 
 __all__ = [
     "logging_overhead",
@@ -237,7 +236,7 @@ def pipeline_step_times(
             " name. For a null test (a policy against itself), run examples/"
             "train_image_text.py --policy strict --policy strict"
         )
-    from ..distributed._spawn import spawn
+    from ..distributed import spawn
     from ..observability import TraceData
     from ._demo_train import TrainConfig, image_text_cost, train_worker
 
@@ -296,7 +295,7 @@ def logging_overhead(
     import io
     import os
 
-    from ..observability._logging import LogObserver, configure_logging
+    from ..observability import LogObserver, configure_logging
 
     devnull = open(os.devnull, "w")  # noqa: SIM115 - closed below
     variants = {

@@ -197,7 +197,7 @@ def megatron_worker(rank: int, world: int, cfg: MegatronBenchConfig) -> dict[str
 
     from .._admission import hint_peak
     from ..integrations import get_forward_backward_func as rr_fb
-    from ..integrations._megatron_peer import megatron_order
+    from ..integrations import megatron_order
     from ._peer import slowest
     from ._peer_stage import fill_table
 
@@ -295,7 +295,7 @@ def megatron_worker(rank: int, world: int, cfg: MegatronBenchConfig) -> dict[str
                 assert run.fn is not None
                 run.times.append(run.fn(s))
             if rank == 0:
-                from ..distributed._spawn import report_progress
+                from ..distributed import report_progress
 
                 report_progress(s)
     finally:
@@ -377,7 +377,7 @@ def megatron_benchmark(
         row's, same workload), ``spread_1f1b`` / ``spread_interleaved`` (their min and max),
         ``efficiency`` (median lower bound / step) and ``peak_inflight``.
     """
-    from ..distributed._spawn import spawn
+    from ..distributed import spawn
 
     res = spawn(megatron_worker, cfg.stages, cfg, timeout=cfg.timeout, on_progress=on_progress)
     r0, last = res[0], res[-1]

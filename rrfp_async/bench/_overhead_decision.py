@@ -82,7 +82,7 @@ def decision_schedule(ready: int, microbatches: int | None = None) -> Any:
     that tail is at most 1/16 of the decisions.
     """
     from .._tasks import StepPlan, Task, Topology
-    from ..policies._schedule import StepSchedule
+    from ..policies import StepSchedule
 
     k = ready
     if k < 1:
@@ -103,7 +103,7 @@ async def _decision_cases(
     ready_sizes: Sequence[int], policies: Sequence[str], microbatches: int | None
 ) -> list[dict[str, Any]]:
     """Build (and warm up) one stage per case on the running loop."""
-    from ..channels._local import LocalChannel
+    from ..channels import LocalChannel
     from ..loop import StageLoop
 
     loop_name = loop_kind(asyncio.get_running_loop())
@@ -208,7 +208,7 @@ def decision_latency(
     """
     import contextlib
 
-    from ..loop._runner import loop_factory
+    from ..loop import loop_factory
 
     for name in loops:
         if name not in ("uvloop", "asyncio"):

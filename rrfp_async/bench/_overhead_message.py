@@ -75,8 +75,8 @@ def _message_rank(
     import torch.distributed as dist
 
     from .._tasks import Task
-    from ..channels._p2p import P2PChannel
-    from ..loop._runner import loop_factory
+    from ..channels import P2PChannel
+    from ..loop import loop_factory
 
     peer = 1 - rank
     # Each channel gets its own group: its receiving thread keeps a receive posted, which on
@@ -203,7 +203,7 @@ def message_cost(
         ``per_handoff``: completions per hand-off to the loop in the timed batches (shared
         I/O; None for per-edge I/O, one hand-off per completion).
     """
-    from ..distributed._spawn import spawn
+    from ..distributed import spawn
 
     n = max(1, messages // batches)
     rows: list[Row] = []

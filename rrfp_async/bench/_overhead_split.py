@@ -54,8 +54,8 @@ def split_backward_cost(
     """
 
     from .._tasks import StepPlan, Task, Topology
-    from ..distributed._torch_executor import TorchStageExecutor
-    from ..loop._executors import TaskContext
+    from ..distributed import TorchStageExecutor
+    from ..loop import TaskContext
     from ..models.image_text import ImageTextConfig, build_stage_modules, loss_fn, make_microbatches
     from ._split_measure import stage_inputs
 
@@ -119,7 +119,7 @@ def split_backward_cost(
                     acc[key].append(tot[key])
         return acc
 
-    from ..loop._runner import run
+    from ..loop import run
 
     try:
         acc = run(main())
@@ -190,6 +190,6 @@ def _split_rank(rank: int, world: int, kwargs: dict[str, Any]) -> list[Row]:
 def split_backward_cost_isolated(timeout: float = 180.0, **kwargs: Any) -> list[Row]:
     """:func:`split_backward_cost` in a fresh process with one torch thread (like the
     pipeline ranks), so the CLI process's thread pool and heap do not bias it."""
-    from ..distributed._spawn import spawn
+    from ..distributed import spawn
 
     return spawn(_split_rank, 1, kwargs, timeout=timeout)[0]

@@ -137,6 +137,6 @@ def _task_rank(rank: int, world: int, kwargs: dict[str, Any]) -> Row:
 
 def task_overhead_isolated(timeout: float = 180.0, **kwargs: Any) -> list[Row]:
     """:func:`task_overhead` in a fresh 1-rank process (one torch thread, like a rank)."""
-    from ..distributed._spawn import spawn
+    from ..distributed import spawn
 
     return [spawn(_task_rank, 1, kwargs, timeout=timeout)[0]]

@@ -102,11 +102,10 @@ def _tp_rank(
     import torch.distributed as dist
 
     from .._tasks import StepPlan, Task, Topology
-    from ..channels._decisions import DecisionChannel
-    from ..distributed._dist_stage import DistributedStage
-    from ..distributed._layout import ProcessLayout, build_groups
-    from ..loop._runner import loop_factory
-    from ..policies._schedule import StepSchedule
+    from ..channels import DecisionChannel
+    from ..distributed import DistributedStage, ProcessLayout, build_groups
+    from ..loop import loop_factory
+    from ..policies import StepSchedule
 
     layout = ProcessLayout.from_world(pp=1, tp=world)
     groups = build_groups(layout)
@@ -336,7 +335,7 @@ def tp_coordination(
         wait_share_measured, step_decisions, published, target_ratio, met_ratio, met_share}``
         (per-decision figures None at TP 1).
     """
-    from ..distributed._spawn import spawn
+    from ..distributed import spawn
 
     n = max(1, decisions // batches)
     computes = sorted({*computes_ms, compute_ms})
@@ -447,7 +446,7 @@ def tp_model(
         cost_us, share}], task_ms}``: the shares of a step of ``decisions`` tasks of
         ``task_ms`` from the fitted per-step total, for every measured and predicted TP.
     """
-    from ..sim._sim_tp import fit_tp_term
+    from ..sim import fit_tp_term
 
     terms = []
     fitted = {}

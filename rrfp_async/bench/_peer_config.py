@@ -215,7 +215,7 @@ def step_plan(cfg: PeerConfig, chunks: int, placement: str, split: bool) -> Step
 
 
 def step_lower_bound(cfg: PeerConfig, st: Step, chunks: int, placement: str, split: bool) -> float:
-    from ..sim._simulate import lower_bound
+    from ..sim import lower_bound
 
     plan = step_plan(cfg, chunks, placement, split)
     return lower_bound(plan, Durations.from_arrays(plan, st.forward[chunks], st.backward[chunks]))

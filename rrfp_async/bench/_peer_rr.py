@@ -18,7 +18,7 @@ from ._peer_config import PeerConfig, Step, WorkerRun, step_plan
 from ._peer_stage import PeerStage, TableCost, make_inputs, make_modules, peer_loss
 
 if TYPE_CHECKING:
-    from ..distributed._layout import ProcessLayout, StageGroups
+    from ..distributed import ProcessLayout, StageGroups
 
 __all__ = ["rr_runs"]
 
@@ -33,9 +33,8 @@ def rr_runs(
 ) -> tuple[list[WorkerRun], list[Callable[[], None]]]:
     """This rank's rrfp_async runs, each stepping a ``DistributedStage`` on ``loop``, and the
     closers of their executors (the caller closes them after the last step)."""
-    from ..distributed._dist_stage import DistributedStage
-    from ..distributed._torch_executor import TorchStageExecutor
-    from ..policies._schedule import StepSchedule
+    from ..distributed import DistributedStage, TorchStageExecutor
+    from ..policies import StepSchedule
 
     runs: list[WorkerRun] = []
     closers: list[Callable[[], None]] = []

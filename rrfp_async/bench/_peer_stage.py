@@ -16,7 +16,7 @@ from torch import nn
 
 from .._costs import CostModel, Durations
 from .._tasks import StepPlan, Topology
-from ..distributed._emulation import EmulatedCost
+from ..distributed import EmulatedCost
 from ._peer_config import PeerConfig, Step, make_steps
 
 __all__ = [

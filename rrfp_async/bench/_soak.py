@@ -48,10 +48,8 @@ from .._costs import CostModel, Microbatch, StageProfile
 from .._errors import PlanError
 from .._tasks import StepPlan, Task, Topology
 from .._workloads import make_workload
-from ..loop._executors import CostModelExecutor, TaskContext
-from ..loop._pipeline import LocalPipeline
-from ..loop._runner import run
-from ..policies._schedule import StepSchedule
+from ..loop import CostModelExecutor, LocalPipeline, TaskContext, run
+from ..policies import StepSchedule
 
 __all__ = [
     "GC_TOLERANCE",

@@ -15,7 +15,7 @@ from torch import nn
 
 from .._errors import PlanError
 from .._tasks import StepPlan, Task
-from ..distributed._torch_executor import TorchStageExecutor
+from ..distributed import TorchStageExecutor
 
 __all__ = ["measure_split_backward", "stage_inputs"]
 
@@ -88,7 +88,7 @@ def measure_split_backward(
     import statistics
 
     from .._tasks import Topology
-    from ..loop._executors import TaskContext
+    from ..loop import TaskContext
     from ..models.image_text import ImageTextConfig, build_stage_modules, loss_fn, make_microbatches
 
     cfg = ImageTextConfig() if config is None else config

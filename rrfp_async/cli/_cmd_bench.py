@@ -83,7 +83,7 @@ def bench_simulator(
 ) -> None:
     """Wall time of one simulated step, how it grows with the step, and simulated makespan
     ratios of the policies."""
-    from ..bench._local_bench import simulator_policy_table, simulator_scaling, simulator_wall_time
+    from ..bench import simulator_policy_table, simulator_scaling, simulator_wall_time
 
     con = console()
     t = table(
@@ -161,7 +161,7 @@ def bench_pipeline(
     seed: int,
 ) -> None:
     """Step times of a real multi-process gloo pipeline training the example model."""
-    from ..bench._local_bench import pipeline_step_times
+    from ..bench import pipeline_step_times
 
     names = policy_names(policies, ["strict", "readiness_first"])
     res = pipeline_step_times(
@@ -214,7 +214,7 @@ def bench_pipeline(
 @log_options
 def bench_bridges(repeats: int) -> None:
     """Cost of each awaitable bridge on this machine (µs per awaited operation)."""
-    from ..bench._bridge_overheads import bridge_overheads
+    from ..bench import bridge_overheads
 
     rows = bridge_overheads(repeats)
     keys = [k for k in rows[0] if k != "name"] if rows else []
@@ -235,7 +235,7 @@ def bench_bridges(repeats: int) -> None:
 @log_options
 def bench_logging(repeats: int) -> None:
     """Overhead of step-traced logging on a simulated 16 x 128 step (disabled and enabled)."""
-    from ..bench._local_bench import logging_overhead
+    from ..bench import logging_overhead
 
     t = table(
         "simulated 16 x 128 step, wall time, median of interleaved runs",
@@ -282,7 +282,7 @@ def bench_paper(
     """Paper scale in simulation (PP 4-16 x TP 8, up to 128 GPUs): every hint/policy vs
     strict 1F1B, next to the RRFP preprint's 1.77x / 2.77x (virtual time, declared cost
     model)."""
-    from ..bench._paper import (
+    from ..bench import (
         PAPER_FIGURES,
         condition_configs,
         condition_scenarios,
@@ -352,7 +352,7 @@ def bench_soak(
 ) -> None:
     """Run a local pipeline for many steps; resident memory, live tasks and threads must stay
     flat (exit code 1 if they do not)."""
-    from ..bench._soak import format_soak, soak
+    from ..bench import format_soak, soak
 
     policy_names((policy,), [])
     res = soak(

@@ -79,7 +79,7 @@ def bench_hf(
         import transformers  # noqa: F401
     except ImportError as e:
         raise click.UsageError("bench hf needs transformers (pip install transformers)") from e
-    from ..bench._hf import HFConfig, hf_benchmark
+    from ..bench import HFConfig, hf_benchmark
 
     try:
         cfgs = [

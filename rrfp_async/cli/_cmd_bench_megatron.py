@@ -83,7 +83,7 @@ def bench_megatron(
     sleeps a declared, seeded duration per token), configurations interleaved step by step.
     Needs megatron-core (pip install rrfp-async[megatron]).
     """
-    from ..bench._megatron import MegatronBenchConfig
+    from ..bench import MegatronBenchConfig
 
     base = MegatronBenchConfig()
     try:
@@ -103,7 +103,7 @@ def bench_megatron(
         )
     except ValueError as e:
         raise click.BadParameter(str(e)) from e
-    from ..bench._megatron import megatron_benchmark
+    from ..bench import megatron_benchmark
 
     total = cfg.warmup_steps + cfg.steps
     with progress(total, enabled=not as_json) as update:

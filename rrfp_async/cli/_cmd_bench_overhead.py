@@ -110,40 +110,47 @@ def bench_overhead(
     as_json: bool,
 ) -> None:
     """Overheads in isolation, each against its raw baseline (ratios measured in one run)."""
-    from ..bench import _overhead as ov
+    from ..bench import (
+        decision_latency,
+        message_cost,
+        split_backward_cost_isolated,
+        task_overhead_isolated,
+        tp_coordination,
+        tp_model,
+    )
 
     chosen = [s for s in _OVERHEAD_SECTIONS if not sections or s in sections]
     loop_names = list(loops or ("uvloop", "asyncio"))
     out: dict[str, Any] = {}
     if "decision" in chosen:
-        out["decision"] = ov.decision_latency(
+        out["decision"] = decision_latency(
             ready_sizes or (1, 2, 4, 8, 16, 32, 64),
             policies=policies or ("strict", "greedy", "readiness_first"),
             loops=loop_names,
             repeats=repeats,
         )
     if "message" in chosen:
-        out["message"] = ov.message_cost(
+        out["message"] = message_cost(
             sizes or (64, 16 * 1024, 1 << 20),
             messages=messages,
             loops=loop_names,
             ios=ios or ("per_edge", "shared"),
         )
     if "tp" in chosen:
-        out["tp"] = ov.tp_coordination(
+        out["tp"] = tp_coordination(
             tps or (1, 2, 4, 8),
             decisions=decisions,
             compute_ms=compute_ms,
             computes_ms=tp_tasks_ms or (1.0, 5.0, 20.0),
         )
         if len({r["tp"] for r in out["tp"]}) >= 2:
-            out["tp_model"] = ov.tp_model(out["tp"], task_ms=compute_ms)
+            out["tp_model"] = tp_model(out["tp"], task_ms=compute_ms)
     if "split" in chosen:
-        out["split"] = ov.split_backward_cost_isolated(
+        out["split"] = split_backward_cost_isolated(
             microbatches=microbatches, repeats=max(5, 2 * repeats)
         )
     if "task" in chosen:
-        out["task"] = ov.task_overhead_isolated(microbatches=2 * microbatches)
+        out["task"] = task_overhead_isolated(microbatches=2 * microbatches)
     if as_json:
         click.echo(json.dumps(out, indent=2))
         return
@@ -166,7 +173,7 @@ def _verdict(ok: bool) -> str:
 
 
 def _decision_table(rows: Rows, loop_names: list[str], repeats: int) -> Table:
-    from ..bench._overhead import DECISION_TARGET_US
+    from ..bench import DECISION_TARGET_US
 
     cols = ["policy", "k", "mean k", *loop_names, "CPU"]
     cols += [f"{ln} +yield" for ln in loop_names] + ["worst / target", "target"]
@@ -205,7 +212,7 @@ def _decision_table(rows: Rows, loop_names: list[str], repeats: int) -> Table:
 
 
 def _message_table(rows: Rows) -> Table:
-    from ..bench._overhead import MESSAGE_TARGET_RATIO
+    from ..bench import MESSAGE_TARGET_RATIO
 
     t = table(
         "per message, one way (round trip / 2), µs, 2 processes, gloo on 127.0.0.1;"
@@ -250,7 +257,7 @@ def _message_table(rows: Rows) -> Table:
 
 
 def _tp_table(rows: Rows, compute_ms: float) -> Table:
-    from ..bench._overhead import TP_SHARE_TARGET, TP_TARGET_RATIO
+    from ..bench import TP_SHARE_TARGET, TP_TARGET_RATIO
 
     t = table(
         "TP coordination per decision, µs, vs raw blocking broadcast of int64[6] on the"
@@ -304,7 +311,7 @@ def _tp_table(rows: Rows, compute_ms: float) -> Table:
 
 
 def _tp_step_table(rows: Rows) -> Table:
-    from ..bench._overhead import TP_STEP_SHARE_TARGET
+    from ..bench import TP_STEP_SHARE_TARGET
 
     t = table(
         "TP coordination per step, µs (slowest rank, median over paired steps of 16"
@@ -357,7 +364,7 @@ def _tp_step_table(rows: Rows) -> Table:
 
 
 def _tp_model_tables(model: dict[str, Any]) -> list[Table]:
-    from ..bench._overhead import TP_MODEL_TOLERANCE
+    from ..bench import TP_MODEL_TOLERANCE
 
     t = table(
         "TP coordination model: a + b x f(tp), f = log2(tp) or tp - 1 (least squares, the"
@@ -418,7 +425,7 @@ def _tp_model_tables(model: dict[str, Any]) -> list[Table]:
 
 
 def _split_table(rows: Rows) -> Table:
-    from ..bench._overhead import SPLIT_TARGET_RATIO
+    from ..bench import SPLIT_TARGET_RATIO
 
     t = table(
         "I + W vs B, middle stage of the example model, real CPU compute (1 torch"

@@ -114,7 +114,7 @@ def bench_peer(
     Real processes on gloo (127.0.0.1), real CPU compute plus EMULATED GPU time (each stage
     sleeps a declared, seeded duration per token), configurations interleaved step by step.
     """
-    from ..bench._peer_config import PeerConfig, resolve_torch_schedule
+    from ..bench import PeerConfig, resolve_torch_schedule
 
     base = PeerConfig()
     try:
@@ -154,7 +154,7 @@ def bench_peer(
     if host_time:
         _peer_host_time(cfgs, as_json)
         return
-    from ..bench._peer import peer_benchmark
+    from ..bench import peer_benchmark
 
     results = []
     per_run = cfgs[0].warmup_steps + cfgs[0].steps
@@ -256,7 +256,7 @@ def bench_peer(
 
 
 def _peer_host_time(cfgs: list[Any], as_json: bool) -> None:
-    from ..bench._peer_stage import module_host_time
+    from ..bench import module_host_time
 
     rows = [{"us_per_token": c.us_per_token, **module_host_time(c)} for c in cfgs]
     if as_json:
@@ -272,7 +272,7 @@ def _peer_host_time(cfgs: list[Any], as_json: bool) -> None:
 
 
 def _peer_simulated(cfgs: list[Any], latency: float, as_json: bool) -> None:
-    from ..bench._peer_sim import peer_simulated
+    from ..bench import peer_simulated
 
     out = [
         {"us_per_token": cfg.us_per_token, **row}

@@ -66,7 +66,7 @@ def demo_cmd(
     image patch, backward 2x, jitter).
     """
     # Lazy, so that --help stays fast: the harness imports torch.
-    from ..bench._local_bench import pipeline_step_times
+    from ..bench import pipeline_step_times
     from ..observability import chrome_trace, render_png, summarize, write_trace
 
     names = policy_names(policies, ["strict", "readiness_first", "backfill"])

@@ -3,15 +3,28 @@
 local process spawner, the model splitter (``split_model``: stage modules and the parameters
 they share; ``split_causal_lm``: a Hugging Face causal LM in one call). The example model's
 training harness (``TrainConfig``, ``train_worker``) is lab, not runtime: it lives in
-``rrfp_async.bench._demo_train``."""
+``rrfp_async.bench._demo_train``.
+
+Internal to the package family: imported here for ``integrations/`` and ``bench/``, not in
+``__all__``:
+
+* ``DEFAULT_STEP_TIMEOUT``: ``DistributedStage``'s default ``step_timeout`` (the drop-ins
+  default to the same);
+* ``report_progress``: a spawned worker's progress line to the parent;
+* ``SharedSpec``: where one parameter lives on several stages (tied weights), as the
+  drop-ins declare it.
+"""
 
 from ._causal_lm import CausalLMSplit, split_causal_lm
 from ._causal_lm_stage import CausalLMStage
+from ._dist_stage import DEFAULT_STEP_TIMEOUT as DEFAULT_STEP_TIMEOUT
 from ._dist_stage import DistributedStage
 from ._emulation import EmulatedCost
 from ._layout import ProcessLayout, StageGroups, build_groups, pipeline_neighbors
 from ._spawn import free_port, spawn
+from ._spawn import report_progress as report_progress
 from ._split import StageModule, StageSplit, from_pipe, from_stage_modules, split_model
+from ._stage_io import SharedSpec as SharedSpec
 from ._torch_executor import TorchStageExecutor
 
 __all__ = [

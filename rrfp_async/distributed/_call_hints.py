@@ -13,7 +13,7 @@ import torch
 
 from .._pytree import tensor_leaves
 from .._tasks import Task
-from ..loop._executors import TaskContext
+from ..loop import TaskContext
 
 __all__ = ["call_hint"]
 

@@ -41,7 +41,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .._errors import PlanError
-from ..policies._schedule import StepSchedule
+from ..policies import StepSchedule
 from ._layout import ProcessLayout
 
 __all__ = ["PlanDigest", "adopt_default_seed", "plan_disagreement"]

@@ -63,16 +63,20 @@ import torch.distributed as dist
 
 from .._check import check_bool
 from .._errors import ClosedError, PeerError, PeerStepError, PlanError
-from ..channels._decisions import DecisionChannel
-from ..channels._p2p import P2PChannel
-from ..loop import StageLoop, StageObserver, StepStats
-from ..loop._accumulate import GradStash, restore_grads, stash_grads
-from ..loop._checks import check_step_args
-from ..loop._executors import Executor
-from ..loop._portal import SyncPortal
+from ..channels import DecisionChannel, P2PChannel
+from ..loop import (
+    Executor,
+    GradStash,
+    StageLoop,
+    StageObserver,
+    StepStats,
+    SyncPortal,
+    check_step_args,
+    restore_grads,
+    stash_grads,
+)
 from ..observability import TraceData
-from ..policies._policy import Policy
-from ..policies._schedule import StepSchedule
+from ..policies import Policy, StepSchedule
 from . import _state_dump as state_dump
 from ._layout import ProcessLayout, StageGroups, build_groups, pipeline_neighbors
 from ._p2p_registry import claim_p2p_group, release_p2p_group

@@ -17,8 +17,7 @@ import torch.distributed as dist
 
 from .._errors import PlanError
 from .._tasks import StepPlan
-from ..channels import _nccl_logs as nccl_logs
-from ..channels import _nccl_rules as nccl_rules
+from ..channels import nccl_logs, nccl_rules
 
 __all__ = [
     "ProcessLayout",

@@ -20,7 +20,7 @@ import torch.distributed as dist
 
 from .._bridges import work_future
 from .._errors import PeerError, PlanError, StepTimeoutError
-from ..policies._schedule import StepSchedule
+from ..policies import StepSchedule
 from ._digest import PlanDigest, adopt_default_seed, plan_disagreement
 from ._digest import _ranks as ranks_have
 from ._stage_fields import StageFields

@@ -21,12 +21,10 @@ from typing import Any
 
 import torch
 
-from ..channels._decisions import DecisionChannel
-from ..channels._p2p import P2PChannel
-from ..loop import StageLoop, StepStats
-from ..loop._portal import SyncPortal
+from ..channels import DecisionChannel, P2PChannel
+from ..loop import StageLoop, StepStats, SyncPortal
 from ..observability import TraceRecorder
-from ..policies._schedule import StepSchedule
+from ..policies import StepSchedule
 from ._layout import ProcessLayout, StageGroups
 
 __all__ = ["StageFields"]

@@ -9,7 +9,7 @@ from collections.abc import Iterable, Mapping
 import torch
 import torch.distributed as dist
 
-from ..policies._schedule import StepSchedule
+from ..policies import StepSchedule
 from ._stage_fields import StageFields
 from ._ties import find_undeclared_ties, reduce_ties, tie_groups
 

@@ -23,7 +23,7 @@ from .._costs import Microbatch
 from .._errors import PlanError
 from .._pytree import Args
 from .._tasks import Task
-from ..loop._executors import TaskContext
+from ..loop import TaskContext
 
 __all__ = [
     "SharedSpec",

@@ -17,7 +17,7 @@ from ..observability import (
     rank_trace_path,
     write_trace,
 )
-from ..policies._schedule import StepSchedule
+from ..policies import StepSchedule
 from . import _state_dump as state_dump
 from ._stage_fields import StageFields
 

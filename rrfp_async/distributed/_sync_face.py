@@ -13,9 +13,8 @@ from types import TracebackType
 from typing import Any, Self
 
 from .._errors import ClosedError, InterruptedStepError
-from ..loop import StepStats
-from ..loop._portal import SyncPortal
-from ..policies._schedule import StepSchedule
+from ..loop import StepStats, SyncPortal
+from ..policies import StepSchedule
 from . import _state_dump as state_dump
 from ._stage_fields import StageFields
 

@@ -53,7 +53,7 @@ from .._rng import (
 )
 from .._streams import Device, wait_ready
 from .._tasks import Task
-from ..loop._executors import OutputHook, TaskContext
+from ..loop import OutputHook, TaskContext
 from ._call_hints import call_hint
 from ._emulation import EmulatedCost
 from ._nonfinite import FiniteCheck, NonFinite, NonFiniteMode

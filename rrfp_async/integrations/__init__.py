@@ -8,6 +8,9 @@
   (``_torchtitan``; importing that face patches torchtitan's schedule lookup).
 
 The peers are imported lazily: ``import rrfp_async`` never imports them.
+
+Internal to the package family: ``megatron_order`` (the order Megatron's own schedule runs a
+stage's tasks in, for ``bench/``), in ``_INTERNAL``, lazy like the rest, not in ``__all__``.
 """
 
 from typing import TYPE_CHECKING
@@ -16,6 +19,7 @@ from .._lazy import exports
 
 if TYPE_CHECKING:
     from ._megatron_dropin import MegatronForwardBackward, get_forward_backward_func
+    from ._megatron_peer import megatron_order as megatron_order
     from ._torch_pipelining import ScheduleInterleavedReadinessFirst, ScheduleReadinessFirst
 
 # Each adapter is imported when first named (torch.distributed.pipelining alone costs ~1 s
@@ -27,8 +31,9 @@ _WHERE = {
     "ScheduleReadinessFirst": "._torch_pipelining",
 }
 
+_INTERNAL = {"megatron_order": "._megatron_peer"}
 
-__getattr__, __dir__ = exports(__name__, _WHERE)
+__getattr__, __dir__ = exports(__name__, {**_WHERE, **_INTERNAL})
 
 
 __all__ = [

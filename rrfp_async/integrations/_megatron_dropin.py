@@ -54,7 +54,7 @@ from typing import Any
 from .._costs import Durations
 from .._errors import PlanError
 from .._tasks import StepPlan
-from ..distributed._dist_stage import DEFAULT_STEP_TIMEOUT
+from ..distributed import DEFAULT_STEP_TIMEOUT
 from ._megatron_call_checks import WHO
 from ._megatron_forward_backward import MegatronForwardBackward
 from ._megatron_peer import peer

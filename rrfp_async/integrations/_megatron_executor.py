@@ -18,8 +18,8 @@ import torch
 from .._errors import PlanError
 from .._pytree import map_tensors
 from .._tasks import Task
-from ..distributed._torch_executor import TorchStageExecutor
-from ..loop._executors import TaskContext
+from ..distributed import TorchStageExecutor
+from ..loop import TaskContext
 from ._megatron_data import Microbatch
 from ._megatron_grad_sync import MegatronCall
 from ._megatron_peer import MegatronPeer

@@ -22,10 +22,9 @@ import torch.distributed as dist
 from .._costs import Durations
 from .._errors import PlanError
 from .._tasks import StepPlan, Task, Topology
-from ..distributed._dist_stage import DEFAULT_STEP_TIMEOUT, DistributedStage
-from ..distributed._layout import build_groups
-from ..loop._records import StepStats
-from ..policies._schedule import StepSchedule
+from ..distributed import DEFAULT_STEP_TIMEOUT, DistributedStage, build_groups
+from ..loop import StepStats
+from ..policies import StepSchedule
 from ._megatron_call_checks import bind_call, check_config, model_chunks, vp_group_size
 from ._megatron_data import InOrder, Microbatch
 from ._megatron_executor import MegatronExecutor

@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 
 from .._errors import PlanError
-from ..distributed._layout import ProcessLayout
+from ..distributed import ProcessLayout
 from ._megatron_peer import MegatronPeer
 
 __all__ = ["CallGroups", "call_groups", "layout_of"]

@@ -28,13 +28,15 @@ import torch.distributed as dist
 from .._costs import Durations
 from .._errors import PlanError
 from .._tasks import StepPlan
-from ..distributed._dist_stage import DistributedStage
-from ..distributed._emulation import EmulatedCost
-from ..distributed._layout import build_groups
-from ..distributed._stage_io import SharedSpec
-from ..distributed._torch_executor import TorchStageExecutor
-from ..loop._records import StepStats
-from ..policies._schedule import StepSchedule
+from ..distributed import (
+    DistributedStage,
+    EmulatedCost,
+    SharedSpec,
+    TorchStageExecutor,
+    build_groups,
+)
+from ..loop import StepStats
+from ..policies import StepSchedule
 from ._torch_fsdp import check_finalize, refuse_fsdp_split
 from ._torch_schedule_hint import hint_source
 from ._torch_stages import layout_of_group, stage_topology

@@ -57,9 +57,7 @@ from torch.distributed.pipelining.schedules import PipelineScheduleMulti, Pipeli
 from .._costs import Durations
 from .._errors import PlanError
 from .._tasks import StepPlan
-from ..distributed._dist_stage import DEFAULT_STEP_TIMEOUT
-from ..distributed._emulation import EmulatedCost
-from ..distributed._stage_io import SharedSpec
+from ..distributed import DEFAULT_STEP_TIMEOUT, EmulatedCost, SharedSpec
 from ._readiness_first_base import ReadinessFirstBase
 from ._torch_stages import check_stages
 from ._torch_step_inputs import supported

@@ -15,7 +15,7 @@ from typing import Any
 
 from .._errors import PlanError
 from .._tasks import Placement, StepPlan, Task, Topology
-from ..policies._torch_hints import hint_from_torch
+from ..policies import hint_from_torch
 
 __all__ = ["hint_source"]
 
@@ -33,7 +33,7 @@ def hint_source(
         else:
             return "breadth_first_weighted", False
     if isinstance(hint, str):
-        from ..policies._hints import canonical_hint_name
+        from ..policies import canonical_hint_name
 
         try:
             canonical_hint_name(hint)

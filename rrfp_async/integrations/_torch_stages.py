@@ -20,7 +20,7 @@ import torch.distributed as dist
 
 from .._errors import PlanError
 from .._tasks import Placement, Topology
-from ..distributed._layout import ProcessLayout
+from ..distributed import ProcessLayout
 
 __all__ = ["check_stages", "layout_of_group", "placement_of", "stage_topology"]
 

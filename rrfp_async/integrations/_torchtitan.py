@@ -148,7 +148,7 @@ def _probe_hint(hint: str, chunks: int) -> bool | None:
     """None when our hint ``hint`` cannot order ``chunks`` stages per rank, else whether it
     needs the split backward (``zb_h1``). Probed on a small plan, so a name exists exactly
     when its schedule can be built."""
-    from ..policies._hints import make_hint
+    from ..policies import make_hint
 
     for split in (False, True):
         plan = StepPlan(
@@ -173,8 +173,8 @@ def _table() -> dict[str, _Entry]:
             return _table_cache
         from torch.distributed.pipelining import schedules
 
-        from ..policies._hints import _ALIASES, HINTS
-        from ..policies._torch_hints import hint_from_torch
+        from ..policies import HINT_ALIASES as _ALIASES
+        from ..policies import HINTS, hint_from_torch
 
         table: dict[str, _Entry] = {
             _key(_SINGLE): _Entry(_SINGLE, ScheduleReadinessFirst, None),
@@ -327,7 +327,7 @@ def _check_options(options: dict[str, Any]) -> dict[str, Any]:
     # JSON null is the default, except for step_timeout, where it means no watchdog.
     out = {k: v for k, v in options.items() if v is not None or k == "step_timeout"}
     if out.get("policy") is not None:
-        from ..policies._policy import get_policy
+        from ..policies import get_policy
 
         if not isinstance(out["policy"], str):
             raise PlanError(f"policy must be a policy name, got {describe(out['policy'])}")
@@ -342,8 +342,7 @@ def _check_options(options: dict[str, Any]) -> dict[str, Any]:
         hint = out["hint"]
         if not isinstance(hint, str):
             raise PlanError(f"hint must be a hint or torch schedule name, got {describe(hint)}")
-        from ..policies._hints import canonical_hint_name
-        from ..policies._torch_hints import hint_from_torch
+        from ..policies import canonical_hint_name, hint_from_torch
 
         try:
             canonical_hint_name(hint)

@@ -1,8 +1,28 @@
-"""The per-stage event loop: ready set, arbitration, executors' completions, virtual time."""
+"""The per-stage event loop: ready set, arbitration, executors' completions, virtual time.
+
+Internal to the package family: imported here (``from ._x import name as name``, mypy's
+explicit re-export) for the packages above (``sim/``, ``distributed/``, ``integrations/``,
+``bench/``), not in ``__all__``:
+
+* ``OutputHook``: the type of an executor's ``output_hook``;
+* ``GradStash``, ``stash_grads``, ``restore_grads``: tied gradients set aside while a step
+  runs (``_accumulate``);
+* ``check_step_args``: the checks on a step's inputs, targets and losses;
+* ``deadlock_grid``: the deadlock picture of a set of stages (``_diagnostics``);
+* ``SyncPortal``: the synchronous face's event loop thread.
+"""
 
 from .._bridges import ComputeWorker, cuda_event_future, run_blocking, torch_future, work_future
+from ._accumulate import GradStash as GradStash
+from ._accumulate import restore_grads as restore_grads
+from ._accumulate import stash_grads as stash_grads
+from ._checks import check_step_args as check_step_args
+from ._diagnostics import deadlock_grid as deadlock_grid
+from ._executors import CostModelExecutor, Executor, TaskContext
+from ._executors import OutputHook as OutputHook
 from ._loop_fields import Coordinator
 from ._pipeline import LocalPipeline
+from ._portal import SyncPortal as SyncPortal
 from ._runner import loop_factory, run
 from ._stage_loop import (
     ExecutedTask,
@@ -21,12 +41,15 @@ from ._virtual import (
 __all__ = [
     "ComputeWorker",
     "Coordinator",
+    "CostModelExecutor",
     "ExecutedTask",
+    "Executor",
     "LocalPipeline",
     "StageLoop",
     "StageMonitor",
     "StageObserver",
     "StepStats",
+    "TaskContext",
     "VirtualClockStall",
     "VirtualEventLoop",
     "VirtualTimeLimit",

@@ -7,7 +7,7 @@ from typing import Any
 from .._check import check_int, check_real, describe
 from .._errors import PlanError
 from .._tasks import StepPlan
-from ..policies._schedule import StepSchedule
+from ..policies import StepSchedule
 
 __all__ = ["MAX_STEP", "check_step_args", "check_step_timeout"]
 

@@ -8,7 +8,7 @@ from typing import Protocol
 
 from .._errors import DeadlockError
 from .._tasks import Task
-from ..policies._schedule import StepSchedule
+from ..policies import StepSchedule
 from ._state import StepState
 
 __all__ = ["deadlock_grid", "dump", "make_deadlock"]

@@ -30,9 +30,8 @@ from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 from .._tasks import Task
-from ..channels._base import Endpoint
-from ..policies._policy import Policy, PolicyBase
-from ..policies._schedule import StepSchedule
+from ..channels import Endpoint
+from ..policies import Policy, PolicyBase, StepSchedule
 from ._executors import Executor
 from ._observe import GuardedObserver
 from ._state import StepState

@@ -12,7 +12,7 @@ from collections.abc import Iterator
 
 from .._errors import DeadlockError
 from .._tasks import StepPlan
-from ..policies._policy import ReadyView
+from ..policies import ReadyView
 from ._diagnostics import dump
 from ._loop_fields import StageFields
 from ._observe import attach_observer_error, call_failed

@@ -10,9 +10,8 @@ from typing import Any
 
 from .._check import check_bool, check_type
 from .._errors import PlanError
-from ..channels._local import LatencyFn, LocalChannel
-from ..policies._policy import Policy
-from ..policies._schedule import StepSchedule
+from ..channels import LatencyFn, LocalChannel
+from ..policies import Policy, StepSchedule
 from ._accumulate import GradStash, restore_grads, stash_grads
 from ._checks import check_step_args, check_step_timeout
 from ._diagnostics import make_deadlock

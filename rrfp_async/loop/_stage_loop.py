@@ -24,9 +24,8 @@ from .._admission import AdmissionLedger
 from .._check import check_bool, check_int, check_type, describe
 from .._errors import ChannelError, PeerStepError, PlanError, StepTimeoutError
 from .._tasks import Task
-from ..channels._base import Endpoint
-from ..policies._policy import Policy, PolicyBase, get_policy, policy_name
-from ..policies._schedule import StepSchedule
+from ..channels import Endpoint
+from ..policies import Policy, PolicyBase, StepSchedule, get_policy, policy_name
 from ._checks import check_step_args, check_step_timeout
 from ._executors import Executor, TaskContext, check_executor
 from ._loop_fields import Coordinator

@@ -10,7 +10,7 @@ from typing import Any
 
 from .._admission import AdmissionLedger
 from .._tasks import StepPlan, Task
-from ..policies._schedule import RankProgram
+from ..policies import RankProgram
 from ._executors import TaskContext
 from ._records import ExecutedTask
 

@@ -7,7 +7,7 @@ from typing import Protocol
 
 from .._errors import PolicyError
 from .._tasks import Task
-from ..policies._schedule import StepSchedule
+from ..policies import StepSchedule
 from ._state import StepState
 
 __all__ = ["StageView", "ViewedStage"]

@@ -13,10 +13,17 @@ One concept per module, bottom first:
   and their registry.
 
 Nothing here imports ``channels/``: deciding is independent of how messages move.
+
+Internal to the package family: imported here for the packages above, not in ``__all__``:
+
+* ``check_durations``: a ``Durations``' shape against its plan (``_hints``);
+* ``HINT_ALIASES``: the hint names' aliases (``_hints._ALIASES``; torchtitan's schedule
+  names are built from them).
 """
 
 from ._bounds import default_bound, resolve_bounds
 from ._hints import (
+    _ALIASES,
     HINTS,
     HintFn,
     backward_first,
@@ -32,6 +39,7 @@ from ._hints import (
     remaining_work,
     zb_h1,
 )
+from ._hints import check_durations as check_durations
 from ._listsched import list_schedule, strict_timeline
 from ._policy import (
     ENTRY_POINT_GROUP,
@@ -50,6 +58,9 @@ from ._policy import (
 from ._schedule import RankProgram, StepSchedule
 from ._torch_hints import hint_from_torch
 from ._validate import Hint, validate_hint
+
+# Internal to the package family (see above), under a name that says which aliases.
+HINT_ALIASES = _ALIASES
 
 __all__ = [
     "ENTRY_POINT_GROUP",

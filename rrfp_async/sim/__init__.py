@@ -4,8 +4,15 @@
 channels) with a :class:`~rrfp_async.loop.CostModelExecutor` on a
 :class:`~rrfp_async.loop.VirtualEventLoop`, so a 128-stage pipeline takes seconds and its
 timeline is exact and reproducible.
+
+Internal to the package family: imported here for ``bench/``, not in ``__all__``:
+``TP_DECISION_LATENCY``, ``TP_STEP_CHECK`` (the modelled TP coordination terms) and
+``fit_tp_term`` (their fit to measured figures), from ``_sim_tp``.
 """
 
+from ._sim_tp import TP_DECISION_LATENCY as TP_DECISION_LATENCY
+from ._sim_tp import TP_STEP_CHECK as TP_STEP_CHECK
+from ._sim_tp import fit_tp_term as fit_tp_term
 from ._simulate import (
     DEFAULT_WALL_LIMIT,
     MAX_CELLS,

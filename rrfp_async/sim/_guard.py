@@ -15,10 +15,15 @@ from collections.abc import Sequence
 from typing import Any
 
 from .._errors import DeadlockError, PolicyError, RRFPError, StepTimeoutError
-from ..loop import StageLoop, StepStats
-from ..loop._diagnostics import deadlock_grid
-from ..loop._pipeline import LocalPipeline
-from ..loop._virtual import VirtualClockStall, VirtualEventLoop, VirtualTimeLimit
+from ..loop import (
+    LocalPipeline,
+    StageLoop,
+    StepStats,
+    VirtualClockStall,
+    VirtualEventLoop,
+    VirtualTimeLimit,
+    deadlock_grid,
+)
 
 __all__ = ["run_virtual"]
 

@@ -48,7 +48,7 @@ from typing import Any, Literal
 from .._check import check_int, check_real
 from .._errors import PlanError
 from .._tasks import Task
-from ..loop._executors import Executor
+from ..loop import Executor
 
 __all__ = [
     "TP_DECISION_LATENCY",

@@ -42,14 +42,9 @@ from .._costs import CostModel, Durations, Microbatch, check_jitter
 from .._errors import PlanError
 from .._tasks import Placement, StepPlan, Topology
 from .._workloads import make_workload
-from ..loop import ExecutedTask, StageObserver, StepStats
-from ..loop._executors import CostModelExecutor
-from ..loop._pipeline import LocalPipeline
+from ..loop import CostModelExecutor, ExecutedTask, LocalPipeline, StageObserver, StepStats
 from ..observability import MultiObserver, TraceData, TraceRecorder, chrome_trace
-from ..policies._hints import HintFn, canonical_hint_name, check_durations
-from ..policies._policy import Policy
-from ..policies._schedule import StepSchedule
-from ..policies._validate import Hint
+from ..policies import Hint, HintFn, Policy, StepSchedule, canonical_hint_name, check_durations
 from ._guard import run_virtual
 from ._sim_tp import TPDecision, attach, resolve_tp, tp_executors
 
