@@ -263,3 +263,26 @@ def test_trees_and_requires_grad_flags_cross_processes() -> None:
     ]
     for g, w in zip(got, want, strict=True):
         _same(g, w)
+
+
+def test_pack_tree_zeroes_its_alignment_padding() -> None:
+    """A payload's bytes are a function of its value: the padding between the structure and
+    the leaves, and between leaves, is zero whatever the allocator left there (it was not:
+    two packings of one value differed, and stale process memory went on the wire)."""
+    v = (
+        torch.ones(3, dtype=torch.uint8),
+        torch.ones(5, dtype=torch.float16),
+        torch.ones(1, dtype=torch.uint8),
+    )
+    size = pack_tree(v)[0].numel()
+    for _ in range(20):
+        junk = torch.full((size,), 0xAB, dtype=torch.uint8)  # a freed block of junk to reuse
+        del junk
+        buf, n = pack_tree(v)
+        off = (n + 7) // 8 * 8  # the leaves start 8-aligned after the structure
+        pad = buf[n:off].tolist()
+        for t in v:  # each leaf padded up to the next multiple of 8 bytes
+            end = off + t.numel() * t.element_size()
+            off = (end + 7) // 8 * 8
+            pad += buf[end:off].tolist()
+        assert buf.numel() == off and not any(pad), pad
