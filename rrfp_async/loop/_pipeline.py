@@ -9,7 +9,7 @@ from types import TracebackType
 from typing import Any
 
 from .._check import check_bool, check_type
-from .._errors import PlanError
+from .._errors import PlanError, exception_notes
 from ..channels import LatencyFn, LocalChannel
 from ..policies import Policy, StepSchedule
 from ._accumulate import GradStash, restore_grads, stash_grads
@@ -222,7 +222,7 @@ class LocalPipeline:
                 # The task group cancels the other stages; a deadlock check now would
                 # only report the stages this failure left waiting.
                 mon.failed = True
-                notes.extend(getattr(e, "__notes__", ()))  # a task still running, say
+                notes.extend(map(str, exception_notes(e)))  # a task still running, say
                 raise
             mon.active.discard(stage.rank)
             mon.check()
