@@ -78,7 +78,7 @@ class Executor(Protocol):
 
 # The executor's optional hooks. Each is a protocol of one member, so that an executor may
 # implement any subset; the stage tests ``isinstance(executor, Hook)`` (a method set to None
-# counts as absent, as ``getattr(executor, name, None)`` did) and behaves exactly as before
+# counts as absent, as it did when the stage probed for it) and behaves exactly as before
 # without it. A hook must be a real attribute of the executor or its class: on Python >= 3.12
 # ``isinstance`` does not see names that only ``__getattr__`` supplies.
 
