@@ -39,6 +39,7 @@ from ._errors import InterruptedStepError
 __all__ = [
     "ComputeWorker",
     "EventMode",
+    "after_fork_in_child",
     "cuda_event_future",
     "post",
     "run_blocking",
@@ -190,9 +191,16 @@ class _DedicatedThreads:
                 self._idle.append(inbox)
 
 
+def after_fork_in_child(fn: Callable[[], object]) -> None:
+    """Run ``fn`` in a child process right after ``fork``, to forget state (threads, locks)
+    the child did not inherit alive. A no-op where ``os.register_at_fork`` does not exist
+    (it is POSIX only: Windows has no fork)."""
+    if hasattr(os, "register_at_fork"):
+        os.register_at_fork(after_in_child=fn)
+
+
 _threads = _DedicatedThreads()
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_threads._after_fork)
+after_fork_in_child(_threads._after_fork)
 
 
 def run_blocking(fn: Callable[[*Ts], T], *args: *Ts, name: str | None = None) -> asyncio.Future[T]:

@@ -308,6 +308,7 @@ def _check_finite(d: Durations) -> None:
 def _as_number(name: str, x: Any) -> float:
     """``x`` as a finite float >= 0; a 0-d array or tensor counts as its number."""
     v = _real_or_none(x)
+    # numpy scalars and 0-d arrays/tensors convert through __float__.
     if v is None and not isinstance(x, str | bytes | bool) and hasattr(x, "__float__"):
         try:
             v = float(x)
@@ -321,6 +322,7 @@ def _as_number(name: str, x: Any) -> float:
 def _check_table(name: str, t: Any, shape: tuple[int, int] | None) -> list[list[float]]:
     """``t`` as a list of rows of finite floats >= 0, of ``shape`` (rows, columns) if given,
     else of rows all as long as the first."""
+    # Any sized iterable of rows (lists, tuples, numpy arrays, tensors), not a str or a mapping.
     if (
         isinstance(t, str | bytes | Mapping)
         or not hasattr(t, "__len__")

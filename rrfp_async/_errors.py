@@ -56,7 +56,14 @@ __all__ = [
     "SpawnError",
     "StepTimeoutError",
     "TraceError",
+    "exception_notes",
 ]
+
+
+def exception_notes(exc: BaseException) -> tuple[object, ...]:
+    """The notes on ``exc`` (``add_note``), oldest first. Python creates ``__notes__`` with
+    the first note: an exception without notes has no such attribute."""
+    return tuple(getattr(exc, "__notes__", ()))
 
 
 class RRFPError(Exception):

@@ -136,3 +136,36 @@ class _CountingObserver:
             self.calls += 1
 
         return call
+
+
+class _BreaksOnce:
+    async def execute(self, task: rr.Task, data: object, ctx: rr.TaskContext) -> object:
+        raise RuntimeError("task broke")
+
+
+@pytest.mark.timeout(60)
+def test_a_failed_traced_demo_step_keeps_its_own_error() -> None:
+    """The demo traces chosen steps through a filter around its ``TraceRecorder``, which has
+    no ``failed`` hook (``loop.FailedObserver``). The filter answered every name through
+    ``__getattr__``, so a failed traced step called ``failed`` on the recorder, and the
+    AttributeError became a note on the step's error ("observer ... also raised in
+    failed()"). The filter now has no such hook either: the step's error is the task's."""
+    from rrfp_async.bench._demo_train import _StepFilter
+    from rrfp_async.channels import LocalChannel
+    from rrfp_async.observability import MultiObserver, TraceRecorder
+    from tests._virtual import run_virtual
+
+    plan = rr.StepPlan(topology=rr.Topology(stages=1), microbatches=2)
+    recorder = TraceRecorder()
+    stage = rr.StageLoop(
+        0,
+        schedule=rr.StepSchedule.build(plan, "gpipe"),
+        executor=_BreaksOnce(),
+        endpoint=LocalChannel(1).endpoint(0),
+        observer=MultiObserver(_StepFilter(recorder, {0})),
+    )
+    with pytest.raises(RuntimeError, match="task broke") as got:
+        run_virtual(stage.run_step([0, 1], step=0))
+    notes = getattr(got.value, "__notes__", [])
+    assert not [n for n in notes if "observer" in n], notes
+    assert recorder.data.spans or recorder.data.decisions  # the step was traced

@@ -519,6 +519,11 @@ class _StepFilter:
         self._on = stage.step in self.steps
 
     def __getattr__(self, name: str) -> Any:
+        # Transitions only: a TraceRecorder has no ``failed`` hook (``loop.FailedObserver``),
+        # so neither has its filter (a forwarder for it would raise on every failed step).
+        if name == "failed":
+            raise AttributeError(name)
+
         def call(*args: Any) -> None:
             if self._on and self.inner is not None:
                 getattr(self.inner, name)(*args)

@@ -329,6 +329,8 @@ def _one_step(
     """Run and time step ``s`` of one configuration (every rank, after a barrier)."""
     import torch.distributed as dist
 
+    from ..integrations import MegatronForwardBackward
+
     if current[0] != (workload, run.chunks):
         fill(steps, run.chunks)
         current[0] = (workload, run.chunks)
@@ -354,7 +356,8 @@ def _one_step(
     t = time.perf_counter() - t0
     if losses:
         run.losses.append(sum(float(d["loss"]) for d in losses) / len(losses))
-    stats = getattr(fb, "last_stats", None)
+    # Megatron's own function has no stats; the drop-in keeps its last step's.
+    stats = fb.last_stats if isinstance(fb, MegatronForwardBackward) else None
     if stats is not None:
         run.peak = max(run.peak, stats.peak_inflight)
     for m in models:

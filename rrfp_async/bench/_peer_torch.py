@@ -70,6 +70,7 @@ def torch_runs(cfg: PeerConfig, rank: int, steps: Sequence[Step]) -> list[Worker
                     WorkerRun(("torch", name, padded), chunks, placement, None, error=str(e))
                 )
                 continue
+            # Only torch schedules that build a per-rank action table have a pipeline_order.
             order = getattr(sched, "pipeline_order", None)
             run = WorkerRun(
                 ("torch", name, padded), chunks, placement, None, split=name in _TORCH_SPLIT

@@ -221,6 +221,7 @@ def _slope(pts: Sequence[tuple[float, float]]) -> float:
 
 def _rss_reader() -> tuple[Callable[[], int], str]:
     """A function returning the resident bytes now, and what it reads."""
+    # os.sysconf is POSIX only.
     page = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
     try:
         with open("/proc/self/statm") as f:

@@ -10,7 +10,7 @@ Internal to the package family: imported here for the packages above, not in ``_
 """
 
 from . import _nccl_logs, _nccl_rules
-from ._base import Endpoint, Sink
+from ._base import AbortSink, ClosingSink, Endpoint, Sink, ThreadsafeEndpoint
 from ._decisions import DecisionChannel, sequence_digest
 from ._local import LatencyFn as LatencyFn
 from ._local import LocalChannel, LocalEndpoint
@@ -23,12 +23,15 @@ nccl_rules = _nccl_rules
 
 __all__ = [
     "HEADER_LEN",
+    "AbortSink",
+    "ClosingSink",
     "DecisionChannel",
     "Endpoint",
     "LocalChannel",
     "LocalEndpoint",
     "P2PChannel",
     "Sink",
+    "ThreadsafeEndpoint",
     "encode_header",
     "sequence_digest",
 ]

@@ -76,6 +76,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from .._bridges import after_fork_in_child
 from .._streams import Pending, current_host_stream
 
 __all__ = [
@@ -251,13 +252,12 @@ def _reg() -> _Registry:
         return _registry
 
 
-if hasattr(os, "register_at_fork"):
+def _forget() -> None:
+    global _registry
+    _registry = None
 
-    def _forget() -> None:
-        global _registry
-        _registry = None
 
-    os.register_at_fork(after_in_child=_forget)
+after_fork_in_child(_forget)
 
 
 # ----------------------------------------------------------------------- host-read guards

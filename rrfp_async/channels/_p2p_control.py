@@ -13,6 +13,7 @@ from collections.abc import Iterable
 import torch
 
 from .._errors import PeerStepError
+from ._base import AbortSink, ClosingSink
 from ._p2p_io import ChannelState
 from ._wire import (
     CLOSE,
@@ -110,9 +111,9 @@ class ControlPath(ChannelState):
             origin=origin,
             cause=cause,
         )
-        notify = getattr(self._sink, "step_aborted", None)
-        if notify is not None:
-            notify(step, exc)
+        sink = self._sink  # (``is not None`` first: mypy narrows no Optional to a protocol)
+        if sink is not None and isinstance(sink, AbortSink):
+            sink.step_aborted(step, exc)
 
     def _send_close(self, *, failed: bool = False) -> None:
         """Queue CLOSE down every outbound edge, behind the messages already queued; the
@@ -160,7 +161,7 @@ class ControlPath(ChannelState):
         deadline = time.monotonic() + timeout
         for t in self._threads:
             t.join(max(0.0, deadline - time.monotonic()))
-        io, io_thread = self._io, getattr(self, "_io_thread_", None)
+        io, io_thread = self._io, self._io_thread_
         if io is not None and io_thread is not None:
             # Done once every edge closed or broke; a broken edge leaves the receive from
             # any source blocked (it never fails), so the thread is joined only when none did.
@@ -170,7 +171,7 @@ class ControlPath(ChannelState):
             # The BYE follows the CLOSE: the watchers of closed edges end at once (so none is
             # left to take a later channel's BYE on this group); the others wait for nothing
             # that will come (the I/O thread failed, or their connection broke).
-            for src, w in getattr(self, "_watchers", {}).items():
+            for src, w in self._watchers.items():
                 if self._rx[src].closed:
                     w.join(max(0.0, deadline - time.monotonic()))
         if self._dmode:
@@ -193,9 +194,9 @@ class ControlPath(ChannelState):
         self._closed_in.add(src)
         if self._closing:
             return
-        notify = getattr(self._sink, "peer_closed", None)
-        if notify is not None:
-            notify(src)
+        sink = self._sink
+        if sink is not None and isinstance(sink, ClosingSink):
+            sink.peer_closed(src)
 
     def peer_failures(self) -> dict[int, str]:
         """Why peers failed, from their CLOSE: pipeline rank -> text (``DistributedStage``

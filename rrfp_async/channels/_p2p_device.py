@@ -69,7 +69,7 @@ from typing import Any, ClassVar
 import torch
 import torch.distributed as dist
 
-from .._bridges import run_blocking
+from .._bridges import after_fork_in_child, run_blocking
 from .._errors import PeerError, ProtocolError
 from .._streams import Device, mark_ready
 from .._tasks import Task
@@ -145,8 +145,7 @@ def _forget_issuers() -> None:
     _Issuer._lock = threading.Lock()
 
 
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_forget_issuers)
+after_fork_in_child(_forget_issuers)
 
 
 class DevicePath(ChannelState):
@@ -540,6 +539,7 @@ class DevicePath(ChannelState):
         """Abort every payload communicator (NCCL: ``ncclCommAbort``), so that nothing in
         flight waits for a peer that will not come."""
         for pg in self._payload.values():
+            # Newer torch: ProcessGroup.abort(); older: the private c10d _abort_process_group(pg).
             abort = getattr(pg, "abort", None)
             try:
                 if callable(abort):

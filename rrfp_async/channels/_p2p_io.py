@@ -192,6 +192,8 @@ class ChannelState:
     _inline_send: int
     _io_mode: IOMode
     _io: SharedIO | None
+    _io_thread_: threading.Thread | None
+    _watchers: dict[int, threading.Thread]
     _inbox: Inbox | None
     _sink: Sink | None
     _loop: asyncio.AbstractEventLoop | None

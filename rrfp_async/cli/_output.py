@@ -77,6 +77,7 @@ class CleanErrorsGroup(click.Group):
     ``Error: <message>``, or, with ``--json``, every error as a JSON object on stdout."""
 
     def invoke(self, ctx: click.Context) -> Any:
+        # click >= 8.2 keeps the leading arguments in ctx._protected_args (8.1: protected_args).
         rest = [*getattr(ctx, "_protected_args", ()), *ctx.args]
         if "--json" not in rest:
             with clean_errors():

@@ -130,6 +130,7 @@ def _layer_params(layer: nn.Module, name: str, where: str) -> frozenset[str]:
 
 def _aux(model: nn.Module, base: nn.Module, name: str) -> RouterAux | None:
     """The router loss, if the model's loss includes it (``config.output_router_logits``)."""
+    # Only mixture-of-experts configs have output_router_logits.
     if not getattr(model.config, "output_router_logits", False):
         return None
     missing = [
@@ -155,6 +156,7 @@ def _aux(model: nn.Module, base: nn.Module, name: str) -> RouterAux | None:
     if isinstance(spec, type) and issubclass(spec, nn.Module):
         cls, index = spec, 1  # transformers' rule for a bare class (not "hidden_states")
     else:
+        # transformers' OutputRecorder fields (target_class, index, layer_name, class_name).
         cls = getattr(spec, "target_class", None)
         index = getattr(spec, "index", 0)
         if (
@@ -179,6 +181,7 @@ def _aux(model: nn.Module, base: nn.Module, name: str) -> RouterAux | None:
 
 def _mask_builder(tf: ModuleType, masking: ModuleType) -> Callable[..., Any]:
     """transformers' ``create_masks_for_generate``, if it has the 5.x signature."""
+    # Older transformers lack create_masks_for_generate (or its 5.x signature, checked below).
     masks = getattr(masking, "create_masks_for_generate", None)
     want = {"config", "inputs_embeds", "attention_mask", "cache", "position_ids"}
     if masks is None or not want <= set(inspect.signature(masks).parameters):
@@ -196,6 +199,7 @@ def _check_causal(name: str, layers_name: str, layers: Sequence[nn.Module]) -> N
         (f"{layers_name}.{i}.{k}" if k else f"{layers_name}.{i}", m.is_causal)
         for i, layer in enumerate(layers)
         for k, m in layer.named_modules()
+        # Attention modules declare is_causal; other submodules do not.
         if isinstance(getattr(m, "is_causal", None), bool)
     ]
     where = next((w for w, c in causal if not c), None)
@@ -229,6 +233,7 @@ def _layer_call(
 def _mask_keys(name: str, config: Any, masking: ModuleType, n: int) -> tuple[str, ...] | None:
     """Per layer, its entry of the mask mapping (``config.layer_types``), or None when one
     mask serves every layer."""
+    # Only models with per-layer attention kinds (sliding/full) have layer_types.
     types = getattr(config, "layer_types", None)
     if types is None:
         return None
@@ -263,6 +268,7 @@ def read_anatomy(model: nn.Module) -> Anatomy:
             "split needs its lm_head and its loss)",
         )
     config = base.config
+    # transformers' pipeline plans; a version or model without them is refused below.
     plan = getattr(config, "base_model_pp_plan", None)
     head_plan = getattr(type(model), "_pp_plan", None)
     if not plan:
@@ -289,6 +295,7 @@ def read_anatomy(model: nn.Module) -> Anatomy:
     (at,) = lists
     layers_name, layer_list = pp[at]
     layers: tuple[nn.Module, ...] = tuple(cast(nn.ModuleList, layer_list))
+    # Most configs name their depth num_hidden_layers; one that does not is taken as is.
     n = getattr(config, "num_hidden_layers", len(layers))
     if not layers or n != len(layers):
         raise refuse(
@@ -311,6 +318,7 @@ def read_anatomy(model: nn.Module) -> Anatomy:
         )
     _check_causal(name, layers_name, layers)
     takes = _layer_call(name, layers_name, layers, rotary, prefix)
+    # Only Gemma-2-like configs have final_logit_softcapping.
     if getattr(config, "final_logit_softcapping", None) is not None:
         # Gemma 2 caps the logits in the causal LM's forward, not in a module.
         raise refuse(name, "its forward soft-caps the logits (config.final_logit_softcapping)")

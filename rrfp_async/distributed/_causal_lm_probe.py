@@ -29,6 +29,7 @@ def _probe_batches(anatomy: Anatomy) -> dict[str, dict[str, Any]]:
     row of two packed sequences (positions restart, no padding mask), with the model's
     default cache rule and without a cache (then transformers masks the sequences from
     each other). Long enough for a small sliding window."""
+    # Only sliding-window models (Mistral, Gemma 2, ...) configure sliding_window.
     window = getattr(anatomy.config, "sliding_window", None)
     n = window + 4 if isinstance(window, int) and 8 <= window + 4 <= 64 else 12
     vocab = int(anatomy.config.vocab_size)

@@ -208,6 +208,7 @@ class CausalLMStage(nn.Module):
         rule: the argument, else ``config.use_cache``; off under gradient checkpointing in
         training). The layers never get it; only the masks depend on it."""
         if use_cache is None:
+            # Not every config has use_cache; gradient_checkpointing is PreTrainedModel's.
             use_cache = bool(getattr(self._config, "use_cache", False))
         checkpointing = getattr(self._base[0], "gradient_checkpointing", False)
         if checkpointing and self.training and torch.is_grad_enabled():

@@ -78,6 +78,7 @@ from ..loop import (
 from ..observability import TraceData
 from ..policies import Policy, StepSchedule
 from . import _state_dump as state_dump
+from ._executor_hooks import EventWaitingExecutor, TieSpecExecutor, executor_seed
 from ._layout import ProcessLayout, StageGroups, build_groups, pipeline_neighbors
 from ._p2p_registry import claim_p2p_group, release_p2p_group
 from ._plan_check import PlanCheck
@@ -258,12 +259,8 @@ class DistributedStage(
         self.groups = groups if groups is not None else build_groups(layout)
         self.max_message_bytes = max_message_bytes
         self.verify_plan = verify_plan
-        if (
-            not verify_plan
-            and layout.tp > 1
-            and getattr(executor, "rng_seed", None) is not None
-            and not getattr(executor, "rng_seed_given", True)
-        ):
+        seed, seed_default = executor_seed(executor)
+        if not verify_plan and layout.tp > 1 and seed is not None and seed_default:
             # The job's seed is agreed on with the plan check; without it the TP ranks would
             # draw their dropout masks from each process's own default seed, silently apart.
             raise PlanError(
@@ -293,7 +290,9 @@ class DistributedStage(
             raise PlanError(f"rank {layout.rank}: {e}") from None
         # The torch executor makes its compute stream wait on each received tensor's event
         # (_streams.wait_ready); any other executor gets payloads once they arrived.
-        self.channel.consumer_waits = bool(getattr(executor, "waits_for_events", False))
+        self.channel.consumer_waits = isinstance(executor, EventWaitingExecutor) and bool(
+            executor.waits_for_events
+        )
         observer = self._open_trace(trace_dir, emulated_gpu_time, executor, observer)
         self.decisions: DecisionChannel | None = None
         if layout.tp > 1:
@@ -326,7 +325,7 @@ class DistributedStage(
         self.check_ties = check_ties
         self.agree_steps = check_bool("agree_steps", agree_steps)
         self._tie_spec: dict[str, tuple[tuple[int, str], ...]] = dict(
-            getattr(executor, "shared_spec", None) or {}
+            (executor.shared_spec if isinstance(executor, TieSpecExecutor) else None) or {}
         )
         self._tie_groups: dict[str, tuple[Any, list[int]]] | None = None
         self._ties_checked = False

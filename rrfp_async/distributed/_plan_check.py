@@ -23,6 +23,7 @@ from .._errors import PeerError, PlanError, StepTimeoutError
 from ..policies import StepSchedule
 from ._digest import PlanDigest, adopt_default_seed, plan_disagreement
 from ._digest import _ranks as ranks_have
+from ._executor_hooks import executor_seed
 from ._stage_fields import StageFields
 from ._ties import ties_digest
 
@@ -63,14 +64,15 @@ class PlanCheck(StageFields):
         if self._control_broken is not None:
             raise self._control_broken
         sched = schedule if schedule is not None else self.stage.schedule
+        seed, seed_default = executor_seed(self.stage.executor)
         mine = PlanDigest.of(
             sched,
             policy=self.stage.policy_name,
             layout=self.layout,
             max_message_bytes=self.max_message_bytes,
             ties=ties_digest(self._tie_spec) + ("" if self.check_ties else "|unchecked"),
-            rng_seed=getattr(self.stage.executor, "rng_seed", None),
-            seed_default=not getattr(self.stage.executor, "rng_seed_given", True),
+            rng_seed=seed,
+            seed_default=seed_default,
         )
         group = self.groups.control
         on_cpu = group is not None or "gloo" in str(dist.get_backend())

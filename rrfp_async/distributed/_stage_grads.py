@@ -9,7 +9,9 @@ from collections.abc import Iterable, Mapping
 import torch
 import torch.distributed as dist
 
+from ..loop import TiedExecutor
 from ..policies import StepSchedule
+from ._executor_hooks import ModulesExecutor, StreamOrderingExecutor
 from ._stage_fields import StageFields
 from ._ties import find_undeclared_ties, reduce_ties, tie_groups
 
@@ -23,7 +25,8 @@ class GradientSync(StageFields):
     async def _prepare_ties(self, schedule: StepSchedule, step: int) -> None:
         """Before the first training step: look for undeclared ties (collective over the
         control group), then build the declared ties' groups (see ``_ties``)."""
-        modules = getattr(self.stage.executor, "modules", None)
+        ex = self.stage.executor
+        modules = ex.modules if isinstance(ex, ModulesExecutor) else None
         if self.check_ties and isinstance(modules, Mapping):
             await find_undeclared_ties(
                 modules,
@@ -39,8 +42,10 @@ class GradientSync(StageFields):
 
     def _shared_parameters(self) -> dict[str, list[torch.nn.Parameter]]:
         """The executor's tied parameters on this rank (``shared_parameters()``)."""
-        shared = getattr(self.stage.executor, "shared_parameters", None)
-        return {} if shared is None else dict(shared())
+        ex = self.stage.executor
+        if not isinstance(ex, TiedExecutor):
+            return {}
+        return {name: list(params) for name, params in ex.shared_parameters().items()}
 
     async def _reduce_ties(self, step: int) -> None:
         assert self._tie_groups is not None
@@ -56,9 +61,9 @@ class GradientSync(StageFields):
         """On CUDA the executor's tasks end when their kernels are enqueued: order the
         device's default stream after them (no host wait) before anything else touches the
         gradients (the tied and DP reductions, the caller's optimizer)."""
-        order = getattr(self.stage.executor, "order_after_step", None)
-        if order is not None:
-            order()
+        ex = self.stage.executor
+        if isinstance(ex, StreamOrderingExecutor):
+            ex.order_after_step()
 
     def allreduce_gradients(self, params: Iterable[torch.nn.Parameter]) -> None:
         """Average gradients over the data-parallel group (no-op without DP). Blocking."""

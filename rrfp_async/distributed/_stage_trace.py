@@ -19,6 +19,7 @@ from ..observability import (
 )
 from ..policies import StepSchedule
 from . import _state_dump as state_dump
+from ._executor_hooks import EmulatingExecutor
 from ._stage_fields import StageFields
 
 __all__ = ["StageViews"]
@@ -47,7 +48,7 @@ class StageViews(StageFields):
         if emulated_gpu_time is not None and not isinstance(emulated_gpu_time, bool):
             raise PlanError(f"emulated_gpu_time must be a bool or None, got {emulated_gpu_time!r}")
         self._emulated = (
-            getattr(executor, "emulate", None) is not None
+            isinstance(executor, EmulatingExecutor) and executor.emulate is not None
             if emulated_gpu_time is None
             else emulated_gpu_time
         )

@@ -19,7 +19,7 @@ from __future__ import annotations
 import asyncio
 import collections
 
-from .._errors import ChannelError, PeerError, PeerStepError, StepTimeoutError
+from .._errors import ChannelError, PeerError, PeerStepError, StepTimeoutError, exception_notes
 from ._stage_fields import StageFields
 
 __all__ = ["FailureTelling"]
@@ -65,7 +65,7 @@ class FailureTelling(StageFields):
             # Not the state dump (``Stage``'s "state of rank ..." note): it stays local.
             notes = [
                 str(n)
-                for n in getattr(e, "__notes__", ())
+                for n in exception_notes(e)
                 if str(n).strip() and not str(n).startswith("state of rank ")
             ]
             if notes:

@@ -33,7 +33,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable, Mapping
-from typing import Any, Literal
+from typing import Any, Literal, Protocol, runtime_checkable
 
 import torch
 from torch import nn
@@ -72,7 +72,23 @@ from ._stage_io import (
     validate_side_inputs,
 )
 
-__all__ = ["TorchStageExecutor"]
+__all__ = ["TokenCounted", "TorchStageExecutor"]
+
+
+@runtime_checkable
+class TokenCounted(Protocol):
+    """Optional: a microbatch that counts its tokens (``rr.Microbatch`` does).
+
+    With ``loss_scale="tokens"`` and no ``tokens_fn``, each microbatch's ``tokens`` (an int
+    >= 0) is read when a step starts, to scale each loss by its share of the step's tokens;
+    a microbatch without it is refused with a ``PlanError`` that says to pass
+    ``rr.Microbatch`` objects or ``tokens_fn``. Other loss scales never read it.
+    """
+
+    @property
+    def tokens(self) -> object:
+        """The microbatch's token count."""
+
 
 LossScale = Literal["microbatch", "tokens", "sum"]
 """How a step's loss is made from the microbatches' losses: ``"microbatch"``, the mean of
@@ -359,7 +375,11 @@ class TorchStageExecutor:
             )
 
     def _tokens(self, mb: Any, i: int) -> int:
-        n = self.tokens_fn(mb) if self.tokens_fn is not None else getattr(mb, "tokens", None)
+        n: object
+        if self.tokens_fn is not None:
+            n = self.tokens_fn(mb)
+        else:
+            n = mb.tokens if isinstance(mb, TokenCounted) else None
         if isinstance(n, bool) or not isinstance(n, int) or n < 0:
             src = "tokens_fn" if self.tokens_fn is not None else "Microbatch.tokens"
             raise PlanError(

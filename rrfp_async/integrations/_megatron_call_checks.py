@@ -141,6 +141,7 @@ def check_config(
 ) -> None:
     """PlanError for a config feature (or call argument) the picked schedule refuses."""
     for attr, (on, what) in REFUSED_CONFIG.items():
+        # Fields a megatron-core version's config may lack (older versions lack the newer ones).
         if on(getattr(config, attr, None)):
             raise PlanError(f"config.{attr}: {what} is not supported by {WHO}")
     if a["collect_non_loss_data"] and not forward_only:
@@ -170,6 +171,7 @@ def check_config(
 
 def vp_group_size(config: Any, pp: int, m: int, *, interleaved: bool) -> int:
     """``microbatch_group_size_per_vp_stage``, with megatron's interleaved constraints."""
+    # Newer megatron-core configs have this field; without it the group is the pipeline size.
     g = getattr(config, "microbatch_group_size_per_vp_stage", None)
     g = pp if g is None else int(g)
     if not interleaved:

@@ -163,6 +163,7 @@ class MegatronForwardBackward:
         executor.call = call
         srcs = [InOrder(it) for it in iterators]
         mbs = [Microbatch(srcs, i) for i in range(m)]
+        # megatron's ModelParallelConfig has timers (None unless set); a duck-typed config may not.
         timers = getattr(config, "timers", None)
         if timers is not None:
             timers("forward-backward", log_level=1).start(barrier=config.barrier_with_L1_time)

@@ -92,6 +92,7 @@ def call_groups(peer: MegatronPeer, p2p_communicator: Any, pg_collection: Any) -
             )
     if p2p_communicator is None:
         return _from_parallel_state(peer)
+    # megatron-core's P2PCommunicator holds pp_group; an object of another kind may not.
     pp = getattr(p2p_communicator, "pp_group", None)
     if pp is None:
         raise PlanError(
@@ -99,6 +100,7 @@ def call_groups(peer: MegatronPeer, p2p_communicator: Any, pg_collection: Any) -
             " takes megatron's P2PCommunicator(pp_group=..., config=...)"
         )
     for attr in ("tp", "cp"):
+        # ProcessGroupCollection's fields are optional (unset until the caller fills them).
         if getattr(pg_collection, attr, None) is None:
             raise PlanError(
                 f"pg_collection has no {attr} group: {peer.name}'s schedules need tp and cp"

@@ -115,6 +115,7 @@ def _multi_module_types() -> tuple[type, ...]:
         warnings.simplefilter("ignore")  # import-time notes of optional dependencies
         from megatron.core import process_groups_config as pgc
 
+        # Only recent megatron-core versions have multi-module pipelines.
         mm = getattr(pgc, "MultiModuleProcessGroupCollection", None)
         if isinstance(mm, type):
             out.append(mm)
@@ -122,6 +123,7 @@ def _multi_module_types() -> tuple[type, ...]:
             from megatron.core.pipeline_parallel import multimodule_communicator as mmc
         except ImportError:
             mmc = None
+    # Only recent megatron-core versions have multi-module pipelines.
     comm = getattr(mmc, "MultiModulePipelineCommunicator", None)
     if isinstance(comm, type):
         out.append(comm)

@@ -28,6 +28,7 @@ def fsdp_parts(module: Any) -> list[str]:
     kinds = tuple(
         c
         for c in (
+            # FSDP2's FSDPModule and FSDP1's class: either may be missing from a torch version.
             getattr(fsdp, "FSDPModule", None),
             getattr(fsdp, "FullyShardedDataParallel", None),
         )

@@ -54,6 +54,7 @@ def stage_topology(stages: Sequence[Any]) -> Topology:
                 " number of stages (stages of several pipelines in one schedule are not"
                 " supported)"
             )
+        # torch's stages (_PipelineStageBase) set dw_builder; a stage of another kind may not.
         if getattr(s, "dw_builder", None) is not None:
             raise PlanError(
                 f"stage {s.stage_index} has a dw_builder (torch's custom weight-gradient"

@@ -192,6 +192,7 @@ def _table() -> dict[str, _Entry]:
                 split = None if _key(name) in table else _probe_hint(hint, chunks)
                 if split is not None:
                     table[_key(name)] = _Entry(name, base, hint, split=split or None)
+        # get_schedule_class exists only in torch versions with a name registry of schedules.
         lookup: Any = getattr(schedules, "get_schedule_class", None)
         for order in _TORCH_ORDERS if lookup is not None else ():
             try:
@@ -401,6 +402,7 @@ _installed = False
 
 
 def _version(tt: Any) -> str:
+    # An editable or source install of torchtitan may report no (or a 0.0.0) __version__.
     v = getattr(tt, "__version__", None)
     if v in (None, "", "0.0.0"):
         try:
@@ -459,6 +461,7 @@ def install() -> None:
 
     torch_lookup = _need(pp, "get_schedule_class", ("schedule_name",), version)
     register = _need(overrides, "override", None, version)
+    # torchtitan 0.3's config tree (Trainer.Config.profiler); other versions may lack it.
     Profiler = getattr(profiler, "Profiler", None)
     fields = getattr(getattr(trainer, "Trainer", None), "Config", None)
     if Profiler is None or "profiler" not in getattr(fields, "__dataclass_fields__", {}):
@@ -483,6 +486,7 @@ def install() -> None:
     setattr(pp, "get_schedule_class", get_schedule_class)  # noqa: B010 (a module attribute)
 
     def close_schedule(self: Any, *args: Any, **kwargs: Any) -> Any:
+        # torchtitan's Trainer sets pp_schedule only when pipeline parallelism is on.
         sched = getattr(self, "pp_schedule", None)
         if isinstance(sched, (ScheduleReadinessFirst, ScheduleInterleavedReadinessFirst)):
             sched.close()
@@ -491,6 +495,7 @@ def install() -> None:
     close_schedule.rrfp_original = close  # type: ignore[attr-defined]
     trainer.Trainer.close = close_schedule
 
+    # torchtitan's private override registry (0.3); absent, the override is registered anew.
     if f"{FACE}.readiness_first" not in getattr(overrides, "_REGISTRY", {}):
         # torchtitan keys an override by its factory's module.function, the path the user
         # lists: the public face's, not this private module's.

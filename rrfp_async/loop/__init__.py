@@ -18,9 +18,19 @@ from ._accumulate import restore_grads as restore_grads
 from ._accumulate import stash_grads as stash_grads
 from ._checks import check_step_args as check_step_args
 from ._diagnostics import deadlock_grid as deadlock_grid
-from ._executors import CostModelExecutor, Executor, TaskContext
+from ._executors import (
+    CostModelExecutor,
+    Executor,
+    OutputHookExecutor,
+    SettlingExecutor,
+    StepFailedExecutor,
+    StepResultsExecutor,
+    TaskContext,
+    TiedExecutor,
+)
 from ._executors import OutputHook as OutputHook
 from ._loop_fields import Coordinator
+from ._observe import ActiveObserver, FailedObserver
 from ._pipeline import LocalPipeline
 from ._portal import SyncPortal as SyncPortal
 from ._runner import loop_factory, run
@@ -39,17 +49,24 @@ from ._virtual import (
 )
 
 __all__ = [
+    "ActiveObserver",
     "ComputeWorker",
     "Coordinator",
     "CostModelExecutor",
     "ExecutedTask",
     "Executor",
+    "FailedObserver",
     "LocalPipeline",
+    "OutputHookExecutor",
+    "SettlingExecutor",
     "StageLoop",
     "StageMonitor",
     "StageObserver",
+    "StepFailedExecutor",
+    "StepResultsExecutor",
     "StepStats",
     "TaskContext",
+    "TiedExecutor",
     "VirtualClockStall",
     "VirtualEventLoop",
     "VirtualTimeLimit",

@@ -61,6 +61,7 @@ def check_step_args(
             )
     if step is not None:
         check_int(f"{who}: step", step, minimum=0, maximum=MAX_STEP)
+    # Any sequence (a list, a tuple, a tensor or a dataset slice), not a one-shot iterator.
     if not (hasattr(microbatches, "__len__") and hasattr(microbatches, "__getitem__")):
         raise PlanError(
             f"{who}: microbatches must be a sequence of microbatches (the plan has"

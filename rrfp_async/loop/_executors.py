@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import inspect
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
@@ -27,7 +27,12 @@ __all__ = [
     "CostModelExecutor",
     "Executor",
     "OutputHook",
+    "OutputHookExecutor",
+    "SettlingExecutor",
+    "StepFailedExecutor",
+    "StepResultsExecutor",
     "TaskContext",
+    "TiedExecutor",
     "check_awaitable",
     "check_executor",
 ]
@@ -59,26 +64,87 @@ OutputHook = Callable[[Task, Any, int], None]
 class Executor(Protocol):
     """Runs the tasks of one stage.
 
-    An executor that computes on a thread of its own may also have an ``output_hook``
-    attribute (``OutputHook | None``). A stage whose endpoint sends thread-safely sets it,
-    and the executor then calls ``output_hook(task, output, ctx.step)`` on its compute thread right
-    after the output exists and before its own completion hand-off: the message leaves
-    without waiting for the event loop to take the completion (one thread hop less on every
-    message's path). ``execute`` still returns the output. The step number lets the stage
-    drop the output of a step that failed (or was cancelled) while the task computed.
-
-    An executor may also have ``step_failed(step)``: the stage calls it (on the loop
-    thread) when a step fails, so that the executor can drop what it kept for that step
-    (stashed activations) instead of refusing the next step.
-
-    And ``async def settle()``: wait until the task it is computing (if any) has ended. A
-    step cancelled while a task runs on a compute thread (a timeout, a cancel scope, Ctrl-C)
-    awaits it before ``run_step`` raises (at most ``StageLoop.settle_timeout`` seconds), so
-    that no gradient of the cancelled step lands after the caller's ``zero_grad``.
+    ``execute`` is the whole contract. An executor may also implement optional hooks, each
+    declared as a protocol of its own below (the stage checks for each with ``isinstance``
+    and does without it): :class:`OutputHookExecutor` (``output_hook``),
+    :class:`StepFailedExecutor` (``step_failed(step)``), :class:`SettlingExecutor`
+    (``async settle()``), :class:`StepResultsExecutor` (``step_results(step)``) and
+    :class:`TiedExecutor` (``shared_parameters()``).
     """
 
     async def execute(self, task: Task, data: Any, ctx: TaskContext, /) -> Any:
         """Run ``task`` on ``data``; return the tensor to send on (or None)."""
+
+
+# The executor's optional hooks. Each is a protocol of one member, so that an executor may
+# implement any subset; the stage tests ``isinstance(executor, Hook)`` (a method set to None
+# counts as absent, as it did when the stage probed for it) and behaves exactly as before
+# without it. A hook must be a real attribute of the executor or its class: on Python >= 3.12
+# ``isinstance`` does not see names that only ``__getattr__`` supplies.
+
+
+@runtime_checkable
+class OutputHookExecutor(Protocol):
+    """Optional: an executor that computes on a thread of its own and may send from there.
+
+    A stage whose endpoint sends thread-safely (``channels.ThreadsafeEndpoint``) sets
+    ``output_hook`` to its send function when the stage is built (to None otherwise, so that
+    a hook of an earlier stage never stays). The executor then calls ``output_hook(task,
+    output, ctx.step)`` on its compute thread right after the output exists and before its
+    own completion hand-off: the message leaves without waiting for the event loop to take
+    the completion (one thread hop less on every message's path). ``execute`` still returns
+    the output. The step number lets the stage drop the output of a step that failed (or was
+    cancelled) while the task computed. Without the attribute every output is sent from the
+    loop thread once ``execute`` returned.
+    """
+
+    output_hook: OutputHook | None
+
+
+@runtime_checkable
+class StepFailedExecutor(Protocol):
+    """Optional: an executor that keeps state per step (stashed activations)."""
+
+    def step_failed(self, step: int, /) -> None:
+        """Step ``step`` failed (or was cancelled) on this stage: drop what was kept for it
+        instead of refusing the next step. Called on the loop thread, once per failed step,
+        before the stage waits for a task still computing (``settle``)."""
+
+
+@runtime_checkable
+class SettlingExecutor(Protocol):
+    """Optional: an executor whose tasks run on a compute thread of its own."""
+
+    async def settle(self) -> None:
+        """Wait until the task being computed (if any) has ended.
+
+        A step cancelled or failed while a task runs on a compute thread (a timeout, a cancel
+        scope, Ctrl-C) awaits it before ``run_step`` raises (at most
+        ``StageLoop.settle_timeout`` seconds), so that no gradient of the cancelled step
+        lands after the caller's ``zero_grad``. Without it the step raises at once."""
+
+
+@runtime_checkable
+class StepResultsExecutor(Protocol):
+    """Optional: an executor that knows the losses and outputs of the last stage."""
+
+    def step_results(self, step: int, /) -> tuple[Mapping[int, float], Mapping[int, Any]]:
+        """``(losses, outputs)`` of ``step`` by microbatch on this rank (empty mappings on a
+        rank without them). Called once per step, on the rank of the last stage, when the
+        step ends: they become ``StepStats.losses`` and ``StepStats.outputs`` (None
+        without the hook, or when a mapping is empty; a microbatch missing from
+        ``losses`` reads NaN)."""
+
+
+@runtime_checkable
+class TiedExecutor(Protocol):
+    """Optional: an executor whose modules hold parameters tied to another stage's."""
+
+    def shared_parameters(self) -> Mapping[str, Sequence[Any]]:
+        """Tie name -> this executor's distinct parameter objects in that tie. Read after the
+        backward tasks of a training step: ``LocalPipeline`` sums the gradients of each tie's
+        copies, ``DistributedStage`` all-reduces them over the tie's ranks. Without it the
+        executor has no ties."""
 
 
 def check_executor(executor: object, rank: int) -> bool:

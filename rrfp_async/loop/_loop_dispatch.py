@@ -15,6 +15,7 @@ from collections.abc import Callable
 
 from .._errors import PolicyError, RRFPError
 from .._tasks import Task
+from ..policies import chooses_ready_head
 from ._executors import check_awaitable
 from ._loop_delivery import MessageDelivery
 from ._loop_fields import Coordinator
@@ -72,7 +73,7 @@ class Dispatch(MessageDelivery):
         pre = -1  # a look-ahead decision already published for the next dispatch
         reason = functools.partial(st.stall_reason, self.policy_name)
         look = None
-        if coord is not None and getattr(policy, "chooses_ready_head", False):
+        if coord is not None and chooses_ready_head(policy):
 
             def look(seq: int, running: int) -> None:
                 nonlocal pre

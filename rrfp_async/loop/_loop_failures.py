@@ -25,7 +25,9 @@ import asyncio
 
 import anyio
 
-from .._errors import PlanError
+from .._errors import PeerStepError, PlanError
+from ._executors import SettlingExecutor
+from ._loop_fields import FailedSequencePoster
 from ._loop_introspect import StageIntrospection
 from ._state import StepState
 
@@ -98,11 +100,11 @@ class StepFailures(StageIntrospection):
         loop iteration) cannot cut it short. A task still running after the bound is
         named in a note on ``exc``.
         """
-        settle = getattr(self.executor, "settle", None)
-        if settle is None:
+        ex = self.executor
+        if not isinstance(ex, SettlingExecutor):
             return
         task = st.prog.order[st.running]
-        inner = asyncio.ensure_future(settle())
+        inner = asyncio.ensure_future(ex.settle())
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.settle_timeout
         # anyio's scopes cancel again at every await (level-triggered): its shield keeps
@@ -135,7 +137,9 @@ class StepFailures(StageIntrospection):
         if self.coordinator is None or not self.verify_sequences or self._verified == step:
             return
         self._verified = step
-        post = getattr(self.coordinator, "post_failed_sequence", None)
-        if post is not None:  # where it failed first, when another rank told this one
-            origin = getattr(exc, "origin", None)
-            post(step, origin if isinstance(origin, int) else None)
+        coord = self.coordinator
+        if isinstance(coord, FailedSequencePoster):
+            # Where it failed first, when another rank told this one (only a PeerStepError
+            # carries an origin).
+            origin = exc.origin if isinstance(exc, PeerStepError) else None
+            coord.post_failed_sequence(step, origin)

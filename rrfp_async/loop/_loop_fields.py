@@ -27,7 +27,7 @@ from __future__ import annotations
 import asyncio
 import collections
 from collections.abc import Callable, Sequence
-from typing import Any, Protocol
+from typing import Any, Protocol, runtime_checkable
 
 from .._tasks import Task
 from ..channels import Endpoint
@@ -37,16 +37,25 @@ from ._observe import GuardedObserver
 from ._state import StepState
 from ._view import StageView
 
-__all__ = ["BlockMonitor", "Coordinator", "StageFields"]
+__all__ = [
+    "BlockMonitor",
+    "Coordinator",
+    "DecisionPeek",
+    "FailedSequencePoster",
+    "LeaderNamed",
+    "StageFields",
+]
 
 
 class Coordinator(Protocol):
     """Makes the TP ranks of a stage run one task sequence (``channels.DecisionChannel``).
 
     The leader's policy decides and ``publish``es each decision; followers ``receive`` it
-    and run that task once it is ready locally. Optional: ``has_decision(step) -> bool``
-    (whether ``receive`` would not wait) and ``leader`` (the leader's global rank) make a
-    follower's ``stall`` events say when, and for whom, it waits.
+    and run that task once it is ready locally. Optional hooks, each a protocol of its own
+    (checked with ``isinstance``): :class:`DecisionPeek` (``has_decision``) and
+    :class:`LeaderNamed` (``leader``) make a follower's ``stall`` events say when, and for
+    whom, it waits; :class:`FailedSequencePoster` (``post_failed_sequence``) lets a step
+    that failed before its TP sequence check take part in it.
     """
 
     @property
@@ -67,6 +76,37 @@ class Coordinator(Protocol):
 
     async def verify_sequence(self, step: int, executed: Sequence[Task]) -> None:
         """Every rank: check that all TP ranks executed the same sequence."""
+
+
+@runtime_checkable
+class DecisionPeek(Protocol):
+    """Optional: a coordinator that can tell whether a decision has arrived."""
+
+    def has_decision(self, step: int, /) -> bool:
+        """Whether ``receive`` for the next decision of ``step`` would not wait. A follower
+        asks before it waits (to confirm deduced decisions, and to emit a ``stall`` only when
+        it really waits); without it every such wait is reported."""
+
+
+@runtime_checkable
+class LeaderNamed(Protocol):
+    """Optional: a coordinator that knows its leader's global rank."""
+
+    leader: int
+    """The TP leader's global rank, read once per step by a follower: its ``stall`` events
+    and state dumps name it (without it they name no rank)."""
+
+
+@runtime_checkable
+class FailedSequencePoster(Protocol):
+    """Optional: a coordinator whose sequence check a failed step still takes part in."""
+
+    def post_failed_sequence(self, step: int, origin: int | None, /) -> None:
+        """Step ``step`` failed here before its ``verify_sequence``: post this rank's part of
+        the check without waiting, so that the check's collectives stay matched and TP
+        peers learn the step failed (``origin``: the global rank where it failed first, when
+        another rank told this one, else None). Called on the loop thread at most once per
+        step; without it a failed step posts nothing."""
 
 
 class BlockMonitor(Protocol):

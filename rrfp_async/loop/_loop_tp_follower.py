@@ -13,8 +13,9 @@ import functools
 
 from .._errors import DivergenceError
 from .._tasks import Task
+from ..policies import chooses_ready_head
 from ._loop_dispatch import Dispatch
-from ._loop_fields import Coordinator
+from ._loop_fields import Coordinator, DecisionPeek, LeaderNamed
 from ._state import StepState
 
 __all__ = ["TPFollower"]
@@ -48,8 +49,8 @@ class TPFollower(Dispatch):
         arrived (at the latest before the step's sequence check)."""
         obs = self._obs
         view = self._view
-        has_decision = getattr(coord, "has_decision", None)
-        st.leader = getattr(coord, "leader", None)
+        has_decision = coord.has_decision if isinstance(coord, DecisionPeek) else None
+        st.leader = coord.leader if isinstance(coord, LeaderNamed) else None
         reason = functools.partial(st.stall_reason, self.policy_name)
         prog = st.prog
         order = prog.order
@@ -121,7 +122,7 @@ class TPFollower(Dispatch):
     def deduces_tp(self) -> bool:
         """Whether this stage, as a TP follower, deduces decisions: ``deduce_tp`` and a
         policy that ``chooses_ready_head`` (see "Deduced TP decisions")."""
-        return self.deduce_tp and bool(getattr(self.policy, "chooses_ready_head", False))
+        return self.deduce_tp and chooses_ready_head(self.policy)
 
     def _confirm(self, st: StepState, seq: int, deduced: Task, got: Task) -> None:
         """The leader's decision ``seq`` must be the task this follower deduced."""

@@ -25,7 +25,7 @@ active, and nothing when there is none or it is inactive.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 from .._check import describe
 from .._errors import ObserverError
@@ -37,7 +37,46 @@ from ._records import StepStats
 # ``_obs``, ``_obs_error``, and calls ``fail``.
 StageLoop = Any
 
-__all__ = ["GuardedObserver", "attach_observer_error", "call_failed", "guard_observer"]
+__all__ = [
+    "ActiveObserver",
+    "FailedObserver",
+    "GuardedObserver",
+    "attach_observer_error",
+    "call_failed",
+    "guard_observer",
+]
+
+
+# An observer's optional hooks (beside the transitions of ``StageObserver``), each a protocol
+# of one member checked with ``isinstance``. A hook must be a real attribute of the observer
+# or its class: on Python >= 3.12 ``isinstance`` does not see names only ``__getattr__``
+# supplies.
+
+
+@runtime_checkable
+class ActiveObserver(Protocol):
+    """Optional: an observer that can be off for a whole step.
+
+    ``active`` is read once when a step starts, on the loop thread: when it is false the stage
+    calls none of the observer's transitions during that step (an observer that would write
+    nothing, logging filtered out, costs the stage this one read). An observer without it is
+    always active. An ``active`` that raises counts as an observer error.
+    """
+
+    @property
+    def active(self) -> bool:
+        """Whether the stage calls this observer during the step that starts."""
+
+
+@runtime_checkable
+class FailedObserver(Protocol):
+    """Optional: an observer that sees a failed step's state."""
+
+    def failed(self, stage: Any, exc: BaseException, dump: str, /) -> None:
+        """Step failed on ``stage`` (a ``StageLoop``) with ``exc``; ``dump`` is the stage's
+        state as text (``StageLoop.dump``). Called on the loop thread, active or not, once per
+        failed step, before the step's error is raised; an exception it raises becomes a note
+        on ``exc``. :class:`~rrfp_async.LogObserver` logs it as event ``stage_dump``."""
 
 
 class _Silent:
@@ -151,7 +190,7 @@ def guard_observer(stage: StageLoop) -> GuardedObserver | None:
     if obs is None:
         return None
     try:
-        active = getattr(obs, "active", True)
+        active = obs.active if isinstance(obs, ActiveObserver) else True
     except Exception as e:
         _broken(stage, obs, "active", e)
         return None
@@ -161,11 +200,11 @@ def guard_observer(stage: StageLoop) -> GuardedObserver | None:
 def call_failed(stage: StageLoop, exc: BaseException, text: str) -> None:
     """Hand a failed step's state to the observer's ``failed`` hook; if the hook raises, its
     error becomes a note on ``exc`` (which stays the error the step raises)."""
-    failed = getattr(stage.observer, "failed", None)
-    if failed is None:
+    obs = stage.observer
+    if not isinstance(obs, FailedObserver):
         return
     try:
-        failed(stage, exc, text)
+        obs.failed(stage, exc, text)
     except Exception as e:
         exc.add_note(
             f"rank {stage.rank}: observer {describe(stage.observer)} also raised in failed():"

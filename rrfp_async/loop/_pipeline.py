@@ -9,13 +9,13 @@ from types import TracebackType
 from typing import Any
 
 from .._check import check_bool, check_type
-from .._errors import PlanError
+from .._errors import PlanError, exception_notes
 from ..channels import LatencyFn, LocalChannel
 from ..policies import Policy, StepSchedule
 from ._accumulate import GradStash, restore_grads, stash_grads
 from ._checks import check_step_args, check_step_timeout
 from ._diagnostics import make_deadlock
-from ._executors import Executor
+from ._executors import Executor, TiedExecutor
 from ._portal import SyncPortal
 from ._records import StepStats
 from ._stage_loop import StageLoop, StageObserver
@@ -222,7 +222,7 @@ class LocalPipeline:
                 # The task group cancels the other stages; a deadlock check now would
                 # only report the stages this failure left waiting.
                 mon.failed = True
-                notes.extend(getattr(e, "__notes__", ()))  # a task still running, say
+                notes.extend(map(str, exception_notes(e)))  # a task still running, say
                 raise
             mon.active.discard(stage.rank)
             mon.check()
@@ -269,10 +269,9 @@ class LocalPipeline:
             if id(ex) in seen:
                 continue
             seen.add(id(ex))
-            shared = getattr(ex, "shared_parameters", None)
-            if shared is None:
+            if not isinstance(ex, TiedExecutor):
                 continue
-            for name, params in shared().items():
+            for name, params in ex.shared_parameters().items():
                 got = ties.setdefault(name, [])
                 got.extend(p for p in params if all(p is not q for q in got))
         return [ties[name] for name in sorted(ties) if len(ties[name]) >= 2]

@@ -24,16 +24,24 @@ from .._admission import AdmissionLedger
 from .._check import check_bool, check_int, check_type, describe
 from .._errors import ChannelError, PeerStepError, PlanError, StepTimeoutError
 from .._tasks import Task
-from ..channels import Endpoint
+from ..channels import Endpoint, ThreadsafeEndpoint
 from ..policies import Policy, PolicyBase, StepSchedule, get_policy, policy_name
 from ._checks import check_step_args, check_step_timeout
-from ._executors import Executor, TaskContext, check_executor
+from ._executors import (
+    Executor,
+    OutputHookExecutor,
+    StepFailedExecutor,
+    StepResultsExecutor,
+    TaskContext,
+    check_executor,
+)
 from ._loop_fields import Coordinator
 from ._loop_tp_follower import TPFollower
 from ._observe import guard_observer
 from ._records import ExecutedTask, StepStats
 from ._state import NO_DATA, StepState
 from ._view import StageView
+from ._virtual import VirtualClockLoop
 
 __all__ = [
     "ExecutedTask",
@@ -50,12 +58,12 @@ class StageObserver(Protocol):
     """Receives one call per state transition of a stage (tracing, logging, dumps).
 
     Every method is called on the loop thread; keep them cheap. A stage without an observer
-    pays one ``is None`` test per transition. An observer may have an ``active`` attribute:
-    when it is false at the start of a step, the stage does not call it during that step.
-
-    An observer may also define ``failed(stage, exc, dump)``: called (active or not) when a
-    step fails, with the stage's state as text (see :meth:`StageLoop.dump`);
-    :class:`~rrfp_async.LogObserver` logs it as event ``stage_dump``.
+    pays one ``is None`` test per transition. Two hooks are optional, each a protocol of its
+    own: ``active`` (:class:`~rrfp_async.loop.ActiveObserver`: when it is false at the start
+    of a step, the stage does not call the observer during that step) and ``failed(stage,
+    exc, dump)`` (:class:`~rrfp_async.loop.FailedObserver`: called, active or not, when a
+    step fails, with the stage's state as text, see :meth:`StageLoop.dump`;
+    :class:`~rrfp_async.LogObserver` logs it as event ``stage_dump``).
 
     An observer must not raise. If it does, the stage stops calling it for the rest of the
     step and the step fails with an ``ObserverError`` (its cause: the observer's exception),
@@ -105,7 +113,7 @@ def _clock_of(loop: asyncio.AbstractEventLoop) -> Callable[[], float]:
     """The stage clock: the loop's own when it is virtual, else ``time.monotonic`` (one
     system-wide clock, so spans of different processes line up; uvloop's ``time()`` is
     cached per iteration at millisecond resolution)."""
-    if getattr(loop, "virtual_clock", False):
+    if isinstance(loop, VirtualClockLoop) and loop.virtual_clock:
         return loop.time
     return time.monotonic
 
@@ -237,11 +245,13 @@ class StageLoop(TPFollower):
         self.on_failure: Callable[[int, BaseException], None] | None = None
         self._view = StageView(self)
         # Outputs leave from the compute thread when both sides allow it (see Executor).
-        self._eager = bool(getattr(endpoint, "threadsafe_send", False)) and hasattr(
-            executor, "output_hook"
-        )
-        if hasattr(executor, "output_hook"):  # this stage's hook, or none (not a stale one)
+        if isinstance(executor, OutputHookExecutor):  # this stage's hook, or none (not a stale one)
+            self._eager = isinstance(endpoint, ThreadsafeEndpoint) and bool(
+                endpoint.threadsafe_send
+            )
             executor.output_hook = self._send_output if self._eager else None
+        else:
+            self._eager = False
         endpoint.bind(self)
 
     # ------------------------------------------------------------------ the step
@@ -337,9 +347,8 @@ class StageLoop(TPFollower):
             self._dead.add(step)
             self._early.pop(step, None)
             self._post_failed_sequence(step, e)
-            step_failed = getattr(self.executor, "step_failed", None)
-            if step_failed is not None:
-                step_failed(step)
+            if isinstance(self.executor, StepFailedExecutor):
+                self.executor.step_failed(step)
             if not isinstance(e, asyncio.CancelledError):
                 self._dump_on_failure(e)
             st_now = self._computing()
@@ -407,7 +416,8 @@ class StageLoop(TPFollower):
 
     def _stats(self, st: StepState) -> StepStats:
         losses = outputs = None
-        results = getattr(self.executor, "step_results", None)
+        ex = self.executor
+        results = ex.step_results if isinstance(ex, StepResultsExecutor) else None
         if results is not None and st.plan.rank_of(Task(st.plan.num_virtual - 1, "F", 0)) == (
             self.rank
         ):

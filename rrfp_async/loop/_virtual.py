@@ -60,15 +60,34 @@ import selectors
 import time
 from asyncio import base_events, format_helpers
 from collections.abc import Callable
-from typing import Any, TypeVar, TypeVarTuple, Unpack
+from typing import Any, Protocol, TypeVar, TypeVarTuple, Unpack, runtime_checkable
 
 from .._check import check_real
 from .._errors import PlanError, RRFPError, StepTimeoutError
 
-__all__ = ["VirtualClockStall", "VirtualEventLoop", "VirtualTimeLimit", "new_virtual_event_loop"]
+__all__ = [
+    "VirtualClockLoop",
+    "VirtualClockStall",
+    "VirtualEventLoop",
+    "VirtualTimeLimit",
+    "new_virtual_event_loop",
+]
 
 _T = TypeVar("_T")
 _Ts = TypeVarTuple("_Ts")
+
+
+@runtime_checkable
+class VirtualClockLoop(Protocol):
+    """Optional: an event loop whose ``time()`` is a simulated clock.
+
+    A stage reads its clock when a step starts: the running loop's ``time()`` when the loop
+    has a true ``virtual_clock`` attribute (``VirtualEventLoop`` has; another simulated
+    loop may declare it too), else ``time.monotonic`` (one clock for every process, so that
+    spans of different ranks line up). Any other loop works without it.
+    """
+
+    virtual_clock: bool
 
 
 class VirtualClockStall(RRFPError, RuntimeError):

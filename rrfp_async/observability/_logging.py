@@ -113,6 +113,7 @@ class LineWriter:
         self.stream = stream
         self.broken: BaseException | None = None
         self._lock = threading.Lock()
+        # A text stream has an encoding; a StringIO-like or a test double may not.
         self._encoding = getattr(stream, "encoding", None) or "utf-8"
         try:
             self._fd: int | None = stream.fileno()
@@ -237,6 +238,7 @@ def configure_logging(
 
 
 def _enabled(log: Any, level: int) -> bool:
+    # structlog's filtering bound loggers spell it is_enabled_for, stdlib loggers isEnabledFor.
     check = getattr(log, "is_enabled_for", None) or getattr(log, "isEnabledFor", None)
     if check is None:
         bound = log.bind()  # resolve a lazy proxy to the configured wrapper

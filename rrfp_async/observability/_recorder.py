@@ -130,18 +130,27 @@ class MultiObserver:
         self.observers = [o for o in observers if o is not None]
         self._live: list[Any] = []
 
+    # The loop's optional observer hooks are imported where they are read: a stage reads
+    # them, so the loop is imported by then, and ``import rrfp_async.observability`` stays
+    # free of torch.
+
     @property
     def active(self) -> bool:
-        """True when any observer is active (the inactive ones are skipped this step)."""
-        self._live = [o for o in self.observers if getattr(o, "active", True)]
+        """True when any observer is active (the inactive ones are skipped this step; one
+        without ``active`` is, as for a stage, always active)."""
+        from ..loop import ActiveObserver
+
+        self._live = [o for o in self.observers if not isinstance(o, ActiveObserver) or o.active]
         return bool(self._live)
 
     def failed(self, stage: StageLoop, exc: BaseException, dump: str) -> None:
-        """Every observer that has ``failed`` gets it, active or not."""
+        """Every observer that has ``failed`` (``loop.FailedObserver``) gets it, active or
+        not."""
+        from ..loop import FailedObserver
+
         for o in self.observers:
-            fn = getattr(o, "failed", None)
-            if fn is not None:
-                fn(stage, exc, dump)
+            if isinstance(o, FailedObserver):
+                o.failed(stage, exc, dump)
 
     def __getattr__(self, name: str) -> Any:
         def fan(*args: Any) -> None:

@@ -29,11 +29,14 @@ from .._tasks import Task
 
 __all__ = [
     "ENTRY_POINT_GROUP",
+    "NamedPolicy",
     "Policy",
     "PolicyBase",
+    "ReadyHeadPolicy",
     "ReadyView",
     "available_policies",
     "backfill",
+    "chooses_ready_head",
     "get_policy",
     "lateness_aware",
     "policy_name",
@@ -132,11 +135,46 @@ class Policy(Protocol):
         """Return the task to run next; it must be one of ``view.ready``."""
 
 
+@runtime_checkable
+class NamedPolicy(Protocol):
+    """Optional: a policy that names itself.
+
+    ``name`` (when non-empty) is what traces, step stats, logs and the plan check call an
+    unregistered policy; without it (or with an empty one) the policy is named by its
+    qualname (a stage reads it once, when built). :class:`PolicyBase` declares it (empty).
+    """
+
+    name: str
+
+
+@runtime_checkable
+class ReadyHeadPolicy(Protocol):
+    """Optional: a policy that declares it runs the next hinted task whenever it is ready.
+
+    Set ``chooses_ready_head = True`` only if the policy always returns ``view.next_hinted``
+    when that task is ready: a TP leader then publishes such a choice one task ahead, and a
+    TP follower starts it without waiting for the leader's row (``deduce_tp``). Without the
+    attribute (or with a false one) neither happens. Read when a step starts. The built-in
+    policies (``strict``, ``readiness_first``, ``lateness_aware``, ``backfill``) declare it
+    True; :class:`PolicyBase` declares it False. A ``functools.partial`` of a policy does
+    not carry it (declare it on the partial if it holds).
+    """
+
+    chooses_ready_head: bool
+
+
+def chooses_ready_head(policy: object) -> bool:
+    """Whether ``policy`` declares ``chooses_ready_head`` (see :class:`ReadyHeadPolicy`)."""
+    return isinstance(policy, ReadyHeadPolicy) and bool(policy.chooses_ready_head)
+
+
 class PolicyBase:
     """Optional base for stateful policies: lifecycle hooks that do nothing by default.
 
-    Subclass it, override ``__call__`` (a coroutine) and any hook you need. Set
-    ``chooses_ready_head = True`` only if the policy always returns ``view.next_hinted``
+    Subclass it, override ``__call__`` (a coroutine) and any hook you need. It declares the
+    optional attributes with their defaults: ``name`` (:class:`NamedPolicy`, empty: the
+    class's qualname names it) and ``chooses_ready_head`` (:class:`ReadyHeadPolicy`, False).
+    Set ``chooses_ready_head = True`` only if the policy always returns ``view.next_hinted``
     when that task is ready: a TP leader then publishes such a choice one task ahead.
     """
 
@@ -274,7 +312,9 @@ def policy_name(policy: object) -> str:
         if v is policy:
             return k
     policy = _unwrap(policy)
-    name = getattr(policy, "name", "") or getattr(policy, "__qualname__", "")
+    name = (policy.name if isinstance(policy, NamedPolicy) else "") or getattr(
+        policy, "__qualname__", ""
+    )
     return str(name or type(policy).__qualname__)
 
 

@@ -166,7 +166,7 @@ def _class_order(
         raise HintError(
             f"torch's {name} rejects stages={p}, microbatches={m}, chunks={v}: {exc}"
         ) from exc
-    order = getattr(schedule, "pipeline_order", None)
+    order = _pipeline_order(schedule)
     if not order:
         raise HintError(
             f"torch's {name} builds no per-rank order (pipeline_order) by itself; load one"
@@ -175,8 +175,15 @@ def _class_order(
     return _convert(cast("Mapping[int, Sequence[Any]]", order))
 
 
+def _pipeline_order(schedule: Any) -> Any:
+    """A torch schedule's per-rank action table, or None: only schedules that build one have
+    ``pipeline_order`` (which do varies by class and torch version)."""
+    return getattr(schedule, "pipeline_order", None)
+
+
 def _kind_name(action: Any) -> str:
     ct = action.computation_type
+    # torch's _ComputationType is an enum (its .name); a plain value stands for itself.
     return str(getattr(ct, "name", ct))
 
 
@@ -198,6 +205,7 @@ def _convert_rank(rank: int, actions: Sequence[Any], parse: Any) -> list[Task]:
                 return
         try:
             kind = _kind_name(a)
+            # Newer torch's _Action has sub_actions (overlapped F+B); older ones have none.
             sub = getattr(a, "sub_actions", None)
         except AttributeError as exc:
             raise HintError(
@@ -313,6 +321,7 @@ def hint_from_torch(
     """
     schedules = _schedules()
     if isinstance(schedule, str):
+        # get_schedule_class exists only in torch versions with a name registry of schedules.
         lookup = getattr(schedules, "get_schedule_class", None)
         if lookup is None:
             raise HintError("this torch cannot look schedules up by name; pass the class")
@@ -330,7 +339,7 @@ def hint_from_torch(
         if isinstance(schedule, schedules.PipelineScheduleSingle):
             tasks = _generated_order(type(schedule), schedule._num_stages, schedule._n_microbatches)
         if tasks is None:
-            order = getattr(schedule, "pipeline_order", None)
+            order = _pipeline_order(schedule)
             if not order:
                 raise HintError(f"this {type(schedule).__name__} has no pipeline_order")
             tasks = _convert(order)

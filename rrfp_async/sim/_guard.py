@@ -51,6 +51,7 @@ def _frames(obj: Any) -> list[types.FrameType | None]:
     seen = 0
     while obj is not None and seen < 200:
         seen += 1
+        # A coroutine has cr_*, a generator-based awaitable gi_*; a future has neither.
         frame = getattr(obj, "cr_frame", None) or getattr(obj, "gi_frame", None)
         out.append(frame)
         nxt = getattr(obj, "cr_await", None)
