@@ -305,3 +305,17 @@ def test_trace_command_merges_and_writes_the_result(tmp_path: Path) -> None:
     assert res.exit_code == 0 and "makespan" in res.output
     res = CliRunner().invoke(main, ["trace", str(paths[0]), str(paths[1])])
     assert res.exit_code == 1 and "trace file of rank 2 is missing" in res.output
+
+
+def test_trace_command_prints_a_written_path_whole_at_any_width(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A narrow console (COLUMNS=40, as under a pytest-xdist worker's 80 with a long tmp
+    # path) once folded the path onto two lines, and rich markup ate a "[...]" in it.
+    monkeypatch.setenv("COLUMNS", "40")
+    paths = _write_parts(_whole(), tmp_path / "t")
+    out = tmp_path / "a[b]" / ("long-name-" * 6 + "merged.json")
+    out.parent.mkdir()
+    res = CliRunner().invoke(main, ["trace", str(paths[0].parent), "-o", str(out)])
+    assert res.exit_code == 0, res.output
+    assert f"wrote {out}\n" in res.output

@@ -149,7 +149,7 @@ def simulate_cmd(
             f"   efficiency {a.efficiency:.3f} vs {b.efficiency:.3f}"
         )
     for w in written:
-        con.print(f"wrote {w}")
+        con.print(f"wrote {w}", markup=False, highlight=False, soft_wrap=True)
 
 
 def _comparison_table(results: dict[str, SimResult], base: str, title: str) -> Table:

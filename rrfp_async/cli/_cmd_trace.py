@@ -149,9 +149,9 @@ def trace_cmd(files: tuple[str, ...], out: str | None, png_path: str | None, as_
         con.print(f"state dump {fname}:")
         con.print(text.rstrip(), markup=False, highlight=False)
     if out is not None:
-        con.print(f"wrote {out}")
+        con.print(f"wrote {out}", markup=False, highlight=False, soft_wrap=True)
     if png_path is not None:
-        con.print(f"wrote {png_path}")
+        con.print(f"wrote {png_path}", markup=False, highlight=False, soft_wrap=True)
 
 
 #: How many waits the text output lists (all of them are in --json).
