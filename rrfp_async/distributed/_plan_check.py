@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 from .._bridges import work_future
-from .._errors import PeerError, PlanError, StepTimeoutError
+from .._errors import PeerError, PeerStepError, PlanError, StepTimeoutError
 from ..policies import StepSchedule
 from ._digest import PlanDigest, adopt_default_seed, plan_disagreement
 from ._digest import _ranks as ranks_have
@@ -209,3 +209,25 @@ class PlanCheck(StageFields):
         except PlanError as e:
             self.stage.step_aborted(step, e)
             raise
+
+    async def _step_check_error(
+        self, watcher: asyncio.Future[None], e: PeerStepError
+    ) -> PlanError | None:
+        """The step check's ``PlanError`` when a peer failed this step with one (``e``).
+
+        The rank that read the step check's rows first fails the step and tells the others
+        (an ABORT); one whose watcher had not read them yet would otherwise fail it with
+        that ``PeerStepError``, not the ``PlanError`` its peers raise. The origin read the
+        rows, so every rank posted the all-gather and its rows are on their way here: wait
+        for them (bounded like every step check, by ``step_timeout``) so that every rank
+        fails alike. None when the origin's error was not a ``PlanError`` or the rows agree.
+        """
+        if not e.cause.startswith(f"{PlanError.__name__}:"):
+            return None
+        try:
+            await asyncio.shield(watcher)
+        except PlanError as verdict:
+            return verdict
+        except Exception:  # the check could not complete: keep the peer's word
+            return None
+        return None

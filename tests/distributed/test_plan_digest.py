@@ -315,9 +315,21 @@ STEP_CASES: dict[str, tuple[int, int]] = {
 }
 
 
-def _step_worker(rank: int, world: int) -> dict[str, Any]:
+def _step_worker(rank: int, world: int, late_rows: float = 0.0) -> dict[str, Any]:
     """Step 0 with 4 microbatches everywhere, then each case's step 1 with
-    ``STEP_CASES[case][rank]`` microbatches, then a step with 4 again."""
+    ``STEP_CASES[case][rank]`` microbatches, then a step with 4 again. ``late_rows``: a rank
+    whose plan is unchanged reads the step check's rows that much later (its watcher), so
+    the changed rank's ABORT reaches it first: the order a loaded machine gives at times."""
+    if late_rows:
+        from rrfp_async.distributed._plan_check import PlanCheck
+
+        watch = PlanCheck._watch_step_check
+
+        async def later(self: Any, step: int, posted: Any) -> None:
+            await asyncio.sleep(late_rows)
+            await watch(self, step, posted)
+
+        PlanCheck._watch_step_check = later  # type: ignore[method-assign]
     layout = rr.ProcessLayout.from_world(pp=world)
     groups = rr.build_groups(layout)
     plan = rr.StepPlan(topology=rr.Topology(stages=world), microbatches=4)
@@ -347,10 +359,16 @@ def _step_worker(rank: int, world: int) -> dict[str, Any]:
 
 @pytest.mark.distributed
 @pytest.mark.timeout(240)
-def test_a_step_with_other_microbatch_counts_fails_at_once_on_every_rank() -> None:
+@pytest.mark.parametrize("late_rows", [0.0, 1.0], ids=["as_it_comes", "abort_first"])
+def test_a_step_with_other_microbatch_counts_fails_at_once_on_every_rank(
+    late_rows: float,
+) -> None:
     # Fails without the per-step check: the rank whose plan changed waited alone in the
     # plan check and its peer for its messages, until the 60 s watchdog (StepTimeoutError).
-    r0, r1 = pooled_spawn(_step_worker, 2, timeout=200)
+    # abort_first: the changed rank's ABORT reaches the other before its step check's rows
+    # (a race a loaded machine wins at times); red before the unchanged rank waited for the
+    # rows: it failed with a PeerStepError ("step 1 failed on rank 0: PlanError: ...").
+    r0, r1 = pooled_spawn(_step_worker, 2, late_rows, timeout=200)
     for case, step in (("fewer", 1), ("more", 3)):  # each case's step, then one after it
         a, b = STEP_CASES[case]
         for r in (r0, r1):
