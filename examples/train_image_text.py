@@ -23,9 +23,10 @@ import torch
 import torch.distributed as dist
 
 import rrfp_async as rr
+import rrfp_lab as lab
 
 
-def parse(argv: list[str] | None = None) -> tuple[argparse.Namespace, rr.TrainConfig]:
+def parse(argv: list[str] | None = None) -> tuple[argparse.Namespace, lab.TrainConfig]:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[1])
     ap.add_argument("--pp", type=int, default=4, help="pipeline ranks")
     ap.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks per stage")
@@ -46,7 +47,7 @@ def parse(argv: list[str] | None = None) -> tuple[argparse.Namespace, rr.TrainCo
         " merge them with: rrfp-async trace DIR/POLICY",
     )
     args = ap.parse_args(argv)
-    cfg = rr.TrainConfig(
+    cfg = lab.TrainConfig(
         pp=args.pp,
         tp=args.tp,
         chunks=args.chunks,
@@ -55,14 +56,14 @@ def parse(argv: list[str] | None = None) -> tuple[argparse.Namespace, rr.TrainCo
         hint=args.hint,
         memory_factor=args.memory_factor,
         policies=tuple(args.policy or ("strict", "readiness_first")),
-        cost=rr.image_text_cost(jitter=args.jitter),
+        cost=lab.image_text_cost(jitter=args.jitter),
         return_params=False,
         trace_dir=args.trace_dir,
     )
     return args, cfg
 
 
-def summarize(mine: list[rr.TrainResult], cfg: rr.TrainConfig) -> torch.Tensor:
+def summarize(mine: list[lab.TrainResult], cfg: lab.TrainConfig) -> torch.Tensor:
     """This process's figures as one float64 tensor ``[policy, 2 * steps + 1]``: the timed
     step times, the mean loss of each step (NaN where this rank computes no loss) and the
     number of deviations from the hint. Tensors, not objects, cross the network: nothing a
@@ -77,7 +78,7 @@ def summarize(mine: list[rr.TrainResult], cfg: rr.TrainConfig) -> torch.Tensor:
     return out
 
 
-def report(figures: list[torch.Tensor], cfg: rr.TrainConfig) -> None:
+def report(figures: list[torch.Tensor], cfg: lab.TrainConfig) -> None:
     """Print two lines per policy from every process's ``summarize`` tensor: the median step,
     the speedup over the first policy, deviations and losses; then each timed step (the
     slowest rank's) and the speedup step by step, with its min-max and whether it is noise.
@@ -115,12 +116,12 @@ def report(figures: list[torch.Tensor], cfg: rr.TrainConfig) -> None:
 def main(argv: list[str] | None = None) -> None:
     args, cfg = parse(argv)
     if args.spawn:
-        results = rr.spawn(rr.train_worker, cfg.pp * cfg.tp, cfg, timeout=900)
+        results = rr.spawn(lab.train_worker, cfg.pp * cfg.tp, cfg, timeout=900)
         report([summarize(r, cfg) for r in results], cfg)
         return
     dist.init_process_group("gloo")  # torchrun's env:// rendezvous
     try:
-        mine = summarize(rr.train_worker(dist.get_rank(), dist.get_world_size(), cfg), cfg)
+        mine = summarize(lab.train_worker(dist.get_rank(), dist.get_world_size(), cfg), cfg)
         rank0 = dist.get_rank() == 0
         gathered = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
         dist.gather(mine, gathered if rank0 else None, dst=0)

@@ -11,8 +11,6 @@ The friendly public API, pulled together from the private modules and the layers
   modules with the parameters they share: ``split_model``, ``from_stage_modules``,
   ``from_pipe``, ``StageSplit``, ``StageModule``; a Hugging Face causal LM in one call:
   ``split_causal_lm``, ``CausalLMSplit``, ``CausalLMStage``;
-* the training harness (what ``examples/train_image_text.py`` runs): ``TrainConfig``,
-  ``train_worker``, ``TrainResult``, ``image_text_cost`` (the example model's cost model);
 * simulating: ``simulate``, ``compare``, ``SimResult``;
 * reporting a measured speedup honestly: ``paired_ratio``, ``PairedRatio``;
 * the tasks' random streams (dropout independent of the dispatch order) and their
@@ -20,7 +18,7 @@ The friendly public API, pulled together from the private modules and the layers
 * errors: ``RRFPError`` and its subclasses.
 """
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from ._lazy import exports
 
@@ -87,8 +85,6 @@ _EXPORTS: dict[str, str] = {
     "TraceData": ".observability",
     "TraceError": "._errors",
     "TraceRecorder": ".observability",
-    "TrainConfig": ".bench._demo_train",
-    "TrainResult": ".bench._demo_train",
     "VirtualEventLoop": ".loop",
     "WORKLOADS": "._workloads",
     "Workload": "._workloads",
@@ -102,7 +98,6 @@ _EXPORTS: dict[str, str] = {
     "from_stage_modules": ".distributed._split",
     "hint_from_torch": ".policies",
     "hint_peak": "._admission",
-    "image_text_cost": ".bench._demo_train",
     "load_trace": ".observability",
     "lower_bound": ".sim._simulate",
     "make_hint": ".policies",
@@ -124,7 +119,6 @@ _EXPORTS: dict[str, str] = {
     "summarize": ".observability",
     "task_rng": "._rng",
     "task_seed": "._rng",
-    "train_worker": ".bench._demo_train",
     "validate_chrome_trace": ".observability",
     "validate_hint": ".policies",
     "write_trace": ".observability",
@@ -157,7 +151,6 @@ if TYPE_CHECKING:  # the same names for type checkers (tests/test_public_api.py 
     from ._rng import task_rng, task_seed
     from ._tasks import Kind, Placement, StepPlan, Task, Topology, format_tasks, parse_tasks
     from ._workloads import WORKLOADS, Workload, make_workload
-    from .bench._demo_train import TrainConfig, TrainResult, image_text_cost, train_worker
     from .distributed._causal_lm import CausalLMSplit, split_causal_lm
     from .distributed._causal_lm_stage import CausalLMStage
     from .distributed._dist_stage import DistributedStage
@@ -208,7 +201,29 @@ if TYPE_CHECKING:  # the same names for type checkers (tests/test_public_api.py 
     from .sim._simulate import SimResult, compare, lower_bound, simulate
 
 
-__getattr__, __dir__ = exports(__name__, _EXPORTS)
+_exported, __dir__ = exports(__name__, _EXPORTS)
+
+# The example model's training harness moved to the lab (``rrfp_lab``, beside the runtime);
+# until 0.2 its old names still resolve, with a warning. The lab's module is looked up by
+# name here, never imported by the runtime's layers (tests/test_layers.py).
+_MOVED_TO_LAB = frozenset({"TrainConfig", "TrainResult", "image_text_cost", "train_worker"})
+
+
+def __getattr__(name: str) -> Any:
+    if name in _MOVED_TO_LAB:
+        import importlib
+        import warnings
+
+        warnings.warn(
+            f"rrfp_async.{name} moved to rrfp_lab.{name} (the example model's training"
+            f" harness is lab, not runtime): `from rrfp_lab import {name}`; the old name goes"
+            " in 0.2",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        return getattr(importlib.import_module("rrfp_lab"), name)
+    return _exported(name)
+
 
 __all__ = [
     "HINTS",
@@ -269,8 +284,6 @@ __all__ = [
     "TraceData",
     "TraceError",
     "TraceRecorder",
-    "TrainConfig",
-    "TrainResult",
     "VirtualEventLoop",
     "Workload",
     "build_groups",
@@ -283,7 +296,6 @@ __all__ = [
     "from_stage_modules",
     "hint_from_torch",
     "hint_peak",
-    "image_text_cost",
     "load_trace",
     "lower_bound",
     "make_hint",
@@ -305,7 +317,6 @@ __all__ = [
     "summarize",
     "task_rng",
     "task_seed",
-    "train_worker",
     "validate_chrome_trace",
     "validate_hint",
     "write_trace",

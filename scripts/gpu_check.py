@@ -373,7 +373,7 @@ def part_reference(cpu: bool) -> None:
 def part_idle(cpu: bool) -> None:
     import torch.distributed as dist
 
-    from rrfp_async.bench._overhead_task import task_overhead
+    from rrfp_lab._overhead_task import task_overhead
 
     dev = "cpu" if cpu else "cuda:0"
     if cpu:

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 import rrfp_async as rr
-from rrfp_async.bench import _local_bench as _bench
+from rrfp_lab import _local_bench as _bench
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -150,9 +150,9 @@ def test_a_failed_traced_demo_step_keeps_its_own_error() -> None:
     ``__getattr__``, so a failed traced step called ``failed`` on the recorder, and the
     AttributeError became a note on the step's error ("observer ... also raised in
     failed()"). The filter now has no such hook either: the step's error is the task's."""
-    from rrfp_async.bench._demo_train import _StepFilter
     from rrfp_async.channels import LocalChannel
     from rrfp_async.observability import MultiObserver, TraceRecorder
+    from rrfp_lab._demo_train import _StepFilter
     from tests._virtual import run_virtual
 
     plan = rr.StepPlan(topology=rr.Topology(stages=1), microbatches=2)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 from click.testing import CliRunner
 
-from rrfp_async.bench._hf import HFConfig, make_steps, pad
+from rrfp_lab._hf import HFConfig, make_steps, pad
 
 
 def test_padding_keeps_the_real_tokens_and_ignores_the_pads() -> None:

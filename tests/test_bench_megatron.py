@@ -9,7 +9,7 @@ import warnings
 
 import pytest
 
-from rrfp_async.bench._megatron import MegatronBenchConfig, bench_steps, megatron_benchmark
+from rrfp_lab._megatron import MegatronBenchConfig, bench_steps, megatron_benchmark
 
 
 @pytest.fixture(scope="module", autouse=True)

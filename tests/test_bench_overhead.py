@@ -7,8 +7,8 @@ import json
 import pytest
 from click.testing import CliRunner
 
-from rrfp_async.bench import _overhead as ov
 from rrfp_async.cli._main import main
+from rrfp_lab import _overhead as ov
 
 
 @pytest.mark.parametrize("k", [1, 3, 8])

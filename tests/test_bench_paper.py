@@ -10,10 +10,10 @@ from click.testing import CliRunner
 
 from rrfp_async._tasks import StepPlan, Topology
 from rrfp_async._workloads import PAPER_IMAGE_TOKENS, make_workload
-from rrfp_async.bench import _paper as bp
 from rrfp_async.cli._main import main
 from rrfp_async.policies._hints import make_hint
 from rrfp_async.policies._listsched import strict_timeline
+from rrfp_lab import _paper as bp
 
 TINY = bp.Scenario(pp=2, tp=2, microbatches=4, workload="multimodal_paper")
 CONFIGS = [

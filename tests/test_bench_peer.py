@@ -6,8 +6,8 @@ import math
 
 import pytest
 
-from rrfp_async.bench._peer import PeerConfig, peer_benchmark, peer_simulated
-from rrfp_async.bench._peer_config import TORCH_SCHEDULES, resolve_torch_schedule
+from rrfp_lab._peer import PeerConfig, peer_benchmark, peer_simulated
+from rrfp_lab._peer_config import TORCH_SCHEDULES, resolve_torch_schedule
 
 
 def test_config_is_validated() -> None:
@@ -84,7 +84,7 @@ def test_peer_benchmark_runs_both_systems_on_the_same_work() -> None:
 
 
 def test_uniform_workload_and_torch_order_hints_are_validated() -> None:
-    from rrfp_async.bench._peer_config import make_steps
+    from rrfp_lab._peer_config import make_steps
 
     for st in make_steps(PeerConfig(workload="uniform", steps=3)):
         assert len(set(st.tokens)) == 1  # every microbatch the step's mean length

@@ -131,7 +131,7 @@ def test_log_options_on_every_command() -> None:
 
 
 def test_bench_simulator_scaling_table(monkeypatch: pytest.MonkeyPatch) -> None:
-    from rrfp_async.bench import _local_bench as _local
+    from rrfp_lab import _local_bench as _local
 
     small = functools.partial(_local.simulator_scaling, sizes=((2, 4), (4, 8)))
     monkeypatch.setattr(_local, "simulator_scaling", small)
@@ -149,8 +149,8 @@ def test_bench_simulator_scaling_table(monkeypatch: pytest.MonkeyPatch) -> None:
 
 def test_bench_pipeline_prints_the_paired_speedup_table(monkeypatch: pytest.MonkeyPatch) -> None:
     # The table the demo prints too (cli/_output.speedup_table), from fixed step times.
-    from rrfp_async.bench import _local_bench as _local
     from rrfp_async.observability._paired import paired_ratio
+    from rrfp_lab import _local_bench as _local
 
     def fake(**kw: Any) -> dict[str, Any]:
         steps = {"strict": [0.2, 0.2, 0.2], "readiness_first": [0.1, 0.16, 0.25]}
@@ -247,12 +247,23 @@ def test_an_unwritable_output_is_a_clean_error(tmp_path) -> None:  # type: ignor
 
 
 def test_the_command_line_loads_no_benchmark_until_one_runs() -> None:
+    """The runtime's command line imports no lab module; its help lists the lab's commands
+    (plug-ins: their click modules load) and loads no benchmark body, nor torch."""
     code = (
-        "import sys, rrfp_async.cli; "
-        "print(sorted(m for m in sys.modules if m.startswith('rrfp_async.bench')))"
+        "import sys, rrfp_async.cli\n"
+        "print(sorted(m for m in sys.modules if m.startswith('rrfp_lab')))\n"
+        "from click.testing import CliRunner\n"
+        "out = CliRunner().invoke(rrfp_async.cli.main, ['--help']).output\n"
+        "print(sorted(m for m in sys.modules if m.startswith('rrfp_lab.')"
+        " and not m.startswith('rrfp_lab.cli')), 'torch' in sys.modules)\n"
+        "print([c for c in ('bench', 'demo', 'simulate', 'trace') if f'  {c} ' in out])"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
-    assert out.stdout.strip() == "[]"
+    assert out.stdout.splitlines() == [
+        "[]",
+        "[] False",
+        "['bench', 'demo', 'simulate', 'trace']",
+    ], out.stdout
 
 
 @pytest.mark.slow
@@ -289,7 +300,7 @@ def test_simulate_bad_input_is_an_error_line_not_a_traceback(
 
 def _fake_peer(seen: list[Any]) -> Any:
     """A stand-in for ``peer_benchmark``: reports each step as rank 0 would, returns rows."""
-    from rrfp_async.bench._peer_config import PeerRun
+    from rrfp_lab._peer_config import PeerRun
 
     def run(cfg: Any, *, on_progress: Any = None) -> dict[str, Any]:
         seen.append(cfg)
@@ -333,7 +344,7 @@ def _fake_peer(seen: list[Any]) -> Any:
 def test_bench_peer_shows_progress_on_stderr_and_takes_torch_short_names(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    import rrfp_async.bench._peer as peer
+    import rrfp_lab._peer as peer
 
     seen: list[Any] = []
     monkeypatch.setattr(peer, "peer_benchmark", _fake_peer(seen))

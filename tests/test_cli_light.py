@@ -22,9 +22,10 @@ _HELP_PROBE = textwrap.dedent(
 
     def paths(cmd, prefix):
         yield prefix
-        if isinstance(cmd, click.Group):
-            for name, sub in sorted(cmd.commands.items()):
-                yield from paths(sub, [*prefix, name])
+        if isinstance(cmd, click.Group):  # (the lab's commands are plug-ins: asked for)
+            ctx = click.Context(cmd)
+            for name in cmd.list_commands(ctx):
+                yield from paths(cmd.get_command(ctx, name), [*prefix, name])
 
     out = {}
     for p in paths(main, []):

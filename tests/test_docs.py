@@ -55,7 +55,8 @@ PENDING: dict[str, str] = {}
 _FENCE = re.compile(r"^```[^\n]*\n(.*?)^```", re.M | re.S)
 _SPAN = re.compile(r"`([^`\n]+)`")
 _LINK = re.compile(r"(?<!!)\[[^\]\n]*\]\(([^)\s]+)\)")
-_MODULE = re.compile(r"(?<![\w.])rrfp_async(?:\.[A-Za-z_]\w*)+")
+# (Not in double quotes: ``"rrfp_async.commands"`` is an entry-point group, not a module.)
+_MODULE = re.compile(r"(?<![\w.\"])(?:rrfp_async|rrfp_lab)(?:\.[A-Za-z_]\w*)+")
 _RR_NAME = re.compile(r"(?<![\w.])rr\.([A-Za-z_]\w*(?:\.[A-Za-z_]\w*)*)")
 _PATH_EXT = (".py", ".md", ".toml", ".sh", ".txt", ".png", ".json", ".cfg")
 # The repository's own top-level entries (not what a run left beside them: out/, caches).
@@ -345,7 +346,7 @@ def _check_rrfp_async(words: list[str]) -> str | None:
                 rest.pop(0)
         if not rest:
             break
-        sub = cmd.commands.get(rest[0])
+        sub = cmd.get_command(click.Context(cmd), rest[0])  # (plug-ins: asked for)
         if sub is None:
             return f"{' '.join(['rrfp-async', *path])} has no command {rest[0]!r}"
         path.append(rest.pop(0))

@@ -15,7 +15,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 # The same folders as ./dev lint.
-FOLDERS = ("rrfp_async", "tests", "examples", "scripts")
+FOLDERS = ("rrfp_async", "rrfp_lab", "tests", "examples", "scripts")
 
 
 @pytest.mark.skipif(importlib.util.find_spec("ruff") is None, reason="ruff is not installed")

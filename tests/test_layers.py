@@ -1,7 +1,10 @@
 """The package's layers import only downward and its modules form no import cycle.
 
 The layer order is written once here and in ARCHITECTURE.md (bottom first). Every import in
-the package counts: module-level, inside functions and under ``TYPE_CHECKING``.
+the package counts: module-level, inside functions and under ``TYPE_CHECKING``. The lab
+(``rrfp_lab``, beside the runtime) is held to the same rules as the layer above all of
+``rrfp_async``: it imports the runtime through its faces, and nothing in the runtime imports
+it.
 """
 
 from __future__ import annotations
@@ -14,8 +17,11 @@ from pathlib import Path
 import pytest
 
 import rrfp_async
+import rrfp_lab
 
 PACKAGE = Path(rrfp_async.__file__).parent
+LAB = Path(rrfp_lab.__file__).parent
+ROOTS = ("rrfp_async", "rrfp_lab")
 
 #: Bottom first. A module may import its own layer and the layers below it, never above.
 LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
@@ -43,14 +49,22 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("sim", ("sim",)),
     ("distributed", ("distributed",)),
     ("integrations", ("integrations",)),
-    ("bench", ("bench",)),
     ("cli", ("cli",)),
     ("face", ("__init__", "__main__", "pipelining", "megatron", "torchtitan")),
 )
 
 
+#: The lab's layer: above every layer of the runtime (``LAYERS``), its own package.
+LAB_LAYER = len(LAYERS)
+
+
+def layer_name(layer: int) -> str:
+    return "lab" if layer == LAB_LAYER else LAYERS[layer][0]
+
+
 def module_name(path: Path) -> str:
-    rel = path.relative_to(PACKAGE.parent).with_suffix("")
+    root = LAB.parent if path.is_relative_to(LAB) else PACKAGE.parent
+    rel = path.relative_to(root).with_suffix("")
     parts = list(rel.parts)
     if parts[-1] == "__init__" and len(parts) > 1:
         parts.pop()
@@ -58,11 +72,14 @@ def module_name(path: Path) -> str:
 
 
 def modules() -> dict[str, Path]:
-    return {module_name(p): p for p in sorted(PACKAGE.rglob("*.py"))}
+    """The runtime's modules and the lab's."""
+    return {module_name(p): p for p in sorted([*PACKAGE.rglob("*.py"), *LAB.rglob("*.py")])}
 
 
 def layer_of(module: str) -> int:
     parts = module.split(".")
+    if parts[0] == "rrfp_lab":
+        return LAB_LAYER
     head = "__init__" if len(parts) == 1 else parts[1]
     for i, (_, members) in enumerate(LAYERS):
         if head in members:
@@ -77,14 +94,14 @@ def imports_of(module: str, path: Path, known: set[str]) -> Iterator[tuple[str, 
     for node in ast.walk(ast.parse(path.read_text(), str(path))):
         if isinstance(node, ast.Import):
             for alias in node.names:
-                if alias.name.split(".")[0] == "rrfp_async":
+                if alias.name.split(".")[0] in ROOTS:
                     yield alias.name, node.lineno
         elif isinstance(node, ast.ImportFrom):
             if node.level:
                 base = package.split(".")
                 base = base[: len(base) - (node.level - 1)]
                 target = ".".join(base + ([node.module] if node.module else []))
-            elif node.module and node.module.split(".")[0] == "rrfp_async":
+            elif node.module and node.module.split(".")[0] in ROOTS:
                 target = node.module
             else:
                 continue
@@ -115,8 +132,8 @@ def test_layers_import_only_downward() -> None:
         for target, line in imports_of(mod, path, known):
             if target in known and layer_of(target) > layer_of(mod):
                 upward.append(
-                    f"{mod}:{line} ({LAYERS[layer_of(mod)][0]}) imports {target} "
-                    f"({LAYERS[layer_of(target)][0]})"
+                    f"{mod}:{line} ({layer_name(layer_of(mod))}) imports {target} "
+                    f"({layer_name(layer_of(target))})"
                 )
     assert not upward, "upward imports:\n" + "\n".join(upward)
 
@@ -207,6 +224,8 @@ def reaches_past_the_face(importer: str, target: str) -> bool:
         return False
     own = parts[1]
     head = importer.split(".")
+    if head[0] != "rrfp_async":
+        return True  # the lab: every runtime package is another package
     if len(head) == 1 or head[1] in LAYERS[-1][1]:
         return False  # the top-level face re-exports from wherever a name lives
     return head[1] != own
@@ -273,23 +292,53 @@ def face_names(face: Path) -> tuple[set[str], set[str]]:
 def test_names_from_a_face_are_public_or_declared_internal() -> None:
     """What a sibling package imports from a face is either public (``__all__``, documented
     and held by test_public_api) or named in the face's "Internal to the package family:"
-    list, so the face's docstring shows both of the package's faces."""
+    list, so the face's docstring shows both of the package's faces. The lab imports the
+    runtime's top-level face's public names only (what the README teaches), and from a base
+    module only what no face exports."""
     mods = modules()
+    faced = {
+        n: f"rrfp_async.{p}" for p in PACKAGES for n in face_names(PACKAGE / p / "__init__.py")[0]
+    }
+    faced |= {n: "rrfp_async" for n in rrfp_async.__all__}
     undeclared = []
     for mod, path in mods.items():
         if layer_of(mod) == len(LAYERS) - 1:
             continue
+        in_lab = layer_of(mod) == LAB_LAYER
+        own = None if in_lab else mod.split(".")[1]
         is_pkg = path.name == "__init__.py"
         package = mod if is_pkg else mod.rsplit(".", 1)[0]
         for node in ast.walk(ast.parse(path.read_text())):
-            if not isinstance(node, ast.ImportFrom) or not node.level:
+            if not isinstance(node, ast.ImportFrom):
                 continue
-            base = package.split(".")[: len(package.split(".")) - (node.level - 1)]
-            target = ".".join(base + ([node.module] if node.module else []))
+            if node.level:
+                base = package.split(".")[: len(package.split(".")) - (node.level - 1)]
+                target = ".".join(base + ([node.module] if node.module else []))
+            elif in_lab and node.module and node.module.split(".")[0] == "rrfp_async":
+                target = node.module
+            else:
+                continue
             parts = target.split(".")
-            if len(parts) != 2 or parts[1] not in PACKAGES or mod.split(".")[1] == parts[1]:
+            if in_lab and len(parts) == 2 and parts[1].startswith("_"):
+                # A base module: only for what no face exports (a user's import path first).
+                for alias in node.names:
+                    if alias.name in faced:
+                        undeclared.append(
+                            f"{mod}:{node.lineno} {target}.{alias.name}: import it from"
+                            f" {faced[alias.name]}"
+                        )
                 continue
-            public, internal = face_names(PACKAGE / parts[1] / "__init__.py")
+            if in_lab and target == "rrfp_async":
+                public, internal = set(rrfp_async.__all__), set()
+            elif (
+                len(parts) != 2
+                or parts[0] != "rrfp_async"
+                or parts[1] not in PACKAGES
+                or own == parts[1]
+            ):
+                continue
+            else:
+                public, internal = face_names(PACKAGE / parts[1] / "__init__.py")
             for alias in node.names:
                 if alias.name not in public | internal:
                     undeclared.append(f"{mod}:{node.lineno} {target}.{alias.name}")
@@ -300,13 +349,17 @@ def test_names_from_a_face_are_public_or_declared_internal() -> None:
 
 def test_the_checker_sees_imports_past_a_face() -> None:
     assert reaches_past_the_face("rrfp_async.distributed._x", "rrfp_async.loop._records")
-    assert reaches_past_the_face("rrfp_async.cli._main", "rrfp_async.bench._local_bench")
+    assert reaches_past_the_face("rrfp_lab._peer", "rrfp_async.loop._records")
+    assert reaches_past_the_face("rrfp_lab.cli._cmd_demo", "rrfp_async.cli._options")
+    assert reaches_past_the_face("rrfp_lab", "rrfp_async.integrations._x")
     assert reaches_past_the_face("rrfp_async.sim", "rrfp_async.loop._virtual")
     # A private module's own package, the face itself, public modules and the base are fine.
     assert not reaches_past_the_face("rrfp_async.loop._stage_loop", "rrfp_async.loop._records")
     assert not reaches_past_the_face("rrfp_async.loop", "rrfp_async.loop._records")
     assert not reaches_past_the_face("rrfp_async.distributed._x", "rrfp_async.loop")
-    assert not reaches_past_the_face("rrfp_async.bench._x", "rrfp_async.models.image_text")
+    assert not reaches_past_the_face("rrfp_lab._x", "rrfp_async.models.image_text")
+    assert not reaches_past_the_face("rrfp_lab._x", "rrfp_async.loop")
+    assert not reaches_past_the_face("rrfp_lab._x", "rrfp_async._costs")
     assert not reaches_past_the_face("rrfp_async.loop._x", "rrfp_async._tasks")
     assert not reaches_past_the_face("rrfp_async", "rrfp_async.loop._executors")
     assert not reaches_past_the_face("rrfp_async.torchtitan", "rrfp_async.integrations._x")
@@ -353,3 +406,34 @@ def test_no_package_file_is_over_700_lines() -> None:
         mod: n for mod, path in modules().items() if (n := len(path.read_text().splitlines())) > 700
     }
     assert not long, f"split by concept: {long}"
+
+
+def test_the_runtime_never_imports_the_lab() -> None:
+    """The lab sits above every layer of the runtime (the layer test fails any import of it
+    from ``rrfp_async``) and is found by the command line through entry points. The one place
+    the runtime names it is the face's shim for the harness's old names (a string, looked up
+    when such a name is used): a new string naming it fails here."""
+    assert layer_of("rrfp_lab._peer") > max(
+        layer_of(m) for m in modules() if m.startswith("rrfp_async")
+    )
+    named = []
+    for mod, path in modules().items():
+        if layer_of(mod) == LAB_LAYER:
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if (
+                isinstance(node, ast.Call)
+                and node.args
+                and isinstance(node.args[0], ast.Constant)
+                and str(node.args[0].value).split(".")[0] == "rrfp_lab"
+            ):
+                named.append(f"{mod}:{node.lineno}")
+    assert named == ["rrfp_async:" + str(_shim_line())], named
+
+
+def _shim_line() -> int:
+    tree = ast.parse((PACKAGE / "__init__.py").read_text())
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Call) and getattr(node.func, "attr", "") == "import_module":
+            return node.lineno
+    raise AssertionError("the face's shim for the harness's old names is gone: drop this rule")

@@ -13,6 +13,7 @@ import rrfp_async.channels
 import rrfp_async.distributed
 import rrfp_async.loop
 import rrfp_async.policies
+import rrfp_lab
 
 MODULES = [
     rrfp_async,
@@ -20,6 +21,7 @@ MODULES = [
     rrfp_async.channels,
     rrfp_async.policies,
     rrfp_async.distributed,
+    rrfp_lab,
 ]
 EXAMPLES = pathlib.Path(__file__).resolve().parent.parent / "examples"
 
@@ -40,22 +42,34 @@ def test_every_public_callable_is_documented(mod: object) -> None:
             assert inspect.getdoc(obj), f"{mod.__name__}.{n} has no docstring"  # type: ignore[attr-defined]
 
 
-def test_training_harness_is_public() -> None:
-    """What the training example runs is public API, under clear names; it is lab (the
-    example model's harness, in ``bench``), not the runtime's ``distributed`` layer."""
+def test_training_harness_is_the_labs_public_api() -> None:
+    """What the training example runs is public API under clear names, the lab's
+    (``rrfp_lab``: the example model's harness), not the runtime's. The old names on the
+    runtime's face still resolve to the same objects for a release, with a warning."""
+    import warnings
+
     for n in ("TrainConfig", "TrainResult", "train_worker", "image_text_cost"):
-        assert n in rrfp_async.__all__, n
-        assert getattr(rrfp_async, n).__module__ == "rrfp_async.bench._demo_train", n
+        assert n in rrfp_lab.__all__, n
+        assert getattr(rrfp_lab, n).__module__ == "rrfp_lab._demo_train", n
+        assert n not in rrfp_async.__all__ and n not in dir(rrfp_async), n
         assert n not in rrfp_async.distributed.__all__, n
+        with pytest.warns(DeprecationWarning, match=rf"rrfp_async\.{n} moved to rrfp_lab\.{n}"):
+            assert getattr(rrfp_async, n) is getattr(rrfp_lab, n)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a runtime name resolves without a warning
+        assert rrfp_async.CostModel is not None
+    with pytest.raises(AttributeError, match="no attribute 'TrainConfigs'"):
+        rrfp_async.TrainConfigs  # noqa: B018
     # image_text_cost returns a CostModel; EmulatedCost is the sleeping wrapper around one.
-    assert isinstance(rrfp_async.image_text_cost(), rrfp_async.CostModel)
+    assert isinstance(rrfp_lab.image_text_cost(), rrfp_async.CostModel)
     assert "emulated_cost" not in rrfp_async.__all__ + rrfp_async.distributed.__all__
 
 
 @pytest.mark.parametrize("example", sorted(EXAMPLES.glob("*.py")), ids=lambda p: p.name)
 def test_examples_use_only_public_names(example: pathlib.Path) -> None:
-    """Users copy the examples: they import nothing private (no ``_module`` of rrfp_async)
-    and every ``rr.<name>`` they use is exported."""
+    """Users copy the examples: they import nothing private (no ``_module`` of rrfp_async or
+    of the lab) and every ``rr.<name>`` (``lab.<name>``) they use is exported."""
+    faces = {"rr": rrfp_async.__all__, "lab": rrfp_lab.__all__}
     tree = ast.parse(example.read_text())
     for node in ast.walk(tree):
         mods: list[str] = []
@@ -64,14 +78,14 @@ def test_examples_use_only_public_names(example: pathlib.Path) -> None:
         elif isinstance(node, ast.Import):
             mods = [a.name for a in node.names]
         for m in mods:
-            if m.split(".")[0] == "rrfp_async":
+            if m.split(".")[0] in ("rrfp_async", "rrfp_lab"):
                 assert not any(part.startswith("_") for part in m.split(".")), (example.name, m)
         if (
             isinstance(node, ast.Attribute)
             and isinstance(node.value, ast.Name)
-            and node.value.id == "rr"
+            and node.value.id in faces
         ):
-            assert node.attr in rrfp_async.__all__, (example.name, f"rr.{node.attr}")
+            assert node.attr in faces[node.value.id], (example.name, f"{node.value.id}.{node.attr}")
 
 
 def test_layering() -> None:
@@ -116,7 +130,7 @@ def test_nothing_from_the_network_is_unpickled() -> None:
 
 @pytest.mark.parametrize(
     "face",
-    ["rrfp_async", "rrfp_async.observability", "rrfp_async.integrations", "rrfp_async.bench"],
+    ["rrfp_async", "rrfp_async.observability", "rrfp_async.integrations", "rrfp_lab"],
 )
 def test_lazy_exports_match_the_type_checkers_imports(face: str) -> None:
     """A lazy face lists each name twice, for the runtime (``_EXPORTS``) and for type

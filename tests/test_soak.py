@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 
-from rrfp_async.bench._soak import SoakResult, format_soak, soak
+from rrfp_lab._soak import SoakResult, format_soak, soak
 
 pytestmark = [pytest.mark.timeout(180), pytest.mark.slow]
 

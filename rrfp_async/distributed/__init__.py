@@ -3,10 +3,10 @@
 local process spawner, the model splitter (``split_model``: stage modules and the parameters
 they share; ``split_causal_lm``: a Hugging Face causal LM in one call). The example model's
 training harness (``TrainConfig``, ``train_worker``) is lab, not runtime: it lives in
-``rrfp_async.bench._demo_train``.
+the lab beside the runtime, ``rrfp_lab``.
 
-Internal to the package family: imported here for ``integrations/`` and ``bench/``, not in
-``__all__``:
+Internal to the package family: imported here for ``integrations/`` and the lab
+(``rrfp_lab``), not in ``__all__``:
 
 * ``DEFAULT_STEP_TIMEOUT``: ``DistributedStage``'s default ``step_timeout`` (the drop-ins
   default to the same);

@@ -25,7 +25,7 @@ stream at the forward and replays it in the recomputation.
 
 How values cross the stage boundary (pytrees, side inputs, ties, gradient messages) is
 ``_stage_io``; emulated GPU time (``emulate=``, a sleep after the real compute) is
-``_emulation``; timing ``B`` against ``I`` + ``W`` is lab code (``bench._split_measure``).
+``_emulation``; timing ``B`` against ``I`` + ``W`` is lab code (``rrfp_lab._split_measure``).
 """
 
 from __future__ import annotations

@@ -10,7 +10,8 @@
 The peers are imported lazily: ``import rrfp_async`` never imports them.
 
 Internal to the package family: ``megatron_order`` (the order Megatron's own schedule runs a
-stage's tasks in, for ``bench/``), in ``_INTERNAL``, lazy like the rest, not in ``__all__``.
+stage's tasks in, for the lab, ``rrfp_lab``), in ``_INTERNAL``, lazy like the rest, not in
+``__all__``.
 """
 
 from typing import TYPE_CHECKING

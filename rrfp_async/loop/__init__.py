@@ -2,7 +2,7 @@
 
 Internal to the package family: imported here (``from ._x import name as name``, mypy's
 explicit re-export) for the packages above (``sim/``, ``distributed/``, ``integrations/``,
-``bench/``), not in ``__all__``:
+and the lab, ``rrfp_lab``), not in ``__all__``:
 
 * ``OutputHook``: the type of an executor's ``output_hook``;
 * ``GradStash``, ``stash_grads``, ``restore_grads``: tied gradients set aside while a step

@@ -5,7 +5,7 @@ channels) with a :class:`~rrfp_async.loop.CostModelExecutor` on a
 :class:`~rrfp_async.loop.VirtualEventLoop`, so a 128-stage pipeline takes seconds and its
 timeline is exact and reproducible.
 
-Internal to the package family: imported here for ``bench/``, not in ``__all__``:
+Internal to the package family: imported here for the lab (``rrfp_lab``), not in ``__all__``:
 ``TP_DECISION_LATENCY``, ``TP_STEP_CHECK`` (the modelled TP coordination terms) and
 ``fit_tp_term`` (their fit to measured figures), from ``_sim_tp``.
 """

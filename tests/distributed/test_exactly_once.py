@@ -25,7 +25,8 @@ import pytest
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
-from rrfp_async import StepPlan, Topology, TrainConfig, TrainResult, image_text_cost, train_worker
+from rrfp_async import StepPlan, Topology
+from rrfp_lab import TrainConfig, TrainResult, image_text_cost, train_worker
 from tests._pool import pooled_spawn
 from tests.distributed.test_training import _bitwise, _max_diff, _params, _reference
 
@@ -76,7 +77,7 @@ def _ordered(cfg: TrainConfig) -> bool:
 
 
 def _plan(cfg: TrainConfig) -> StepPlan:
-    """The plan ``train_worker`` runs for ``cfg`` (see ``bench/_demo_train.py``)."""
+    """The plan ``train_worker`` runs for ``cfg`` (see ``rrfp_lab/_demo_train.py``)."""
     return StepPlan(
         topology=Topology(stages=cfg.pp, chunks=cfg.chunks),
         microbatches=cfg.microbatches,

@@ -9,7 +9,6 @@ import pytest
 from click.testing import CliRunner
 
 import rrfp_async as rr
-from rrfp_async.bench._demo_train import TrainConfig, image_text_cost, train_worker
 from rrfp_async.cli._main import main
 from rrfp_async.observability import (
     TraceData,
@@ -17,6 +16,7 @@ from rrfp_async.observability import (
     summarize,
     validate_chrome_trace,
 )
+from rrfp_lab._demo_train import TrainConfig, image_text_cost, train_worker
 from tests._pool import pooled_spawn
 
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(300)]
@@ -125,7 +125,7 @@ def test_demo_command_small(tmp_path: Path) -> None:
 
 
 def test_pipeline_step_times_pairs_each_policy_with_the_first_step_by_step() -> None:
-    from rrfp_async.bench._local_bench import pipeline_step_times
+    from rrfp_lab._local_bench import pipeline_step_times
 
     res = pipeline_step_times(
         stages=2,

@@ -13,6 +13,7 @@ import torch
 from click.testing import CliRunner
 
 import rrfp_async as rr
+import rrfp_lab as lab
 from rrfp_async.cli import main
 from rrfp_async.observability import load_trace, merge_trace_files, validate_chrome_trace
 from tests._pool import pooled_spawn
@@ -116,12 +117,12 @@ def test_a_failed_step_never_replaces_the_last_good_trace(tmp_path: Path) -> Non
 
 
 def test_train_config_trace_dir() -> None:
-    cfg = rr.TrainConfig(pp=2, steps=3, warmup_steps=1, trace_dir="out/t")
+    cfg = lab.TrainConfig(pp=2, steps=3, warmup_steps=1, trace_dir="out/t")
     assert cfg.traced_steps == (3,)  # the last step, warm-up counted
-    assert rr.TrainConfig(pp=2, steps=3, trace_dir="x", trace_steps=(0,)).traced_steps == (0,)
-    assert rr.TrainConfig(pp=2).traced_steps == ()
+    assert lab.TrainConfig(pp=2, steps=3, trace_dir="x", trace_steps=(0,)).traced_steps == (0,)
+    assert lab.TrainConfig(pp=2).traced_steps == ()
     with pytest.raises(rr.PlanError, match="trace_dir must be a directory path"):
-        rr.TrainConfig(pp=2, trace_dir=3)  # type: ignore[arg-type]
+        lab.TrainConfig(pp=2, trace_dir=3)  # type: ignore[arg-type]
 
 
 # ---------------------------------------------------------------------- two processes
@@ -147,17 +148,17 @@ def _cross_file_flows(tr: dict[str, Any], ranks: dict[int, Path]) -> int:
 @pytest.mark.distributed
 @pytest.mark.timeout(300)
 def test_training_writes_per_rank_traces_that_merge(tmp_path: Path) -> None:
-    cfg = rr.TrainConfig(
+    cfg = lab.TrainConfig(
         pp=2,
         microbatches=4,
         steps=2,
         policies=("readiness_first",),
         memory_factor=2.0,
-        cost=rr.image_text_cost(per_token=1e-5, jitter=0.3),
+        cost=lab.image_text_cost(per_token=1e-5, jitter=0.3),
         trace_dir=tmp_path / "traces",
         return_params=False,
     )
-    results = pooled_spawn(rr.train_worker, 2, cfg, timeout=240)
+    results = pooled_spawn(lab.train_worker, 2, cfg, timeout=240)
     d = tmp_path / "traces" / "readiness_first"
     assert sorted(p.name for p in d.iterdir()) == ["rank0.json", "rank1.json"]
     with pytest.raises(rr.TraceError, match="holds rank 0, and 8 of its messages"):

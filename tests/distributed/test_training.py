@@ -15,15 +15,9 @@ import pytest
 import torch
 
 import rrfp_async as rr
-from rrfp_async import (
-    CostModel,
-    Microbatch,
-    TrainConfig,
-    TrainResult,
-    image_text_cost,
-    train_worker,
-)
+from rrfp_async import CostModel, Microbatch
 from rrfp_async.models import reference_train, unshard
+from rrfp_lab import TrainConfig, TrainResult, image_text_cost, train_worker
 from tests._pool import pooled_spawn
 
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(300)]

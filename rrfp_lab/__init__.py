@@ -1,22 +1,38 @@
-"""Benchmark bodies: what ``rrfp-async bench ...`` and ``demo`` measure.
+"""rrfp_lab: the lab beside the runtime. What ``rrfp-async bench ...`` and ``demo`` measure,
+and the example model's training harness; never imported by ``rrfp_async``.
 
-A layer of its own above ``integrations`` and below ``cli`` (the thin command layer, which
-imports these modules inside its commands so that ``--help`` stays fast). Every benchmark
-prints ratios measured side by side in one run; on a CPU, GPU time is emulated (real torch
-compute plus a sleep from a declared cost model on a compute thread). The modules are
-private; the commands and ``BENCHMARKS.md`` are the interface.
+The runtime (``rrfp_async``) is the library; this package holds what measures it and shows
+it off, so the runtime reads as the runtime. It imports ``rrfp_async`` like any user, through
+its faces (``tests/test_layers.py`` holds it to that), and reaches the command line as
+plug-ins (``rrfp_lab.cli``: ``bench`` and ``demo``, registered in ``pyproject.toml``'s
+``rrfp_async.commands`` entry points). Every benchmark prints ratios measured side by side
+in one run; on a CPU, GPU time is emulated (real torch compute plus a sleep from a declared
+cost model on a compute thread), and every report says so. ``BENCHMARKS.md`` gives each
+command's current figures.
 
-Internal to the package family: ``__all__`` is empty; every name below (``_INTERNAL``: the
-benchmark bodies, their configs and the targets each command checks) is for ``cli/``. The
-face is lazy (``rrfp_async._lazy``): ``from ..bench import soak`` inside a command imports
-``_soak`` alone, so one command pays only for its own benchmark. It caches nothing
-(``cache=False``): a command reads each name from its module when it runs, as it did when it
-imported the module itself, so a name a test replaces there is the one the command runs.
+Public: the example model's training harness (what ``examples/train_image_text.py`` and
+the demo run): ``TrainConfig``, ``train_worker``, ``TrainResult`` and ``image_text_cost``
+(the example model's declared cost model). Until 0.2 they are also reachable, with a
+``DeprecationWarning``, as ``rrfp_async.TrainConfig`` and so on.
+
+Internal to the package family: the benchmark bodies, their configs and the targets each
+command checks (``_INTERNAL``), for ``rrfp_lab.cli``. The face is lazy
+(``rrfp_async._lazy``): ``from .. import soak`` inside a command imports ``_soak`` alone, so
+one command pays only for its own benchmark. It caches nothing (``cache=False``): a command
+reads each name from its module when it runs, as it did when it imported the module itself,
+so a name a test replaces there is the one the command runs.
 """
 
 from typing import TYPE_CHECKING
 
-from .._lazy import exports
+from rrfp_async._lazy import exports
+
+_EXPORTS: dict[str, str] = {
+    "TrainConfig": "._demo_train",
+    "TrainResult": "._demo_train",
+    "image_text_cost": "._demo_train",
+    "train_worker": "._demo_train",
+}
 
 _INTERNAL: dict[str, str] = {
     "DECISION_TARGET_US": "._overhead",
@@ -62,6 +78,10 @@ _INTERNAL: dict[str, str] = {
 
 if TYPE_CHECKING:
     from ._bridge_overheads import bridge_overheads as bridge_overheads
+    from ._demo_train import TrainConfig as TrainConfig
+    from ._demo_train import TrainResult as TrainResult
+    from ._demo_train import image_text_cost as image_text_cost
+    from ._demo_train import train_worker as train_worker
     from ._hf import HFConfig as HFConfig
     from ._hf import hf_benchmark as hf_benchmark
     from ._local_bench import logging_overhead as logging_overhead
@@ -101,6 +121,6 @@ if TYPE_CHECKING:
     from ._soak import format_soak as format_soak
     from ._soak import soak as soak
 
-__getattr__, __dir__ = exports(__name__, _INTERNAL, cache=False)
+__getattr__, __dir__ = exports(__name__, {**_EXPORTS, **_INTERNAL}, cache=False)
 
-__all__: list[str] = []
+__all__ = ["TrainConfig", "TrainResult", "image_text_cost", "train_worker"]

@@ -81,8 +81,8 @@ def decision_schedule(ready: int, microbatches: int | None = None) -> Any:
     decisions (the final backwards) see fewer. Default ``microbatches``: ``max(32, 8k)``, so
     that tail is at most 1/16 of the decisions.
     """
-    from .._tasks import StepPlan, Task, Topology
-    from ..policies import StepSchedule
+    from rrfp_async import StepPlan, Task, Topology
+    from rrfp_async.policies import StepSchedule
 
     k = ready
     if k < 1:
@@ -103,8 +103,8 @@ async def _decision_cases(
     ready_sizes: Sequence[int], policies: Sequence[str], microbatches: int | None
 ) -> list[dict[str, Any]]:
     """Build (and warm up) one stage per case on the running loop."""
-    from ..channels import LocalChannel
-    from ..loop import StageLoop
+    from rrfp_async.channels import LocalChannel
+    from rrfp_async.loop import StageLoop
 
     loop_name = loop_kind(asyncio.get_running_loop())
     cases: list[dict[str, Any]] = []
@@ -208,7 +208,7 @@ def decision_latency(
     """
     import contextlib
 
-    from ..loop import loop_factory
+    from rrfp_async.loop import loop_factory
 
     for name in loops:
         if name not in ("uvloop", "asyncio"):

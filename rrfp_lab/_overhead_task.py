@@ -46,11 +46,10 @@ def task_overhead(
     """
     import torch.distributed.pipelining as tpp
 
-    from .._bridges import ComputeWorker
-    from .._tasks import StepPlan, Topology
-    from ..distributed import DistributedStage, ProcessLayout, TorchStageExecutor
-    from ..loop import run
-    from ..policies import StepSchedule
+    from rrfp_async import StepPlan, Topology
+    from rrfp_async.distributed import DistributedStage, ProcessLayout, TorchStageExecutor
+    from rrfp_async.loop import ComputeWorker, run
+    from rrfp_async.policies import StepSchedule
 
     dev = torch.device(device)
     m = microbatches
@@ -137,6 +136,6 @@ def _task_rank(rank: int, world: int, kwargs: dict[str, Any]) -> Row:
 
 def task_overhead_isolated(timeout: float = 180.0, **kwargs: Any) -> list[Row]:
     """:func:`task_overhead` in a fresh 1-rank process (one torch thread, like a rank)."""
-    from ..distributed import spawn
+    from rrfp_async.distributed import spawn
 
     return [spawn(_task_rank, 1, kwargs, timeout=timeout)[0]]

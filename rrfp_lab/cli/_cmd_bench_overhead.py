@@ -9,8 +9,15 @@ from typing import Any
 import click
 from rich.table import Table
 
-from ._options import json_option, log_options, microbatches_option, policy_option, repeats_option
-from ._output import console, table
+from rrfp_async.cli import (
+    console,
+    json_option,
+    log_options,
+    microbatches_option,
+    policy_option,
+    repeats_option,
+    table,
+)
 
 __all__ = ["bench_overhead"]
 
@@ -110,7 +117,7 @@ def bench_overhead(
     as_json: bool,
 ) -> None:
     """Overheads in isolation, each against its raw baseline (ratios measured in one run)."""
-    from ..bench import (
+    from .. import (
         decision_latency,
         message_cost,
         split_backward_cost_isolated,
@@ -173,7 +180,7 @@ def _verdict(ok: bool) -> str:
 
 
 def _decision_table(rows: Rows, loop_names: list[str], repeats: int) -> Table:
-    from ..bench import DECISION_TARGET_US
+    from .. import DECISION_TARGET_US
 
     cols = ["policy", "k", "mean k", *loop_names, "CPU"]
     cols += [f"{ln} +yield" for ln in loop_names] + ["worst / target", "target"]
@@ -212,7 +219,7 @@ def _decision_table(rows: Rows, loop_names: list[str], repeats: int) -> Table:
 
 
 def _message_table(rows: Rows) -> Table:
-    from ..bench import MESSAGE_TARGET_RATIO
+    from .. import MESSAGE_TARGET_RATIO
 
     t = table(
         "per message, one way (round trip / 2), µs, 2 processes, gloo on 127.0.0.1;"
@@ -257,7 +264,7 @@ def _message_table(rows: Rows) -> Table:
 
 
 def _tp_table(rows: Rows, compute_ms: float) -> Table:
-    from ..bench import TP_SHARE_TARGET, TP_TARGET_RATIO
+    from .. import TP_SHARE_TARGET, TP_TARGET_RATIO
 
     t = table(
         "TP coordination per decision, µs, vs raw blocking broadcast of int64[6] on the"
@@ -311,7 +318,7 @@ def _tp_table(rows: Rows, compute_ms: float) -> Table:
 
 
 def _tp_step_table(rows: Rows) -> Table:
-    from ..bench import TP_STEP_SHARE_TARGET
+    from .. import TP_STEP_SHARE_TARGET
 
     t = table(
         "TP coordination per step, µs (slowest rank, median over paired steps of 16"
@@ -364,7 +371,7 @@ def _tp_step_table(rows: Rows) -> Table:
 
 
 def _tp_model_tables(model: dict[str, Any]) -> list[Table]:
-    from ..bench import TP_MODEL_TOLERANCE
+    from .. import TP_MODEL_TOLERANCE
 
     t = table(
         "TP coordination model: a + b x f(tp), f = log2(tp) or tp - 1 (least squares, the"
@@ -425,7 +432,7 @@ def _tp_model_tables(model: dict[str, Any]) -> list[Table]:
 
 
 def _split_table(rows: Rows) -> Table:
-    from ..bench import SPLIT_TARGET_RATIO
+    from .. import SPLIT_TARGET_RATIO
 
     t = table(
         "I + W vs B, middle stage of the example model, real CPU compute (1 torch"

@@ -238,7 +238,7 @@ def split_spec(cfg: HFConfig) -> list[str] | int:
 
 def reference_losses(cfg: HFConfig, steps: Sequence[Sequence[Batch]]) -> list[float]:
     """Plain single-process forward of the whole model: each step's mean microbatch loss."""
-    from ..distributed import split_model
+    from rrfp_async.distributed import split_model
 
     split = split_model(build_blocks(cfg), 1)
     out = []
@@ -264,16 +264,16 @@ def hf_worker(rank: int, world: int, cfg: HFConfig) -> dict[str, Any]:
     """One process of ``hf_benchmark`` (module-level, so that ``spawn`` can pickle it)."""
     import torch.distributed.pipelining as tpp
 
-    from .._tasks import StepPlan, Topology
-    from ..distributed import (
+    from rrfp_async import StepPlan, Topology
+    from rrfp_async.distributed import (
         DistributedStage,
         ProcessLayout,
         TorchStageExecutor,
         build_groups,
         split_model,
     )
-    from ..loop import loop_factory
-    from ..policies import StepSchedule
+    from rrfp_async.loop import loop_factory
+    from rrfp_async.policies import StepSchedule
 
     steps = make_steps(cfg)
     padded = [pad(s) for s in steps]
@@ -372,7 +372,7 @@ def hf_worker(rank: int, world: int, cfg: HFConfig) -> dict[str, Any]:
             for key in order:
                 results[key][0].append(fns[key](s))
             if rank == 0:
-                from ..distributed import report_progress
+                from rrfp_async.distributed import report_progress
 
                 report_progress(s)
     finally:
@@ -395,7 +395,7 @@ def hf_benchmark(
         {"median", "min", "max", "per_step"}}, "loss_check": {...}, "tokens": {...}}``; a
         speedup is torch padded's step time / ours in the same step (> 1: ours is faster).
     """
-    from ..distributed import spawn
+    from rrfp_async.distributed import spawn
 
     res = spawn(hf_worker, cfg.stages, cfg, timeout=cfg.timeout, on_progress=on_progress)
     w = cfg.warmup_steps

@@ -74,9 +74,9 @@ def _message_rank(
     import torch
     import torch.distributed as dist
 
-    from .._tasks import Task
-    from ..channels import P2PChannel
-    from ..loop import loop_factory
+    from rrfp_async import Task
+    from rrfp_async.channels import P2PChannel
+    from rrfp_async.loop import loop_factory
 
     peer = 1 - rank
     # Each channel gets its own group: its receiving thread keeps a receive posted, which on
@@ -203,7 +203,7 @@ def message_cost(
         ``per_handoff``: completions per hand-off to the loop in the timed batches (shared
         I/O; None for per-edge I/O, one hand-off per completion).
     """
-    from ..distributed import spawn
+    from rrfp_async.distributed import spawn
 
     n = max(1, messages // batches)
     rows: list[Row] = []

@@ -37,7 +37,7 @@ def peer_simulated(
     simulate every hint of ``_GUIDED`` under ``readiness_first`` on the declared durations,
     keep the fastest) and the *oracle* (the fastest on the realized durations).
     """
-    from ..sim import simulate
+    from rrfp_async.sim import simulate
 
     steps = make_steps(cfg)[cfg.warmup_steps :]
     p, m = cfg.stages, cfg.microbatches

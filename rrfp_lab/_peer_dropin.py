@@ -18,8 +18,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .._costs import Durations
-from .._tasks import StepPlan
+from rrfp_async import Durations, StepPlan
+
 from ._peer_config import TORCH_SCHEDULES, PeerConfig, Step, WorkerRun, resolve_torch_schedule
 from ._peer_stage import TableCost, make_inputs, make_modules, peer_loss
 
@@ -48,7 +48,7 @@ def _dropin_run(
     import torch.distributed.pipelining as tpp
     from torch.distributed.pipelining import PipelineStage
 
-    from ..integrations import ScheduleInterleavedReadinessFirst, ScheduleReadinessFirst
+    from rrfp_async.integrations import ScheduleInterleavedReadinessFirst, ScheduleReadinessFirst
 
     # "torch:<schedule>": torch's order is the hint, on that schedule's chunks and placement.
     torch_name = (

@@ -86,8 +86,8 @@ __all__ = [
 def peer_worker(rank: int, world: int, cfg: PeerConfig) -> dict[str, Any]:
     """One process of ``peer_benchmark`` (module-level, so that ``spawn`` can pickle it):
     builds both systems' runs, then runs every configuration once per step, interleaved."""
-    from ..distributed import ProcessLayout, build_groups
-    from ..loop import loop_factory
+    from rrfp_async.distributed import ProcessLayout, build_groups
+    from rrfp_async.loop import loop_factory
 
     steps = make_steps(cfg)
     total = len(steps)
@@ -119,7 +119,7 @@ def peer_worker(rank: int, world: int, cfg: PeerConfig) -> dict[str, Any]:
                     current = run.chunks
                 run.times.append(run.fn(s))
             if rank == 0:
-                from ..distributed import report_progress
+                from rrfp_async.distributed import report_progress
 
                 report_progress(s)
     finally:
@@ -182,7 +182,7 @@ def peer_benchmark(
         same step (1.0 there; NaN when it was not run); ``efficiency`` the median of
         lower bound / step time.
     """
-    from ..distributed import spawn
+    from rrfp_async.distributed import spawn
 
     res = spawn(peer_worker, cfg.stages, cfg, timeout=cfg.timeout, on_progress=on_progress)
     r0 = res[0]

@@ -7,8 +7,15 @@ from typing import Any
 
 import click
 
-from ._options import json_option, log_options, microbatches_option, seed_option, steps_option
-from ._output import console, table
+from rrfp_async.cli import (
+    console,
+    json_option,
+    log_options,
+    microbatches_option,
+    seed_option,
+    steps_option,
+    table,
+)
 
 __all__ = ["bench_hf"]
 
@@ -79,7 +86,7 @@ def bench_hf(
         import transformers  # noqa: F401
     except ImportError as e:
         raise click.UsageError("bench hf needs transformers (pip install transformers)") from e
-    from ..bench import HFConfig, hf_benchmark
+    from .. import HFConfig, hf_benchmark
 
     try:
         cfgs = [

@@ -7,21 +7,25 @@ from typing import Any
 
 import click
 
-from ._options import (
+from rrfp_async.cli import (
+    console,
     hint_option,
     jitter_option,
     log_choice,
     log_options,
     memory_factor_option,
     microbatches_option,
+    optional_png,
     policy_names,
     policy_option,
+    progress,
     seed_option,
+    speedup_table,
     stages_option,
     steps_option,
+    table,
     tp_option,
 )
-from ._output import console, optional_png, progress, speedup_table, table
 
 __all__ = ["demo_cmd"]
 
@@ -66,8 +70,9 @@ def demo_cmd(
     image patch, backward 2x, jitter).
     """
     # Lazy, so that --help stays fast: the harness imports torch.
-    from ..bench import pipeline_step_times
-    from ..observability import chrome_trace, render_png, summarize, write_trace
+    from rrfp_async.observability import chrome_trace, render_png, summarize, write_trace
+
+    from .. import pipeline_step_times
 
     names = policy_names(policies, ["strict", "readiness_first", "backfill"])
     fmt, level = log_choice()

@@ -12,7 +12,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from .._workloads import PAPER_IMAGE_TOKENS
+from rrfp_async._workloads import PAPER_IMAGE_TOKENS
 
 __all__ = [
     "BASELINE",

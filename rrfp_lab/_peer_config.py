@@ -13,9 +13,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from .._costs import Durations
-from .._tasks import StepPlan, Topology
-from .._workloads import make_workload
+from rrfp_async import Durations, StepPlan, Topology, make_workload
 
 __all__ = [
     "TORCH_SCHEDULES",
@@ -215,7 +213,7 @@ def step_plan(cfg: PeerConfig, chunks: int, placement: str, split: bool) -> Step
 
 
 def step_lower_bound(cfg: PeerConfig, st: Step, chunks: int, placement: str, split: bool) -> float:
-    from ..sim import lower_bound
+    from rrfp_async.sim import lower_bound
 
     plan = step_plan(cfg, chunks, placement, split)
     return lower_bound(plan, Durations.from_arrays(plan, st.forward[chunks], st.backward[chunks]))

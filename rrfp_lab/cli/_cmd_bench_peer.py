@@ -7,7 +7,8 @@ from typing import Any
 
 import click
 
-from ._options import (
+from rrfp_async.cli import (
+    console,
     hint_option,
     jitter_option,
     json_option,
@@ -17,11 +18,12 @@ from ._options import (
     microbatches_option,
     policy_names,
     policy_option,
+    progress,
     seed_option,
     stages_option,
     steps_option,
+    table,
 )
-from ._output import console, progress, table
 
 __all__ = ["bench_peer"]
 
@@ -114,7 +116,7 @@ def bench_peer(
     Real processes on gloo (127.0.0.1), real CPU compute plus EMULATED GPU time (each stage
     sleeps a declared, seeded duration per token), configurations interleaved step by step.
     """
-    from ..bench import PeerConfig, resolve_torch_schedule
+    from .. import PeerConfig, resolve_torch_schedule
 
     base = PeerConfig()
     try:
@@ -154,7 +156,7 @@ def bench_peer(
     if host_time:
         _peer_host_time(cfgs, as_json)
         return
-    from ..bench import peer_benchmark
+    from .. import peer_benchmark
 
     results = []
     per_run = cfgs[0].warmup_steps + cfgs[0].steps
@@ -168,7 +170,7 @@ def bench_peer(
                 update(f"{name}: step {s + 1}/{per_run} done ({what})", True)
 
             results.append(peer_benchmark(cfg, on_progress=on_step))
-    from ..observability import paired_ratio
+    from rrfp_async.observability import paired_ratio
 
     if as_json:
         runs = [
@@ -256,7 +258,7 @@ def bench_peer(
 
 
 def _peer_host_time(cfgs: list[Any], as_json: bool) -> None:
-    from ..bench import module_host_time
+    from .. import module_host_time
 
     rows = [{"us_per_token": c.us_per_token, **module_host_time(c)} for c in cfgs]
     if as_json:
@@ -272,7 +274,7 @@ def _peer_host_time(cfgs: list[Any], as_json: bool) -> None:
 
 
 def _peer_simulated(cfgs: list[Any], latency: float, as_json: bool) -> None:
-    from ..bench import peer_simulated
+    from .. import peer_simulated
 
     out = [
         {"us_per_token": cfg.us_per_token, **row}

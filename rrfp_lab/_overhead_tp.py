@@ -14,7 +14,8 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from .._bridges import ComputeWorker
+from rrfp_async.loop import ComputeWorker
+
 from ._overhead_common import Row, median_of, transport_figures
 
 __all__ = [
@@ -101,11 +102,11 @@ def _tp_rank(
     import torch
     import torch.distributed as dist
 
-    from .._tasks import StepPlan, Task, Topology
-    from ..channels import DecisionChannel
-    from ..distributed import DistributedStage, ProcessLayout, build_groups
-    from ..loop import loop_factory
-    from ..policies import StepSchedule
+    from rrfp_async import StepPlan, Task, Topology
+    from rrfp_async.channels import DecisionChannel
+    from rrfp_async.distributed import DistributedStage, ProcessLayout, build_groups
+    from rrfp_async.loop import loop_factory
+    from rrfp_async.policies import StepSchedule
 
     layout = ProcessLayout.from_world(pp=1, tp=world)
     groups = build_groups(layout)
@@ -335,7 +336,7 @@ def tp_coordination(
         wait_share_measured, step_decisions, published, target_ratio, met_ratio, met_share}``
         (per-decision figures None at TP 1).
     """
-    from ..distributed import spawn
+    from rrfp_async.distributed import spawn
 
     n = max(1, decisions // batches)
     computes = sorted({*computes_ms, compute_ms})
@@ -446,7 +447,7 @@ def tp_model(
         cost_us, share}], task_ms}``: the shares of a step of ``decisions`` tasks of
         ``task_ms`` from the fitted per-step total, for every measured and predicted TP.
     """
-    from ..sim import fit_tp_term
+    from rrfp_async.sim import fit_tp_term
 
     terms = []
     fitted = {}

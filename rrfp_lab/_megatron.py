@@ -39,8 +39,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
-from .._costs import Durations
-from .._tasks import StepPlan
+from rrfp_async import Durations, StepPlan
+
 from ._peer_config import PeerConfig, Step, WorkerRun, make_steps, step_lower_bound
 
 __all__ = ["MegatronBenchConfig", "megatron_benchmark", "megatron_worker"]
@@ -195,9 +195,10 @@ def megatron_worker(rank: int, world: int, cfg: MegatronBenchConfig) -> dict[str
     from megatron.core.process_groups_config import ProcessGroupCollection
     from megatron.core.transformer.transformer_config import TransformerConfig
 
-    from .._admission import hint_peak
-    from ..integrations import get_forward_backward_func as rr_fb
-    from ..integrations import megatron_order
+    from rrfp_async import hint_peak
+    from rrfp_async.integrations import get_forward_backward_func as rr_fb
+    from rrfp_async.integrations import megatron_order
+
     from ._peer import slowest
     from ._peer_stage import fill_table
 
@@ -295,7 +296,7 @@ def megatron_worker(rank: int, world: int, cfg: MegatronBenchConfig) -> dict[str
                 assert run.fn is not None
                 run.times.append(run.fn(s))
             if rank == 0:
-                from ..distributed import report_progress
+                from rrfp_async.distributed import report_progress
 
                 report_progress(s)
     finally:
@@ -329,7 +330,7 @@ def _one_step(
     """Run and time step ``s`` of one configuration (every rank, after a barrier)."""
     import torch.distributed as dist
 
-    from ..integrations import MegatronForwardBackward
+    from rrfp_async.integrations import MegatronForwardBackward
 
     if current[0] != (workload, run.chunks):
         fill(steps, run.chunks)
@@ -380,7 +381,7 @@ def megatron_benchmark(
         row's, same workload), ``spread_1f1b`` / ``spread_interleaved`` (their min and max),
         ``efficiency`` (median lower bound / step) and ``peak_inflight``.
     """
-    from ..distributed import spawn
+    from rrfp_async.distributed import spawn
 
     res = spawn(megatron_worker, cfg.stages, cfg, timeout=cfg.timeout, on_progress=on_progress)
     r0, last = res[0], res[-1]

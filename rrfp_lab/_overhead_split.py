@@ -53,10 +53,16 @@ def split_backward_cost(
         of the executor tasks).
     """
 
-    from .._tasks import StepPlan, Task, Topology
-    from ..distributed import TorchStageExecutor
-    from ..loop import TaskContext
-    from ..models.image_text import ImageTextConfig, build_stage_modules, loss_fn, make_microbatches
+    from rrfp_async import StepPlan, Task, Topology
+    from rrfp_async.distributed import TorchStageExecutor
+    from rrfp_async.loop import TaskContext
+    from rrfp_async.models.image_text import (
+        ImageTextConfig,
+        build_stage_modules,
+        loss_fn,
+        make_microbatches,
+    )
+
     from ._split_measure import stage_inputs
 
     v = stages // 2 if stage is None else stage
@@ -119,7 +125,7 @@ def split_backward_cost(
                     acc[key].append(tot[key])
         return acc
 
-    from ..loop import run
+    from rrfp_async.loop import run
 
     try:
         acc = run(main())
@@ -190,6 +196,6 @@ def _split_rank(rank: int, world: int, kwargs: dict[str, Any]) -> list[Row]:
 def split_backward_cost_isolated(timeout: float = 180.0, **kwargs: Any) -> list[Row]:
     """:func:`split_backward_cost` in a fresh process with one torch thread (like the
     pipeline ranks), so the CLI process's thread pool and heap do not bias it."""
-    from ..distributed import spawn
+    from rrfp_async.distributed import spawn
 
     return spawn(_split_rank, 1, kwargs, timeout=timeout)[0]

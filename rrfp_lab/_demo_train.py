@@ -6,7 +6,7 @@ initial weights, same emulated noise; their steps interleaved, so that load drif
 alike), and returns per policy the final
 parameters, the step times and the stage statistics. The demo, the benchmarks and the
 equivalence tests all use it, so what they compare is one code path. Public as
-``rr.TrainConfig``, ``rr.TrainResult``, ``rr.train_worker`` and ``rr.image_text_cost``.
+``rrfp_lab.TrainConfig``, ``TrainResult``, ``train_worker`` and ``image_text_cost``.
 
 Data: the PP and TP ranks of one data-parallel replica see the same microbatches; each DP
 replica draws its own (``TrainConfig.batches(dp_rank)``), and the gradients are averaged
@@ -29,10 +29,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .._costs import CostModel, Microbatch, StageProfile
-from .._errors import PlanError
-from .._tasks import StepPlan, Topology
-from ..distributed import (
+from rrfp_async import CostModel, Microbatch, PlanError, StageProfile, StepPlan, Topology
+from rrfp_async.distributed import (
     DistributedStage,
     EmulatedCost,
     ProcessLayout,
@@ -40,10 +38,15 @@ from ..distributed import (
     build_groups,
     report_progress,
 )
-from ..loop import StepStats, run
-from ..models import TPContext
-from ..models.image_text import ImageTextConfig, build_stage_modules, loss_fn, make_microbatches
-from ..observability import (
+from rrfp_async.loop import StepStats, run
+from rrfp_async.models import TPContext
+from rrfp_async.models.image_text import (
+    ImageTextConfig,
+    build_stage_modules,
+    loss_fn,
+    make_microbatches,
+)
+from rrfp_async.observability import (
     LogFormat,
     LogObserver,
     MultiObserver,
@@ -54,7 +57,7 @@ from ..observability import (
     rank_trace_path,
     write_trace,
 )
-from ..policies import StepSchedule
+from rrfp_async.policies import StepSchedule
 
 __all__ = [
     "TrainConfig",

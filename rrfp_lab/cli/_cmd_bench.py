@@ -2,8 +2,8 @@
 
 The two large subcommands live in their own modules (``_cmd_bench_peer``,
 ``_cmd_bench_overhead``) and are added to the group here. Every subcommand imports its
-measuring module (``rrfp_async.bench``, which pulls in torch) inside its body, so that ``--help``
-stays fast.
+measuring module (the lab's, ``rrfp_lab``, which pulls in torch) inside its body, so that
+``--help`` stays fast.
 """
 
 from __future__ import annotations
@@ -13,11 +13,9 @@ from typing import Any
 
 import click
 
-from ._cmd_bench_hf import bench_hf
-from ._cmd_bench_megatron import bench_megatron
-from ._cmd_bench_overhead import bench_overhead
-from ._cmd_bench_peer import bench_peer
-from ._options import (
+from rrfp_async.cli import (
+    CleanErrorsGroup,
+    console,
     hint_option,
     jitter_option,
     json_option,
@@ -28,11 +26,17 @@ from ._options import (
     policy_option,
     repeats_option,
     seed_option,
+    speedup_table,
     stages_option,
     steps_option,
+    table,
     tp_option,
 )
-from ._output import CleanErrorsGroup, console, speedup_table, table
+
+from ._cmd_bench_hf import bench_hf
+from ._cmd_bench_megatron import bench_megatron
+from ._cmd_bench_overhead import bench_overhead
+from ._cmd_bench_peer import bench_peer
 
 __all__ = ["bench"]
 
@@ -83,7 +87,7 @@ def bench_simulator(
 ) -> None:
     """Wall time of one simulated step, how it grows with the step, and simulated makespan
     ratios of the policies."""
-    from ..bench import simulator_policy_table, simulator_scaling, simulator_wall_time
+    from .. import simulator_policy_table, simulator_scaling, simulator_wall_time
 
     con = console()
     t = table(
@@ -161,7 +165,7 @@ def bench_pipeline(
     seed: int,
 ) -> None:
     """Step times of a real multi-process gloo pipeline training the example model."""
-    from ..bench import pipeline_step_times
+    from .. import pipeline_step_times
 
     names = policy_names(policies, ["strict", "readiness_first"])
     res = pipeline_step_times(
@@ -214,7 +218,7 @@ def bench_pipeline(
 @log_options
 def bench_bridges(repeats: int) -> None:
     """Cost of each awaitable bridge on this machine (µs per awaited operation)."""
-    from ..bench import bridge_overheads
+    from .. import bridge_overheads
 
     rows = bridge_overheads(repeats)
     keys = [k for k in rows[0] if k != "name"] if rows else []
@@ -235,7 +239,7 @@ def bench_bridges(repeats: int) -> None:
 @log_options
 def bench_logging(repeats: int) -> None:
     """Overhead of step-traced logging on a simulated 16 x 128 step (disabled and enabled)."""
-    from ..bench import logging_overhead
+    from .. import logging_overhead
 
     t = table(
         "simulated 16 x 128 step, wall time, median of interleaved runs",
@@ -282,7 +286,7 @@ def bench_paper(
     """Paper scale in simulation (PP 4-16 x TP 8, up to 128 GPUs): every hint/policy vs
     strict 1F1B, next to the RRFP preprint's 1.77x / 2.77x (virtual time, declared cost
     model)."""
-    from ..bench import (
+    from .. import (
         PAPER_FIGURES,
         condition_configs,
         condition_scenarios,
@@ -352,7 +356,7 @@ def bench_soak(
 ) -> None:
     """Run a local pipeline for many steps; resident memory, live tasks and threads must stay
     flat (exit code 1 if they do not)."""
-    from ..bench import format_soak, soak
+    from .. import format_soak, soak
 
     policy_names((policy,), [])
     res = soak(

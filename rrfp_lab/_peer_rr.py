@@ -12,13 +12,13 @@ from typing import TYPE_CHECKING, Any
 
 import torch.distributed as dist
 
-from .._costs import Durations
-from .._tasks import StepPlan
+from rrfp_async import Durations, StepPlan
+
 from ._peer_config import PeerConfig, Step, WorkerRun, step_plan
 from ._peer_stage import PeerStage, TableCost, make_inputs, make_modules, peer_loss
 
 if TYPE_CHECKING:
-    from ..distributed import ProcessLayout, StageGroups
+    from rrfp_async.distributed import ProcessLayout, StageGroups
 
 __all__ = ["rr_runs"]
 
@@ -33,8 +33,8 @@ def rr_runs(
 ) -> tuple[list[WorkerRun], list[Callable[[], None]]]:
     """This rank's rrfp_async runs, each stepping a ``DistributedStage`` on ``loop``, and the
     closers of their executors (the caller closes them after the last step)."""
-    from ..distributed import DistributedStage, TorchStageExecutor
-    from ..policies import StepSchedule
+    from rrfp_async.distributed import DistributedStage, TorchStageExecutor
+    from rrfp_async.policies import StepSchedule
 
     runs: list[WorkerRun] = []
     closers: list[Callable[[], None]] = []

@@ -14,9 +14,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from .._costs import CostModel, Durations
-from .._tasks import StepPlan, Topology
-from ..distributed import EmulatedCost
+from rrfp_async import CostModel, Durations, StepPlan, Topology
+from rrfp_async.distributed import EmulatedCost
+
 from ._peer_config import PeerConfig, Step, make_steps
 
 __all__ = [

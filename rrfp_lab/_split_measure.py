@@ -13,9 +13,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from .._errors import PlanError
-from .._tasks import StepPlan, Task
-from ..distributed import TorchStageExecutor
+from rrfp_async import PlanError, StepPlan, Task
+from rrfp_async.distributed import TorchStageExecutor
 
 __all__ = ["measure_split_backward", "stage_inputs"]
 
@@ -87,9 +86,14 @@ def measure_split_backward(
     """
     import statistics
 
-    from .._tasks import Topology
-    from ..loop import TaskContext
-    from ..models.image_text import ImageTextConfig, build_stage_modules, loss_fn, make_microbatches
+    from rrfp_async import Topology
+    from rrfp_async.loop import TaskContext
+    from rrfp_async.models.image_text import (
+        ImageTextConfig,
+        build_stage_modules,
+        loss_fn,
+        make_microbatches,
+    )
 
     cfg = ImageTextConfig() if config is None else config
     v = stages // 2 if stage is None else stage

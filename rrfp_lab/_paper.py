@@ -48,11 +48,12 @@ from collections.abc import Callable, Sequence
 from dataclasses import replace
 from typing import Any
 
-from .._costs import LLM_STAGE, VISION_STAGE, CostModel, Microbatch, StageProfile
-from .._tasks import StepPlan, Topology
-from .._workloads import PAPER_IMAGE_TOKENS, make_workload, multimodal_paper_sizes
-from ..policies import default_bound, list_schedule, remaining_work, strict_timeline
-from ..sim import lower_bound, simulate
+from rrfp_async import CostModel, Microbatch, StageProfile, StepPlan, Topology, make_workload
+from rrfp_async._costs import LLM_STAGE, VISION_STAGE
+from rrfp_async._workloads import PAPER_IMAGE_TOKENS, multimodal_paper_sizes
+from rrfp_async.policies import default_bound, list_schedule, remaining_work, strict_timeline
+from rrfp_async.sim import lower_bound, simulate
+
 from ._paper_report import TextTable, best_rows, coordination_table, report_tables, to_markdown
 from ._paper_scenarios import (
     BASELINE,
@@ -342,7 +343,7 @@ def coordination_rows(
     makespan with every TP group's coordination simulated (``simulate(tp=sc.tp)``, the
     fitted latency unless ``tp_latency`` is given) against the same seeds with it free,
     and the ratio vs strict 1F1B both ways (strict 1F1B coordinated as well)."""
-    from ..sim import TP_DECISION_LATENCY, TP_STEP_CHECK
+    from rrfp_async.sim import TP_DECISION_LATENCY, TP_STEP_CHECK
 
     rows = []
     for sc in scenarios:

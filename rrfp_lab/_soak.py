@@ -43,13 +43,19 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from .._check import check_int, check_real, describe
-from .._costs import CostModel, Microbatch, StageProfile
-from .._errors import PlanError
-from .._tasks import StepPlan, Task, Topology
-from .._workloads import make_workload
-from ..loop import CostModelExecutor, LocalPipeline, TaskContext, run
-from ..policies import StepSchedule
+from rrfp_async import (
+    CostModel,
+    Microbatch,
+    PlanError,
+    StageProfile,
+    StepPlan,
+    Task,
+    Topology,
+    make_workload,
+)
+from rrfp_async._check import check_int, check_real, describe
+from rrfp_async.loop import CostModelExecutor, LocalPipeline, TaskContext, run
+from rrfp_async.policies import StepSchedule
 
 __all__ = [
     "GC_TOLERANCE",

@@ -7,7 +7,8 @@ from typing import Any
 
 import click
 
-from ._options import (
+from rrfp_async.cli import (
+    console,
     jitter_option,
     json_option,
     log_options,
@@ -15,11 +16,12 @@ from ._options import (
     microbatches_option,
     policy_names,
     policy_option,
+    progress,
     seed_option,
     stages_option,
     steps_option,
+    table,
 )
-from ._output import console, progress, table
 
 __all__ = ["bench_megatron"]
 
@@ -83,7 +85,7 @@ def bench_megatron(
     sleeps a declared, seeded duration per token), configurations interleaved step by step.
     Needs megatron-core (pip install rrfp-async[megatron]).
     """
-    from ..bench import MegatronBenchConfig
+    from .. import MegatronBenchConfig
 
     base = MegatronBenchConfig()
     try:
@@ -103,7 +105,7 @@ def bench_megatron(
         )
     except ValueError as e:
         raise click.BadParameter(str(e)) from e
-    from ..bench import megatron_benchmark
+    from .. import megatron_benchmark
 
     total = cfg.warmup_steps + cfg.steps
     with progress(total, enabled=not as_json) as update:

@@ -8,9 +8,9 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from .._errors import PlanError
-from ..observability import LogFormat, paired_ratio
-from ..sim import simulate
+from rrfp_async import PlanError
+from rrfp_async.observability import LogFormat, paired_ratio
+from rrfp_async.sim import simulate
 
 __all__ = [
     "logging_overhead",
@@ -236,8 +236,9 @@ def pipeline_step_times(
             " name. For a null test (a policy against itself), run examples/"
             "train_image_text.py --policy strict --policy strict"
         )
-    from ..distributed import spawn
-    from ..observability import TraceData
+    from rrfp_async.distributed import spawn
+    from rrfp_async.observability import TraceData
+
     from ._demo_train import TrainConfig, image_text_cost, train_worker
 
     cfg = TrainConfig(
@@ -295,7 +296,7 @@ def logging_overhead(
     import io
     import os
 
-    from ..observability import LogObserver, configure_logging
+    from rrfp_async.observability import LogObserver, configure_logging
 
     devnull = open(os.devnull, "w")  # noqa: SIM115 - closed below
     variants = {

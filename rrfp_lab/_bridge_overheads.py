@@ -78,7 +78,7 @@ class _Completer:
 async def _loop_overheads(repeats: int) -> list[Row]:
     import torch
 
-    from .._bridges import ComputeWorker, run_blocking, torch_future
+    from rrfp_async.loop import ComputeWorker, run_blocking, torch_future
 
     loop = asyncio.get_running_loop()
     name = _loop_name(loop)
@@ -129,7 +129,7 @@ def run_bridge_bench(use_uvloop: bool, repeats: int = 2000) -> list[Row]:
     Returns:
         Rows ``{"name", "loop", "us_per_op"}``; ``loop`` names the loop actually used.
     """
-    from ..loop import loop_factory
+    from rrfp_async.loop import loop_factory
 
     with asyncio.Runner(loop_factory=loop_factory(use_uvloop)) as runner:
         return runner.run(_loop_overheads(repeats))
@@ -140,8 +140,7 @@ def _gloo_rank(rank: int, world: int, n: int) -> list[Row]:
     import torch
     import torch.distributed as dist
 
-    from .._bridges import work_future
-    from ..loop import loop_factory
+    from rrfp_async.loop import loop_factory, work_future
 
     peer = 1 - rank
     buf = torch.zeros(16, dtype=torch.float32)  # 64 bytes
@@ -215,7 +214,7 @@ def gloo_bridge_bench(repeats: int = 500) -> list[Row]:
     Returns:
         Rows ``{"name", "loop", "us_per_op"}`` (``loop`` is ``"-"`` for blocking calls).
     """
-    from ..distributed import spawn
+    from rrfp_async.distributed import spawn
 
     n = max(1, repeats // _BATCHES)
     return spawn(_gloo_rank, 2, n, timeout=120.0)[0]
