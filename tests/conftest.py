@@ -42,3 +42,42 @@ def _process_pool():  # type: ignore[no-untyped-def]
     from tests._pool import shutdown
 
     shutdown()
+
+
+# ---- solo tests under pytest-xdist --------------------------------------------------------
+# ``./dev test`` runs two pytest-xdist workers. A test marked ``solo`` asserts on task
+# durations that another test's processes on the same 2 cores distort (the stall analysis
+# of a job with one slow task: beside another multi-process test, ordinary tasks took twice
+# their median there and were called slow too). It runs with no other test running: a
+# writer-preferring lock over two files shared by the run's workers. Every test passes the
+# gate and holds the lock shared; a solo test holds the gate (no new test starts), then the
+# lock exclusively (it waits for the running ones). Without xdist this is a no-op.
+def _solo_files() -> tuple[str, str]:
+    import tempfile
+
+    run = os.environ.get("PYTEST_XDIST_TESTRUNUID", "")
+    base = os.path.join(tempfile.gettempdir(), f"rrfp-tests-{run}")
+    return base + ".gate", base + ".lock"
+
+
+@pytest.fixture(autouse=True)
+def _solo_or_shared(request):  # type: ignore[no-untyped-def]
+    """See above: ``solo`` tests run alone under pytest-xdist; the others side by side."""
+    if "PYTEST_XDIST_WORKER" not in os.environ:
+        yield
+        return
+    import fcntl
+
+    solo = request.node.get_closest_marker("solo") is not None
+    gate_path, lock_path = _solo_files()
+    gate = os.open(gate_path, os.O_CREAT | os.O_RDWR, 0o600)
+    lock = os.open(lock_path, os.O_CREAT | os.O_RDWR, 0o600)
+    try:
+        fcntl.flock(gate, fcntl.LOCK_EX)  # behind a solo test that waits or runs
+        if not solo:
+            fcntl.flock(gate, fcntl.LOCK_UN)
+        fcntl.flock(lock, fcntl.LOCK_EX if solo else fcntl.LOCK_SH)
+        yield
+    finally:
+        os.close(lock)  # (closing the descriptor releases its lock)
+        os.close(gate)
