@@ -9,9 +9,12 @@ or without torchrun (the script spawns the processes itself on 127.0.0.1):
 
     python examples/train_image_text.py --spawn --pp 2 --tp 2
 
-Microbatches have 0-4 images and 8-48 text tokens (variable shapes cross the pipeline
-without padding). Time is real CPU compute of a tiny model plus EMULATED GPU time: each task
-also sleeps for its declared cost (per token, per image patch; backward 2x; seeded jitter).
+The training loop is the lab's harness for the example model (``rrfp_lab.train_worker``:
+the one the demo and the benchmarks run); for your own model and loop see
+docs/distributed.md. Microbatches have 0-4 images and 8-48 text tokens (variable shapes
+cross the pipeline without padding). Time is real CPU compute of a tiny model plus EMULATED
+GPU time: each task also sleeps for its declared cost (per token, per image patch; backward
+2x; seeded jitter).
 """
 
 from __future__ import annotations

@@ -446,7 +446,7 @@ def train_worker(rank: int, world: int, cfg: TrainConfig) -> list[TrainResult]:
     emulated noise. The layout is ``ProcessLayout.from_world(pp=cfg.pp, tp=cfg.tp)``
     (Megatron's rank order; DP = world / (pp * tp)). Run it under ``rr.spawn`` or torchrun::
 
-        results = rr.spawn(rr.train_worker, world, cfg)   # results[rank][policy index]
+        results = rr.spawn(lab.train_worker, world, cfg)  # results[rank][policy index]
 
     Args:
         rank: This process's global rank (``spawn``'s calling convention; the layout reads
