@@ -7,7 +7,8 @@ The friendly public API, pulled together from the private modules and the layers
 * deciding (``rrfp_async.policies``): hints, ``StepSchedule``, policies;
 * running (``rrfp_async.loop``): ``StageLoop``, ``LocalPipeline``, ``run``, the bridges;
 * distributed: ``ProcessLayout``, ``build_groups``, ``DistributedStage``,
-  ``TorchStageExecutor``, ``EmulatedCost``, ``spawn``; splitting a model into stage
+  ``TorchStageExecutor``, ``EmulatedCost``, ``spawn`` (``report_progress``: a worker's
+  messages to its ``on_progress``); splitting a model into stage
   modules with the parameters they share: ``split_model``, ``from_stage_modules``,
   ``from_pipe``, ``StageSplit``, ``StageModule``; a Hugging Face causal LM in one call:
   ``split_causal_lm``, ``CausalLMSplit``, ``CausalLMStage``;
@@ -111,6 +112,7 @@ _EXPORTS: dict[str, str] = {
     "render_png": ".observability",
     "run": ".loop",
     "simulate": ".sim._simulate",
+    "report_progress": ".distributed._spawn",
     "spawn": ".distributed._spawn",
     "split_causal_lm": ".distributed._causal_lm",
     "split_model": ".distributed._split",
@@ -157,7 +159,7 @@ if TYPE_CHECKING:  # the same names for type checkers (tests/test_public_api.py 
     from .distributed._emulation import EmulatedCost
     from .distributed._layout import ProcessLayout, StageGroups, build_groups, pipeline_neighbors
     from .distributed._nonfinite import NonFinite
-    from .distributed._spawn import free_port, spawn
+    from .distributed._spawn import free_port, report_progress, spawn
     from .distributed._split import (
         StageModule,
         StageSplit,
@@ -307,6 +309,7 @@ __all__ = [
     "readiness_first",
     "register_policy",
     "render_png",
+    "report_progress",
     "run",
     "simulate",
     "spawn",

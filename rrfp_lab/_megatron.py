@@ -296,7 +296,7 @@ def megatron_worker(rank: int, world: int, cfg: MegatronBenchConfig) -> dict[str
                 assert run.fn is not None
                 run.times.append(run.fn(s))
             if rank == 0:
-                from rrfp_async.distributed import report_progress
+                from rrfp_async import report_progress
 
                 report_progress(s)
     finally:

@@ -119,7 +119,7 @@ def peer_worker(rank: int, world: int, cfg: PeerConfig) -> dict[str, Any]:
                     current = run.chunks
                 run.times.append(run.fn(s))
             if rank == 0:
-                from rrfp_async.distributed import report_progress
+                from rrfp_async import report_progress
 
                 report_progress(s)
     finally:

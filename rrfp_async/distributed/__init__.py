@@ -10,7 +10,6 @@ Internal to the package family: imported here for ``integrations/`` and the lab
 
 * ``DEFAULT_STEP_TIMEOUT``: ``DistributedStage``'s default ``step_timeout`` (the drop-ins
   default to the same);
-* ``report_progress``: a spawned worker's progress line to the parent;
 * ``SharedSpec``: where one parameter lives on several stages (tied weights), as the
   drop-ins declare it.
 """
@@ -21,8 +20,7 @@ from ._dist_stage import DEFAULT_STEP_TIMEOUT as DEFAULT_STEP_TIMEOUT
 from ._dist_stage import DistributedStage
 from ._emulation import EmulatedCost
 from ._layout import ProcessLayout, StageGroups, build_groups, pipeline_neighbors
-from ._spawn import free_port, spawn
-from ._spawn import report_progress as report_progress
+from ._spawn import free_port, report_progress, spawn
 from ._split import StageModule, StageSplit, from_pipe, from_stage_modules, split_model
 from ._stage_io import SharedSpec as SharedSpec
 from ._torch_executor import TorchStageExecutor
@@ -42,6 +40,7 @@ __all__ = [
     "from_pipe",
     "from_stage_modules",
     "pipeline_neighbors",
+    "report_progress",
     "spawn",
     "split_causal_lm",
     "split_model",

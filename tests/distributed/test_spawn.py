@@ -143,7 +143,7 @@ def test_every_process_claiming_rank_0_is_a_layout_error() -> None:
 
 
 def _report_then_return(rank: int, world: int, n: int) -> int:
-    from rrfp_async.distributed._spawn import report_progress
+    from rrfp_async import report_progress
 
     for i in range(n):
         report_progress((rank, i))
