@@ -81,7 +81,7 @@ from . import _state_dump as state_dump
 from ._executor_hooks import EventWaitingExecutor, TieSpecExecutor, executor_seed
 from ._layout import ProcessLayout, StageGroups, build_groups, pipeline_neighbors
 from ._p2p_registry import claim_p2p_group, release_p2p_group
-from ._plan_check import PlanCheck
+from ._plan_check import PlanCheck, step_check_error
 from ._stage_grads import GradientSync
 from ._stage_trace import StageViews
 from ._step_agreement import StepAgreement
@@ -510,19 +510,19 @@ class DistributedStage(
             failed = False
             return stats
         except BaseException as e:
-            # A peer that read the step check's differing rows first told this rank: fail
-            # with the step check's own PlanError, as every rank does.
-            plan_error = None
-            if watcher is not None and isinstance(e, PeerStepError):
-                plan_error = await self._step_check_error(watcher, e)
             if self._told != s:  # (not yet by the stage, before it waited for its task)
                 self._tell_failure(s, e)
             lost = isinstance(e, PeerError) and not isinstance(e, PeerStepError)
             if not agreed and not lost and not self.channel.broken:
                 # (a lost rank or a broken channel: the job cannot go on, nor agree)
                 self._post_agreement(failed=True)
-            if plan_error is not None:
-                raise plan_error from e
+            if watcher is not None and isinstance(e, PeerStepError):
+                # A peer that read the step check's differing rows first told this rank:
+                # fail with the step check's own PlanError, as every rank does. Waited for
+                # after the bookkeeping above, which a cancelled wait must not skip.
+                plan_error = await step_check_error(watcher, e, s)
+                if plan_error is not None:
+                    raise plan_error from e
             raise
         finally:
             if watcher is not None:

@@ -27,7 +27,11 @@ from ._executor_hooks import executor_seed
 from ._stage_fields import StageFields
 from ._ties import ties_digest
 
-__all__ = ["PlanCheck"]
+__all__ = ["STEP_DIFFERS", "PlanCheck", "step_check_error"]
+
+#: What the step check's ``PlanError`` says after "step N:" (``step_check_error`` reads it
+#: in a peer's ABORT).
+STEP_DIFFERS = "the ranks do not run the same step"
 
 
 class PlanCheck(StageFields):
@@ -191,7 +195,7 @@ class PlanCheck(StageFields):
             for r, ranks in sorted(groups.items(), key=lambda kv: kv[1][0])
         ]
         raise PlanError(
-            f"{self._who()} step {step}: the ranks do not run the same step: "
+            f"{self._who()} step {step}: {STEP_DIFFERS}: "
             + "; ".join(parts)
             + ". Every rank must give each step the same number of microbatches (and the same"
             " schedule, train= and step number); a rank's data loader that ran out early or"
@@ -210,24 +214,28 @@ class PlanCheck(StageFields):
             self.stage.step_aborted(step, e)
             raise
 
-    async def _step_check_error(
-        self, watcher: asyncio.Future[None], e: PeerStepError
-    ) -> PlanError | None:
-        """The step check's ``PlanError`` when a peer failed this step with one (``e``).
 
-        The rank that read the step check's rows first fails the step and tells the others
-        (an ABORT); one whose watcher had not read them yet would otherwise fail it with
-        that ``PeerStepError``, not the ``PlanError`` its peers raise. The origin read the
-        rows, so every rank posted the all-gather and its rows are on their way here: wait
-        for them (bounded like every step check, by ``step_timeout``) so that every rank
-        fails alike. None when the origin's error was not a ``PlanError`` or the rows agree.
-        """
-        if not e.cause.startswith(f"{PlanError.__name__}:"):
-            return None
-        try:
-            await asyncio.shield(watcher)
-        except PlanError as verdict:
-            return verdict
-        except Exception:  # the check could not complete: keep the peer's word
-            return None
+async def step_check_error(
+    watcher: asyncio.Future[None], e: PeerStepError, step: int
+) -> PlanError | None:
+    """This rank's own step-check ``PlanError`` when a peer failed ``step`` with one (``e``).
+
+    The rank that reads the step check's differing rows first fails the step and tells the
+    others (an ABORT); one whose watcher had not read them yet would otherwise fail it with
+    that ``PeerStepError``, not the ``PlanError`` its peers raise. The origin read the rows,
+    so every rank posted the all-gather and its rows are on their way here: wait for them
+    (bounded like every step check, by ``step_timeout``) so that every rank fails alike.
+    Only for that cause: after any other error of the origin (a ``PlanError`` of a task
+    included) a rank that has not started the step yet may never post its row, so nothing is
+    waited for. None when the cause is another or the rows agree here.
+    """
+    cause = e.cause
+    if not (cause.startswith(f"{PlanError.__name__}:") and f"step {step}: {STEP_DIFFERS}" in cause):
         return None
+    try:
+        await asyncio.shield(watcher)
+    except PlanError as verdict:
+        return verdict
+    except Exception:  # the check could not complete: keep the peer's word
+        return None
+    return None

@@ -13,6 +13,7 @@ import torch
 
 import rrfp_async as rr
 from rrfp_async.distributed._digest import PlanDigest, adopt_default_seed, plan_disagreement
+from rrfp_async.distributed._plan_check import STEP_DIFFERS, step_check_error
 from tests._pool import pooled_spawn
 
 # ---------------------------------------------------------------------- pure
@@ -381,3 +382,30 @@ def test_a_step_with_other_microbatch_counts_fails_at_once_on_every_rank(
             assert r[case + "_after"] == 2 * 4  # this rank's F and B of 4 microbatches
     for r in (r0, r1):  # both changed alike: the plan check ran and the step ran
         assert r["both"] == ("ok", 2 * 3), r["both"]
+
+
+async def test_a_peers_abort_waits_for_the_step_check_only_after_the_step_check_failed() -> None:
+    """``step_check_error`` (a rank told by a peer's ABORT): it waits for its own step-check
+    rows only when the peer failed on them; after any other cause, a ``PlanError`` of a task
+    included, it waits for nothing (a rank that never starts the step never posts its row)."""
+    loop = asyncio.get_running_loop()
+    never: asyncio.Future[None] = loop.create_future()  # a row that never comes
+
+    def told(cause: str) -> rr.PeerStepError:
+        return rr.PeerStepError("told", step=3, origin=0, cause=cause)
+
+    for cause in (
+        "PlanError: rank 0 (global 0) step 3: a task refused its input",
+        f"PlanError: rank 0 (global 0) step 2: {STEP_DIFFERS}: ...",  # another step's
+        f"RuntimeError: step 3: {STEP_DIFFERS}",
+    ):
+        assert await asyncio.wait_for(step_check_error(never, told(cause), 3), 1.0) is None
+    differ = rr.PlanError(f"rank 1 (global 1) step 3: {STEP_DIFFERS}: rank 0 has ...")
+    rows: asyncio.Future[None] = loop.create_future()
+    rows.set_exception(differ)
+    mine = told(f"PlanError: rank 0 (global 0) step 3: {STEP_DIFFERS}: rank 0 has step 3, ...")
+    assert await step_check_error(rows, mine, 3) is differ
+    agree: asyncio.Future[None] = loop.create_future()
+    agree.set_result(None)
+    assert await step_check_error(agree, mine, 3) is None
+    never.cancel()
