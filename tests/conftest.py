@@ -52,16 +52,8 @@ def _process_pool():  # type: ignore[no-untyped-def]
 # writer-preferring lock over two files shared by the run's workers. Every test passes the
 # gate and holds the lock shared; a solo test holds the gate (no new test starts), then the
 # lock exclusively (it waits for the running ones). Without xdist this is a no-op.
-def _solo_files() -> tuple[str, str]:
-    import tempfile
-
-    run = os.environ.get("PYTEST_XDIST_TESTRUNUID", "")
-    base = os.path.join(tempfile.gettempdir(), f"rrfp-tests-{run}")
-    return base + ".gate", base + ".lock"
-
-
 @pytest.fixture(autouse=True)
-def _solo_or_shared(request):  # type: ignore[no-untyped-def]
+def _solo_or_shared(request, tmp_path_factory):  # type: ignore[no-untyped-def]
     """See above: ``solo`` tests run alone under pytest-xdist; the others side by side."""
     if "PYTEST_XDIST_WORKER" not in os.environ:
         yield
@@ -69,9 +61,11 @@ def _solo_or_shared(request):  # type: ignore[no-untyped-def]
     import fcntl
 
     solo = request.node.get_closest_marker("solo") is not None
-    gate_path, lock_path = _solo_files()
-    gate = os.open(gate_path, os.O_CREAT | os.O_RDWR, 0o600)
-    lock = os.open(lock_path, os.O_CREAT | os.O_RDWR, 0o600)
+    # The run's temporary directory, which every worker's own (popen-gw<n>) is in: shared by
+    # the workers of this run only, and removed by pytest's retention like the rest.
+    shared = tmp_path_factory.getbasetemp().parent
+    gate = os.open(shared / "solo.gate", os.O_CREAT | os.O_RDWR, 0o600)
+    lock = os.open(shared / "solo.lock", os.O_CREAT | os.O_RDWR, 0o600)
     try:
         fcntl.flock(gate, fcntl.LOCK_EX)  # behind a solo test that waits or runs
         if not solo:
