@@ -416,7 +416,7 @@ def test_the_runtime_never_imports_the_lab() -> None:
     assert layer_of("rrfp_lab._peer") > max(
         layer_of(m) for m in modules() if m.startswith("rrfp_async")
     )
-    named = []
+    named = []  # calls given a name of the lab: importlib.import_module("rrfp_lab"), ...
     for mod, path in modules().items():
         if layer_of(mod) == LAB_LAYER:
             continue
@@ -427,13 +427,5 @@ def test_the_runtime_never_imports_the_lab() -> None:
                 and isinstance(node.args[0], ast.Constant)
                 and str(node.args[0].value).split(".")[0] == "rrfp_lab"
             ):
-                named.append(f"{mod}:{node.lineno}")
-    assert named == ["rrfp_async:" + str(_shim_line())], named
-
-
-def _shim_line() -> int:
-    tree = ast.parse((PACKAGE / "__init__.py").read_text())
-    for node in ast.walk(tree):
-        if isinstance(node, ast.Call) and getattr(node.func, "attr", "") == "import_module":
-            return node.lineno
-    raise AssertionError("the face's shim for the harness's old names is gone: drop this rule")
+                named.append(mod)
+    assert named == ["rrfp_async"], named  # the face's shim, and nowhere else
