@@ -63,6 +63,17 @@ def _exit_code(pid: int) -> int | None:
     return os.waitstatus_to_exitcode(int(fields[49]))
 
 
+def _children(pid: int) -> set[int]:
+    """The pids whose parent is ``pid``."""
+    out = set()
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit():
+            fields = _stat(int(d.name))
+            if len(fields) > 1 and fields[1] == str(pid):
+                out.add(int(d.name))
+    return out
+
+
 MONITOR_INTERVAL = 600
 """torchrun's ``--monitor-interval``: longer than the test's own deadline, so the agent never
 looks at (and tears down) the workers while a test runs (see the module's docstring)."""
@@ -128,9 +139,13 @@ def _run(tmp_path: Path, victim: int, how: str, survivors: list[int]) -> dict[st
             if code is not None:
                 exits[r] = code
     finally:
+        # Nothing stays: the agent, then its workers (each in a session of its own; one that
+        # never wrote its pid is found as the agent's child). A stopped process takes SIGKILL
+        # too; SIGCONT for safety.
+        workers = set(pids.values()) | _children(proc.pid)
         with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGKILL)  # the agent and every worker: nothing stays
-        for pid in pids.values():  # a stopped process takes SIGKILL too; SIGCONT for safety
+            os.killpg(proc.pid, signal.SIGKILL)
+        for pid in workers:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGCONT)
                 os.kill(pid, signal.SIGKILL)
