@@ -4,19 +4,13 @@ rank, within a bound, and exits non-zero.
 ``torchrun --standalone --nproc-per-node 3`` runs ``_dead_rank_worker.py`` (a 3-stage pipeline
 of small tasks, ``step_timeout`` 5 s); the victim SIGKILLs or SIGSTOPs itself in the middle
 of step 2. Each rank writes its error (type, message, wall time of the failure) to a file
-named by its rank the moment its step fails. torchrun's agent looks at its workers only every
-``--monitor-interval`` seconds and, at the first look that finds one dead, tears the others
-down (SIGTERM): with the 3 s it once had, a look that fell a few ms after the kill took a
-survivor down before it had failed by itself (seen in CI: rank 0 of the "further away" test,
-1 run in ~100). The interval is now longer than any run of these tests takes, so the agent
-never looks while one runs: each survivor fails and exits by itself, its exit code is read
-from its zombie's ``/proc/PID/stat`` (the agent has not reaped it), and the test ends the
-agent itself.
+named by its rank the moment its step fails. The agent never looks at the workers while a
+test runs (``_torchrun.py`` says why): each survivor fails and exits by itself, and the test
+reads its exit code and ends the job.
 """
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import signal
@@ -28,6 +22,8 @@ from typing import Any
 
 import pytest
 
+from tests.distributed import _torchrun
+
 pytestmark = [
     pytest.mark.distributed,
     pytest.mark.timeout(240),
@@ -37,46 +33,6 @@ pytestmark = [
 WORKER = Path(__file__).with_name("_dead_rank_worker.py")
 ROOT = Path(__file__).resolve().parents[2]
 STEP_TIMEOUT = 5.0
-
-
-def _stat(pid: int) -> list[str]:
-    """The fields of ``/proc/PID/stat`` from the third (the state) on, or ``[]`` if gone."""
-    try:
-        text = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return []
-    return text.rsplit(")", 1)[1].split()
-
-
-def _state(pid: int) -> str:
-    """The process state letter (``T`` stopped, ``Z`` exited, unreaped), or ``-`` if gone."""
-    fields = _stat(pid)
-    return fields[0] if fields else "-"
-
-
-def _exit_code(pid: int) -> int | None:
-    """An exited, unreaped process's exit code (``-N`` for signal N), from field 52 of its
-    stat (Linux >= 3.5: the status waitpid would report); None unless it is a zombie."""
-    fields = _stat(pid)
-    if not fields or fields[0] != "Z" or len(fields) < 50:
-        return None
-    return os.waitstatus_to_exitcode(int(fields[49]))
-
-
-def _children(pid: int) -> set[int]:
-    """The pids whose parent is ``pid``."""
-    out = set()
-    for d in Path("/proc").iterdir():
-        if d.name.isdigit():
-            fields = _stat(int(d.name))
-            if len(fields) > 1 and fields[1] == str(pid):
-                out.add(int(d.name))
-    return out
-
-
-MONITOR_INTERVAL = 600
-"""torchrun's ``--monitor-interval``: longer than the test's own deadline, so the agent never
-looks at (and tears down) the workers while a test runs (see the module's docstring)."""
 
 
 def _run(tmp_path: Path, victim: int, how: str, survivors: list[int]) -> dict[str, Any]:
@@ -103,7 +59,7 @@ def _run(tmp_path: Path, victim: int, how: str, survivors: list[int]) -> dict[st
         "--max-restarts",
         "0",
         "--monitor-interval",
-        str(MONITOR_INTERVAL),
+        str(_torchrun.AGENT_NEVER_LOOKS),
         str(WORKER),
         "--victim",
         str(victim),
@@ -130,26 +86,16 @@ def _run(tmp_path: Path, victim: int, how: str, survivors: list[int]) -> dict[st
             # The survivors have failed and their processes ended by themselves (the agent
             # has not looked yet: they are unreaped zombies).
             if all((out / f"rank{r}.err").exists() for r in survivors) and all(
-                r in pids and _state(pids[r]) == "Z" for r in survivors
+                r in pids and _torchrun.state(pids[r]) == "Z" for r in survivors
             ):
                 break
             time.sleep(0.1)
         for r, pid in pids.items():
-            code = _exit_code(pid)
+            code = _torchrun.exit_code(pid)
             if code is not None:
                 exits[r] = code
     finally:
-        # Nothing stays: the agent, then its workers (each in a session of its own; one that
-        # never wrote its pid is found as the agent's child). A stopped process takes SIGKILL
-        # too; SIGCONT for safety.
-        workers = set(pids.values()) | _children(proc.pid)
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGKILL)
-        for pid in workers:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGCONT)
-                os.kill(pid, signal.SIGKILL)
-        proc.wait(timeout=30)
+        _torchrun.end(proc, set(pids.values()))
     text = log_path.read_text()
     assert (out / "signal.json").exists(), text[-3000:]
     t_signal = json.loads((out / "signal.json").read_text())["time"]

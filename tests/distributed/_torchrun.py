@@ -1,0 +1,76 @@
+"""torchrun jobs whose ranks the test watches itself, with the agent kept out of the way.
+
+torchrun's agent looks at its workers every ``--monitor-interval`` seconds (0.1 s by
+default) and, at the first look that finds one dead, SIGTERMs the others. A test of what a
+survivor does after a rank dies (fails by itself, names the lost rank, exits non-zero)
+races that look: a look that falls between the kill and the survivor's own failure takes
+the survivor down first, and what the test reads (its error, its exit code) never comes.
+Seen in CI: ``test_dead_rank.py`` at a 3 s interval (about 1 run in 100) and
+``test_resume.py`` at the default 0.1 s.
+
+So such a test runs the agent with ``--monitor-interval`` :data:`AGENT_NEVER_LOOKS` (longer
+than any test's own deadline): the agent never looks while the test runs, each survivor
+fails and exits by itself, the test reads each worker's exit code from its zombie's
+``/proc/PID/stat`` (the agent has not reaped it), and :func:`end` ends the agent and its
+workers. Linux only, as the rest of the distributed tier.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+from pathlib import Path
+
+AGENT_NEVER_LOOKS = 600
+"""torchrun's ``--monitor-interval`` for these tests: longer than any test's deadline."""
+
+
+def stat(pid: int) -> list[str]:
+    """The fields of ``/proc/PID/stat`` from the third (the state) on, or ``[]`` if gone."""
+    try:
+        text = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return []
+    return text.rsplit(")", 1)[1].split()
+
+
+def state(pid: int) -> str:
+    """The process state letter (``T`` stopped, ``Z`` exited, unreaped), or ``-`` if gone."""
+    fields = stat(pid)
+    return fields[0] if fields else "-"
+
+
+def exit_code(pid: int) -> int | None:
+    """An exited, unreaped process's exit code (``-N`` for signal N), from field 52 of its
+    stat (Linux >= 3.5: the status waitpid would report); None unless it is a zombie."""
+    fields = stat(pid)
+    if not fields or fields[0] != "Z" or len(fields) < 50:
+        return None
+    return os.waitstatus_to_exitcode(int(fields[49]))
+
+
+def children(pid: int) -> set[int]:
+    """The pids whose parent is ``pid`` (torchrun's workers are its agent's children)."""
+    out = set()
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit():
+            fields = stat(int(d.name))
+            if len(fields) > 1 and fields[1] == str(pid):
+                out.add(int(d.name))
+    return out
+
+
+def end(agent: subprocess.Popen[bytes], workers: set[int]) -> None:
+    """Nothing stays: the agent (started with ``start_new_session=True``: its process group),
+    then ``workers`` and any other child of the agent (each worker is in a session of its
+    own). A stopped process takes SIGKILL too; SIGCONT for safety."""
+    workers = workers | children(agent.pid)
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(agent.pid, signal.SIGKILL)
+    for pid in workers:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGCONT)
+            os.kill(pid, signal.SIGKILL)
+    agent.wait(timeout=30)
