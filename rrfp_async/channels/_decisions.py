@@ -73,7 +73,7 @@ import torch.distributed as dist
 from .._bridges import post, run_blocking, work_future
 from .._errors import ClosedError, DivergenceError, PeerError, PeerStepError
 from .._tasks import Kind, Task
-from ._wire import read_ints, write_ints
+from ._wire import CONNECTION_BROKE, read_ints, write_ints
 
 __all__ = ["DecisionChannel", "sequence_digest"]
 
@@ -191,7 +191,7 @@ class DecisionChannel:
             except Exception as e:
                 raise PeerError(
                     f"{self._who()} step {step}: sending decision {seq} ({task}) to TP rank {f}"
-                    f" failed (the connection broke: the process died or was killed): {e}"
+                    f" failed ({CONNECTION_BROKE}): {e}"
                 ) from e
         self.published += 1
         if self.fold_check and step == self._step:
@@ -210,7 +210,7 @@ class DecisionChannel:
             except Exception as e:
                 raise PeerError(
                     f"{self._who()} step {step}: sending the end-of-step digest to TP rank {f}"
-                    f" failed (the connection broke: the process died or was killed): {e}"
+                    f" failed ({CONNECTION_BROKE}): {e}"
                 ) from e
 
     def abort(self, step: int, origin: int) -> None:

@@ -17,6 +17,7 @@ from .._pytree import tensor_leaves
 from .._tasks import Task
 from ._p2p_io import REAP_BATCH, WATCH_TAG, ChannelState, edge_text, storage_ptr
 from ._wire import (
+    CONNECTION_BROKE,
     HEADER_BYTES,
     encode_header,
     grow,
@@ -238,9 +239,11 @@ class SendPath(ChannelState):
     def _send_failed(self, dst: int, what: tuple[int, object] | None, e: BaseException) -> str:
         seq, task = what or (-1, None)
         which = f"message seq {seq} ({task})" if isinstance(seq, int) and seq >= 0 else str(task)
+        # The cause in the words of every other lost-peer message (the receive side's, the
+        # decisions channel's): which side notices first is a race, the text is not.
         return (
             f"{self._name(self._rank)} lost {self._name(dst)}: sending {which}"
-            f" on {self._edge_out(dst)} failed: {e}"
+            f" on {self._edge_out(dst)} failed ({CONNECTION_BROKE}): {e}"
         )
 
     def _edge_out(self, dst: int) -> str:

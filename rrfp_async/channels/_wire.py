@@ -370,10 +370,14 @@ def unpack_tree_device(doc: bytes, flat: torch.Tensor | None, device: torch.devi
     return tree
 
 
+CONNECTION_BROKE = "the connection broke: the process died or was killed"
+"""The cause every lost-peer message gives (a failed send or decision, a peer's CLOSE)."""
+
+
 def blame_text(cause: int, ranks: str) -> str:
     """Why a peer failed, from the cause its CLOSE carries."""
     if cause == LOST:
-        return f"it lost {ranks} (the connection broke: the process died or was killed)"
+        return f"it lost {ranks} ({CONNECTION_BROKE})"
     if cause == TIMED_OUT:
         return f"it timed out waiting for {ranks} (hung, stopped, lost or waiting itself)"
     return f"{ranks} failed with an error of its own (see that rank's output)"

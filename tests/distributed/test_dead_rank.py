@@ -118,10 +118,12 @@ def _report(name: str, res: dict[str, Any]) -> None:
 
 
 def _connection_broke(message: str) -> bool:
-    """The cause a lost rank's neighbour names: its connection broke. Under the NCCL-rules
-    checker (``RRFP_NCCL_RULES``: the device path) the payload receive may see it first and
-    says so ("the payload of 2F0 of step 2 did not arrive: ... Connection reset by peer");
-    the gloo path says "the connection broke"."""
+    """The cause a lost rank's neighbour names: its connection broke. The gloo path says "the
+    connection broke" whether a receive or a send on the edge noticed first (a send: "sending
+    message seq 8 (1B0) on edge ... failed (the connection broke: ...)", seen once in a full
+    run). Under the NCCL-rules checker (``RRFP_NCCL_RULES``: the device path) the payload
+    receive may see it first and says so ("the payload of 2F0 of step 2 did not arrive: ...
+    Connection reset by peer")."""
     if "the connection broke" in message:
         return True
     device = bool(os.environ.get("RRFP_NCCL_RULES"))
