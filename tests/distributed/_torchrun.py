@@ -5,8 +5,8 @@ default) and, at the first look that finds one dead, SIGTERMs the others. A test
 survivor does after a rank dies (fails by itself, names the lost rank, exits non-zero)
 races that look: a look that falls between the kill and the survivor's own failure takes
 the survivor down first, and what the test reads (its error, its exit code) never comes.
-Seen in CI: ``test_dead_rank.py`` at a 3 s interval (about 1 run in 100) and
-``test_resume.py`` at the default 0.1 s.
+Seen in full runs of the suite: ``test_dead_rank.py`` at a 3 s interval (in CI, about 1 run
+in 100) and ``test_resume.py`` at the default 0.1 s.
 
 So such a test runs the agent with ``--monitor-interval`` :data:`AGENT_NEVER_LOOKS` (longer
 than any test's own deadline): the agent never looks while the test runs, each survivor

@@ -102,7 +102,8 @@ def test_without_a_restart_the_killed_job_fails_and_names_the_lost_rank(tmp_path
     try:
         deadline = time.monotonic() + 150
         while time.monotonic() < deadline and agent.poll() is None:
-            workers |= _torchrun.children(agent.pid)
+            if len(workers) < 2:  # both started: no need to look for them again
+                workers |= _torchrun.children(agent.pid)
             codes = {pid: _torchrun.exit_code(pid) for pid in workers}
             if len(codes) == 2 and None not in codes.values():
                 break
