@@ -152,12 +152,13 @@ class ControlPath(ChannelState):
             q.put(("bye", [msg]))
         q.put(None)
 
-    def close(self, timeout: float = 30.0) -> None:
+    def close(self, timeout: float = 30.0, *, failed: bool = False) -> None:
         """Send CLOSE to every outbound peer (after the messages already posted), and wait
         (up to ``timeout`` s) for the posted sends and for the peers' CLOSE on every inbound
         edge; on the device path, then for the payload sends in flight (their
-        communicators are aborted when they do not complete in time)."""
-        self._send_close()
+        communicators are aborted when they do not complete in time). ``failed``: the
+        CLOSE says this rank failed (with its cause), as ``__aexit__`` on an error."""
+        self._send_close(failed=failed)
         deadline = time.monotonic() + timeout
         for t in self._threads:
             t.join(max(0.0, deadline - time.monotonic()))

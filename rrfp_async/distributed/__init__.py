@@ -11,7 +11,9 @@ Internal to the package family: imported here for ``integrations/`` and the lab
 * ``DEFAULT_STEP_TIMEOUT``: ``DistributedStage``'s default ``step_timeout`` (the drop-ins
   default to the same);
 * ``SharedSpec``: where one parameter lives on several stages (tied weights), as the
-  drop-ins declare it.
+  drop-ins declare it;
+* ``close_quietly``: close a stage from a finalizer or teardown hook, a failure reported as
+  a ``ResourceWarning`` (the drop-ins' schedules release their stage with it).
 """
 
 from ._causal_lm import CausalLMSplit, split_causal_lm
@@ -19,6 +21,7 @@ from ._causal_lm_stage import CausalLMStage
 from ._dist_stage import DEFAULT_STEP_TIMEOUT as DEFAULT_STEP_TIMEOUT
 from ._dist_stage import DistributedStage
 from ._emulation import EmulatedCost
+from ._lifetime import close_quietly as close_quietly
 from ._layout import ProcessLayout, StageGroups, build_groups, pipeline_neighbors
 from ._spawn import free_port, report_progress, spawn
 from ._split import StageModule, StageSplit, from_pipe, from_stage_modules, split_model

@@ -77,6 +77,7 @@ from ..loop import (
 )
 from ..observability import TraceData
 from ..policies import Policy, StepSchedule
+from . import _lifetime as lifetime
 from . import _state_dump as state_dump
 from ._executor_hooks import EventWaitingExecutor, TieSpecExecutor, executor_seed
 from ._layout import ProcessLayout, StageGroups, build_groups, pipeline_neighbors
@@ -356,11 +357,13 @@ class DistributedStage(
         self._state = "open"
         state_dump.install()  # (from the main thread; the sync face installs it in __enter__)
         state_dump.register(self)
+        lifetime.opened(self)
         return self
 
     async def __aexit__(self, exc_type: object, *exc: object) -> None:
         self._state = "closed"
         state_dump.unregister(self)
+        lifetime.closed(self)
         try:
             if self.decisions is not None:
                 timeout = 5.0 if exc_type is None else 0.5
@@ -370,6 +373,21 @@ class DistributedStage(
         finally:
             try:
                 await self.channel.__aexit__(exc_type, *exc)
+            finally:
+                self._release_p2p_group()
+
+    def _close_blocking(self, *, failed: bool) -> None:
+        """``__aexit__``'s work without an event loop, for a stage whose loop is gone (see
+        ``close``): the decision and p2p channels close on this thread."""
+        self._state = "closed"
+        state_dump.unregister(self)
+        lifetime.closed(self)
+        try:
+            if self.decisions is not None:
+                self.decisions.close(0.5 if failed else 5.0)
+        finally:
+            try:
+                self.channel.close(0.5 if failed else 30.0, failed=failed)
             finally:
                 self._release_p2p_group()
 

@@ -8,6 +8,7 @@ block closes the stage there and stops the thread.
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Sequence
 from types import TracebackType
 from typing import Any, Self
@@ -20,6 +21,10 @@ from ._stage_fields import StageFields
 
 __all__ = ["SyncFace"]
 
+_CLOSE_WAIT = 60.0
+"""How long ``close`` waits for a stage's close on another thread's loop (its channels
+wait up to 30 s for the peers' CLOSE)."""
+
 
 class SyncFace(StageFields):
     """``DistributedStage``'s synchronous face (a part: see ``_stage_fields``)."""
@@ -29,6 +34,46 @@ class SyncFace(StageFields):
 
     async def __aexit__(self, exc_type: object, *exc: object) -> None:
         raise NotImplementedError
+
+    def _close_blocking(self, *, failed: bool) -> None:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        """Close the stage from synchronous code, however it was opened; idempotent (a stage
+        that is not open is left as it is).
+
+        ``with`` / ``async with`` close the stage at the end of their block; this is for an
+        owner whose stage has no block: the drop-ins' schedules (when they are closed or
+        garbage-collected), the hooks that close what is still open before
+        ``torch.distributed.destroy_process_group`` and at interpreter exit (see
+        ``_lifetime``). A stage opened with ``with`` closes as at the end of the block; one
+        opened with ``async with`` on a loop that still runs closes there (this call waits);
+        one whose loop has ended closes its channels on this thread.
+
+        Raises:
+            ClosedError: Called on the event loop thread of a stage opened there with
+                ``async with`` (it would wait for itself): there, leave the block.
+        """
+        if self._state != "open":
+            return
+        if self._portal is not None:
+            self.__exit__(None, None, None)
+            return
+        loop = self._loop
+        if loop is not None and loop.is_running() and not loop.is_closed():
+            try:
+                running = asyncio.get_running_loop()
+            except RuntimeError:
+                running = None
+            if running is loop:
+                raise ClosedError(
+                    f"{self._who()}: close() was called on the event loop the stage runs on;"
+                    " there, leave its `async with` block (or `await stage.__aexit__(...)`)"
+                )
+            fut = asyncio.run_coroutine_threadsafe(self.__aexit__(None, None, None), loop)
+            fut.result(timeout=_CLOSE_WAIT)
+            return
+        self._close_blocking(failed=False)
 
     def __enter__(self) -> Self:
         """Open the stage for a synchronous training loop: start an event loop on a thread

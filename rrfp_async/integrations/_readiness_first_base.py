@@ -19,6 +19,8 @@ the face it was first stepped with.
 from __future__ import annotations
 
 import asyncio
+import threading
+import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -34,6 +36,7 @@ from ..distributed import (
     SharedSpec,
     TorchStageExecutor,
     build_groups,
+    close_quietly,
 )
 from ..loop import StepStats
 from ..policies import StepSchedule
@@ -48,7 +51,70 @@ from ._torch_step_inputs import (
     stage_side_inputs,
 )
 
-__all__ = ["ReadinessFirstBase"]
+__all__ = ["ChunkLoss", "ReadinessFirstBase"]
+
+
+class ChunkLoss:
+    """The executor's loss function: the user's ``loss_fn(output, target, **loss_kwargs)``
+    on one microbatch (a ``Chunk``), its detached value kept on the chunk for ``losses``.
+
+    An object of its own, not a method of the schedule: the executor must hold no reference
+    to the schedule, or the schedule would never be garbage-collected (and so never
+    released) while its executor lives."""
+
+    def __init__(self, loss_fn: Callable[..., torch.Tensor]) -> None:
+        self.loss_fn = loss_fn
+
+    def __call__(self, output: Any, mb: Chunk) -> torch.Tensor:
+        try:
+            loss = self.loss_fn(output, mb.target, **mb.loss_kwargs)
+        except Exception as e:
+            if mb.target is None:  # torch calls loss_fn(output, None) alike, and fails alike
+                e.add_note(
+                    "loss_fn(output, target) got target=None: the rank that holds the last"
+                    " stage passes the targets to step() (step(target=y) or target_mbs=[...],"
+                    " as torch's schedules need them)"
+                )
+            raise
+        if isinstance(loss, torch.Tensor):
+            mb.loss = loss.detach()
+        return loss
+
+
+class _Resources:
+    """What a schedule holds open, released once (``release``): its stage, once opened, and
+    its executor's compute thread. Holds no reference to the schedule (its finalizer's
+    argument: see ``weakref.finalize``)."""
+
+    def __init__(self, executor: TorchStageExecutor) -> None:
+        self.executor = executor
+        self.stage: DistributedStage | None = None
+
+    def release(self) -> None:
+        stage, self.stage = self.stage, None
+        try:
+            if stage is not None:
+                if _on_a_loop_thread():
+                    # Collected on an event loop's thread (a garbage collection that ran
+                    # during a step): a blocking close there could wait for itself.
+                    threading.Thread(
+                        target=close_quietly,
+                        args=(stage, "after its schedule was garbage-collected"),
+                        name="rrfp-release",
+                        daemon=True,
+                    ).start()
+                    return
+                stage.close()
+        finally:
+            self.executor.close()
+
+
+def _on_a_loop_thread() -> bool:
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return False
+    return True
 
 
 class ReadinessFirstBase:
@@ -111,7 +177,7 @@ class ReadinessFirstBase:
         self._has_first = any(s.is_first for s in self._stages)
         self._executor = TorchStageExecutor(
             {s.stage_index: s.submod for s in self._stages},
-            None if self._loss_fn is None else self._loss,
+            None if self._loss_fn is None else ChunkLoss(self._loss_fn),
             input_fn=first_input,
             side_inputs=stage_side_inputs,
             loss_scale="sum",
@@ -124,24 +190,14 @@ class ReadinessFirstBase:
         self._rr: DistributedStage | None = None
         self._mode: str | None = None  # "sync" or "async", once opened
         self.last_stats: StepStats | None = None
+        # What the schedule holds open (its stage, the executor's compute thread) is released
+        # when the schedule is garbage-collected, as torch's schedules need no close(); the
+        # stages still open at destroy_process_group or at exit close there (_lifetime).
+        self._resources = _Resources(self._executor)
+        self._finalizer = weakref.finalize(self, self._resources.release)
+        self._finalizer.atexit = False  # (at exit, _lifetime closes the stages in order)
 
     # ------------------------------------------------------------------ torch's API
-
-    def _loss(self, output: Any, mb: Chunk) -> torch.Tensor:
-        assert self._loss_fn is not None
-        try:
-            loss = self._loss_fn(output, mb.target, **mb.loss_kwargs)
-        except Exception as e:
-            if mb.target is None:  # torch calls loss_fn(output, None) alike, and fails alike
-                e.add_note(
-                    "loss_fn(output, target) got target=None: the rank that holds the last"
-                    " stage passes the targets to step() (step(target=y) or target_mbs=[...],"
-                    " as torch's schedules need them)"
-                )
-            raise
-        if isinstance(loss, torch.Tensor):
-            mb.loss = loss.detach()
-        return loss
 
     def _chunks(
         self,
@@ -265,6 +321,7 @@ class ReadinessFirstBase:
         if self._rr is None:
             self._rr = self._build()
             await self._rr.__aenter__()
+            self._resources.stage = self._rr
             self._mode = "async"
         self._refuse("async")
         stats = await self._rr.run_step(chunks, schedule=self._schedule_for(chunks), train=train)
@@ -273,19 +330,21 @@ class ReadinessFirstBase:
     # ------------------------------------------------------------------ lifecycle
 
     def close(self) -> None:
-        """Close the runtime's stage (its channel and loop thread). Call it (or use the
-        schedule as a context manager) before ``dist.destroy_process_group()``."""
-        stage, self._rr = self._rr, None
-        if stage is not None and self._mode == "sync":
-            stage.__exit__(None, None, None)
-        self._executor.close()
+        """Close the runtime's stage (its channel and loop thread) and the compute thread
+        now; idempotent. Optional, as with torch's schedules: a schedule that is not closed
+        is closed when it is garbage-collected, before ``dist.destroy_process_group()``
+        destroys its groups, or at interpreter exit, whichever comes first. A schedule
+        stepped with ``step_async`` closes here too; called on its event loop's thread, the
+        close only starts (``await schedule.aclose()`` waits for it)."""
+        self._rr = None
+        self._finalizer()
 
     async def aclose(self) -> None:
-        """Close a schedule stepped with ``step_async``."""
+        """Close a schedule stepped with ``step_async``, on its event loop."""
         stage, self._rr = self._rr, None
         if stage is not None:
             await stage.__aexit__(None, None, None)
-        self._executor.close()
+        self._finalizer()
 
     def __enter__(self) -> Any:
         return self
@@ -358,7 +417,7 @@ class ReadinessFirstBase:
         if self._rr is None:
             stage = self._build()
             stage.__enter__()
-            self._rr = stage
+            self._rr = self._resources.stage = stage
             self._mode = "sync"
         self._refuse("sync")
         stats = self._rr.run_step_sync(chunks, schedule=self._schedule_for(chunks), train=train)
