@@ -65,7 +65,7 @@ def no_matplotlib(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 @pytest.mark.usefixtures("no_matplotlib")
-def test_simulate_png_without_matplotlib_keeps_the_table_and_trace(tmp_path: Path) -> None:
+def test_simulate_png_without_matplotlib_fails_before_writing(tmp_path: Path) -> None:
     from rrfp_async.cli._main import main
 
     trace, png = tmp_path / "t.json", tmp_path / "t.png"
@@ -85,16 +85,18 @@ def test_simulate_png_without_matplotlib_keeps_the_table_and_trace(tmp_path: Pat
             str(png),
         ],
     )
-    assert res.exit_code == 0, res.output
-    assert "makespan" in res.output  # the table
-    assert "PNG skipped: render_png needs matplotlib" in res.output
+    # --png asks for a file the command cannot write: exit 1 before anything is written (a
+    # note and exit 0 is what a script takes for success), naming the option and the fix.
+    assert res.exit_code == 1, res.output
+    assert "--png needs matplotlib" in res.output
     assert "pip install 'rrfp-async[plot]'" in res.output
-    assert trace.exists() and not png.exists()
+    assert "nothing was written" in res.output and "wrote" not in res.output
+    assert not trace.exists() and not png.exists()
     assert "Traceback" not in res.output
 
 
 @pytest.mark.usefixtures("no_matplotlib")
-def test_trace_png_without_matplotlib_keeps_the_summary(tmp_path: Path) -> None:
+def test_trace_png_without_matplotlib_fails_before_writing(tmp_path: Path) -> None:
     from rrfp_async.cli._main import main
 
     trace = tmp_path / "t.json"
@@ -107,5 +109,6 @@ def test_trace_png_without_matplotlib_keeps_the_summary(tmp_path: Path) -> None:
         == 0
     )
     res = CliRunner().invoke(main, ["trace", str(trace), "--png", str(tmp_path / "x.png")])
-    assert res.exit_code == 0, res.output
-    assert "bubble" in res.output and "PNG skipped" in res.output
+    assert res.exit_code == 1, res.output
+    assert "--png needs matplotlib" in res.output and "pip install 'rrfp-async[plot]'" in res.output
+    assert "wrote" not in res.output and not (tmp_path / "x.png").exists()

@@ -29,7 +29,7 @@ from ._options import (
     seed_option,
     stages_option,
 )
-from ._output import console, optional_png, table
+from ._output import console, require_plot_extra, table
 
 __all__ = ["simulate_cmd"]
 
@@ -90,6 +90,8 @@ def simulate_cmd(
     from ..observability import LogObserver
     from ..sim import simulate
 
+    if png_path is not None:
+        require_plot_extra()
     names = policy_names(policies, ["strict", "readiness_first"])
     record = trace_path is not None or png_path is not None
     fmt, _ = log_choice()
@@ -196,7 +198,5 @@ def _write_outputs(
             written.append(str(write_trace(_policy_path(trace_path, n, several), r.chrome_trace())))
     if png_path is not None:
         panels = [(n, r.trace) for n, r in results.items() if r.trace is not None]
-        png = optional_png(lambda: render_png(panels, png_path, title=title))
-        if png is not None:
-            written.append(png)
+        written.append(str(render_png(panels, png_path, title=title)))
     return written

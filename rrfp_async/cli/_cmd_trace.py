@@ -11,7 +11,7 @@ import click
 
 from .._errors import TraceError
 from ._options import json_option, log_options, png_option
-from ._output import console, optional_png, table
+from ._output import console, require_plot_extra, table
 
 __all__ = ["trace_cmd"]
 
@@ -46,6 +46,10 @@ def trace_cmd(files: tuple[str, ...], out: str | None, png_path: str | None, as_
         write_trace,
     )
 
+    if png_path is not None:
+        # --png asks for that file: without its extra the command fails before it writes
+        # anything (not a note and exit 0 with no PNG, which a script takes for success).
+        require_plot_extra()
     try:
         paths = trace_files(files)
     except TraceError as e:  # an argument that names no file: a usage error (exit code 2)
@@ -65,9 +69,7 @@ def trace_cmd(files: tuple[str, ...], out: str | None, png_path: str | None, as_
     if out is not None:
         write_trace(out, tr)
     if png_path is not None:
-        optional_png(
-            lambda: render_png([(Path(name).name, tr)], png_path, title=_clock_title(meta))
-        )
+        render_png([(Path(name).name, tr)], png_path, title=_clock_title(meta))
     report = None
     if merged is not None:
         report = {

@@ -42,6 +42,7 @@ __all__ = [
     "json_error",
     "optional_png",
     "progress",
+    "require_plot_extra",
     "table",
 ]
 
@@ -95,6 +96,23 @@ class CleanErrorsGroup(click.Group):
             traceback.print_exc(file=sys.stderr)
             click.echo(json_error(e))
             ctx.exit(1)
+
+
+def require_plot_extra(option: str = "--png") -> None:
+    """Refuse an option that asks for a PNG when matplotlib cannot be imported, before the
+    command writes anything (a note and exit 0 with no PNG is what a script takes for
+    success).
+
+    Raises:
+        ExtraMissingError: naming the option and the install command (exit code 1).
+    """
+    try:
+        import matplotlib  # noqa: F401 - what render_png needs
+    except ImportError as e:
+        raise ExtraMissingError(
+            f"{option} needs matplotlib (the plot extra), which cannot be imported ({e}):"
+            f" pip install 'rrfp-async[plot]', or leave out {option}; nothing was written"
+        ) from None
 
 
 def optional_png(render: Callable[[], Any]) -> str | None:

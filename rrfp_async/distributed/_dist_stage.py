@@ -54,15 +54,16 @@ changes: it consumes no step number, tells nobody, and leaves a running step alo
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from .._check import check_bool
+from .._check import check_bool, describe
 from .._errors import ClosedError, PeerError, PeerStepError, PlanError
+from .._tasks import StepPlan
 from ..channels import DecisionChannel, P2PChannel
 from ..loop import (
     Executor,
@@ -126,6 +127,38 @@ def _check_layout_rank(layout: ProcessLayout) -> None:
         raise PlanError(
             f"rank {real}: the layout has {layout.world_size} ranks (PP x TP x DP), but the"
             f" torch.distributed world has {world}"
+        )
+
+
+def _check_positional(layout: object, schedule: object, executor: object) -> None:
+    """Refuse a positional argument of the wrong kind with the call that makes the right
+    one: a ``StepPlan`` for the schedule, modules for the executor (otherwise the first use
+    fails with an attribute error that names neither the argument nor the fix)."""
+    if not isinstance(layout, ProcessLayout):
+        raise PlanError(
+            f"DistributedStage: layout must be a ProcessLayout, got {describe(layout)}: pass"
+            " rr.ProcessLayout.from_world(pp=...) (after dist.init_process_group, under"
+            " torchrun or rr.spawn), rr.ProcessLayout.from_mesh(mesh) or"
+            " rr.ProcessLayout(pp=..., rank=dist.get_rank())"
+        )
+    who = f"rank {layout.rank}: DistributedStage"
+    if not isinstance(schedule, StepSchedule):
+        got = "a StepPlan" if isinstance(schedule, StepPlan) else describe(schedule)
+        raise PlanError(
+            f"{who}: schedule must be a StepSchedule, got {got}: pass"
+            " StepSchedule.build(plan, hint) (hint: a name such as '1f1b' or"
+            " 'interleaved_1f1b', see rr.HINTS, or one task order per rank)"
+        )
+    if not callable(getattr(executor, "execute", None)):
+        got = (
+            "modules"
+            if isinstance(executor, (torch.nn.Module, Mapping, list, tuple))
+            else "an object with no execute method"
+        )
+        raise PlanError(
+            f"{who}: executor must have an async execute(task, data, ctx) method, got {got}"
+            f" ({describe(executor)}): wrap the modules of this rank's stages as"
+            " rr.TorchStageExecutor({stage_index: module}, loss_fn)"
         )
 
 
@@ -210,7 +243,10 @@ class DistributedStage(
     from synchronous code as ``with stage:`` and ``stage.run_step_sync(...)``.
 
     Raises:
-        PlanError: The schedule does not fit the layout, ``max_message_bytes`` < 1,
+        PlanError: A positional argument of the wrong kind (no ``ProcessLayout``; a
+            ``StepPlan`` for the schedule: the message says ``StepSchedule.build(plan,
+            hint)``; modules for the executor: ``rr.TorchStageExecutor(...)``), the
+            schedule does not fit the layout, ``max_message_bytes`` < 1,
             ``step_timeout`` is not a positive number or None, or the layout's rank is not
             this process's rank in torch.distributed (the message names both), or
             ``trace_dir`` cannot be created.
@@ -243,6 +279,7 @@ class DistributedStage(
         trace_dir: str | Path | None = None,
         emulated_gpu_time: bool | None = None,
     ) -> None:
+        _check_positional(layout, schedule, executor)
         if schedule.plan.stages != layout.pp:
             raise PlanError(
                 f"rank {layout.rank}: the schedule has {schedule.plan.stages} pipeline ranks,"

@@ -121,8 +121,11 @@ class ProcessLayout:
         """The layout of the initialised default group: dp = world / (pp * tp).
 
         Raises:
-            PlanError: The world size is not a multiple of pp * tp.
+            PlanError: torch.distributed has no default process group yet (the message
+                says to call ``dist.init_process_group`` first, under torchrun or
+                ``rr.spawn``); the world size is not a multiple of pp * tp.
         """
+        _require_default_group("ProcessLayout.from_world")
         world = dist.get_world_size()
         if world % (pp * tp):
             raise PlanError(f"world size {world} is not a multiple of pp * tp = {pp * tp}")
@@ -135,7 +138,7 @@ class ProcessLayout:
         The mesh must name a "pp" dimension and may name "tp" and "dp" (no others).
 
         Raises:
-            PlanError: Missing or unknown dimension names.
+            PlanError: Missing or unknown dimension names; no default process group.
         """
         names = tuple(mesh.mesh_dim_names or ())
         if "pp" not in names or set(names) - {"pp", "tp", "dp"}:
@@ -149,7 +152,23 @@ class ProcessLayout:
         t = t.permute(*order)
         grid = tuple(tuple(tuple(int(x) for x in row) for row in plane) for plane in t.tolist())
         dp, pp, tp = len(grid), len(grid[0]), len(grid[0][0])
+        _require_default_group("ProcessLayout.from_mesh")
         return cls(pp=pp, tp=tp, dp=dp, rank=dist.get_rank(), grid=grid)
+
+
+def _require_default_group(who: str) -> None:
+    """Refuse to read this process's rank before there is a default process group
+    (torch's own error, a ValueError about the default group, names neither the call that
+    creates it nor the launchers that set up its environment)."""
+    if not (dist.is_available() and dist.is_initialized()):
+        raise PlanError(
+            f"{who}: torch.distributed is not initialized (no default process group to read"
+            " this process's rank and the world size from): call"
+            " dist.init_process_group(backend) first, in a"
+            " process started by torchrun (torchrun --nproc-per-node=N script.py) or by"
+            " rr.spawn(fn, world_size), which set RANK, WORLD_SIZE and MASTER_ADDR/PORT;"
+            " rr.spawn also initialises the group before it calls fn"
+        )
 
 
 @dataclass(frozen=True)

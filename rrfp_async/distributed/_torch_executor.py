@@ -39,6 +39,7 @@ import torch
 from torch import nn
 
 from .._bridges import ComputeWorker
+from .._check import describe
 from .._costs import Durations
 from .._errors import PlanError
 from .._pytree import call_module, map_tensors, tensor_leaves
@@ -99,6 +100,35 @@ torch pipelining does before it divides the gradients by M, ``scale_grads=True``
 
 _GRAD_LOCK = threading.Lock()  # W's `p.grad += g` for a parameter two compute threads share
 
+_MODULES_FIX = (
+    "pass {0: module} for the first stage of a pipeline (the key is the virtual stage the"
+    " module runs: Topology.stages_of(pipeline rank), e.g. {rank: module} with one chunk"
+    " per rank)"
+)
+
+
+def _check_modules(modules: object) -> None:
+    """Refuse ``modules`` unless it is a non-empty mapping of stage indices (ints >= 0) to
+    callables: a bare module or a list of them is the usual mistake, and ``dict()`` of one
+    says nothing a user can act on ("cannot convert dictionary update sequence ...")."""
+    if not isinstance(modules, Mapping):
+        raise PlanError(
+            "TorchStageExecutor takes a dict {stage_index: module} of the virtual stages"
+            f" this rank runs; got a {type(modules).__name__}: {_MODULES_FIX}"
+        )
+    if not modules:
+        raise PlanError(f"a TorchStageExecutor needs at least one module: {_MODULES_FIX}")
+    for k, m in modules.items():
+        if isinstance(k, bool) or not isinstance(k, int) or k < 0:
+            raise PlanError(
+                f"TorchStageExecutor: the stage index {describe(k)} must be an int >= 0 (the"
+                f" virtual stage its module runs): {_MODULES_FIX}"
+            )
+        if not callable(m):
+            raise PlanError(
+                f"TorchStageExecutor: stage {k}'s module must be an nn.Module, got {describe(m)}"
+            )
+
 
 class TorchStageExecutor:
     """Runs one rank's model chunks (one ``nn.Module`` per virtual stage).
@@ -154,8 +184,10 @@ class TorchStageExecutor:
             unless ``nonfinite="off"`` (free: they are read anyway).
 
     Raises:
-        PlanError: No modules, a ``shared`` place that names no parameter of this rank's
-            modules, a bad ``loss_scale``/``side_inputs``, or a ``seed`` that is no int.
+        PlanError: ``modules`` is no dict of stage indices (ints >= 0) to modules (a bare
+            module or a list: the message says to pass ``{0: module}``), no modules, a
+            ``shared`` place that names no parameter of this rank's modules, a bad
+            ``loss_scale``/``side_inputs``, or a ``seed`` that is no int.
 
     Attributes:
         losses: ``{microbatch: loss value}`` of the last step (on the last stage's rank),
@@ -194,8 +226,7 @@ class TorchStageExecutor:
         nonfinite: NonFiniteMode = "warn",
         check_tensors: bool = False,
     ) -> None:
-        if not modules:
-            raise PlanError("a TorchStageExecutor needs at least one module")
+        _check_modules(modules)
         if loss_scale not in ("microbatch", "tokens", "sum"):
             raise PlanError(
                 f"loss_scale must be 'microbatch', 'tokens' or 'sum', got {loss_scale!r}"

@@ -21,21 +21,50 @@ __all__ = ["InOrder", "Microbatch", "OneItem"]
 
 
 class InOrder:
-    """One chunk's ``data_iterator`` read in microbatch order, whatever order the Fs ask in."""
+    """One chunk's ``data_iterator`` read in microbatch order, whatever order the Fs ask in.
 
-    def __init__(self, source: Iterator[Any] | None) -> None:
+    The step's ``Microbatch`` objects tell it how many microbatches read it
+    (:meth:`expect`), so that an iterator that runs dry is refused with the count it needed:
+    its ``StopIteration`` must not leave ``next()`` (it would end the caller's loop early,
+    or, once it reaches a coroutine, become PEP 479's bare ``RuntimeError``).
+    """
+
+    def __init__(self, source: Iterator[Any] | None, *, chunk: int | None = None) -> None:
         self.source = source
         self.items: dict[int, Any] = {}
         self.read = 0
         self.lock = threading.Lock()
+        self.chunk = chunk
+        self.microbatches = 0  # the step's num_microbatches, as far as expect() was told
+
+    def expect(self, mb: int, chunk: int | None) -> None:
+        """Microbatch ``mb`` of the step reads this iterator (chunk ``chunk``'s, None when
+        the call gave one iterator, not a list per chunk)."""
+        self.microbatches = max(self.microbatches, mb + 1)
+        if self.chunk is None:
+            self.chunk = chunk
 
     def item(self, m: int) -> Any:
         assert self.source is not None
         with self.lock:
             while self.read <= m:
-                self.items[self.read] = next(self.source)
+                try:
+                    self.items[self.read] = next(self.source)
+                except StopIteration:
+                    raise self._dry(m) from None
                 self.read += 1
             return self.items.pop(m)
+
+    def _dry(self, m: int) -> PlanError:
+        n = max(self.microbatches, m + 1)
+        which = "data_iterator" if self.chunk is None else f"data_iterator[{self.chunk}]"
+        return PlanError(
+            f"{which} ran out after {self.read} of num_microbatches={n} microbatches"
+            f" (microbatch {self.read} found it empty; the forward of microbatch {m} asked):"
+            f" give it at least num_microbatches={n} items per forward_backward call (one"
+            " next() per microbatch, as Megatron's get_batch does), e.g. an iterator over a"
+            " loader that does not end, or num_microbatches = the items left"
+        )
 
 
 class OneItem:
@@ -68,6 +97,9 @@ class Microbatch:
 
     def __init__(self, sources: Sequence[InOrder], mb: int) -> None:
         self.mb = mb
+        for c, s in enumerate(sources):
+            if s.source is not None:
+                s.expect(mb, c if len(sources) > 1 else None)
         self.iterators: list[Iterator[Any] | None] = [
             None if s.source is None else OneItem(s, mb) for s in sources
         ]

@@ -15,7 +15,9 @@ its process groups (``parallel_state``, or Megatron-Bridge's ``p2p_communicator=
 ``pg_collection=``), the keyword-only call and the returned list of loss dicts (last
 pipeline stage; ``[]`` elsewhere). The factory and the function it returns take exactly the
 arguments of the installed megatron-core's (read off its code: 0.16 and 0.19 differ), and
-``inspect.signature`` shows them.
+``inspect.signature`` shows them; the function also wears megatron's function's
+``__name__``, ``__qualname__``, ``__module__``, ``__doc__`` and ``__wrapped__`` (see
+``_megatron_forward_backward``), so logging and ``functools.wraps`` take it as megatron's.
 
 Design note
 -----------
@@ -54,10 +56,10 @@ from typing import Any
 from .._costs import Durations
 from .._errors import PlanError
 from .._tasks import StepPlan
-from ..distributed import DEFAULT_STEP_TIMEOUT
 from ._megatron_call_checks import WHO
 from ._megatron_forward_backward import MegatronForwardBackward
 from ._megatron_peer import peer
+from ._timeouts import GROUP_TIMEOUT, StepTimeout
 
 __all__ = ["MegatronForwardBackward", "get_forward_backward_func"]
 
@@ -73,7 +75,7 @@ def get_forward_backward_func(
     policy: Any = "readiness_first",
     hint: Any = None,
     memory_factor: float | None = None,
-    step_timeout: float | None = DEFAULT_STEP_TIMEOUT,
+    step_timeout: StepTimeout = GROUP_TIMEOUT,
     durations: Callable[[StepPlan], Durations] | None = None,
     **stage_kwargs: Any,
 ) -> Any:
@@ -97,7 +99,9 @@ def get_forward_backward_func(
             order as Megatron does).
         hint: The hint (default: megatron's own order of the picked schedule).
         memory_factor: Scale of the admission bound (default: what megatron's order holds).
-        step_timeout: Seconds a step may take before every rank fails it (None: no limit).
+        step_timeout: Seconds a step may take before every rank fails it; None: no limit;
+            ``"group"`` (default): the pipeline process group's own timeout, as long as
+            megatron's schedules would wait (30 min on gloo unless the group was made with another).
         durations: ``plan -> rr.Durations``, called at every training call: this step's
             declared task durations (from its microbatches' sizes), so that a cost-aware
             ``hint`` (``"breadth_first_weighted"``) orders the step's heavy microbatches
@@ -107,7 +111,8 @@ def get_forward_backward_func(
 
     Returns:
         A ``MegatronForwardBackward`` (call it with Megatron's keywords; ``close()`` it
-        before ``dist.destroy_process_group()``), or megatron's
+        before ``dist.destroy_process_group()``; its ``__name__``, ``__doc__``,
+        ``__wrapped__``, ... are megatron's function's), or megatron's
         ``forward_backward_no_pipelining`` when ``pp_size`` is 1.
 
     Raises:

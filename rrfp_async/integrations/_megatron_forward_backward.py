@@ -13,6 +13,8 @@ p2p group stay open from the first call for the pipeline it was first called wit
 
 from __future__ import annotations
 
+import functools
+import inspect
 from collections.abc import Callable
 from typing import Any
 
@@ -22,7 +24,7 @@ import torch.distributed as dist
 from .._costs import Durations
 from .._errors import PlanError
 from .._tasks import StepPlan, Task, Topology
-from ..distributed import DEFAULT_STEP_TIMEOUT, DistributedStage, build_groups
+from ..distributed import DistributedStage, build_groups
 from ..loop import StepStats
 from ..policies import StepSchedule
 from ._megatron_call_checks import bind_call, check_config, model_chunks, vp_group_size
@@ -31,8 +33,23 @@ from ._megatron_executor import MegatronExecutor
 from ._megatron_grad_sync import MegatronCall, per_chunk
 from ._megatron_groups import CallGroups, call_groups, layout_of
 from ._megatron_peer import megatron_order, peer
+from ._timeouts import GROUP_TIMEOUT, StepTimeout, resolve_step_timeout
 
 __all__ = ["MegatronForwardBackward"]
+
+
+# Why the object wears megatron's face: code around a forward-backward function reads it as
+# a function -- a log line prints ``forward_backward_func.__name__``, a profiling wrapper is
+# made with ``functools.wraps(forward_backward_func)``, a Megatron-Bridge helper inspects its
+# signature. So the instance is, by the standard library's own definition, a wrapper of the
+# megatron-core function it stands in for: ``functools.update_wrapper`` gives it that
+# function's ``__module__``, ``__name__``, ``__qualname__``, ``__doc__`` and
+# ``__annotations__`` and ``__wrapped__`` (``inspect.unwrap`` reaches megatron's function;
+# calling that runs megatron's own schedule, not ours). These live in the instance's
+# ``__dict__``; the class keeps its own name and docstring (our API docs, ``help(type(f))``),
+# and ``repr`` says which of the two it is. The runtime's state lives in ``__slots__``, not in
+# ``__dict__``: ``functools.wraps(f)`` copies an object's ``__dict__`` into the wrapper, which
+# would otherwise get a stale copy of ``last_stats``, the open stage and the rest.
 
 
 class MegatronForwardBackward:
@@ -40,18 +57,51 @@ class MegatronForwardBackward:
 
     Its keywords are those of the installed megatron-core's
     ``forward_backward_pipelining_without_interleaving`` (or ``_with_interleaving``, when
-    the factory picked the interleaved schedule); ``inspect.signature`` shows them.
+    the factory picked the interleaved schedule); ``inspect.signature`` shows them. The
+    instance also carries that function's ``__name__``, ``__qualname__``, ``__module__``,
+    ``__doc__`` and ``__annotations__``, and ``__wrapped__`` is the function itself, so
+    ``functools.wraps`` and logging treat it as megatron's.
 
     It keeps one ``rr.DistributedStage`` (and its p2p group) open from its first call on,
-    for the pipeline it was first called with; ``close()`` closes it (call it before
-    ``dist.destroy_process_group()``; the object can be called again afterwards and opens a
-    new one).
+    for the pipeline it was first called with. Like megatron's function it needs no
+    ``close()``: the stage closes before ``dist.destroy_process_group()`` destroys its
+    groups, or at interpreter exit; ``close()`` closes it at once (the object can be called
+    again afterwards and opens a new one).
 
     Attributes:
         interleaved: The interleaved (virtual pipeline) schedule: ``model`` is a list of
             chunks.
         last_stats: The runtime's ``StepStats`` of the last call on this rank.
     """
+
+    __slots__ = (
+        "__dict__",  # megatron's function's face only (see the note above)
+        "__weakref__",
+        "_executor",
+        "_fn_name",
+        "_key",
+        "_pp_rank",
+        "_rr",
+        "_schedules",
+        "_signature",
+        "durations",
+        "hint",
+        "interleaved",
+        "last_stats",
+        "memory_factor",
+        "peer",
+        "policy",
+        "pp_size",
+        "stage_kwargs",
+        "step_timeout",
+        "vp_size",
+    )
+
+    # set per instance from megatron's function (functools.update_wrapper)
+    __name__: str
+    __qualname__: str
+    __wrapped__: Callable[..., Any]
+    __signature__: inspect.Signature
 
     def __init__(
         self,
@@ -62,7 +112,7 @@ class MegatronForwardBackward:
         policy: Any = "readiness_first",
         hint: Any = None,
         memory_factor: float | None = None,
-        step_timeout: float | None = DEFAULT_STEP_TIMEOUT,
+        step_timeout: StepTimeout = GROUP_TIMEOUT,
         durations: Callable[[StepPlan], Durations] | None = None,
         **stage_kwargs: Any,
     ) -> None:
@@ -78,17 +128,27 @@ class MegatronForwardBackward:
         self.stage_kwargs = stage_kwargs
         self.last_stats: StepStats | None = None
         self._signature = self.peer.interleaved if interleaved else self.peer.one_f_one_b
-        self.__signature__ = self._signature
         self._fn_name = (
             "forward_backward_pipelining_with_interleaving"
             if interleaved
             else "forward_backward_pipelining_without_interleaving"
         )
+        functools.update_wrapper(self, getattr(self.peer.schedules, self._fn_name), updated=())
+        self.__signature__ = self._signature
         self._rr: DistributedStage | None = None
         self._executor: MegatronExecutor | None = None
         self._key: Any = None
         self._pp_rank = 0
         self._schedules: dict[tuple[Topology, int, int, bool], StepSchedule] = {}
+
+    def __repr__(self) -> str:
+        fn = self.__wrapped__
+        state = "open" if self._rr is not None else "closed"
+        return (
+            f"<MegatronForwardBackward: readiness-first {fn.__module__}.{fn.__qualname__}"
+            f" (policy={self.policy!r}, pp_size={self.pp_size}, vp_size={self.vp_size},"
+            f" {state})>"
+        )
 
     # ------------------------------------------------------------------ the call
 
@@ -227,7 +287,7 @@ class MegatronForwardBackward:
             self._executor,
             groups=build_groups(layout, tp_group=groups.tp if layout.tp > 1 else None),
             policy=self.policy,
-            step_timeout=self.step_timeout,
+            step_timeout=resolve_step_timeout(self.step_timeout, groups.pp),
             **kwargs,
         )
         stage.__enter__()

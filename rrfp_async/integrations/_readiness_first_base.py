@@ -40,6 +40,7 @@ from ..distributed import (
 )
 from ..loop import StepStats
 from ..policies import StepSchedule
+from ._timeouts import StepTimeout, resolve_step_timeout
 from ._torch_fsdp import check_finalize, refuse_fsdp_split
 from ._torch_schedule_hint import hint_source
 from ._torch_stages import layout_of_group, stage_topology
@@ -140,7 +141,7 @@ class ReadinessFirstBase:
         policy: Any,
         memory_factor: float | None,
         split_backward: bool | None,
-        step_timeout: float | None,
+        step_timeout: StepTimeout,
         durations: Callable[[StepPlan, Sequence[Any]], Durations] | None,
         emulate: EmulatedCost | None,
         shared: SharedSpec | None,
@@ -168,7 +169,7 @@ class ReadinessFirstBase:
         self._policy = policy
         self._memory_factor = memory_factor
         self._split = bool(split_backward)
-        self._step_timeout = step_timeout
+        self._step_timeout = resolve_step_timeout(step_timeout, group)
         self._stage_kwargs = stage_kwargs
         self._group = group
         self._group_rank = grank

@@ -44,6 +44,18 @@ V-shape, its placement.
 ``step`` is synchronous like torch's: the stage runs on an event loop thread of its own
 (``DistributedStage``'s sync face), opened at the first step and kept until ``close()``.
 ``step_async`` is the same step for code that already runs an event loop.
+
+What torch's schedules carry and users read, ours carry with torch's meaning (the audit, who
+reads what, is in docs/dropins.md): torch's base constructors set ``scale_grads``,
+``_n_microbatches``, ``_loss_fn``, ``_has_backward``, ``_stage`` / ``_stages``, ``rank``,
+``pp_group_size``; the multi-stage class adds the ``n_local_stages`` and ``num_stages`` of
+torch's concrete multi-stage schedules and maps ``stage_index_to_group_rank`` as its placement
+does. ``pipeline_order`` is the hint's order at ``n_microbatches`` in torch's IR
+(``{rank: [_Action]}``, every rank, compute actions only, no ``None`` bubbles: there is no
+time grid): the order ``policy="strict"`` runs, and the order readiness-first departs from
+when a later task is ready first (``last_stats`` has what ran). A cost-aware hint gives its
+cost-blind order there (durations come with each step). ``_load_csv`` is refused (a loaded
+order would be silently ignored): give it as ``hint=``.
 """
 
 from __future__ import annotations
@@ -52,13 +64,19 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
-from torch.distributed.pipelining.schedules import PipelineScheduleMulti, PipelineScheduleSingle
+from torch.distributed.pipelining.schedules import (
+    PipelineScheduleMulti,
+    PipelineScheduleSingle,
+    _Action,
+)
 
 from .._costs import Durations
 from .._errors import PlanError
 from .._tasks import StepPlan
-from ..distributed import DEFAULT_STEP_TIMEOUT, EmulatedCost, SharedSpec
+from ..distributed import EmulatedCost, SharedSpec
+from ..policies import StepSchedule
 from ._readiness_first_base import ReadinessFirstBase
+from ._timeouts import GROUP_TIMEOUT, StepTimeout
 from ._torch_stages import check_stages
 from ._torch_step_inputs import supported
 
@@ -93,7 +111,9 @@ class ScheduleReadinessFirst(ReadinessFirstBase, PipelineScheduleSingle):
         memory_factor: Scale of the admission bound (default: what 1F1B holds).
         split_backward: Split each backward into input and weight gradients (``I``/``W``);
             default: as the hint does (torch's zero-bubble orders split it).
-        step_timeout: Seconds a step may take before every rank fails it (None: no limit).
+        step_timeout: Seconds a step may take before every rank fails it; None: no limit;
+            ``"group"`` (default): the pipeline process group's own timeout, as long as
+            torch's schedules would wait (30 min on gloo unless the group was made with another).
         durations: ``(plan, microbatches) -> rr.Durations``: the declared durations of a
             step's tasks from its microbatches (``Chunk`` objects with ``args``,
             ``kwargs``, ``target``), so that a cost-aware hint (the default
@@ -134,7 +154,7 @@ class ScheduleReadinessFirst(ReadinessFirstBase, PipelineScheduleSingle):
         policy: Any = "readiness_first",
         memory_factor: float | None = None,
         split_backward: bool | None = None,
-        step_timeout: float | None = DEFAULT_STEP_TIMEOUT,
+        step_timeout: StepTimeout = GROUP_TIMEOUT,
         durations: Callable[[StepPlan, Sequence[Any]], Durations] | None = None,
         emulate: EmulatedCost | None = None,
         shared: SharedSpec | None = None,
@@ -165,6 +185,7 @@ class ScheduleReadinessFirst(ReadinessFirstBase, PipelineScheduleSingle):
             shared=shared,
             stage_kwargs=stage_kwargs,
         )
+        self.pipeline_order = _hint_order(self)
 
     def _step_microbatches(
         self,
@@ -181,7 +202,8 @@ class ScheduleReadinessFirst(ReadinessFirstBase, PipelineScheduleSingle):
         )
 
     def _get_pipeline_order(self) -> None:
-        return None  # the order is decided at run time
+        # torch's base constructor asks before the hint is known; __init__ sets the order.
+        return None
 
 
 class ScheduleInterleavedReadinessFirst(ReadinessFirstBase, PipelineScheduleMulti):
@@ -214,7 +236,7 @@ class ScheduleInterleavedReadinessFirst(ReadinessFirstBase, PipelineScheduleMult
         policy: Any = "readiness_first",
         memory_factor: float | None = None,
         split_backward: bool | None = None,
-        step_timeout: float | None = DEFAULT_STEP_TIMEOUT,
+        step_timeout: StepTimeout = GROUP_TIMEOUT,
         durations: Callable[[StepPlan, Sequence[Any]], Durations] | None = None,
         emulate: EmulatedCost | None = None,
         shared: SharedSpec | None = None,
@@ -264,6 +286,22 @@ class ScheduleInterleavedReadinessFirst(ReadinessFirstBase, PipelineScheduleMult
         self.stage_index_to_group_rank = mapping
         for s in stages:
             s.stage_index_to_group_rank = mapping
+        # what torch's concrete multi-stage schedules carry besides the base's
+        self.n_local_stages = len(stages)
+        self.num_stages = self._topology.num_virtual
+        self.pipeline_order = _hint_order(self)
+
+    def _load_csv(self, filename: str, format: str = "compute_only") -> None:
+        """Refused: torch's schedules run a loaded order; this one would ignore it.
+
+        Raises:
+            PlanError: Always (give the order as ``hint=``).
+        """
+        raise PlanError(
+            f"_load_csv({filename!r}): {type(self).__name__} runs its hint's order, not"
+            " pipeline_order; give the order as hint= (a torch schedule class or name, or an"
+            " rrfp_async hint)"
+        )
 
     def _step_microbatches(
         self,
@@ -278,6 +316,20 @@ class ScheduleInterleavedReadinessFirst(ReadinessFirstBase, PipelineScheduleMult
         return _step_split(
             self, arg_mbs, kwarg_mbs, target_mbs, losses, return_outputs, loss_kwargs
         )
+
+
+def _hint_order(sched: ReadinessFirstBase) -> dict[int, list[_Action | None]]:
+    """torch's ``pipeline_order`` of ``sched``: its hint's order at ``n_microbatches`` (the
+    plan its stage is first built with), every rank, as torch's ``_Action``s (our task text
+    ``2F0`` is torch's action text)."""
+    plan = StepPlan(
+        topology=sched._topology,
+        microbatches=sched._n_microbatches,
+        split_backward=sched._split,
+        ordered_weights=sched._split,
+    )
+    hint = StepSchedule.build(plan, sched._hint).hint
+    return {r: [_Action.from_str(str(t)) for t in tasks] for r, tasks in hint.items()}
 
 
 def _step_split(

@@ -98,7 +98,7 @@ OPTIONS = ("hint", "memory_factor", "policy", "split_backward", "step_timeout")
 
 # torchtitan's first step may compile the model (torch.compile) and run its first
 # collectives; torchtitan itself allows it comm.init_timeout_seconds (300 s by default). Our
-# per-step watchdog gets the same default here, not the torch adapter's 30 s.
+# per-step watchdog gets the same default here.
 TITAN_STEP_TIMEOUT = 300.0
 
 _SINGLE = "ReadinessFirst"

@@ -12,8 +12,10 @@ the hint itself could not run under. The cost-aware hint generators schedule und
 
 from __future__ import annotations
 
+import contextlib
 import math
 from collections.abc import Sequence
+from numbers import Real
 
 from .._admission import hint_peak
 from .._check import check_int, check_real, describe, is_int, is_sequence
@@ -64,6 +66,23 @@ def _check_max_inflight(max_inflight: object, p: int) -> list[int]:
     return [check_int(f"max_inflight[{r}]", x, error=HintError) for r, x in enumerate(max_inflight)]
 
 
+def _check_memory_factor_type(value: object) -> None:
+    """Refuse a ``memory_factor`` that is no number (a string from a config file or the
+    command line, a bool), saying what a valid one is and, for a number written as text,
+    the call that works."""
+    if isinstance(value, bool) or not isinstance(value, Real):
+        fix = ""
+        if isinstance(value, str):
+            with contextlib.suppress(ValueError):
+                v = float(value)
+                fix = f": pass memory_factor={v!r}" if math.isfinite(v) and v > 0 else ""
+        raise HintError(
+            f"memory_factor must be a number, got {describe(value)}: a finite float > 0 that"
+            " scales each rank's default admission bound (1.0 keeps it, 2.0 doubles the"
+            f" activations a rank may hold, rounded down, at least 1){fix}"
+        )
+
+
 def resolve_bounds(
     plan: StepPlan,
     hint: Hint,
@@ -94,6 +113,7 @@ def resolve_bounds(
     else:
         base = [max(default_bound(plan, r), peaks[r]) for r in range(p)]
         if memory_factor is not None:
+            _check_memory_factor_type(memory_factor)
             mf = check_real(
                 "memory_factor", memory_factor, minimum=0.0, strict_minimum=True, error=HintError
             )

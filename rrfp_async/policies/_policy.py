@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import os
 import re
 import warnings
 from collections.abc import Mapping, Sequence
@@ -469,4 +470,27 @@ def get_policy(policy: str | Policy) -> Policy:
     if key in _BROKEN:
         message, error = _BROKEN[key]
         raise PolicyError(message, policy=key) from error
-    raise PolicyError(f"unknown policy {policy!r}; {_names_note()}", policy=policy)
+    raise PolicyError(
+        f"unknown policy {policy!r}; {_names_note()}; {_process_note()}", policy=policy
+    )
+
+
+def _process_note() -> str:
+    """Why a name registered elsewhere is unknown here: each process has its own registry.
+
+    ``rr.spawn`` and torchrun start fresh interpreters (``rr.spawn`` sets ``RANK`` and
+    ``WORLD_SIZE`` in each, as torchrun does), which import the worker's module but run
+    none of the parent's ``register_policy`` calls."""
+    rank, world = os.environ.get("RANK"), os.environ.get("WORLD_SIZE")
+    here = (
+        f"this process is rank {rank} of {world} (started by rr.spawn or torchrun) and"
+        " does not see the parent's registry: "
+        if rank is not None and world is not None
+        else ""
+    )
+    return (
+        f"{here}a policy registered in the parent process is not registered in processes"
+        " started by rr.spawn or torchrun: register it at import time of the module that"
+        " defines the worker (register_policy at module level, or a"
+        f" {ENTRY_POINT_GROUP!r} entry point), or pass the policy object itself"
+    )
