@@ -73,6 +73,9 @@ def test_the_policy_page_example_registers_and_compares_its_policy(tmp_path: Pat
         tmp_path,
     )
     assert out[-1] == "CLAIM ['backward_eager', 'readiness_first', 'strict'] True True", out
+    # "What a policy instance sees": one object decided for every rank of the simulation,
+    # its state keyed by rank (16 tasks each: F and B of 8 microbatches), as the page prints.
+    assert out[-2] == "{0: 16, 1: 16, 2: 16, 3: 16}", out
 
 
 def test_the_simulation_page_examples_run_and_give_what_they_say(tmp_path: Path) -> None:
