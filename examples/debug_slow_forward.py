@@ -14,17 +14,21 @@ Then::
     jq -c 'select(.event=="stall" and .step==1) | [.rank, .reason]' OUT/rank2.log
     rrfp-async trace OUT/traces --png OUT/timeline.png
 
-Run: ``python examples/debug_slow_forward.py --out /tmp/slowfw [--policy strict]``.
+Run: ``python examples/debug_slow_forward.py --out /tmp/slowfw [--policy strict]``: not
+under torchrun (no ``RANK`` / ``WORLD_SIZE`` in the environment) it starts its 4 processes
+itself; under ``torchrun --nproc-per-node 4`` it joins torchrun's.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import time
 from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 import rrfp_async as rr
@@ -100,7 +104,19 @@ def main() -> None:
         ap.error(f"--slow-rank must be in [0, {P}) and --slow-mb in [0, {M})")
     Path(args.out).mkdir(parents=True, exist_ok=True)
     slow = (args.slow_rank, args.slow_mb, args.slow_ms / 1e3)
-    rr.spawn(worker, P, args.out, args.policy, slow, timeout=300)
+    if not {"RANK", "WORLD_SIZE"} <= os.environ.keys():  # not under torchrun: start them here
+        rr.spawn(worker, P, args.out, args.policy, slow, timeout=300)
+    else:
+        dist.init_process_group("gloo")  # torchrun's env:// rendezvous
+        try:
+            if dist.get_world_size() != P:
+                raise SystemExit(f"run under torchrun --nproc-per-node {P}")
+            worker(dist.get_rank(), P, args.out, args.policy, slow)
+            dist.barrier()  # nobody tears the group down while a peer still communicates
+        finally:
+            dist.destroy_process_group()
+        if int(os.environ["RANK"]) != 0:
+            return
     print(
         f"wrote {args.out}/rank{{0..{P - 1}}}.log and {args.out}/traces/rank{{0..{P - 1}}}.json"
         f" ({P} processes, policy {args.policy}, {args.slow_rank}F{args.slow_mb} slow:"

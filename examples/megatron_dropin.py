@@ -1,27 +1,36 @@
 """A megatron-core training loop on the readiness-first runtime: one changed line.
 
-Run:  python examples/megatron_dropin.py --spawn                 (2 gloo processes, 1F1B)
-      python examples/megatron_dropin.py --spawn --vp 2          (interleaved, 2 chunks/rank)
-      python examples/megatron_dropin.py --spawn --vp 2 --megatron   (megatron's own schedule)
+Run:  python examples/megatron_dropin.py                  (2 gloo processes, 1F1B)
+      python examples/megatron_dropin.py --vp 2           (interleaved, 2 chunks/rank)
+      python examples/megatron_dropin.py --vp 2 --megatron    (megatron's own schedule)
+
+Not under torchrun (no ``RANK`` / ``WORLD_SIZE`` in the environment) the script starts its 2
+processes itself; under torchrun (``torchrun --nproc-per-node 2 ...``) it joins torchrun's.
+``--spawn``, once needed for the former, is still accepted and changes nothing.
 
 The script is written as Megatron-LM's ``training.py`` (megatron-core 0.19) calls the
 schedule: ``get_forward_backward_func(schedule_pg_collection=...)`` (where the installed
 megatron-core has that argument: 0.16 runs the same script without it), the model as a list
 of chunks (one per virtual pipeline stage), one data iterator per chunk, and every keyword
 ``train_step`` passes. ``--megatron`` swaps back the one import that differs. Needs
-``pip install rrfp-async[megatron]``; runs on megatron-core 0.16 and 0.19.
+``pip install 'rrfp-async[megatron]'`` (without it the script says so in one line); runs
+on megatron-core 0.16 and 0.19.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import importlib.util
 import inspect
+import os
+import sys
 import threading
 import warnings
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 import rrfp_async as rr
 
@@ -173,18 +182,43 @@ def worker(rank: int, world: int, use_megatron: bool, vp: int | None) -> list[fl
     return losses
 
 
+def require(module: str, extra: str) -> None:
+    """Exit with one line saying what to install, not a traceback, when ``module`` is
+    missing."""
+    try:
+        found = importlib.util.find_spec(module) is not None
+    except ImportError:  # its parent package is missing
+        found = False
+    if not found:
+        sys.exit(f"{os.path.basename(__file__)} needs {module}: pip install 'rrfp-async[{extra}]'")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--spawn", action="store_true", help="run 2 gloo processes here")
+    ap.add_argument(
+        "--spawn",
+        action="store_true",
+        help="accepted for old command lines: without torchrun the script starts its processes",
+    )
     ap.add_argument("--megatron", action="store_true", help="Megatron's own schedule instead")
     ap.add_argument("--vp", type=int, default=None, help="virtual pipeline size (interleaved)")
     args = ap.parse_args()
-    if not args.spawn:
-        ap.error("run with --spawn (2 gloo processes on this machine)")
-    res = rr.spawn(worker, 2, args.megatron, args.vp, timeout=300)
+    require("megatron.core", "megatron")
+    if not {"RANK", "WORLD_SIZE"} <= os.environ.keys():  # not under torchrun: start them here
+        losses = rr.spawn(worker, 2, args.megatron, args.vp, timeout=300)[-1]
+    else:
+        dist.init_process_group("gloo")  # torchrun's env:// rendezvous
+        try:
+            rank, world = dist.get_rank(), dist.get_world_size()
+            losses = worker(rank, world, args.megatron, args.vp)
+            dist.barrier()  # nobody tears the group down while a peer still communicates
+        finally:
+            dist.destroy_process_group()
+        if rank != world - 1:
+            return  # the last pipeline stage has the losses
     kind = "interleaved" if args.vp else "1F1B"
     which = f"megatron {kind}" if args.megatron else f"rrfp_async readiness-first ({kind})"
-    for step, loss in enumerate(res[-1]):
+    for step, loss in enumerate(losses):
         print(f"{which}: step {step} mean lm loss {loss:.6f}")
 
 

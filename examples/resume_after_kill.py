@@ -1,6 +1,12 @@
 """A killed rank, a restarted job, the same result: torchrun restarts, the job resumes from
 its last checkpoint (torch.distributed.checkpoint) and ends where an uninterrupted run ends.
 
+    python examples/resume_after_kill.py --ckpt out/resume/ckpt --out out/resume/out --kill-at 3
+
+Run so (not under torchrun: no ``RANK`` / ``WORLD_SIZE`` in the environment), the script
+starts torchrun itself, as below but on a free port, and prints each step's loss when the
+job is over. Under torchrun, by hand::
+
     TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 torchrun --nproc-per-node 2 --max-restarts 1 \\
         --rdzv-backend c10d --rdzv-endpoint 127.0.0.1:29531 examples/resume_after_kill.py \\
         --ckpt /tmp/resume/ckpt --out /tmp/resume/out --steps 6 --kill-at 3
@@ -30,6 +36,8 @@ import argparse
 import json
 import os
 import signal
+import subprocess
+import sys
 from pathlib import Path
 
 import torch
@@ -59,6 +67,32 @@ def _write_json(path: Path, value: object) -> None:
     os.replace(tmp, path)
 
 
+def launch(argv: list[str], args: argparse.Namespace) -> int:
+    """Not under torchrun: run this script under torchrun (the module's command, on a free
+    port), then print each step's loss from ``--out``. Returns the job's exit status."""
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",  # torchrun
+        "--nproc-per-node",
+        "2",
+        "--max-restarts",
+        "1",
+        "--rdzv-backend",
+        "c10d",
+        "--rdzv-endpoint",
+        f"127.0.0.1:{rr.free_port()}",
+        __file__,
+        *argv,
+    ]
+    env = {**os.environ, "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
+    code = subprocess.run(cmd, env=env, check=False).returncode
+    if code == 0:
+        losses = [json.loads((args.out / f"loss-{s}.json").read_text()) for s in range(args.steps)]
+        print("loss by step: " + " ".join(f"{x:.6f}" for x in losses), flush=True)
+    return code
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--ckpt", type=Path, required=True, help="checkpoint directory")
@@ -66,6 +100,8 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--kill-at", type=int, default=-1, help="rank 1 SIGKILLs itself at this step")
     args = ap.parse_args()
+    if not {"RANK", "WORLD_SIZE"} <= os.environ.keys():  # not under torchrun: start it here
+        sys.exit(launch(sys.argv[1:], args))
 
     attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True" and attempt == 0:

@@ -1,9 +1,13 @@
 """A torch.distributed.pipelining script, switched to readiness-first by one changed line.
 
-    python examples/torch_pipelining_dropin.py --spawn          # 2 processes, gloo, CPU
-    python examples/torch_pipelining_dropin.py --spawn --torch  # the same with torch's 1F1B
+    python examples/torch_pipelining_dropin.py          # 2 processes, gloo, CPU
+    python examples/torch_pipelining_dropin.py --torch  # the same with torch's 1F1B
     torchrun --nproc-per-node 2 --master-addr 127.0.0.1 --master-port 29513 \\
         examples/torch_pipelining_dropin.py
+
+Not under torchrun (no ``RANK`` / ``WORLD_SIZE`` in the environment), the script starts its
+2 processes itself; under torchrun it joins torchrun's (``--spawn``, once needed for the
+former, is still accepted and changes nothing).
 
 Everything below ``main`` is written the way torch's pipelining documentation writes it: a
 ``PipelineStage`` around this rank's part of the model, a schedule, ``schedule.step(x)`` on
@@ -62,8 +66,6 @@ def run(rank: int, world: int, args: argparse.Namespace) -> None:
             schedule.step()
         opt.step()
         opt.zero_grad()
-    if not args.torch:
-        schedule.close()  # before the process group goes away
     check = torch.tensor([sum(float(p.detach().double().sum()) for p in model[rank].parameters())])
     dist.all_reduce(check)
     if rank == world - 1:
@@ -76,15 +78,19 @@ def _spawned(rank: int, world: int, args: argparse.Namespace) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--spawn", action="store_true", help="start 2 processes here (no torchrun)")
+    ap.add_argument(
+        "--spawn",
+        action="store_true",
+        help="accepted for old command lines: without torchrun the script starts its processes",
+    )
     ap.add_argument("--torch", action="store_true", help="torch's own Schedule1F1B")
     ap.add_argument("--strict", action="store_true", help="torch's 1F1B order, bitwise")
     ap.add_argument("--steps", type=int, default=5)
     args = ap.parse_args()
-    if args.spawn:
+    if not {"RANK", "WORLD_SIZE"} <= os.environ.keys():  # not under torchrun: start them here
         rr.spawn(_spawned, 2, args, timeout=300)
         return
-    dist.init_process_group("gloo")
+    dist.init_process_group("gloo")  # torchrun's env:// rendezvous
     try:
         run(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), args)
     finally:

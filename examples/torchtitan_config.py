@@ -15,14 +15,25 @@ The same without this file, on the command line::
         --parallelism.pipeline_parallel_schedule InterleavedReadinessFirst \\
         --override.imports 'rrfp_async.torchtitan.readiness_first={"memory_factor": 1.5}'
 
-Needs ``pip install torchtitan``. tests/compat/test_torchtitan.py trains
+Run plainly (``python examples/torchtitan_config.py``), it prints each config's pipeline
+settings and the command that trains it. Needs ``pip install 'rrfp-async[torchtitan]'``
+(without it the script says so in one line). tests/compat/test_torchtitan.py trains
 ``llama3_debugmodel_readiness_first`` against torchtitan's 1F1B.
 """
 
 from __future__ import annotations
 
-from torchtitan.models.llama3.config_registry import llama3_8b, llama3_debugmodel
-from torchtitan.trainer import Trainer
+import importlib.util
+import os
+import sys
+
+try:
+    from torchtitan.models.llama3.config_registry import llama3_8b, llama3_debugmodel
+    from torchtitan.trainer import Trainer
+except ImportError:
+    if __name__ != "__main__" or importlib.util.find_spec("torchtitan") is not None:
+        raise  # imported by torchtitan, or a torchtitan without these: the real error
+    sys.exit(f"{os.path.basename(__file__)} needs torchtitan: pip install 'rrfp-async[torchtitan]'")
 
 READINESS_FIRST = "rrfp_async.torchtitan.readiness_first"
 
@@ -45,3 +56,22 @@ def llama3_debugmodel_readiness_first() -> Trainer.Config:
     config.parallelism.pipeline_parallel_schedule = "ReadinessFirst1F1B"
     config.override.imports = [READINESS_FIRST]
     return config
+
+
+def main() -> None:
+    """Print each config's pipeline settings and the command that trains it."""
+    for build in (llama3_8b_readiness_first, llama3_debugmodel_readiness_first):
+        config = build()
+        pp = config.parallelism
+        print(
+            f"{build.__name__}: PP {pp.pipeline_parallel_degree},"
+            f" schedule {pp.pipeline_parallel_schedule}, imports {config.override.imports}"
+        )
+    print(
+        "train: PYTHONPATH=examples torchrun --nproc-per-node 8 -m torchtitan.train"
+        " --module torchtitan_config --config llama3_8b_readiness_first"
+    )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,8 +1,10 @@
 """Train a Hugging Face causal LM (Qwen2) through a 2-process readiness-first pipeline.
 
-Without torchrun (the script spawns the processes itself on 127.0.0.1):
+Without torchrun (no ``RANK`` / ``WORLD_SIZE`` in the environment: the script starts the 2
+processes itself on 127.0.0.1; ``--spawn``, once needed for this, is still accepted and
+changes nothing):
 
-    python examples/train_hf_causal_lm.py --spawn
+    python examples/train_hf_causal_lm.py
 
 Under torchrun (one process per pipeline rank, gloo on CPU; the training loop is a plain
 synchronous loop in either case: ``with rr.DistributedStage(...)`` + ``run_step_sync``):
@@ -20,7 +22,8 @@ the position ids and the rotary tables the way the model's own forward does, and
 the split finds that tie (one parameter object in two stages) and ``split.executor`` declares
 it; each rank then holds its own copy, and the library sums the two copies' gradients after
 every step. Microbatches have different lengths (6-24 tokens) and rows padded within a
-microbatch. See docs/hf_models.md for the families it splits and what it refuses.
+microbatch. See docs/hf_models.md for the families it splits and what it refuses. Needs
+transformers: ``pip install 'rrfp-async[hf]'`` (without it the script says so in one line).
 
 Each step prints the pipeline's mean loss next to the loss of a plain single-process
 reference (the whole model, autograd, same init and data); at the end, how far the
@@ -35,13 +38,19 @@ constant shift) into updates of ~1e-5.
 from __future__ import annotations
 
 import argparse
+import importlib.util
+import os
+import sys
 import time
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
-from transformers import Qwen2Config, Qwen2ForCausalLM
 
 import rrfp_async as rr
+
+if TYPE_CHECKING:
+    from transformers import Qwen2ForCausalLM
 
 VOCAB = 128
 
@@ -56,12 +65,18 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--split-backward", action="store_true", help="I and W instead of B")
     ap.add_argument("--lr", type=float, default=3e-3)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--spawn", action="store_true", help="start 2 processes here (no torchrun)")
+    ap.add_argument(
+        "--spawn",
+        action="store_true",
+        help="accepted for old command lines: without torchrun the script starts its processes",
+    )
     return ap.parse_args(argv)
 
 
 def build_model(args: argparse.Namespace) -> Qwen2ForCausalLM:
     """The whole model, from the seed: every rank builds the same one and keeps its stage."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM  # the hf extra (checked in main)
+
     torch.manual_seed(args.seed)
     cfg = Qwen2Config(
         vocab_size=VOCAB,
@@ -200,9 +215,17 @@ def train(rank: int, world: int, args: argparse.Namespace) -> None:
         )
 
 
+def require(module: str, extra: str) -> None:
+    """Exit with one line saying what to install, not a traceback, when ``module`` is
+    missing."""
+    if importlib.util.find_spec(module) is None:
+        sys.exit(f"{os.path.basename(__file__)} needs {module}: pip install 'rrfp-async[{extra}]'")
+
+
 def main(argv: list[str] | None = None) -> None:
     args = parse(argv)
-    if args.spawn:
+    require("transformers", "hf")
+    if not {"RANK", "WORLD_SIZE"} <= os.environ.keys():  # not under torchrun: start them here
         rr.spawn(train, 2, args, timeout=300)
         return
     dist.init_process_group("gloo")  # torchrun's env:// rendezvous

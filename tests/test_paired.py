@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 
 import rrfp_async as rr
 from rrfp_async.observability import PairedRatio, paired_ratio
+from rrfp_async.observability._paired import min_judged_steps
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -25,10 +26,15 @@ def test_ratios_are_paired_step_by_step_not_a_ratio_of_medians() -> None:
 
 
 def test_few_steps_never_claim_a_difference() -> None:
-    """5 of 5 faster happens by chance with p = 2/32: not evidence at 5 %."""
+    """5 of 5 faster happens by chance with p = 2/32: not evidence at 5 %, and no outcome of
+    5 steps could be: the verdict says the test cannot judge, not that the two are alike."""
     r = paired_ratio([1.0] * 5, [0.5] * 5)
-    assert r.p_value == pytest.approx(0.0625) and r.within_noise and r.verdict == "within noise"
+    assert r.p_value == pytest.approx(0.0625) and r.within_noise
+    assert r.verdict == "too few steps to judge: n = 5 < 6"
+    assert min_judged_steps() == 6
     assert paired_ratio([1.0] * 6, [0.5] * 6).verdict == "faster in 6 of 6 steps"
+    ties = paired_ratio([1.0] * 7, [0.5] * 5 + [1.0] * 2)  # ties are not counted
+    assert ties.verdict == "too few steps to judge: n = 5 < 6 (2 of 7 steps tied at 1.0)"
 
 
 def test_slightly_slower_steps_from_load_spikes_do_not_flip_the_verdict() -> None:
@@ -124,8 +130,11 @@ def test_verdict_is_the_exact_signed_rank_test(ratios: list[float], same: bool) 
     p, lead = _brute_p(got)
     assert r.p_value == pytest.approx(p, abs=1e-12)
     noise = p > 0.05
-    assert ("within noise" in r.verdict) == noise
-    assert ("within noise" in r.note("strict")) == noise
+    judged = sum(x != 1.0 for x in got) >= 6
+    assert ("within noise" in r.verdict) == (noise and judged)
+    assert ("within noise" in r.note("strict")) == (noise and judged)
+    assert r.verdict.startswith("too few steps to judge") == (not judged)
+    assert judged or noise  # fewer than 6 steps: never significant
     assert ("same order as strict" in r.note("strict")) == same
     assert (r.low, r.high) == ((min(got), max(got)) if len(got) > 1 else (0.0, math.inf))
     assert r.low <= r.median <= r.high

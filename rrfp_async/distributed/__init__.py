@@ -21,8 +21,8 @@ from ._causal_lm_stage import CausalLMStage
 from ._dist_stage import DEFAULT_STEP_TIMEOUT as DEFAULT_STEP_TIMEOUT
 from ._dist_stage import DistributedStage
 from ._emulation import EmulatedCost
-from ._lifetime import close_quietly as close_quietly
 from ._layout import ProcessLayout, StageGroups, build_groups, pipeline_neighbors
+from ._lifetime import close_quietly as close_quietly
 from ._spawn import free_port, report_progress, spawn
 from ._split import StageModule, StageSplit, from_pipe, from_stage_modules, split_model
 from ._stage_io import SharedSpec as SharedSpec

@@ -29,12 +29,13 @@ noise (or drift of the machine between the runs), and the note says so.
 
 from __future__ import annotations
 
+import functools
 import math
 import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-__all__ = ["ALPHA", "PairedRatio", "paired_ratio", "signed_rank_test"]
+__all__ = ["ALPHA", "PairedRatio", "min_judged_steps", "paired_ratio", "signed_rank_test"]
 
 #: How the spread is computed, for labels.
 SPREAD_METHOD = "min–max"
@@ -142,10 +143,22 @@ class PairedRatio:
         return self.p_value > ALPHA
 
     @property
+    def judged_steps(self) -> int:
+        """The steps the test counts: ratios of exactly 1.0 (ties) are dropped."""
+        return sum(r != 1.0 for r in self.ratios)
+
+    @property
     def verdict(self) -> str:
-        """``"within noise"``, or ``"faster in k of n steps"`` / ``"slower in k of n
-        steps"`` (the candidate against the baseline) when the signed-rank test says so;
-        the direction is the side whose log ratios outrank the other's."""
+        """``"too few steps to judge: n = 3 < 6"`` where the test cannot decide whatever the
+        steps showed (see ``min_judged_steps``); else ``"within noise"``, or ``"faster in k
+        of n steps"`` / ``"slower in k of n steps"`` (the candidate against the baseline)
+        when the signed-rank test says so; the direction is the side whose log ratios
+        outrank the other's."""
+        n, least = self.judged_steps, min_judged_steps()
+        if n < least:
+            ties = self.steps - n
+            dropped = f" ({ties} of {self.steps} steps tied at 1.0)" if ties else ""
+            return f"too few steps to judge: n = {n} < {least}{dropped}"
         if self.within_noise:
             return "within noise"
         if _signed_rank(self.ratios)[1] > 0:
@@ -176,6 +189,28 @@ class PairedRatio:
 
     def __str__(self) -> str:
         return f"{self.median:.3f}x ({self.spread})"
+
+
+@functools.cache
+def min_judged_steps(limit: int = 64) -> int:
+    """The fewest paired steps (ratios other than exactly 1.0) on which the signed-rank test
+    can find a difference at ``ALPHA``: its most extreme outcome, every step on one side,
+    has p = 2 / 2**n, so fewer steps are "within noise" whatever they showed — a verdict the
+    test had no power to give. ``PairedRatio.verdict`` says "too few steps to judge" there.
+
+    Args:
+        limit: Give up beyond this many steps.
+
+    Returns:
+        That number of steps (6 at the 5 % level).
+
+    Raises:
+        ValueError: Not even ``limit`` steps all on one side are significant.
+    """
+    for n in range(1, limit + 1):
+        if signed_rank_test((2.0,) * n) <= ALPHA:
+            return n
+    raise ValueError(f"no outcome of up to {limit} paired steps is significant at {ALPHA}")
 
 
 def paired_ratio(

@@ -218,7 +218,8 @@ def bench_peer(
             if base_steps and r["steps_s"] and r["steps_s"] is not base_steps:
                 # The same pairing as speedup_vs_torch_1f1b (step by step), with its spread.
                 paired = paired_ratio(base_steps, r["steps_s"])
-                vs += f"\n{paired.spread}" + ("\nwithin noise" if paired.within_noise else "")
+                # The verdict where it is no finding ("within noise", "too few steps").
+                vs += f"\n{paired.spread}" + (f"\n{paired.verdict}" if paired.within_noise else "")
             name = (r["schedule"] or r["hint"]).replace("breadth_first_weighted", "bfw")
             memory = f"{r['memory_factor']:g}x" if r["memory_factor"] else ""
             t.add_row(

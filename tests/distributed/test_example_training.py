@@ -82,7 +82,10 @@ def _check_rows(rows: dict[str, dict[str, Any]], policies: list[str], steps: int
 
         if all(abs(x - 1) > 0.005 for x in ratios):  # away from the printed rounding
             noise = signed_rank_test(ratios) > ALPHA
-            assert m["note"].startswith("within noise") == noise, (m["note"], ratios)
+            if len(ratios) < 6:  # no outcome of so few steps is significant: no verdict
+                assert noise and m["note"].startswith("too few steps to judge"), m["note"]
+            else:
+                assert m["note"].startswith("within noise") == noise, (m["note"], ratios)
         same = base["dev"] == r["dev"] == 0
         assert ("same order as " + policies[0] + ": ratio is noise" in m["note"]) == same
     # Every policy trains the same model on the same data: the same losses (3 decimals;

@@ -114,10 +114,10 @@ def test_demo_command_small(tmp_path: Path) -> None:
         assert any(line.startswith(f"│ {p} ") for line in lines), (p, res.output)
     for label in ("(median", "of 1)", "(total", "(max of 1)", "(step 1)", "traced step"):
         assert label in res.output, label
-    # One timed step has no spread: every ratio is said to be within noise.
+    # One timed step has no spread and cannot be judged: no verdict is claimed.
     rows = [line for line in lines if line.startswith(("│ readiness_first ", "│ backfill "))]
-    assert len(rows) == 4 and all("no spread" in r or "within" in r for r in rows[:2])
-    assert sum("within" in r for r in rows) == 2, res.output
+    assert len(rows) == 4 and all("no spread" in r or "too few" in r for r in rows[:2])
+    assert sum("too few" in r for r in rows) == 2 and "within" not in res.output, res.output
     assert (tmp_path / "timeline.png").exists()
     for p in ("strict", "readiness_first", "backfill"):
         tr = rr.load_trace(tmp_path / f"trace_{p}.json")
