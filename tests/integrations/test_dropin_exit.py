@@ -41,6 +41,13 @@ def test_a_program_without_close_exits_cleanly(mode: str) -> None:
         assert log.count("open after collect 0") == 2, log[-4000:]
 
 
+@pytest.mark.parametrize("mode", sorted(RUNNER.MEGATRON))
+def test_a_megatron_training_loop_without_close_exits_cleanly(mode: str) -> None:
+    pytest.importorskip("megatron.core")
+    ok, log = RUNNER.run_job(mode)
+    assert ok, log[-4000:]
+
+
 def test_a_middle_rank_exits_cleanly_too() -> None:
     ok, log = RUNNER.run_job("tutorial", nproc=3)
     assert ok, log[-4000:]
