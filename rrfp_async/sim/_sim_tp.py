@@ -222,13 +222,10 @@ class SimCoordinator:
     def publish(self, step: int, seq: int, task: Task) -> None:
         self.decided[task] = self._clock()
         stage = self.stage
-        if stage is not None and stage.deduces_tp:
-            st = stage._st
-            pos = st.prog.pos[task]
-            # The followers' condition (StageLoop._follow): the head, no input message.
-            # Ready there too: they are symmetric to the leader (see the design note).
-            if pos == st.ledger.head and st.prog.src_rank[pos] < 0:
-                self.deduced.add(task)
+        # The followers' condition (``StageLoop.deduces``): the head, no input message.
+        # Ready there too: they are symmetric to the leader (see the design note).
+        if stage is not None and stage.deduces(task):
+            self.deduced.add(task)
 
     async def receive(self, step: int, seq: int) -> Task:  # pragma: no cover - leader only
         raise PlanError("a simulated TP group has no follower loops")
