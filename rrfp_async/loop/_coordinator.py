@@ -74,8 +74,8 @@ class FailedSequencePoster(Protocol):
     """Optional: a coordinator whose sequence check a failed step still takes part in."""
 
     def post_failed_sequence(self, step: int, origin: int | None, /) -> None:
-        """Step ``step`` failed here before its ``verify_sequence``: post this rank's part of
-        the check without waiting, so that the check's collectives stay matched and TP
+        """Step ``step`` failed on this rank before its ``verify_sequence``: post this rank's
+        part of the check without waiting, so that the check's collectives stay matched and TP
         peers learn the step failed (``origin``: the global rank where it failed first, when
         another rank told this one, else None). Called on the loop thread at most once per
         step; without it a failed step posts nothing."""
@@ -96,15 +96,15 @@ class SequenceCheck:
         self.posted: int | None = None
 
     async def verify(self, coord: Coordinator, step: int, executed: Sequence[Task]) -> None:
-        """The step ended here: check that every TP rank executed ``executed``."""
+        """The step ended on this rank: check that every TP rank executed ``executed``."""
         self.posted = step  # posted once per step, whatever it raises
         await coord.verify_sequence(step, executed)
 
     def post_failed(self, coord: object, step: int, exc: BaseException) -> None:
-        """Step ``step`` failed here before its sequence check: take part in the check
+        """Step ``step`` failed on this rank before its sequence check: take part in the check
         anyway, without waiting (the coordinator's ``post_failed_sequence``), so that every
         TP rank posts it exactly once per step (the decision group's collectives stay
-        matched) and a TP peer whose step went on learns there that it failed here."""
+        matched) and a TP peer whose step went on learns there that it failed on this rank."""
         if self.posted == step:
             return
         self.posted = step

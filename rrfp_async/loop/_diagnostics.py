@@ -107,8 +107,8 @@ def make_deadlock(stages: Sequence[Diagnosed], step: int) -> DeadlockError:
 # A step that cannot finish on a virtual loop (the simulator) stops with every coroutine
 # suspended where it waits. A rank whose dispatcher is in its policy's turn shows, in its
 # task's coroutine chain, the dispatcher's frame followed by the policy's frames; the last
-# one says what the policy awaits. The chain is read from the dispatchers' own code, here
-# in the loop, so that no caller needs to know how the dispatch is written.
+# one says what the policy awaits. The chain is read from the dispatchers' own code, inside
+# the loop package, so that no caller needs to know how the dispatch is written.
 
 _DISPATCH = (Decider.dispatch.__code__, Follower.dispatch.__code__)
 _STEP_WAIT = StepRun.wait.__code__

@@ -1,7 +1,7 @@
 """The dispatcher of a TP follower: running the leader's decisions, and deducing them.
 
 :class:`Follower` runs the decisions its leader publishes on the coordinator, in order, each
-once it is ready here; a decision it can compute itself ("Deduced TP decisions", below) it
+once it is ready on this rank; a decision it can compute itself ("Deduced TP decisions", below) it
 starts without waiting for the leader's row, and checks the row when it comes.
 """
 
@@ -26,7 +26,7 @@ __all__ = ["Follower", "deducible"]
 # A follower need not wait for a decision it can compute itself. Under a policy that
 # always runs the next hinted task when it is ready (``chooses_ready_head``, every
 # built-in one), decision k is the head of the hint (the first task not started yet)
-# whenever that task is ready on the leader when it decides. If the head is ready here
+# whenever that task is ready on the leader when it decides. If the head is ready on this rank
 # and *all its inputs are local* (no message: ``src_rank < 0``; a first stage's
 # forward, a last stage's backward after its forward, a ``W`` after its ``I``), it is
 # ready on the leader too: both ran the same decisions 0..k-1, so the head is the same
@@ -72,7 +72,7 @@ class Follower:
         self.deduced = 0
 
     async def dispatch(self, st: StepState, coord: Coordinator, deduce: bool) -> None:
-        """Run the leader's decisions of step ``st`` in order, each once it is ready here.
+        """Run the leader's decisions of step ``st`` in order, each once it is ready on this rank.
 
         With ``deduce``, a decision this rank can deduce is not waited for (see "Deduced TP
         decisions" above): its task starts at once, and the leader's row for it is checked

@@ -4,10 +4,10 @@ arrived for a step that has not started yet.
 Design note
 -----------
 A failed step must not poison the next one, and must fail everywhere or nowhere. So the
-stage keeps, per step number: the steps that failed (or were cancelled) here (``dead``:
+stage keeps, per step number: the steps that failed (or were cancelled) on this rank (``dead``:
 their late messages are dropped, and the number is not run again), the steps that failed on
-another rank before they started here (``aborted``, from the channel's ABORT: such a step
-fails the moment it starts), and the ABORTs of steps that had already ended well here
+another rank before they started on this one (``aborted``, from the channel's ABORT: such a step
+fails the moment it starts), and the ABORTs of steps that had already ended well on this rank
 (``late_failures``: the end-of-step agreement fails those). A message of a later step is
 kept until that step starts (``early``). :class:`StepHistory` owns these and nothing else:
 it knows no running step, so every question that depends on one takes its number.
@@ -36,17 +36,17 @@ class StepHistory:
         self.rank = rank
         #: The number of the step that runs when ``run_step`` is given none.
         self.next_step = 0
-        #: ABORTs of steps that had already ended well here (the agreement fails them).
+        #: ABORTs of steps that had ended well on this rank (the agreement fails them).
         self.late_failures: list[BaseException] = []
-        # Steps that failed (or were cancelled) here: their late messages are dropped.
+        # Steps that failed (or were cancelled) on this rank: their late messages are dropped.
         self._dead: set[int] = set()
-        # Steps that failed on another rank before they started here.
+        # Steps that failed on another rank before they started on this one.
         self._aborted: dict[int, BaseException] = {}
         # Messages of steps that have not started yet: (task, payload, src) each.
         self._early: dict[int, list[tuple[Task, Any, int]]] = {}
 
     def is_dead(self, step: int) -> bool:
-        """Whether ``step`` failed here (or elsewhere before it started here)."""
+        """Whether ``step`` failed on this rank (or elsewhere before it started on this one)."""
         return step in self._dead
 
     def is_ahead(self, step: int, running: int | None) -> bool:
@@ -55,11 +55,11 @@ class StepHistory:
         return step >= self.next_step if running is None else step > running
 
     def refuse_rerun(self, step: int) -> None:
-        """Refuse to run ``step`` again after it failed here (its late messages are dropped
+        """Refuse to run ``step`` again after it failed on this rank (its late messages are dropped
         by that number); a step that failed on another rank first is not refused (it fails).
 
         Raises:
-            PlanError: ``step`` failed here before.
+            PlanError: ``step`` failed on this rank before.
         """
         if step in self._dead and step not in self._aborted:
             raise PlanError(
@@ -68,16 +68,16 @@ class StepHistory:
             )
 
     def aborted(self, step: int) -> BaseException | None:
-        """Why ``step`` failed on another rank before it started here (None if not)."""
+        """Why ``step`` failed on another rank before it started on this one (None if not)."""
         return self._aborted.get(step)
 
     def abort(self, step: int, exc: BaseException, running: int | None) -> None:
         """Step ``step``, not the running one, failed on another rank (``exc`` says where
-        and why): it fails the moment it starts here if it has not started, and its
-        messages are dropped; one that already ended well here keeps ``exc`` in
+        and why): it fails the moment it starts on this rank if it has not started, and its
+        messages are dropped; one that already ended well on this rank keeps ``exc`` in
         ``late_failures``."""
         if step in self._dead:
-            return  # it failed here too
+            return  # it failed on this rank too
         if self.is_ahead(step, running):
             self._aborted[step] = exc
             self._dead.add(step)
@@ -87,12 +87,12 @@ class StepHistory:
 
     def start(self, step: int) -> BaseException | None:
         """Step ``step`` starts: the next one is ``step + 1``. Returns why it failed on
-        another rank before it started here (it must fail at once), or None."""
+        another rank before it started on this one (it must fail at once), or None."""
         self.next_step = step + 1
         return self._aborted.pop(step, None)
 
     def failed(self, step: int) -> None:
-        """Step ``step`` failed (or was cancelled) here: its late messages are dropped."""
+        """Step ``step`` failed (or was cancelled) on this rank: its late messages are dropped."""
         self._dead.add(step)
         self._early.pop(step, None)
 

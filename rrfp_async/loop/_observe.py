@@ -33,9 +33,9 @@ from .._errors import ObserverError
 from .._tasks import Task
 from ._records import StepStats
 
-# ``StageLoop`` (``_stage_loop`` imports this module; a stage is typed ``Any`` here to keep the
-# import graph acyclic): the guard reads its ``rank``, ``step`` and ``observer``, and hands
-# it to the observer's calls.
+# ``StageLoop`` (``_stage_loop`` imports this module; a stage is typed ``Any`` in this
+# module to keep the import graph acyclic): the guard reads its ``rank``, ``step`` and
+# ``observer``, and hands it to the observer's calls.
 StageLoop = Any
 
 

@@ -160,7 +160,7 @@ class StageLoop:
             state dump of a failed step (0: none).
         max_microbatches: The most microbatches a step may have (None: no limit).
         deduce_tp: TP follower under a policy that ``chooses_ready_head``: start a decision
-            it can deduce (the next hinted task, ready here with local inputs only) without
+            it can deduce (the next hinted task, ready on this rank with local inputs only) without
             waiting for the leader's row, and check the row when it arrives (see "Deduced
             TP decisions" in ``loop/_follow.py``). False: wait for every row (for
             measurement).
@@ -290,7 +290,7 @@ class StageLoop:
         Raises:
             PlanError: ``microbatches``, ``step`` or ``schedule`` do not fit the stage's plan,
                 a step is already running, or ``step`` is the number of a step that failed
-                here (its late messages are dropped by that number); or the executor's
+                on this rank (its late messages are dropped by that number); or the executor's
                 ``execute`` returned no awaitable.
             PolicyError: The policy misbehaved.
             DeadlockError: The step can never finish (detected by the monitor).
@@ -319,7 +319,7 @@ class StageLoop:
             history.refuse_rerun(resolved.step)
         step = resolved.step
         aborted = history.start(step)
-        if aborted is not None:  # it failed on another rank before it started here
+        if aborted is not None:  # it failed on another rank before it started on this one
             self._post_failed_sequence(step, aborted)
             raise aborted
         self._base = resolved.base
@@ -423,7 +423,7 @@ class StageLoop:
             await self._sequence.verify(self.coordinator, st.step, [e.task for e in st.executed])
 
     def _post_failed_sequence(self, step: int, exc: BaseException) -> None:
-        """A step that failed here before its TP sequence check still takes part in it."""
+        """A step that failed on this rank before its TP sequence check still takes part in it."""
         if self.coordinator is not None and self.verify_sequences:
             self._sequence.post_failed(self.coordinator, step, exc)
 
@@ -471,8 +471,8 @@ class StageLoop:
 
     def step_aborted(self, step: int, exc: BaseException) -> None:
         """Step ``step`` failed on another rank (the channel's ABORT; ``exc`` says where and
-        why): fail it here now if it runs, or the moment it starts if it has not started;
-        drop its messages either way. A step that already ended well here cannot fail any
+        why): fail it on this rank now if it runs, or the moment it starts if it has not started;
+        drop its messages either way. A step that already ended well on this rank cannot fail any
         more: ``exc`` is kept in ``late_failures``."""
         st = self._run.state
         if st is not None and st.step == step:
@@ -483,16 +483,16 @@ class StageLoop:
     # ------------------------------------------------------------------ the step history
 
     def check_step_number(self, step: int) -> None:
-        """Refuse to run ``step`` again after it failed here (its late messages are dropped
+        """Refuse to run ``step`` again after it failed on this rank (its late messages are dropped
         by that number); a step that failed on another rank first is not refused (it fails).
 
         Raises:
-            PlanError: ``step`` failed here before.
+            PlanError: ``step`` failed on this rank before.
         """
         self._history.refuse_rerun(step)
 
     def aborted(self, step: int) -> BaseException | None:
-        """Why step ``step`` failed on another rank before it started here (None if not)."""
+        """Why step ``step`` failed on another rank before it started on this one (None if not)."""
         return self._history.aborted(step)
 
     def forget_failed_steps(self) -> None:
@@ -507,7 +507,7 @@ class StageLoop:
 
     @property
     def late_failures(self) -> list[BaseException]:
-        """ABORTs of steps that had already ended well here (the end-of-step agreement
+        """ABORTs of steps that had already ended well on this rank (the end-of-step agreement
         fails those)."""
         return self._history.late_failures
 
