@@ -304,6 +304,29 @@ class StageLoop:
                 f"rank {self.rank}: run_step is already running step {self._run.state.step}; a"
                 " stage runs one step at a time (await the running step first)"
             )
+        step = self._resolve(microbatches, step, schedule, train)
+        try:
+            # _begin inside: a step that fails while it starts (a bad early message, a
+            # policy hook that raises) must still end, or the stage stays "running" forever.
+            st = self._begin(step, microbatches)
+            await self._dispatch_watched(st)
+            return self._end(st)
+        except BaseException as e:
+            await self._fail(step, e)
+            raise
+        finally:
+            self._run.end()
+
+    def _resolve(
+        self,
+        microbatches: Sequence[Any],
+        step: int | None,
+        schedule: StepSchedule | None,
+        train: bool,
+    ) -> int:
+        """Resolve the step's number and schedule (``resolve_step``) and install them; raise
+        at once when the step cannot run: it failed on another rank before it started on
+        this one, or the channel is broken."""
         history = self._history
         resolved = resolve_step(
             f"rank {self.rank}",
@@ -317,54 +340,58 @@ class StageLoop:
         )
         if step is not None:
             history.refuse_rerun(resolved.step)
-        step = resolved.step
-        aborted = history.start(step)
+        n = resolved.step
+        aborted = history.start(n)
         if aborted is not None:  # it failed on another rank before it started on this one
-            self._post_failed_sequence(step, aborted)
+            self._post_failed_sequence(n, aborted)
             raise aborted
         self._base = resolved.base
         self.schedule = resolved.schedule
         failure = self._run.clear_failure()
         if failure is not None:  # a broken channel stays broken: every later step fails
-            history.failed(step)
-            self._post_failed_sequence(step, failure)
+            history.failed(n)
+            self._post_failed_sequence(n, failure)
             raise failure
+        return n
+
+    async def _dispatch_watched(self, st: StepState) -> None:
+        """``_dispatch`` under the step watchdog (``step_timeout``), if there is one."""
+        if self.step_timeout is None:
+            await self._dispatch(st)
+            return
         try:
-            # _begin inside: a step that fails while it starts (a bad early message, a
-            # policy hook that raises) must still end, or the stage stays "running" forever.
-            st = self._begin(step, microbatches)
-            if self.step_timeout is None:
+            async with asyncio.timeout(self.step_timeout):
                 await self._dispatch(st)
-            else:
-                try:
-                    async with asyncio.timeout(self.step_timeout):
-                        await self._dispatch(st)
-                except TimeoutError as e:
-                    raise StepTimeoutError(
-                        f"rank {self.rank} step {step}: no progress to the end of the step"
-                        f" within {self.step_timeout} s\n{self.dump()}"
-                    ) from e
-            stats = self._stats(st)
-            if self._run.obs is not None:
-                self._run.obs.step_end(stats)
-            if self._run.obs_error is not None:  # the observer raised after the last task
-                raise self._run.obs_error
-            return stats
-        except BaseException as e:
-            history.failed(step)
-            self._post_failed_sequence(step, e)
-            if isinstance(self.executor, StepFailedExecutor):
-                self.executor.step_failed(step)
-            if not isinstance(e, asyncio.CancelledError):
-                self._dump_on_failure(e)
-            computing = self._run.computing()
-            if computing is not None:
-                if self.on_failure is not None:  # tell the peers first: the wait takes a task
-                    self.on_failure(step, e)
-                await self._tasks.settle(computing, e)
-            raise
-        finally:
-            self._run.end()
+        except TimeoutError as e:
+            raise StepTimeoutError(
+                f"rank {self.rank} step {st.step}: no progress to the end of the step"
+                f" within {self.step_timeout} s\n{self.dump()}"
+            ) from e
+
+    def _end(self, st: StepState) -> StepStats:
+        """The step ran every task: its stats (an observer that raised fails it still)."""
+        stats = self._stats(st)
+        if self._run.obs is not None:
+            self._run.obs.step_end(stats)
+        if self._run.obs_error is not None:  # the observer raised after the last task
+            raise self._run.obs_error
+        return stats
+
+    async def _fail(self, step: int, e: BaseException) -> None:
+        """Step ``step`` failed with ``e``: its late messages are dropped, the TP sequence
+        check and the executor hear of it, the state dump goes on ``e``, and a task still on
+        the executor is waited for (after ``on_failure`` told the peers)."""
+        self._history.failed(step)
+        self._post_failed_sequence(step, e)
+        if isinstance(self.executor, StepFailedExecutor):
+            self.executor.step_failed(step)
+        if not isinstance(e, asyncio.CancelledError):
+            self._dump_on_failure(e)
+        computing = self._run.computing()
+        if computing is not None:
+            if self.on_failure is not None:  # tell the peers first: the wait takes a task
+                self.on_failure(step, e)
+            await self._tasks.settle(computing, e)
 
     def _begin(self, step: int, microbatches: Sequence[Any]) -> StepState:
         """Start step ``step``: its state, the inputs it has already, its observer."""
