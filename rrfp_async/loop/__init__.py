@@ -8,7 +8,11 @@ and the lab, ``rrfp_lab``), not in ``__all__``:
 * ``GradStash``, ``stash_grads``, ``restore_grads``: tied gradients set aside while a step
   runs (``_accumulate``);
 * ``check_step_args``: the checks on a step's inputs, targets and losses;
+* ``resolve_step``, ``ResolvedStep``: the one resolution of a step's number and schedule
+  from ``run_step``'s arguments (``_checks``), for every entry point;
 * ``deadlock_grid``: the deadlock picture of a set of stages (``_diagnostics``);
+* ``policy_awaits``: what the policy of each stage that is in its turn awaits
+  (``_diagnostics``);
 * ``SyncPortal``: the synchronous face's event loop thread.
 """
 
@@ -16,8 +20,12 @@ from .._bridges import ComputeWorker, cuda_event_future, run_blocking, torch_fut
 from ._accumulate import GradStash as GradStash
 from ._accumulate import restore_grads as restore_grads
 from ._accumulate import stash_grads as stash_grads
+from ._checks import ResolvedStep as ResolvedStep
 from ._checks import check_step_args as check_step_args
+from ._checks import resolve_step as resolve_step
+from ._coordinator import Coordinator
 from ._diagnostics import deadlock_grid as deadlock_grid
+from ._diagnostics import policy_awaits as policy_awaits
 from ._executors import (
     CostModelExecutor,
     Executor,
@@ -29,7 +37,6 @@ from ._executors import (
     TiedExecutor,
 )
 from ._executors import OutputHook as OutputHook
-from ._loop_fields import Coordinator
 from ._observe import ActiveObserver, FailedObserver
 from ._pipeline import LocalPipeline
 from ._portal import SyncPortal as SyncPortal

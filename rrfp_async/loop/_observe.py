@@ -10,10 +10,11 @@ forever (or the simulator reported a deadlock that was none). And ``failed`` run
 step's real error is being raised, so an exception there replaced it.
 
 So the stage never calls its observer directly: it calls a :class:`GuardedObserver`, which
-forwards every call inside ``try``. When the observer raises, the guard stops calling it for
+forwards every call inside ``try`` (adding the stage as the first argument, so the parts
+that call it need not know the stage). When the observer raises, the guard stops calling it for
 the rest of the step (a broken observer would likely raise again), makes an
 :class:`~rrfp_async.ObserverError` whose cause is the observer's exception and hands it to
-the stage's ``fail``, exactly as a broken channel is handed over: the step's loop raises it
+the running step's ``fail``, exactly as a broken channel is handed over: the step's loop raises it
 at its next turn, or at once when it waits. The transition itself goes on (the message is
 still delivered, the task still counted), so the stage's state stays consistent. If the
 step had already failed, that error stays the root cause and the observer's is a note on
@@ -32,15 +33,27 @@ from .._errors import ObserverError
 from .._tasks import Task
 from ._records import StepStats
 
-# ``StageLoop`` (``_stage_loop`` imports this module; a stage is typed ``Any`` here to keep the
-# import graph acyclic): the guard reads ``rank``, ``step``, ``observer`` and sets
-# ``_obs``, ``_obs_error``, and calls ``fail``.
+# ``StageLoop`` (``_stage_loop`` imports this module; a stage is typed ``Any`` in this
+# module to keep the import graph acyclic): the guard reads its ``rank``, ``step`` and
+# ``observer``, and hands it to the observer's calls.
 StageLoop = Any
+
+
+class GuardedRun(Protocol):
+    """What the guard needs of the running step (a :class:`~rrfp_async.loop._step_run.StepRun`):
+    where the step's guard and the observer's error live, and how the step fails."""
+
+    obs: GuardedObserver | None
+    obs_error: BaseException | None
+
+    def fail(self, exc: BaseException) -> None: ...
+
 
 __all__ = [
     "ActiveObserver",
     "FailedObserver",
     "GuardedObserver",
+    "GuardedRun",
     "attach_observer_error",
     "call_failed",
     "guard_observer",
@@ -94,9 +107,11 @@ def _nothing(*args: Any) -> None:
 _SILENT = _Silent()
 
 
-def _broken(stage: StageLoop, observer: object, method: str, e: BaseException) -> None:
+def _broken(
+    stage: StageLoop, run: GuardedRun, observer: object, method: str, e: BaseException
+) -> None:
     """``observer.method`` raised ``e``: stop calling it this step and fail the step."""
-    stage._obs = None
+    run.obs = None
     err = ObserverError(
         f"rank {stage.rank} step {stage.step}: observer {describe(observer)} raised in"
         f" {method}(): {type(e).__name__}: {e}; the step fails (an observer must not raise:"
@@ -106,95 +121,96 @@ def _broken(stage: StageLoop, observer: object, method: str, e: BaseException) -
         method=method,
     )
     err.__cause__ = e
-    if stage._obs_error is None:
-        stage._obs_error = err
-    stage.fail(err)
+    if run.obs_error is None:
+        run.obs_error = err
+    run.fail(err)
 
 
 class GuardedObserver:
     """Forwards every ``StageObserver`` call to ``inner``; an exception fails the step (see
     the module's design note) instead of escaping where the call was made."""
 
-    __slots__ = ("_inner", "_stage")
+    __slots__ = ("_inner", "_run", "_stage")
 
-    def __init__(self, inner: Any, stage: StageLoop) -> None:
+    def __init__(self, inner: Any, stage: StageLoop, run: GuardedRun) -> None:
         self._inner = inner
         self._stage = stage
+        self._run = run
 
     def _broke(self, method: str, e: BaseException) -> None:
         inner, self._inner = self._inner, _SILENT
-        _broken(self._stage, inner, method, e)
+        _broken(self._stage, self._run, inner, method, e)
 
-    def step_start(self, stage: StageLoop) -> None:
+    def step_start(self) -> None:
         try:
-            self._inner.step_start(stage)
+            self._inner.step_start(self._stage)
         except Exception as e:
             self._broke("step_start", e)
 
-    def message(self, stage: StageLoop, task: Task, src: int) -> None:
+    def message(self, task: Task, src: int) -> None:
         try:
-            self._inner.message(stage, task, src)
+            self._inner.message(self._stage, task, src)
         except Exception as e:
             self._broke("message", e)
 
-    def ready(self, stage: StageLoop, task: Task) -> None:
+    def ready(self, task: Task) -> None:
         try:
-            self._inner.ready(stage, task)
+            self._inner.ready(self._stage, task)
         except Exception as e:
             self._broke("ready", e)
 
-    def decision(self, stage: StageLoop, task: Task, ready: Sequence[Task], idle: float) -> None:
+    def decision(self, task: Task, ready: Sequence[Task], idle: float) -> None:
         try:
-            self._inner.decision(stage, task, ready, idle)
+            self._inner.decision(self._stage, task, ready, idle)
         except Exception as e:
             self._broke("decision", e)
 
-    def task_start(self, stage: StageLoop, task: Task) -> None:
+    def task_start(self, task: Task) -> None:
         try:
-            self._inner.task_start(stage, task)
+            self._inner.task_start(self._stage, task)
         except Exception as e:
             self._broke("task_start", e)
 
-    def task_end(self, stage: StageLoop, task: Task, start: float, end: float) -> None:
+    def task_end(self, task: Task, start: float, end: float) -> None:
         try:
-            self._inner.task_end(stage, task, start, end)
+            self._inner.task_end(self._stage, task, start, end)
         except Exception as e:
             self._broke("task_end", e)
 
-    def stall(self, stage: StageLoop, reason: str) -> None:
+    def stall(self, reason: str) -> None:
         try:
-            self._inner.stall(stage, reason)
+            self._inner.stall(self._stage, reason)
         except Exception as e:
             self._broke("stall", e)
 
-    def tp_decision(self, stage: StageLoop, task: Task, seq: int, sent: bool) -> None:
+    def tp_decision(self, task: Task, seq: int, sent: bool) -> None:
         try:
-            self._inner.tp_decision(stage, task, seq, sent)
+            self._inner.tp_decision(self._stage, task, seq, sent)
         except Exception as e:
             self._broke("tp_decision", e)
 
-    def step_end(self, stage: StageLoop, stats: StepStats) -> None:
+    def step_end(self, stats: StepStats) -> None:
         try:
-            self._inner.step_end(stage, stats)
+            self._inner.step_end(self._stage, stats)
         except Exception as e:
             self._broke("step_end", e)
 
 
-def guard_observer(stage: StageLoop) -> GuardedObserver | None:
-    """The guarded observer of ``stage`` for the step that starts, or None when it has none
-    or it is inactive (an observer that would write nothing, e.g. logging filtered out, is
-    skipped for the whole step: disabled logging costs this one check). An ``active``
+def guard_observer(stage: StageLoop, run: GuardedRun) -> GuardedObserver | None:
+    """The guarded observer of ``stage`` for the step ``run`` starts, or None when it has
+    none or it is inactive (an observer that would write nothing, e.g. logging filtered out,
+    is skipped for the whole step: disabled logging costs this one check). An ``active``
     property that raises counts as an observer error."""
-    stage._obs_error = None
+    run.obs_error = None
     obs = stage.observer
     if obs is None:
         return None
     try:
         active = obs.active if isinstance(obs, ActiveObserver) else True
     except Exception as e:
-        _broken(stage, obs, "active", e)
+        _broken(stage, run, obs, "active", e)
         return None
-    return GuardedObserver(obs, stage) if active else None
+    return GuardedObserver(obs, stage, run) if active else None
 
 
 def call_failed(stage: StageLoop, exc: BaseException, text: str) -> None:
@@ -212,9 +228,9 @@ def call_failed(stage: StageLoop, exc: BaseException, text: str) -> None:
         )
 
 
-def attach_observer_error(stage: StageLoop, exc: BaseException) -> None:
+def attach_observer_error(run: GuardedRun, exc: BaseException) -> None:
     """If the observer raised during a step that failed for another reason, say so on the
     step's error (the root cause stays ``exc``)."""
-    err = stage._obs_error
+    err = run.obs_error
     if err is not None and err is not exc:
         exc.add_note(f"the observer also raised: {err}")

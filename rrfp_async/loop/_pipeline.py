@@ -8,12 +8,12 @@ from collections.abc import Callable, Sequence
 from types import TracebackType
 from typing import Any
 
-from .._check import check_bool, check_type
+from .._check import check_type
 from .._errors import PlanError, exception_notes
 from ..channels import LatencyFn, LocalChannel
 from ..policies import Policy, StepSchedule
 from ._accumulate import GradStash, restore_grads, stash_grads
-from ._checks import check_step_args, check_step_timeout
+from ._checks import check_step_timeout, resolve_step
 from ._diagnostics import make_deadlock
 from ._executors import Executor, TiedExecutor
 from ._portal import SyncPortal
@@ -200,24 +200,25 @@ class LocalPipeline:
                 f"run_step: step {self._running} of this pipeline is still running; a pipeline"
                 " runs one step at a time (await it before starting the next)"
             )
-        check_step_args(
-            "run_step", self.schedule.plan, microbatches, step, schedule, self.max_microbatches
+        resolved = resolve_step(
+            "run_step",
+            self.schedule,
+            microbatches,
+            step=step,
+            schedule=schedule,
+            train=train,
+            next_step=self.stages[0].next_step,
+            max_microbatches=self.max_microbatches,
         )
-        check_bool("run_step: train", train)
         mon = self._monitor
-        if schedule is None:  # derived once for every stage (and kept for later steps)
-            try:
-                schedule = self.schedule.for_microbatches(len(microbatches))
-            except PlanError as e:
-                raise PlanError(f"run_step: {e}") from None
-        if not schedule.plan.forward_only:
-            self.schedule = schedule
+        # Resolved once for every stage: each runs this schedule (a forward-only one when
+        # train is False), and later steps derive from the resolved base.
+        self.schedule = resolved.base
+        run = resolved.schedule
 
         async def one(stage: StageLoop) -> StepStats:
             try:
-                stats = await stage.run_step(
-                    microbatches, step=step, schedule=schedule, train=train
-                )
+                stats = await stage.run_step(microbatches, step=step, schedule=run, train=train)
             except BaseException as e:
                 # The task group cancels the other stages; a deadlock check now would
                 # only report the stages this failure left waiting.
@@ -231,9 +232,9 @@ class LocalPipeline:
         notes: list[str] = []
         mon.active = set(range(len(self.stages)))
         mon.failed = False
-        self._running = self.stages[0]._next_step if step is None else step
+        self._running = resolved.step
         root: BaseException | None = None
-        training = train and not schedule.plan.forward_only
+        training = not run.plan.forward_only
         ties = self._tied_copies() if training else []
         # Each tie's accumulated gradient waits aside while the step runs (restored also
         # when it fails): see _accumulate's design note.
@@ -259,6 +260,12 @@ class LocalPipeline:
         finally:
             restore_grads(stash)
         return [t.result() for t in tasks]
+
+    @property
+    def unfinished_ranks(self) -> frozenset[int]:
+        """The ranks whose part of the running step (or of the last step, when it did not
+        end well) has not returned: what the simulator asks of a step it had to stop."""
+        return frozenset(self._monitor.active)
 
     def _tied_copies(self) -> list[list[Any]]:
         """The distinct parameter copies of each declared tie that has two or more (one
@@ -333,7 +340,7 @@ class LocalPipeline:
         what is still in flight belongs to the dead step and must never be delivered."""
         self.channel.discard()
         for s in self.stages:
-            s._forget_failed_steps()
+            s.forget_failed_steps()
 
 
 def _reduce_shared(ties: Sequence[Sequence[Any]]) -> None:

@@ -51,7 +51,7 @@ class StepState:
     deciding: bool = False  # the policy's turn: awaited, not returned yet
     running: int = -1  # the position of the task on the executor, or -1
     leader_wait: int = -1  # TP follower: the decision it awaits from its leader, or -1
-    decided: int = -1  # TP follower: the leader's decided task, not ready here yet, or -1
+    decided: int = -1  # TP follower: the leader's decided task, not ready on this rank yet, or -1
     leader: int | None = None  # TP follower: the leader's global rank, when known
     ends: list[float] = field(default_factory=list)  # per position, once finished
     starts: list[float] = field(default_factory=list)  # per position, once finished
@@ -126,7 +126,7 @@ class StepState:
         """Why this stage starts nothing now, in words, naming the actual blocker first.
 
         In the order it is checked: a task running on the executor; a TP follower waiting
-        for its leader's decision, or for the task the leader decided to become ready here;
+        for its leader's decision, or for the task the leader decided to become ready on this rank;
         the policy waiting for one task (``wait_until_ready``: which task, what that task
         waits for, and the ready tasks the policy holds back meanwhile) or for any change
         (``wait_for_change``: the policy chose to wait); a policy that has not returned

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Protocol
 
 from .._errors import PolicyError
 from .._tasks import Task
 from ..policies import StepSchedule
 from ._state import StepState
+from ._step_run import StepRun
 
 __all__ = ["StageView", "ViewedStage"]
 
@@ -16,25 +17,32 @@ __all__ = ["StageView", "ViewedStage"]
 class ViewedStage(Protocol):
     """What the view reads of its stage (a :class:`~rrfp_async.loop.StageLoop`)."""
 
-    rank: int
-    policy_name: str
-    schedule: StepSchedule
-    _st: StepState | None
-    _now: Callable[[], float]
+    @property
+    def rank(self) -> int: ...
 
-    async def _wait(self, reason: Callable[[], str], timeout: float | None = None) -> bool: ...
+    @property
+    def policy_name(self) -> str: ...
+
+    @property
+    def schedule(self) -> StepSchedule: ...
 
 
 class StageView:
-    """The live :class:`~rrfp_async.ReadyView` a stage hands its policy (valid during a step)."""
+    """The live :class:`~rrfp_async.ReadyView` a stage hands its policy (valid during a step).
 
-    __slots__ = ("_s",)
+    Args:
+        stage: The stage (its rank, policy name and the running step's schedule).
+        run: The running step (its state, clock and the wait for a change).
+    """
 
-    def __init__(self, stage: ViewedStage) -> None:
+    __slots__ = ("_run", "_s")
+
+    def __init__(self, stage: ViewedStage, run: StepRun) -> None:
         self._s = stage
+        self._run = run
 
     def _st(self) -> StepState:
-        st = self._s._st
+        st = self._run.state
         if st is None:
             raise RuntimeError("the ready view is only valid during a step")
         return st
@@ -93,7 +101,7 @@ class StageView:
         return self._st().observed
 
     def now(self) -> float:
-        return self._s._now()
+        return self._run.now()
 
     @property
     def idle_since(self) -> float:
@@ -139,7 +147,7 @@ class StageView:
                 step=st.step,
                 task=task,
             )
-        now = self._s._now
+        now = self._run.now
         deadline = None if timeout is None else now() + timeout
         st.awaited = pos
         try:
@@ -147,7 +155,7 @@ class StageView:
                 left = None if deadline is None else deadline - now()
                 if left is not None and left <= 0:
                     return False
-                await self._s._wait(self._reason, left)
+                await self._run.wait(self._reason, left)
         finally:
             st.awaited = -1
         return True
@@ -160,7 +168,7 @@ class StageView:
         st = self._st()
         st.changing = True
         try:
-            return await self._s._wait(self._reason, timeout)
+            return await self._run.wait(self._reason, timeout)
         finally:
             st.changing = False
 

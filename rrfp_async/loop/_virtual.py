@@ -285,8 +285,8 @@ class VirtualEventLoop(asyncio.SelectorEventLoop):
 
     def _run_once(self) -> None:
         # See "A closed simulation" in the module's note: asyncio's own iteration, less the
-        # selector (which could return nothing here) and the debug-mode timing; and while
-        # the next iteration would be one of these too, it runs here at once instead of
+        # selector (which could return nothing at this point) and the debug-mode timing; and while
+        # the next iteration would be one of these too, it runs at once instead of
         # after a return to ``run_forever`` (which does nothing in between but check
         # ``_stopping``, as this loop does).
         if not self._selector_free():

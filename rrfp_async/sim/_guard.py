@@ -10,7 +10,6 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
-import types
 from collections.abc import Sequence
 from typing import Any
 
@@ -23,6 +22,7 @@ from ..loop import (
     VirtualEventLoop,
     VirtualTimeLimit,
     deadlock_grid,
+    policy_awaits,
 )
 
 __all__ = ["run_virtual"]
@@ -36,93 +36,42 @@ _UNWIND_TIME = 60.0
 # -----------
 # The step runs as one task on a fresh VirtualEventLoop with ``stall_when_idle`` and both
 # limits. When a guard fires, the loop raises out of ``run_until_complete`` with every
-# coroutine still suspended where it waits; ``_diagnose`` reads those coroutine chains
-# (``cr_await``) to say, per rank, which policy has not returned and what it awaits, then
-# ``_unwind`` cancels every task and runs the loop again (briefly, with a fresh wall limit)
-# so that they unwind before the loop closes. A policy that raises ``CancelledError``
-# itself ends its stage's task as *cancelled*, which a task group does not treat as a
-# failure: its peers then wait forever (a stall) or the step "returns" a cancellation;
-# either way ``_diagnose`` finds the rank that left its step without finishing it.
-
-
-def _frames(obj: Any) -> list[types.FrameType | None]:
-    """The frames of a suspended coroutine chain, outermost first (None: a bare future)."""
-    out: list[types.FrameType | None] = []
-    seen = 0
-    while obj is not None and seen < 200:
-        seen += 1
-        # A coroutine has cr_*, a generator-based awaitable gi_*; a future has neither.
-        frame = getattr(obj, "cr_frame", None) or getattr(obj, "gi_frame", None)
-        out.append(frame)
-        nxt = getattr(obj, "cr_await", None)
-        if nxt is None:
-            nxt = getattr(obj, "gi_yieldfrom", None)
-        obj = nxt
-    return out
-
-
-def _where(frame: types.FrameType) -> str:
-    code = frame.f_code
-    return f"{code.co_qualname} ({code.co_filename}:{frame.f_lineno})"
-
-
-_DECIDE = (StageLoop._decide_and_run.__code__, StageLoop._follow.__code__)
-_STAGE_WAIT = StageLoop._wait.__code__
-_EXECUTE = StageLoop._execute.__code__
-
-
-def _policy_waits(loop: asyncio.AbstractEventLoop) -> dict[int, str]:
-    """For each rank whose policy was called and has not returned: what it awaits."""
-    out: dict[int, str] = {}
-    for task in asyncio.all_tasks(loop):
-        frames = _frames(task.get_coro())
-        for i, fr in enumerate(frames):
-            if fr is None or fr.f_code not in _DECIDE:
-                continue
-            stage = fr.f_locals.get("self")
-            rest = [f for f in frames[i + 1 :] if f is not None]
-            if not isinstance(stage, StageLoop) or not rest:
-                break
-            if rest[0].f_code in (_STAGE_WAIT, _EXECUTE):
-                break  # the stage itself waits (admission) or runs a task: no policy call
-            policy, leaf = rest[0], rest[-1]
-            if leaf.f_code is _STAGE_WAIT:
-                break  # the policy waits through its view: the stage's stall reason says it
-            if leaf is policy:
-                what = f"a future at {_where(policy)}"
-            else:
-                what = f"{leaf.f_code.co_qualname} ({leaf.f_code.co_filename}:{leaf.f_lineno})"
-                what += f", called from {_where(policy)}"
-            out[stage.rank] = what
-            break
-    return out
+# coroutine still suspended where it waits; ``_diagnose`` asks the loop which policy has not
+# returned on which rank and what it awaits (``policy_awaits``, which reads the coroutine
+# chains), then ``_unwind`` cancels every task and runs the loop again (briefly, with a
+# fresh wall limit) so that they unwind before the loop closes. A policy that raises
+# ``CancelledError`` itself ends its stage's task as *cancelled*, which a task group does
+# not treat as a failure: its peers then wait forever (a stall) or the step "returns" a
+# cancellation; either way ``_diagnose`` finds the rank that left its step without
+# finishing it.
 
 
 def _describe(pipe: LocalPipeline, loop: asyncio.AbstractEventLoop) -> list[str]:
     """One line per rank: finished, in its policy (and what that awaits), or waiting."""
-    policies = _policy_waits(loop)
+    policies = policy_awaits(asyncio.all_tasks(loop))
     lines = []
     for s in pipe.stages:
-        st = s._st
-        if st is None:
+        reason = s.stall_reason()
+        if reason is None:
             lines.append(f"rank {s.rank}: finished its step")
         elif s.rank in policies:
-            extra = f"; it waits for {st.why(st.awaited)}" if st.awaited >= 0 else ""
+            awaited = s.policy_waits_for()
+            extra = f"; it waits for {awaited}" if awaited is not None else ""
             lines.append(
                 f"rank {s.rank}: policy {s.policy_name!r} was called and has not returned: it"
                 f" awaits {policies[s.rank]}{extra}"
             )
         else:
-            lines.append(f"rank {s.rank}: {st.stall_reason(s.policy_name)}")
+            lines.append(f"rank {s.rank}: {reason}")
     return lines
 
 
 def _cancelled_rank(pipe: LocalPipeline) -> StageLoop | None:
     """A stage that left its step without finishing it and without an error: its coroutine
     raised ``CancelledError`` that no one asked for (any other exception fails the step)."""
-    active = pipe._monitor.active
+    active = pipe.unfinished_ranks
     for s in pipe.stages:
-        if s._st is None and s.rank in active:
+        if s.step is None and s.rank in active:
             return s
     return None
 

@@ -32,9 +32,9 @@ A per-decision or per-step term as a function of the TP degree, ``a + b * f(tp)`
 leader sends to each follower in turn), least-squares fitted to measurements
 (``fit_tp_term``, both forms, the smaller residual wins) and cross-checked by
 leave-one-out (``leave_one_out``). The defaults (``TP_DECISION_LATENCY``, ``TP_STEP_CHECK``)
-were fitted to ``rrfp-async bench overhead --section tp`` on the development machine (gloo
-on loopback, 2 shared CPU cores, up to 8 processes; BENCHMARKS.md): a pessimistic figure
-for a GPU cluster, where the same exchange runs on idle cores.
+were fitted to ``rrfp-async bench overhead --section tp`` (gloo on loopback, CPU processes
+sharing few cores: BENCHMARKS.md#tp-coordination-the-curve): a pessimistic figure for a GPU
+cluster, where the same exchange runs on idle cores.
 """
 
 from __future__ import annotations
@@ -156,12 +156,11 @@ def leave_one_out(
     return out
 
 
-# Fitted to `rrfp-async bench overhead --section tp` (TP 1, 2, 4, 8; BENCHMARKS.md, "TP
-# coordination, the curve"; 2 cores, load average 6-11): the followers' first-task delay, a
-# decision that could not be sent ahead (32 + 322 x (tp - 1) µs, leave-one-out within 19 %
-# at TP 2/4/8), and the end of the step with the sequence check folded into the decisions
-# (0.45-0.92 ms at TP 8 over five runs, mostly the leader waiting for its sends; too noisy
-# below TP 8 to fit, so 100 µs x (tp - 1)). Pass tp_latency= / tp_check= to override.
+# Fitted to `rrfp-async bench overhead --section tp` (TP 1, 2, 4, 8; the fit, its
+# leave-one-out check and the figures: BENCHMARKS.md#tp-coordination-the-curve): the
+# followers' first-task delay, a decision that could not be sent ahead, linear in tp - 1;
+# and the end of the step with the sequence check folded into the decisions, too noisy below
+# TP 8 to fit, so linear in tp - 1 through zero. Pass tp_latency= / tp_check= to override.
 TP_DECISION_LATENCY = TPTerm(form="linear", a=32e-6, b=322e-6)
 """Default latency of one TP decision in the simulator (seconds, by TP degree)."""
 TP_STEP_CHECK = TPTerm(form="linear", a=0.0, b=100e-6)
@@ -222,13 +221,10 @@ class SimCoordinator:
     def publish(self, step: int, seq: int, task: Task) -> None:
         self.decided[task] = self._clock()
         stage = self.stage
-        if stage is not None and stage.deduces_tp:
-            st = stage._st
-            pos = st.prog.pos[task]
-            # The followers' condition (StageLoop._follow): the head, no input message.
-            # Ready there too: they are symmetric to the leader (see the design note).
-            if pos == st.ledger.head and st.prog.src_rank[pos] < 0:
-                self.deduced.add(task)
+        # The followers' condition (``StageLoop.deduces``): the head, no input message.
+        # Ready there too: they are symmetric to the leader (see the design note).
+        if stage is not None and stage.deduces(task):
+            self.deduced.add(task)
 
     async def receive(self, step: int, seq: int) -> Task:  # pragma: no cover - leader only
         raise PlanError("a simulated TP group has no follower loops")

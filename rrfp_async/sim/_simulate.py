@@ -65,7 +65,8 @@ BENCHMARKS.md (simulator section) for what a step of each size costs."""
 
 MAX_CELLS_PER_RANK = 2**12
 """Most (chunk, microbatch) pairs per rank: ``chunks x microbatches``. The cost-aware hints
-and the admission scan grow faster than linearly in a rank's task count (2 x 8192 took 100 s)."""
+and the admission scan grow faster than linearly in a rank's task count (what a larger rank
+costs: BENCHMARKS.md#the-per-rank-limit)."""
 
 DEFAULT_WALL_LIMIT = 300.0
 """Default ``wall_limit`` of ``simulate``: real seconds a simulated step may run."""
@@ -352,7 +353,7 @@ def simulate(
             other; ``math.inf``: no limit.
         wall_limit: Real seconds the simulated step may run (a policy that spins without
             letting the clock move); default ``DEFAULT_WALL_LIMIT`` (300); None: no limit.
-        tp: TP degree of every stage. Only its coordination is simulated here (give the
+        tp: TP degree of every stage. Only its coordination is simulated (give the
             compute per TP rank in the durations or cost model): each stage is the leader
             of a TP group whose followers start a task only ``tp_latency`` after the
             leader's decision (the look-ahead included), and the step ends ``tp_check``

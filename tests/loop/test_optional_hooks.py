@@ -29,7 +29,7 @@ from rrfp_async.loop import (
     StepResultsExecutor,
     TiedExecutor,
 )
-from rrfp_async.loop._loop_failures import StepFailures
+from rrfp_async.loop._coordinator import SequenceCheck
 from rrfp_async.loop._stage_loop import _clock_of
 from rrfp_async.observability import MultiObserver
 from rrfp_async.policies import (
@@ -205,16 +205,17 @@ def test_the_output_hook_is_set_only_when_the_endpoint_sends_threadsafely(
     assert isinstance(ex, OutputHookExecutor)
     stage = _stage(ex, endpoint=_Endpoint(threadsafe))
     if threadsafe:
-        assert ex.output_hook == stage._send_output and stage._eager
+        # This stage's own hook, not the stale one:
+        assert callable(ex.output_hook) and stage.eager_outputs
     else:
-        assert ex.output_hook is None and not stage._eager  # never a stale one
+        assert ex.output_hook is None and not stage.eager_outputs  # never a stale one
     run_virtual(stage.run_step([0, 1]))
 
 
 def test_an_executor_without_an_output_hook_gets_none() -> None:
     ex = Plain()
     stage = _stage(ex, endpoint=_Endpoint(True))
-    assert not hasattr(ex, "output_hook") and not stage._eager
+    assert not hasattr(ex, "output_hook") and not stage.eager_outputs
     run_virtual(stage.run_step([0, 1]))
     assert len(ex.ran) == 4
 
@@ -296,16 +297,16 @@ def test_a_failed_step_posts_its_sequence_check_with_the_origin(
     exc: BaseException, origin: int | None
 ) -> None:
     coord = _Poster()
-    st = SimpleNamespace(coordinator=coord, verify_sequences=True, _verified=None)
-    StepFailures._post_failed_sequence(st, 3, exc)  # type: ignore[arg-type]
-    StepFailures._post_failed_sequence(st, 3, exc)  # type: ignore[arg-type]
+    check = SequenceCheck()
+    check.post_failed(coord, 3, exc)
+    check.post_failed(coord, 3, exc)
     assert coord.posted == [(3, origin)]  # once per step
 
 
 def test_a_coordinator_without_post_failed_sequence_posts_nothing() -> None:
-    st = SimpleNamespace(coordinator=object(), verify_sequences=True, _verified=None)
-    StepFailures._post_failed_sequence(st, 3, RuntimeError("here"))  # type: ignore[arg-type]
-    assert st._verified == 3
+    check = SequenceCheck()
+    check.post_failed(object(), 3, RuntimeError("here"))
+    assert check.posted == 3
 
 
 # ---------------------------------------------------------------- event loops

@@ -52,7 +52,7 @@ def _satisfy(st: StepState, pos: int) -> None:
 
 
 def arrive(st: StepState, *names: str) -> None:
-    """The remote inputs of the tasks ``names`` arrive (as ``StageLoop.deliver``)."""
+    """The remote inputs of the tasks ``names`` arrive (as ``StepRun.deliver``)."""
     for name in names:
         pos = st.prog.pos[Task.parse(name)]
         st.arrived[pos] = 1
@@ -60,7 +60,7 @@ def arrive(st: StepState, *names: str) -> None:
 
 
 def start(st: StepState, name: str) -> int:
-    """The task ``name`` starts (as ``StageLoop._execute`` does before awaiting it)."""
+    """The task ``name`` starts (as ``TaskRunner.execute`` does before awaiting it)."""
     pos = st.prog.pos[Task.parse(name)]
     assert pos in st.admitted(), f"{name} is not admitted: {st.why(pos)}"
     st.ledger.start_at(pos)

@@ -1,36 +1,48 @@
-"""Dispatch of a stage loop: which ready task runs next, and running it.
+"""The dispatcher of a stage that decides: alone, or as the TP leader with its look-ahead.
 
-A part of :class:`~rrfp_async.loop.StageLoop` (see the design note in ``_loop_fields``): the
-dispatch loop of a stage that decides for itself (no TP, or the TP leader, which publishes
-each decision and looks one ahead), the check of the policy's choice, and ``_execute``,
-which runs one task on the executor and hands its output on. The design note of the loop is
-right above it.
+:class:`Decider` asks the policy which ready task runs next, checks the choice, and runs it
+(:class:`~rrfp_async.loop._task_runner.TaskRunner`); given a coordinator it leads a TP
+group: it publishes each decision, and one ahead when it can (the look-ahead, below). A TP
+follower's dispatcher is :class:`~rrfp_async.loop._follow.Follower`.
 """
 
 from __future__ import annotations
 
 import asyncio
 import functools
-from collections.abc import Callable
 
 from .._errors import PolicyError, RRFPError
 from .._tasks import Task
-from ..policies import chooses_ready_head
-from ._executors import check_awaitable
-from ._loop_delivery import MessageDelivery
-from ._loop_fields import Coordinator
-from ._records import ExecutedTask
-from ._state import NO_DATA, StepState
+from ..policies import Policy, ReadyView, chooses_ready_head
+from ._coordinator import Coordinator
+from ._state import StepState
+from ._step_run import StepRun
+from ._task_runner import TaskRunner
 
-__all__ = ["Dispatch"]
-
-# ``ExecutedTask(task, start, end)`` without the named tuple's Python ``__new__`` (one per
-# task).
-_executed = functools.partial(tuple.__new__, ExecutedTask)
+__all__ = ["Decider"]
 
 
-class Dispatch(MessageDelivery):
-    """The dispatch of :class:`~rrfp_async.loop.StageLoop` (a mixin of it)."""
+class Decider:
+    """Runs a step's tasks in the order its policy chooses (alone, or as TP leader).
+
+    Args:
+        rank: The stage's pipeline rank (for messages).
+        policy_name: The policy's name (for messages and stall reasons).
+        view: The policy's view of the stage.
+        run: The running step: its state, the waits, the observer.
+        runner: Runs each chosen task.
+    """
+
+    __slots__ = ("policy_name", "rank", "run", "runner", "view")
+
+    def __init__(
+        self, rank: int, *, policy_name: str, view: ReadyView, run: StepRun, runner: TaskRunner
+    ) -> None:
+        self.rank = rank
+        self.policy_name = policy_name
+        self.view = view
+        self.run = run
+        self.runner = runner
 
     # Design note
     # -----------
@@ -65,10 +77,13 @@ class Dispatch(MessageDelivery):
     # the next decision as soon as the current task is on its compute thread, and the
     # broadcast travels while everybody computes.
 
-    async def _decide_and_run(self, st: StepState, coord: Coordinator | None) -> None:
-        policy = self.policy
-        view = self._view
-        obs = self._obs
+    async def dispatch(self, st: StepState, policy: Policy, coord: Coordinator | None) -> None:
+        """Run every task of step ``st``, each the one ``policy`` chooses among the ready
+        and admitted; with ``coord``, publish each decision to the TP followers."""
+        run = self.run
+        execute = self.runner.execute
+        view = self.view
+        obs = run.obs  # the step's guard: it goes quiet, never away, if the observer raises
         order = st.prog.order
         pre = -1  # a look-ahead decision already published for the next dispatch
         reason = functools.partial(st.stall_reason, self.policy_name)
@@ -77,7 +92,7 @@ class Dispatch(MessageDelivery):
 
             def look(seq: int, running: int) -> None:
                 nonlocal pre
-                if self._st is not st or st.decisions != seq or pre >= 0:
+                if run.state is not st or st.decisions != seq or pre >= 0:
                     return  # the next decision was taken already (an executor that never yielded)
                 h = st.ledger.head
                 # Ready now, or ready the moment the running task ends (its only missing input
@@ -88,23 +103,23 @@ class Dispatch(MessageDelivery):
                     try:
                         coord.publish(st.step, st.decisions, order[h])
                     except Exception as e:  # a loop callback: fail the step, not the loop
-                        self.fail(e)
+                        run.fail(e)
                         return
                     if obs is not None:
-                        obs.tp_decision(self, order[h], st.decisions, True)
+                        obs.tp_decision(order[h], st.decisions, True)
                     pre = h
 
         while st.left:
-            if self._failure is not None:
-                raise self._failure
+            if run.failure is not None:
+                raise run.failure
             if pre >= 0:
                 pos, pre = pre, -1
                 if obs is not None:
-                    obs.decision(self, order[pos], view.ready, self._now() - st.last_end)
-                await self._execute(st, pos, look)
+                    obs.decision(order[pos], view.ready, run.now() - st.last_end)
+                await execute(st, pos, look)
                 continue
             if not st.admitted():
-                await self._wait(reason)
+                await run.wait(reason)
                 continue
             st.deciding = True
             try:
@@ -132,16 +147,21 @@ class Dispatch(MessageDelivery):
             # (Only on a return: a step that fails in the policy's turn, a timeout among
             # them, keeps it for its dump.)
             st.deciding = False
-            pos = self._check_choice(st, task)
+            pos = self.check_choice(st, task)
             if coord is not None:
                 coord.publish(st.step, st.decisions, task)
                 if obs is not None:
-                    obs.tp_decision(self, task, st.decisions, True)
+                    obs.tp_decision(task, st.decisions, True)
             if obs is not None:
-                obs.decision(self, task, view.ready, self._now() - st.last_end)
-            await self._execute(st, pos, look)
+                obs.decision(task, view.ready, run.now() - st.last_end)
+            await execute(st, pos, look)
 
-    def _check_choice(self, st: StepState, task: object) -> int:
+    def check_choice(self, st: StepState, task: object) -> int:
+        """The position of the policy's choice ``task``, which must be ready and admitted.
+
+        Raises:
+            PolicyError: It is not.
+        """
         pos: int | None = st.prog.pos.get(task) if isinstance(task, Task) else None
         if pos is None or pos not in st.admitted():
             if pos is None:
@@ -154,73 +174,10 @@ class Dispatch(MessageDelivery):
                 why = f"is held back by admission: {st.admission_refusal(pos)}"
             raise PolicyError(
                 f"policy {self.policy_name!r} on rank {self.rank} step {st.step} returned"
-                f" {task!r}, which {why}; ready: {[str(t) for t in self._view.ready]}",
+                f" {task!r}, which {why}; ready: {[str(t) for t in self.view.ready]}",
                 policy=self.policy_name,
                 rank=self.rank,
                 step=st.step,
                 task=task,
             )
         return pos
-
-    async def _execute(
-        self, st: StepState, pos: int, started: Callable[[int, int], None] | None = None
-    ) -> None:
-        prog = st.prog
-        task = prog.order[pos]
-        st.decisions += 1
-        if pos != st.ledger.head:
-            st.deviations += 1
-        st.ledger.start_at(pos)
-        st.started[pos] = 1
-        st.ready.remove(pos)
-        st.version += 1
-        st.left -= 1
-        data = st.inbox[pos]
-        st.inbox[pos] = NO_DATA
-        if data is NO_DATA:
-            data = None
-        obs = self._obs
-        if obs is not None:
-            obs.task_start(self, task)
-        t0 = self._now()
-        rec = self.recent
-        if rec is not None:
-            rec.append((t0, "start", task))
-        if started is not None:
-            # Runs once the executor has handed the task to its compute thread and yields:
-            # a look-ahead broadcast must not delay the task's own start.
-            asyncio.get_running_loop().call_soon(started, st.decisions, pos)
-        st.running = pos
-        try:
-            if self._exec_async:
-                out = await self.executor.execute(task, data, st.ctx)
-            else:  # see check_executor: a plain callable must hand back an awaitable
-                aw = self.executor.execute(task, data, st.ctx)
-                check_awaitable(aw, self.executor, task, st.ctx)
-                out = await aw
-        except Exception:
-            st.running = -1  # it failed: it no longer runs (a cancelled one was running)
-            raise
-        st.running = -1
-        t1 = self._now()
-        if rec is not None:
-            rec.append((t1, "end", task))
-        st.last_end = t1
-        st.ledger.finish_at(pos)
-        st.finished[pos] = 1
-        st.ends[pos] = t1
-        st.starts[pos] = t0
-        st.version += 1
-        st.executed.append(_executed((task, t0, t1)))
-        if obs is not None:
-            obs.task_end(self, task, t0, t1)
-        if self._hooks is not None:
-            self._hooks.on_task_end(task, t1 - t0)
-        dl = prog.data_local[pos]
-        if dl >= 0:
-            st.inbox[dl] = out
-        remote = prog.data_remote[pos]
-        if remote is not None and not self._eager:
-            self.endpoint.send(remote[0], st.step, remote[1], out)
-        for nxt in prog.local_next[pos]:
-            self._satisfy(st, nxt)
