@@ -270,15 +270,16 @@ async def _direct_failure(rank: int) -> dict[str, Any]:
     out: dict[str, Any] = {}
     async with ch:
         if rank == 0:
-            pg, ch._pg = ch._pg, _BrokenGroup()
+            edge = ch._senders[1]  # the edge's part: its group fails from now on
+            pg, edge.pg = edge.pg, _BrokenGroup()
             try:
                 ch.send(1, 0, rr.Task(1, "F", 0), torch.ones(4))
             except rr.PeerError as e:
                 out["raised"] = str(e)
             await asyncio.sleep(0.05)  # the loss reaches the stage through the loop
             out["stage_got"] = [str(e) for e in sink.errors]
-            out["cause"] = ch._cause
-            ch._pg = pg  # the CLOSE still goes out
+            out["cause"] = ch._control.cause
+            edge.pg = pg  # the CLOSE still goes out
     return out
 
 
@@ -545,7 +546,8 @@ async def _reused_buffer(rank: int, n: int) -> list[float]:
     ch.bind(sink)
     async with ch:
         if rank == 0:
-            ch._pg = _LateSends(ch._pg)
+            edge = ch._senders[1]
+            edge.pg = _LateSends(edge.pg)
             # One output buffer for every microbatch, overwritten by the next forward (as a
             # CUDA graph's static output is): 2 MiB, over the inline capacity, so the first
             # goes as header + payload, and over inline_send_bytes, so through the sender.
