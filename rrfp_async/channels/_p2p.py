@@ -25,22 +25,21 @@ The lean path (what a message costs is what a step loses):
   later one is inline again. A payload that is not packed (the first of its size, and
   every one on NCCL) is copied at ``send`` when it is the caller's own buffer: a send reads
   its buffer until its work is waited for, and a stage may overwrite its output buffer in
-  its next forward (invariant 10; 27 µs per MiB here, paid once per size on gloo). The
-  inline payload is a view of the receive buffer (no copy)
-  unless it uses less than half of it (then it is copied out, so a stashed activation
+  its next forward (invariant 10; paid once per size on gloo, BENCHMARKS.md#channel-costs).
+  The inline payload is a view of the receive buffer (no copy) unless it uses less than half
+  of it (then it is copied out, so a stashed activation
   does not pin a large buffer).
 * **Small messages leave from the caller; large ones from the edge's sender thread.**
   ``send`` packs the message where it is called (the loop, or the stage's compute thread
   the moment the output exists; the header and an inline payload are ``memmove``d into one
-  buffer, a few µs). A message of at most ``inline_send_bytes`` (1 MiB by default) is
+  buffer). A message of at most ``inline_send_bytes`` (1 MiB by default) is
   posted right there with the process group's own ``send`` (no ``torch.distributed``
   wrapper, no thread hand-off) when nothing is queued ahead of it on the edge; its work is
   reaped later, in order, by the edge's sender thread (woken once per 16 such messages, and
   at close). A larger message is queued to the sender thread, which posts and waits for it:
-  a gloo send writes to the socket in the calling thread (about 0.5 ms for 200 KiB on this
-  machine), which for a large message would stall the computation or the loop that called
-  it for milliseconds. Per edge, a lock
-  and a count of queued messages keep posts in ``send`` order (the receiver checks sequence
+  a gloo send writes to the socket in the calling thread (BENCHMARKS.md#channel-costs),
+  which for a large message would stall the computation or the loop that called it for
+  milliseconds. Per edge, a lock and a count of queued messages keep posts in ``send`` order (the receiver checks sequence
   numbers), and a slow peer never holds up the other edges. A failed send reaches the
   stage as ``PeerError`` naming the edge and sequence number.
 * **One listener thread per inbound edge** blocks in the receive (into a buffer it reuses
@@ -50,7 +49,7 @@ The lean path (what a message costs is what a step loses):
   receive, so a late message never blocks an early one, and the loop never blocks.
   ``io="shared"`` (opt-in, gloo only) receives every inbound edge in one I/O thread
   instead, with a receive from any source, and hands completions to the loop in batches
-  (``_SharedIO``); per message it measured no better (BENCHMARKS.md, "Per message").
+  (``SharedIO``); per message it measured no better (BENCHMARKS.md#per-message).
 
 **The device path** (``payload_groups``: ``build_groups(p2p_backend="nccl")``, or the
 NCCL-rules checker's groups) keeps all of the above for headers and control, on gloo, and
@@ -59,10 +58,24 @@ comm streams and consumed through events: its own design note is in ``_p2p_devic
 (NCCL's rules by construction). ``send`` then packs on the device (``pack_tree_device``, no
 host read) and never posts from the caller.
 
-The parts, one module each: ``_p2p_io`` (shared state, inbound-edge state, shared I/O, the
-inbox), ``_p2p_send`` (``send``, sender threads), ``_p2p_recv`` (listener and shared I/O
-threads, header checks), ``_p2p_control`` (ABORT, CLOSE, failure bookkeeping),
-``_p2p_device`` (the device path); the wire format is ``_wire``.
+The parts, one module each, each owning its state and built with its collaborators passed
+in; calls go one way, from the threads' parts to the loop's::
+
+    P2PChannel ── wires them, counts ``sent``, routes ``send`` to an edge
+     ├─ Inlet (_p2p_inlet)          the sink, messages before ``bind``, arrivals, the error
+     │                              the channel broke with                    (loop thread)
+     ├─ ControlPath (_p2p_control)  ABORT/CLOSE bookkeeping: steps aborted, the cause a
+     │                              failing CLOSE carries, peers' failures, closing;
+     │                              sends through two outlets it is given     (loop thread)
+     ├─ Sender (_p2p_send)          one per outbound edge: sequence numbers, capacity,
+     │                              queue, lock, counters, its sender thread
+     ├─ Receiver (_p2p_recv)        the inbound edges' state (``Inbound``), listener or
+     │                              shared I/O threads, header checks -> Inlet, ControlPath
+     └─ PayloadPath (_p2p_device)   the device path: payload communicators, comm streams,
+                                    the issue thread's items -> Sender (gloo headers)
+
+``Names`` (how messages name ranks and edges), ``Limits`` (the sizes) and ``LoopPort`` (the
+hand-off to the loop) are in ``_p2p_io``; the wire format is ``_wire``.
 
 ``close()`` sends a CLOSE header down every outbound edge after the messages already
 posted, so peers' listeners end cleanly; a peer that closes while a task still waits for
@@ -92,10 +105,14 @@ Within one process a failed step is simple: every stage sees it. Across processe
 whose step fails (its executor raises, its caller cancels the step, its watchdog fires)
 just stops sending that step's messages, and its peers would wait for them until their own
 watchdog fires; worse, they then stay a step apart for good. So the failing rank tells
-them: ``abort(step, cause)`` sends an ABORT (the step, the global rank where it failed and
-the cause as text; see ``_wire``) down every outbound edge. A rank that receives one for a
+them: ``abort(step, cause, kind=...)`` sends an ABORT (the step, the global rank where it
+failed, what kind of failure it was as a code, ``FailureKind``, and the cause as text; see
+``_wire``) down every outbound edge. The kind is what a rank tests (a peer's step check
+that found the ranks a step apart, ``STEP_DIFFERS``, is told from any other failure by it);
+the text is only ever for messages. A rank that receives one for a
 step it has not heard of yet passes it on down its own outbound edges (except back to the
-sender) and hands the stage a ``PeerStepError`` (``step_aborted``): the stage fails that
+sender, kind and cause unchanged) and hands the stage a ``PeerStepError``
+(``step_aborted``; its ``kind`` is the header's): the stage fails that
 step at once if it runs, or the moment it starts if it has not started yet, and drops the
 step's messages by its number. Hop by hop, every rank of the pipeline learns it within a
 few message latencies, whatever its distance from the origin; each rank passes a step's

@@ -164,7 +164,7 @@ class ControlPath:
 
     def peer_aborted(self, src: int, step: int, origin: int, cause: str, kind: int = 0) -> None:
         """An ABORT of ``step`` came from ``src`` (loop thread): pass it on once, its kind
-        unchanged, and fail the step here (see the design note)."""
+        unchanged, and fail the step on this rank too (see the design note)."""
         if step in self._aborted:
             return
         self._aborted.add(step)

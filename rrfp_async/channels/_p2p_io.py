@@ -5,7 +5,7 @@ shared I/O and its inbox.
 (``_p2p_inlet``: the sink, arrivals, the error the channel broke with), the control messages
 (``_p2p_control``: ABORT and CLOSE bookkeeping), one ``Sender`` per outbound edge
 (``_p2p_send``), the ``Receiver`` of the inbound edges (``_p2p_recv``) and the device path's
-``PayloadPath`` (``_p2p_device``); the wire format is ``_wire``. What they all use is here:
+``PayloadPath`` (``_p2p_device``); the wire format is ``_wire``. What they all use is in this module:
 ``Names`` (how messages name ranks and edges) and ``LoopPort`` (how a channel thread hands a
 call to the loop).
 """
@@ -40,7 +40,7 @@ DEFAULT_INLINE_SEND_BYTES = 1 << 20
 """Largest payload ``send`` posts from the calling thread (gloo). A gloo send writes in the
 calling thread, but where cores are few a sender thread buys no parallelism, only a
 hand-off: posting the pipeline's activations from the caller kept the fixed order at par
-with torch's ``Schedule1F1B`` where a 32 KiB limit lost to it (BENCHMARKS.md#p2p-channel-costs).
+with torch's ``Schedule1F1B`` where a 32 KiB limit lost to it (BENCHMARKS.md#channel-costs).
 Larger messages, which would stall the caller for milliseconds, still go through the edge's
 sender thread."""
 REAP_BATCH = 16
@@ -186,7 +186,7 @@ class SharedIO:
     its header on the same pair). Per pair, gloo keeps the order, so each edge is still a FIFO.
     Completions reach the loop through ``Inbox``: one ``call_soon_threadsafe`` per batch.
 
-    Two things a receive from any source does not do (gloo; BENCHMARKS.md#p2p-channel-costs):
+    Two things a receive from any source does not do (gloo; BENCHMARKS.md#channel-costs):
     it does not fail when one of its pairs breaks (a killed peer leaves it blocked), and it
     costs the sender a round trip (gloo's handshake: a receive posted for one pair tells that
     pair it may send; one from any source can tell no pair ahead). So each inbound edge keeps

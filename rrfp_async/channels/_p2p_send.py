@@ -97,11 +97,11 @@ class Sender:
 
     def send(self, step: int, task: Task, payload: Any) -> None:
         """Pack ``payload`` (a tensor, a pytree of tensors or None) on the host and post it:
-        a small one from here when nothing is queued ahead, a large one by the thread.
+        a small one from the calling thread when nothing is queued ahead, a large one by the thread.
 
         Raises:
             ProtocolError: A payload over ``max_bytes``, or a value the wire does not carry.
-            PeerError: Posting from here failed (the loss reached the loop too).
+            PeerError: Posting from the calling thread failed (the loss reached the loop too).
         """
         tree: int | None = None
         if payload is None or isinstance(payload, torch.Tensor):

@@ -27,7 +27,7 @@ grad, so the consumer's copy does too). A payload that is not one tensor (a tupl
 ``rr.Args``, nested: see ``rrfp_async._pytree``) travels as one uint8 payload with dtype code
 ``TREE`` and shape ``(total bytes, structure bytes)``: its JSON structure, then each tensor
 leaf's bytes, each part starting at a multiple of 8 bytes (so every leaf is an aligned view
-of the received buffer). Pure data and functions; nothing here touches torch.distributed.
+of the received buffer). Pure data and functions; nothing in this module touches torch.distributed.
 """
 
 from __future__ import annotations
@@ -205,8 +205,8 @@ def up8(n: int) -> int:
 def pack_inline(header: list[int], payload: torch.Tensor | None) -> torch.Tensor:
     """One uint8 message: the header, then ``payload`` (contiguous) right behind it.
 
-    On the CPU the bytes are moved with ``memmove`` (a few µs; the torch calls of the same
-    copy cost several times that per message).
+    On the CPU the bytes are moved with ``memmove`` (the torch calls of the same copy cost
+    several times as much per message).
     """
     nbytes = 0 if payload is None else payload.nbytes
     buf = torch.empty(HEADER_BYTES + nbytes, dtype=torch.uint8)
