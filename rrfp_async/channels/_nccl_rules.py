@@ -535,7 +535,8 @@ class CheckedGroup:
         raise self.reg.violate(f"recv_anysource on communicator {self.comm}: NCCL has none")
 
     def abort(self) -> None:
-        """Abort the communicator (NCCL: ``ncclCommAbort``; in the checker its model devices stop)."""
+        """Abort the communicator (NCCL: ``ncclCommAbort``; in the checker its model devices
+        stop)."""
         self.aborted = True
         self.reg.log({"kind": "abort", "comm": self.comm, "rank": self.me})
         err = RuntimeError(f"communicator {self.comm} aborted")

@@ -37,11 +37,11 @@ The lean path (what a message costs is what a step loses):
   wrapper, no thread hand-off) when nothing is queued ahead of it on the edge; its work is
   reaped later, in order, by the edge's sender thread (woken once per 16 such messages, and
   at close). A larger message is queued to the sender thread, which posts and waits for it:
-  a gloo send writes to the socket in the calling thread (BENCHMARKS.md#channel-costs),
-  which for a large message would stall the computation or the loop that called it for
-  milliseconds. Per edge, a lock and a count of queued messages keep posts in ``send`` order (the receiver checks sequence
-  numbers), and a slow peer never holds up the other edges. A failed send reaches the
-  stage as ``PeerError`` naming the edge and sequence number.
+  a gloo send writes to the socket in the calling thread (BENCHMARKS.md#channel-costs), which
+  for a large message would stall the computation or the loop that called it for
+  milliseconds. Per edge, a lock and a count of queued messages keep posts in ``send`` order
+  (the receiver checks sequence numbers), and a slow peer never holds up the other edges. A
+  failed send reaches the stage as ``PeerError`` naming the edge and sequence number.
 * **One listener thread per inbound edge** blocks in the receive (into a buffer it reuses
   whenever the payload was copied out, header read with ``struct``) (``is_completed()`` never
   turns true without ``wait()``, and a timed wait that expires closes the pair) and hands
@@ -107,19 +107,18 @@ just stops sending that step's messages, and its peers would wait for them until
 watchdog fires; worse, they then stay a step apart for good. So the failing rank tells
 them: ``abort(step, cause, kind=...)`` sends an ABORT (the step, the global rank where it
 failed, what kind of failure it was as a code, ``FailureKind``, and the cause as text; see
-``_wire``) down every outbound edge. The kind is what a rank tests (a peer's step check
-that found the ranks a step apart, ``STEP_DIFFERS``, is told from any other failure by it);
-the text is only ever for messages. A rank that receives one for a
-step it has not heard of yet passes it on down its own outbound edges (except back to the
-sender, kind and cause unchanged) and hands the stage a ``PeerStepError``
-(``step_aborted``; its ``kind`` is the header's): the stage fails that
-step at once if it runs, or the moment it starts if it has not started yet, and drops the
-step's messages by its number. Hop by hop, every rank of the pipeline learns it within a
-few message latencies, whatever its distance from the origin; each rank passes a step's
-ABORT on once, so the flood ends. This needs a path from every rank to every other, so a
-stage's channel has edges both ways between pipeline neighbours even when its plan sends
-only one way (a forward-only plan): an edge that carries no data costs a thread that waits
-for the CLOSE.
+``_wire``) down every outbound edge. The kind is what a rank tests (a peer's step check that
+found the ranks a step apart, ``STEP_DIFFERS``, is told from any other failure by it); the
+text is only ever for messages. A rank that receives one for a step it has not heard of yet
+passes it on down its own outbound edges (except back to the sender, kind and cause
+unchanged) and hands the stage a ``PeerStepError`` (``step_aborted``; its ``kind`` is the
+header's): the stage fails that step at once if it runs, or the moment it starts if it has
+not started yet, and drops the step's messages by its number. Hop by hop, every rank of the
+pipeline learns it within a few message latencies, whatever its distance from the origin;
+each rank passes a step's ABORT on once, so the flood ends. This needs a path from every
+rank to every other, so a stage's channel has edges both ways between pipeline neighbours
+even when its plan sends only one way (a forward-only plan): an edge that carries no data
+costs a thread that waits for the CLOSE.
 
 An ABORT takes no sequence number of the edge (it is posted from the loop thread, while the
 compute thread may be sending outputs) and goes through the edge's sender thread. A broken

@@ -1,9 +1,9 @@
 """The p2p channel's loop side: where what its threads learned reaches the stage.
 
-Everything in this module runs on the loop thread (the channel's threads hand their calls over through
-a ``LoopPort``): a message for the sink, the error the channel broke with, the count of the
-messages of each recent step. A message that arrives before the stage ``bind``s its sink
-waits in the ``Inlet`` and is replayed, in order, when it does.
+Everything in this module runs on the loop thread (the channel's threads hand their calls
+over through a ``LoopPort``): a message for the sink, the error the channel broke with, the
+count of the messages of each recent step. A message that arrives before the stage ``bind``s
+its sink waits in the ``Inlet`` and is replayed, in order, when it does.
 """
 
 from __future__ import annotations

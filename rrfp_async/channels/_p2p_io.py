@@ -5,9 +5,9 @@ shared I/O and its inbox.
 (``_p2p_inlet``: the sink, arrivals, the error the channel broke with), the control messages
 (``_p2p_control``: ABORT and CLOSE bookkeeping), one ``Sender`` per outbound edge
 (``_p2p_send``), the ``Receiver`` of the inbound edges (``_p2p_recv``) and the device path's
-``PayloadPath`` (``_p2p_device``); the wire format is ``_wire``. What they all use is in this module:
-``Names`` (how messages name ranks and edges) and ``LoopPort`` (how a channel thread hands a
-call to the loop).
+``PayloadPath`` (``_p2p_device``); the wire format is ``_wire``. What they all use is in
+this module: ``Names`` (how messages name ranks and edges) and ``LoopPort`` (how a channel
+thread hands a call to the loop).
 """
 
 from __future__ import annotations

@@ -1,11 +1,12 @@
 """The p2p channel's receive side: the ``Receiver`` of every inbound edge, with a listener
 thread per edge, or the shared I/O thread and its watchers, and the header checks.
 
-Every thread of the ``Receiver`` blocks in gloo only (headers, inline payloads, control messages): on the
-device path a header that announces a device payload is handed to the ``PayloadPath``
-(``_p2p_device``), whose issue thread posts its receive on the edge's payload communicator.
-What a thread learns goes to the loop through the ``LoopPort``: a message to the ``Inlet``,
-an ABORT or a CLOSE to the ``ControlPath``. See ``P2PChannel``'s design note (``_p2p``).
+Every thread of the ``Receiver`` blocks in gloo only (headers, inline payloads, control
+messages): on the device path a header that announces a device payload is handed to the
+``PayloadPath`` (``_p2p_device``), whose issue thread posts its receive on the edge's
+payload communicator. What a thread learns goes to the loop through the ``LoopPort``: a
+message to the ``Inlet``, an ABORT or a CLOSE to the ``ControlPath``. See ``P2PChannel``'s
+design note (``_p2p``).
 """
 
 from __future__ import annotations
