@@ -34,9 +34,13 @@ The hierarchy::
     └── SpawnError                  a spawned worker process failed or ran out of time
 
 Every message says which rank, which step and which task, and what was waited for.
+What kind of failure a peer reported travels as a code, ``FailureKind``, never as text to
+parse.
 """
 
 from __future__ import annotations
+
+from enum import IntEnum
 
 __all__ = [
     "ChannelError",
@@ -44,6 +48,7 @@ __all__ = [
     "DeadlockError",
     "DivergenceError",
     "ExtraMissingError",
+    "FailureKind",
     "HintError",
     "InterruptedStepError",
     "ObserverError",
@@ -150,6 +155,23 @@ class PeerError(ChannelError):
     """A peer process died, closed the connection, or stopped answering."""
 
 
+class FailureKind(IntEnum):
+    """What kind of failure a step's ABORT reports: a code in the ABORT's header, relayed hop
+    by hop unchanged, so a rank decides what to do by the code, never by parsing the cause
+    text (``PeerStepError.kind``). A rank that gets a code it does not know treats it as
+    ``OTHER``.
+
+    Attributes:
+        OTHER: Any failure (an error, a cancellation, a timeout): the step failed there.
+        STEP_DIFFERS: The step check found that ranks disagree on the step (a ``PlanError``
+            on the origin): a rank that is still behind may wait for the others rather than
+            fail at once.
+    """
+
+    OTHER = 0
+    STEP_DIFFERS = 1
+
+
 class PeerStepError(PeerError):
     """A step failed, was cancelled or was refused on another rank, so it failed here too.
 
@@ -162,14 +184,20 @@ class PeerStepError(PeerError):
     Attributes:
         step: The failed step.
         origin: The global rank where it failed first.
-        cause: Why it failed there (``"RuntimeError: boom"``, ``"cancelled"``).
+        cause: Why it failed there (``"RuntimeError: boom"``, ``"cancelled"``): text for a
+            message, never parsed.
+        kind: What kind of failure it was (a ``FailureKind`` code, ``OTHER`` by default): the
+            value to test, carried in the ABORT's header.
     """
 
-    def __init__(self, message: str, *, step: int, origin: int, cause: str) -> None:
+    def __init__(
+        self, message: str, *, step: int, origin: int, cause: str, kind: int = FailureKind.OTHER
+    ) -> None:
         super().__init__(message)
         self.step = step
         self.origin = origin
         self.cause = cause
+        self.kind = kind
 
 
 class DivergenceError(RRFPError):

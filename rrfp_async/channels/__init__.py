@@ -1,8 +1,8 @@
 """Channels: how stages exchange activations, gradients and TP decisions.
 
-Nothing here imports ``policies/``: moving messages is independent of deciding.
+Nothing in this package imports ``policies/``: moving messages is independent of deciding.
 
-Internal to the package family: imported here for the packages above, not in ``__all__``:
+Internal to the package family: imported by this face for the packages above, not in ``__all__``:
 
 * ``LatencyFn``: the type of ``LocalChannel``'s ``latency`` (``LocalPipeline`` takes one);
 * ``nccl_rules``, ``nccl_logs``: the NCCL-rules checker's two modules, which

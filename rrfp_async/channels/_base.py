@@ -47,7 +47,7 @@ class AbortSink(Protocol):
     def step_aborted(self, step: int, exc: BaseException) -> None:
         """Step ``step`` failed on another rank; ``exc`` (a ``PeerStepError``) names it. Called
         on the loop thread, once per step, as soon as the ABORT arrived (the step may not have
-        started here yet). Without the hook the sink learns nothing until the step's own
+        started on this rank yet). Without the hook the sink learns nothing until the step's own
         messages stop (a step timeout or the end-of-step agreement)."""
 
 

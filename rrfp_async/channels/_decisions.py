@@ -11,12 +11,12 @@ decision, ``(step, seq, task)``, goes to the stage's other TP ranks over a small
 
 * **Point-to-point, no collective per decision.** The leader ``send``s each decision (an
   ``int64[6]`` row) to every follower from the loop thread, through the group's own
-  ``send``: a write to a socket, about 20-50 µs here. A gloo *broadcast* instead goes
-  through the process group's worker thread, and waking that thread cost the caller
-  ~110 µs per decision on this 2-core VM (9 µs when the thread is busy already: the woken
-  thread runs on the caller's core first); the follower paid the same to post each
-  receive. Each follower has one *listener thread* that keeps a receive posted and hands
-  every decision to the loop (``call_soon_threadsafe``); the follower's loop posts
+  ``send``: a write to a socket. A gloo *broadcast* instead goes through the process group's
+  worker thread, and waking that thread costs the caller several times the write per
+  decision where cores are few (little when the thread is busy already: the woken thread
+  runs on the caller's core first; BENCHMARKS.md#channel-costs); the follower paid the same
+  to post each receive. Each follower has one *listener thread* that keeps a receive posted
+  and hands every decision to the loop (``call_soon_threadsafe``); the follower's loop posts
   nothing. One FIFO per leader -> follower pair: decisions arrive in order.
 * The group is dedicated to decisions (p2p on tag 0, plus the end-of-step digest
   all-gather): model collectives on another group never interleave with them.
@@ -37,7 +37,8 @@ decision, ``(step, seq, task)``, goes to the stage's other TP ranks over a small
 
 The folded sequence check
 -------------------------
-Measured at TP 1-8 (``bench overhead --section tp``, BENCHMARKS.md), the all-gather of the
+Measured at TP 1-8 (``bench overhead --section tp``,
+BENCHMARKS.md#tp-coordination-the-curve), the all-gather of the
 end-of-step check was most of the per-step cost of coordination: a collective whose
 completion reaches the loop through gloo's worker thread, after the step's last task, on
 every TP rank. With coordination on, the leader already tells each follower every decision
@@ -338,7 +339,8 @@ class DecisionChannel:
         return row
 
     async def end_step(self) -> None:
-        """Leader: wait until every decision of the step went out (errors surface here)."""
+        """Leader: wait until every decision of the step went out (a failed send surfaces
+        in this call)."""
         sent, self._sent = self._sent, []
         if not sent:
             return

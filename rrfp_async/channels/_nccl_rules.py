@@ -17,7 +17,7 @@ documented semantics:
   execute in issue order, a send matches the peer's receive of the same position, with the
   same byte count (NCCL matches no tags and no sizes). A model device thread per pair runs
   the operations in that order on the gloo group underneath, so a design whose two ends
-  disagree stalls here as it would on a GPU (a stall of ``RRFP_NCCL_RULES_STALL`` seconds
+  disagree stalls in the checker as it would on a GPU (a stall of ``RRFP_NCCL_RULES_STALL`` seconds
   is logged as one), and ``check_logs`` compares the two ends' logs position by position:
   two ranks that both post a receive first (each keeps a header receive posted while
   sending) is the deadlock it names.
@@ -535,7 +535,8 @@ class CheckedGroup:
         raise self.reg.violate(f"recv_anysource on communicator {self.comm}: NCCL has none")
 
     def abort(self) -> None:
-        """Abort the communicator (NCCL: ``ncclCommAbort``; here its model devices stop)."""
+        """Abort the communicator (NCCL: ``ncclCommAbort``; in the checker its model devices
+        stop)."""
         self.aborted = True
         self.reg.log({"kind": "abort", "comm": self.comm, "rank": self.me})
         err = RuntimeError(f"communicator {self.comm} aborted")

@@ -25,24 +25,23 @@ The lean path (what a message costs is what a step loses):
   later one is inline again. A payload that is not packed (the first of its size, and
   every one on NCCL) is copied at ``send`` when it is the caller's own buffer: a send reads
   its buffer until its work is waited for, and a stage may overwrite its output buffer in
-  its next forward (invariant 10; 27 µs per MiB here, paid once per size on gloo). The
-  inline payload is a view of the receive buffer (no copy)
-  unless it uses less than half of it (then it is copied out, so a stashed activation
+  its next forward (invariant 10; paid once per size on gloo, BENCHMARKS.md#channel-costs).
+  The inline payload is a view of the receive buffer (no copy) unless it uses less than half
+  of it (then it is copied out, so a stashed activation
   does not pin a large buffer).
 * **Small messages leave from the caller; large ones from the edge's sender thread.**
   ``send`` packs the message where it is called (the loop, or the stage's compute thread
   the moment the output exists; the header and an inline payload are ``memmove``d into one
-  buffer, a few µs). A message of at most ``inline_send_bytes`` (1 MiB by default) is
+  buffer). A message of at most ``inline_send_bytes`` (1 MiB by default) is
   posted right there with the process group's own ``send`` (no ``torch.distributed``
   wrapper, no thread hand-off) when nothing is queued ahead of it on the edge; its work is
   reaped later, in order, by the edge's sender thread (woken once per 16 such messages, and
   at close). A larger message is queued to the sender thread, which posts and waits for it:
-  a gloo send writes to the socket in the calling thread (about 0.5 ms for 200 KiB on this
-  machine), which for a large message would stall the computation or the loop that called
-  it for milliseconds. Per edge, a lock
-  and a count of queued messages keep posts in ``send`` order (the receiver checks sequence
-  numbers), and a slow peer never holds up the other edges. A failed send reaches the
-  stage as ``PeerError`` naming the edge and sequence number.
+  a gloo send writes to the socket in the calling thread (BENCHMARKS.md#channel-costs), which
+  for a large message would stall the computation or the loop that called it for
+  milliseconds. Per edge, a lock and a count of queued messages keep posts in ``send`` order
+  (the receiver checks sequence numbers), and a slow peer never holds up the other edges. A
+  failed send reaches the stage as ``PeerError`` naming the edge and sequence number.
 * **One listener thread per inbound edge** blocks in the receive (into a buffer it reuses
   whenever the payload was copied out, header read with ``struct``) (``is_completed()`` never
   turns true without ``wait()``, and a timed wait that expires closes the pair) and hands
@@ -50,7 +49,7 @@ The lean path (what a message costs is what a step loses):
   receive, so a late message never blocks an early one, and the loop never blocks.
   ``io="shared"`` (opt-in, gloo only) receives every inbound edge in one I/O thread
   instead, with a receive from any source, and hands completions to the loop in batches
-  (``_SharedIO``); per message it measured no better (BENCHMARKS.md, "Per message").
+  (``SharedIO``); per message it measured no better (BENCHMARKS.md#per-message).
 
 **The device path** (``payload_groups``: ``build_groups(p2p_backend="nccl")``, or the
 NCCL-rules checker's groups) keeps all of the above for headers and control, on gloo, and
@@ -59,10 +58,24 @@ comm streams and consumed through events: its own design note is in ``_p2p_devic
 (NCCL's rules by construction). ``send`` then packs on the device (``pack_tree_device``, no
 host read) and never posts from the caller.
 
-The parts, one module each: ``_p2p_io`` (shared state, inbound-edge state, shared I/O, the
-inbox), ``_p2p_send`` (``send``, sender threads), ``_p2p_recv`` (listener and shared I/O
-threads, header checks), ``_p2p_control`` (ABORT, CLOSE, failure bookkeeping),
-``_p2p_device`` (the device path); the wire format is ``_wire``.
+The parts, one module each, each owning its state and built with its collaborators passed
+in; calls go one way, from the threads' parts to the loop's::
+
+    P2PChannel ── wires them, counts ``sent``, routes ``send`` to an edge
+     ├─ Inlet (_p2p_inlet)          the sink, messages before ``bind``, arrivals, the error
+     │                              the channel broke with                    (loop thread)
+     ├─ ControlPath (_p2p_control)  ABORT/CLOSE bookkeeping: steps aborted, the cause a
+     │                              failing CLOSE carries, peers' failures, closing;
+     │                              sends through two outlets it is given     (loop thread)
+     ├─ Sender (_p2p_send)          one per outbound edge: sequence numbers, capacity,
+     │                              queue, lock, counters, its sender thread
+     ├─ Receiver (_p2p_recv)        the inbound edges' state (``Inbound``), listener or
+     │                              shared I/O threads, header checks -> Inlet, ControlPath
+     └─ PayloadPath (_p2p_device)   the device path: payload communicators, comm streams,
+                                    the issue thread's items -> Sender (gloo headers)
+
+``Names`` (how messages name ranks and edges), ``Limits`` (the sizes) and ``LoopPort`` (the
+hand-off to the loop) are in ``_p2p_io``; the wire format is ``_wire``.
 
 ``close()`` sends a CLOSE header down every outbound edge after the messages already
 posted, so peers' listeners end cleanly; a peer that closes while a task still waits for
@@ -92,17 +105,20 @@ Within one process a failed step is simple: every stage sees it. Across processe
 whose step fails (its executor raises, its caller cancels the step, its watchdog fires)
 just stops sending that step's messages, and its peers would wait for them until their own
 watchdog fires; worse, they then stay a step apart for good. So the failing rank tells
-them: ``abort(step, cause)`` sends an ABORT (the step, the global rank where it failed and
-the cause as text; see ``_wire``) down every outbound edge. A rank that receives one for a
-step it has not heard of yet passes it on down its own outbound edges (except back to the
-sender) and hands the stage a ``PeerStepError`` (``step_aborted``): the stage fails that
-step at once if it runs, or the moment it starts if it has not started yet, and drops the
-step's messages by its number. Hop by hop, every rank of the pipeline learns it within a
-few message latencies, whatever its distance from the origin; each rank passes a step's
-ABORT on once, so the flood ends. This needs a path from every rank to every other, so a
-stage's channel has edges both ways between pipeline neighbours even when its plan sends
-only one way (a forward-only plan): an edge that carries no data costs a thread that waits
-for the CLOSE.
+them: ``abort(step, cause, kind=...)`` sends an ABORT (the step, the global rank where it
+failed, what kind of failure it was as a code, ``FailureKind``, and the cause as text; see
+``_wire``) down every outbound edge. The kind is what a rank tests (a peer's step check that
+found the ranks a step apart, ``STEP_DIFFERS``, is told from any other failure by it); the
+text is only ever for messages. A rank that receives one for a step it has not heard of yet
+passes it on down its own outbound edges (except back to the sender, kind and cause
+unchanged) and hands the stage a ``PeerStepError`` (``step_aborted``; its ``kind`` is the
+header's): the stage fails that step at once if it runs, or the moment it starts if it has
+not started yet, and drops the step's messages by its number. Hop by hop, every rank of the
+pipeline learns it within a few message latencies, whatever its distance from the origin;
+each rank passes a step's ABORT on once, so the flood ends. This needs a path from every
+rank to every other, so a stage's channel has edges both ways between pipeline neighbours
+even when its plan sends only one way (a forward-only plan): an edge that carries no data
+costs a thread that waits for the CLOSE.
 
 An ABORT takes no sequence number of the edge (it is posted from the loop thread, while the
 compute thread may be sending outputs) and goes through the edge's sender thread. A broken
@@ -116,40 +132,32 @@ every rank.
 from __future__ import annotations
 
 import asyncio
+import functools
 import os
-import queue
-import threading
+import time
 from collections.abc import Iterable, Mapping
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from .._errors import RRFPError
+from .._errors import FailureKind, ProtocolError
+from .._pytree import tensor_leaves
 from .._streams import Device
 from .._tasks import Task
 from ._base import Sink
 from ._p2p_control import ControlPath
-from ._p2p_device import DevicePath
-from ._p2p_io import (
-    DEFAULT_INLINE_SEND_BYTES,
-    IO_ENV,
-    IO_MODES,
-    ChannelState,
-    Inbound,
-    Inbox,
-    IOMode,
-    SharedIO,
-    edge_text,
-)
-from ._p2p_recv import ReceivePath
-from ._p2p_send import SendPath
-from ._wire import DEFAULT_INLINE_BYTES, DEFAULT_MAX_BYTES, HEADER_BYTES, LOST
+from ._p2p_device import PayloadPath
+from ._p2p_inlet import Inlet
+from ._p2p_io import DEFAULT_INLINE_SEND_BYTES, IO_ENV, IO_MODES, IOMode, Limits, LoopPort, Names
+from ._p2p_recv import Receiver
+from ._p2p_send import Sender
+from ._wire import DEFAULT_INLINE_BYTES, DEFAULT_MAX_BYTES, HEADER_BYTES
 
 __all__ = ["IO_ENV", "IOMode", "P2PChannel"]
 
 
-class P2PChannel(ControlPath, SendPath, ReceivePath, DevicePath, ChannelState):
+class P2PChannel:
     """This rank's end of a message-driven point-to-point channel over torch.distributed.
 
     Args:
@@ -175,11 +183,14 @@ class P2PChannel(ControlPath, SendPath, ReceivePath, DevicePath, ChannelState):
         io: How inbound messages are received: ``"per_edge"`` (a listener thread per inbound
             edge) or ``"shared"`` (one I/O thread for every inbound edge, completions handed
             to the loop in batches; see ``SharedIO``). None: the ``RRFP_P2P_IO``
-            environment variable, else ``"per_edge"`` (BENCHMARKS.md, "Per message", has
-            the two side by side). Every rank of a pipeline must use the same one.
+            environment variable, else ``"per_edge"`` (BENCHMARKS.md#per-message has the
+            two side by side). Every rank of a pipeline must use the same one.
         payload_groups: The device path (see ``_p2p_device``): ``(src, dst)`` pipeline ranks
             -> the NCCL group (2 ranks) that carries that directed edge's payloads, one per
             edge of this rank (``StageGroups.payload``). None: payloads on ``group`` (gloo).
+        consumer_waits: On the device path, the consumer makes its stream wait on each
+            received tensor's event itself (``_streams.wait_ready``: the torch executor
+            does), so a payload reaches the sink at once; else once its receive completed.
 
     Raises:
         ValueError: A rank without a global rank, a negative size, an unknown ``io``, an NCCL
@@ -189,9 +200,13 @@ class P2PChannel(ControlPath, SendPath, ReceivePath, DevicePath, ChannelState):
     Use as ``async with channel:`` (starts the threads on the running loop, then closes),
     or call ``start()`` / ``close()`` yourself. ``send`` may be called from any thread, one
     thread at a time (``threadsafe_send``): a stage sends an output from its compute thread
-    the moment it exists. On the device path, set ``consumer_waits`` when the consumer makes
-    its stream wait on each received tensor's event itself (``_streams.wait_ready``: the
-    torch executor does); else a payload reaches the sink once its receive completed.
+    the moment it exists.
+
+    The channel wires its parts (see the module's design note) and owns nothing else than
+    what it counts itself (``sent``): the ``Inlet`` (the loop side), the ``ControlPath``
+    (ABORT and CLOSE), a ``Sender`` per outbound edge and the ``Receiver`` of the inbound
+    ones (made at ``start``, when the group and the loop are known), and the device path's
+    ``PayloadPath``.
     """
 
     threadsafe_send = True
@@ -211,19 +226,19 @@ class P2PChannel(ControlPath, SendPath, ReceivePath, DevicePath, ChannelState):
         inline_send_bytes: int = DEFAULT_INLINE_SEND_BYTES,
         io: IOMode | None = None,
         payload_groups: Mapping[tuple[int, int], Any] | None = None,
+        consumer_waits: bool = False,
     ) -> None:
         self._rank = rank
-        self._global = dict(global_ranks)
+        gl = dict(global_ranks)
         self._inbound = sorted(set(inbound))
         self._outbound = sorted(set(outbound))
         for r in [rank, *self._inbound, *self._outbound]:
-            if r not in self._global:
+            if r not in gl:
                 raise ValueError(f"pipeline rank {r} has no global rank in global_ranks")
         if inline_bytes < 0 or max_bytes < 0 or inline_send_bytes < 0:
             raise ValueError("inline_bytes, max_bytes and inline_send_bytes must be >= 0")
         self._group = group
         self._dev = Device(device)
-        self._device = self._dev.device
         backend = dist.get_backend(group) if dist.is_initialized() else "gloo"
         if backend == "nccl":
             raise ValueError(
@@ -232,52 +247,44 @@ class P2PChannel(ControlPath, SendPath, ReceivePath, DevicePath, ChannelState):
                 " the pipeline's gloo group and the NCCL payload communicators as"
                 " payload_groups (build_groups(p2p_backend='nccl') makes both)"
             )
-        self._growing = True
-        self._inline0 = HEADER_BYTES + min(inline_bytes, max_bytes)
         mode = io if io is not None else os.environ.get(IO_ENV, "per_edge")
         if mode not in IO_MODES:
             raise ValueError(f"io must be one of {IO_MODES}, got {mode!r}")
         self._io_mode: IOMode = mode
-        self._io: SharedIO | None = None
-        self._io_thread_: threading.Thread | None = None
-        self._watchers: dict[int, threading.Thread] = {}
-        self._inbox: Inbox | None = None
-        self._rx: dict[int, Inbound] = {}
-        self._closed_in: set[int] = set()  # inbound edges whose CLOSE reached the loop
         self._max_bytes = max_bytes
-        self._bound_name = bound_name
-        self._sink: Sink | None = None
-        self._pending: list[tuple[int, Task, Any, int]] = []
+        self._names = Names(rank, gl)
+        self._inlet = Inlet()
+        self._control = ControlPath(
+            self._names,
+            self._inlet,
+            send_control=self._send_control,
+            close_edges=self._close_edges,
+        )
+        self._payload: PayloadPath | None = None
+        if payload_groups is not None:
+            self._payload = PayloadPath(
+                payload_groups,
+                names=self._names,
+                inbound=self._inbound,
+                outbound=self._outbound,
+                dev=self._dev,
+                inlet=self._inlet,
+                control=self._control,
+                consumer_waits=consumer_waits,
+            )
+        self._consumer_waits = consumer_waits
+        self._limits = Limits(
+            max_bytes=max_bytes,
+            bound_name=bound_name,
+            inline0=HEADER_BYTES + min(inline_bytes, max_bytes),
+            # The device path: every message through the issue thread, in order.
+            inline_send=-1 if self._payload is not None else inline_send_bytes,
+        )
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._send_seq = {}
-        self._send_cap = {}
-        self._queues = {}
-        self._locks = {}
-        self._queued = {}
-        self._unreaped = {}
-        self._pg: Any = None
-        self._peer_rank: dict[int, int] = {}  # pipeline rank -> rank in the group
-        self._inline_send = inline_send_bytes
-        self._by_global = {g: r for r, g in self._global.items()}
-        # (cause, step, global ranks to blame): what this rank's CLOSE says when it failed.
-        self._cause: tuple[int, int, tuple[int, ...]] | None = None
-        self._last_step = -1  # the latest step of a message sent or received
-        self._arrivals: dict[int, dict[int, int]] = {}  # step -> {src: messages}
-        self._peer_failures: dict[int, str] = {}
-        self._aborted: set[int] = set()  # steps whose ABORT this rank sent or passed on
-        self._threads: list[threading.Thread] = []
-        self._copy_streams = {}
-        self._started = False
-        self._closing = False
-        self._failed: BaseException | None = None
-        self.consumer_waits = False
+        self._port: LoopPort | None = None
+        self._senders: dict[int, Sender] = {}
+        self._receiver: Receiver | None = None
         self.sent = 0
-        self.received = 0
-        self.inline_sent = 0
-        self.direct_sent = 0  # posted by ``send`` itself, not the sender thread
-        self.device_init(payload_groups)
-        if self._dmode:
-            self._inline_send = -1  # every message through the issue thread, in order
 
     # ------------------------------------------------------------------ Endpoint
 
@@ -289,12 +296,12 @@ class P2PChannel(ControlPath, SendPath, ReceivePath, DevicePath, ChannelState):
     @property
     def device(self) -> torch.device:
         """The channel's device (a CUDA device with its index)."""
-        return self._device
+        return self._dev.device
 
     @property
     def on_device(self) -> bool:
         """Whether payloads travel on payload communicators (the device path)."""
-        return self._dmode
+        return self._payload is not None
 
     @property
     def inflight(self) -> int:
@@ -307,26 +314,141 @@ class P2PChannel(ControlPath, SendPath, ReceivePath, DevicePath, ChannelState):
         return self._io_mode
 
     @property
+    def max_bytes(self) -> int:
+        """Largest payload a header may announce (sent or received)."""
+        return self._max_bytes
+
+    @property
+    def consumer_waits(self) -> bool:
+        """Whether the consumer waits on a device payload's event itself (the constructor's
+        ``consumer_waits``)."""
+        return self._consumer_waits
+
+    @consumer_waits.setter
+    def consumer_waits(self, value: bool) -> None:
+        # Kept settable for callers that still assign it after construction.
+        self._consumer_waits = value
+        if self._payload is not None:
+            self._payload.consumer_waits = value
+
+    @property
     def handoffs(self) -> tuple[int, int]:
         """Shared I/O: (hand-offs to the loop, completions they carried); per-edge I/O
         hands each completion off alone: (-1, -1)."""
-        if self._inbox is None:
+        inbox = None if self._port is None else self._port.inbox
+        if inbox is None:
             return -1, -1
-        return self._inbox.batches, self._inbox.items
+        return inbox.batches, inbox.items
+
+    @property
+    def received(self) -> int:
+        """Data messages received (headers checked, payload handed on)."""
+        return 0 if self._receiver is None else self._receiver.received
+
+    @property
+    def inline_sent(self) -> int:
+        """Messages sent with the payload inline, behind the header."""
+        return sum(s.inline_sent for s in self._senders.values())
+
+    @property
+    def direct_sent(self) -> int:
+        """Messages posted by ``send`` itself, not by an edge's sender thread."""
+        return sum(s.direct_sent for s in self._senders.values())
+
+    @property
+    def device_sent(self) -> int:
+        """Payloads sent on payload communicators (the device path)."""
+        return 0 if self._payload is None else self._payload.device_sent
+
+    @property
+    def device_received(self) -> int:
+        """Payloads received on payload communicators (the device path)."""
+        return 0 if self._payload is None else self._payload.device_received
 
     def bind(self, sink: Sink) -> None:
         """Route inbound messages to ``sink`` (messages that came earlier are replayed)."""
-        self._sink = sink
-        pending, self._pending = self._pending, []
-        for step, task, payload, src in pending:
-            self._replay(step, task, payload, src)
+        self._inlet.bind(sink)
 
-    def _name(self, rank: int) -> str:
-        """``rank 1 (global 3)``: a pipeline rank of this channel, for messages."""
-        return f"rank {rank} (global {self._global[rank]})"
+    def send(self, dst: int, step: int, task: Task, payload: Any) -> None:
+        """Send ``payload`` (a tensor, a pytree of tensors or None), the input of ``task``,
+        to rank ``dst``.
 
-    def _names(self, ranks: Iterable[int]) -> str:
-        return ", ".join(self._name(r) for r in ranks) or "no rank"
+        On gloo the message is packed now; a small one is posted from here, a large one by
+        the edge's sender thread. On the device path it is packed on the device, on the
+        calling thread's current stream, and the edge's payload send is issued by the issue
+        thread (see the design note). A failure reaches the stage.
+
+        Raises:
+            ProtocolError: No open outbound edge to ``dst``, a payload over ``max_bytes``, or
+                a value the wire does not carry.
+            PeerError: The channel broke before (the error it broke with), or the post failed.
+        """
+        failed = self._inlet.failed
+        if failed is not None:
+            raise failed
+        sender = self._senders.get(dst)
+        if sender is None or self._control.closing:
+            raise ProtocolError(
+                f"rank {self._rank}: no open outbound edge to rank {dst} (outbound:"
+                f" {self._outbound}); is the channel started?"
+            )
+        self._control.at_step(step)
+        if self._payload is not None:
+            self._payload.send(sender, step, task, payload)
+        elif self._dev.is_cuda and any(t.is_cuda for t in tensor_leaves(payload)):
+            sender.send_staged(step, task, payload)
+        else:
+            sender.send(step, task, payload)
+        self.sent += 1
+
+    # ------------------------------------------------------------------ what the stage asks
+
+    def arrivals(self, step: int) -> dict[int, int]:
+        """Messages received for ``step`` so far, per source pipeline rank (the last few
+        steps only). ``DistributedStage`` compares them with the plan to name the ranks a
+        timed-out step waits for."""
+        return self._inlet.arrivals(step)
+
+    def at_step(self, step: int) -> None:
+        """The stage starts ``step`` (the step a failing rank's CLOSE names)."""
+        self._control.at_step(step)
+
+    def blame(self, step: int, ranks: Iterable[int], *, timed_out: bool = True) -> None:
+        """Record why this rank is failing, for the CLOSE its peers receive: at ``step``
+        it timed out waiting for (or lost) the pipeline ranks ``ranks``. The first cause
+        recorded wins (it is the closest to the root)."""
+        self._control.blame(step, ranks, timed_out=timed_out)
+
+    @property
+    def broken(self) -> bool:
+        """Whether the channel failed for good (a lost peer, a corrupt message): every later
+        step fails, and its CLOSE carries the cause."""
+        return self._inlet.failed is not None
+
+    def abort(
+        self, step: int, cause: str, *, origin: int | None = None, kind: int = FailureKind.OTHER
+    ) -> bool:
+        """Tell every rank of the pipeline that ``step`` failed (see the design note): send
+        an ABORT down every outbound edge, once per step. Loop thread.
+
+        Args:
+            step: The failed step.
+            cause: Why, as text for messages (cut to 1 KiB); never parsed.
+            origin: The global rank where it failed (default: this one).
+            kind: What kind of failure (a ``FailureKind`` code, 0 .. 255): carried in the
+                ABORT's header, relayed unchanged, and ``PeerStepError.kind`` on every rank.
+
+        Returns:
+            Whether it went out: False when this rank sent or passed on an ABORT of the step
+            before, or when the channel is not open or broken (a broken channel's CLOSE
+            carries the cause instead).
+        """
+        return self._control.abort(step, cause, origin=origin, kind=kind)
+
+    def peer_failures(self) -> dict[int, str]:
+        """Why peers failed, from their CLOSE: pipeline rank -> text (``DistributedStage``
+        appends it to the error of a step that lost them)."""
+        return self._control.peer_failures()
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -340,50 +462,47 @@ class P2PChannel(ControlPath, SendPath, ReceivePath, DevicePath, ChannelState):
         if self._loop is not None:
             raise RuntimeError("the channel is already started")
         self._loop = loop or asyncio.get_running_loop()
+        shared = self._io_mode == "shared"
+        self._port = port = LoopPort(self._loop, batched=shared and bool(self._inbound))
+        pg: Any = None
+        group_rank: dict[int, int] = {}
         peers = [*self._inbound, *self._outbound]
         if peers:  # the process group's own send/recv, with ranks in the group
             pg = dist.group.WORLD if self._group is None else self._group
             if pg is None:
                 raise RuntimeError("P2PChannel.start: torch.distributed is not initialized")
-            self._pg = pg
             for r in peers:
-                self._peer_rank[r] = dist.get_group_rank(pg, self._global[r])
+                group_rank[r] = dist.get_group_rank(pg, self._names.global_ranks[r])
+        control = self._control
         for dst in self._outbound:
-            self._send_seq[dst] = 0
-            self._send_cap[dst] = self._inline0
-            self._queues[dst] = queue.SimpleQueue()
-            self._locks[dst] = threading.Lock()
-            self._queued[dst] = 0
-            self._unreaped[dst] = []
-            self._spawn(self._sender, dst, f"rrfp-send-{self._rank}->{dst}")
-        for src in self._inbound:
-            edge = edge_text(src, self._rank, self._global[src], self._global[self._rank])
-            self._rx[src] = Inbound(src, edge, self._inline0)
-        self.device_start()
-        if self._io_mode == "per_edge":
-            for src in self._inbound:
-                self._spawn(self._listener, src, f"rrfp-recv-{src}->{self._rank}")
-        elif self._inbound:
-            self._inbox = Inbox(self._loop)
-            self._io = SharedIO(self._inbound)
-            for src in self._inbound:
-                w = threading.Thread(
-                    target=self._watch,
-                    args=(src,),
-                    name=f"rrfp-watch-{src}->{self._rank}",
-                    daemon=True,
-                )
-                w.start()
-                self._watchers[src] = w
-            t = threading.Thread(target=self._io_thread, name=f"rrfp-io-{self._rank}", daemon=True)
-            t.start()
-            self._io_thread_ = t
-        self._started = True
-
-    def _spawn(self, fn: Any, peer: int, name: str) -> None:
-        t = threading.Thread(target=fn, args=(peer,), name=name, daemon=True)
-        t.start()
-        self._threads.append(t)
+            sender = Sender(
+                dst,
+                names=self._names,
+                pg=pg,
+                peer=group_rank[dst],
+                dev=self._dev,
+                limits=self._limits,
+                lost=functools.partial(port.post, control.lose, dst),
+                bye=shared,
+            )
+            self._senders[dst] = sender
+            sender.start()
+        self._receiver = Receiver(
+            names=self._names,
+            pg=pg,
+            peers={src: group_rank[src] for src in self._inbound},
+            dev=self._dev,
+            limits=self._limits,
+            io=self._io_mode,
+            port=port,
+            inlet=self._inlet,
+            control=control,
+            payload=self._payload,
+        )
+        if self._payload is not None:
+            self._payload.start(port, self._senders)
+        self._receiver.start()
+        control.open()
 
     async def __aenter__(self) -> P2PChannel:
         self.start()
@@ -392,42 +511,43 @@ class P2PChannel(ControlPath, SendPath, ReceivePath, DevicePath, ChannelState):
     async def __aexit__(self, exc_type: object, *exc: object) -> None:
         # On an error, peers may never send their CLOSE: do not wait for them.
         timeout = 30.0 if exc_type is None else 0.5
-        self._send_close(failed=exc_type is not None)
+        self._control.send_close(failed=exc_type is not None)
         await asyncio.get_running_loop().run_in_executor(None, self.close, timeout)
 
-    # ------------------------------------------------------------------ the loop's side
+    def close(self, timeout: float = 30.0, *, failed: bool = False) -> None:
+        """Send CLOSE to every outbound peer (after the messages already posted), and wait
+        (up to ``timeout`` s) for the posted sends and for the peers' CLOSE on every inbound
+        edge; on the device path, then for the payload sends in flight (their
+        communicators are aborted when they do not complete in time). ``failed``: the
+        CLOSE says this rank failed (with its cause), as ``__aexit__`` on an error."""
+        self._control.send_close(failed=failed)
+        deadline = time.monotonic() + timeout
+        for s in self._senders.values():
+            s.thread.join(max(0.0, deadline - time.monotonic()))
+        if self._receiver is not None:
+            self._receiver.join(deadline, time.monotonic)
+        if self._payload is not None:
+            self._payload.close(deadline)
 
-    def _fail(self, exc: RRFPError) -> None:
-        if self._failed is None:
-            self._failed = exc
-        if self._sink is not None:
-            self._sink.fail(exc)
+    # ------------------------------------------------------------------ the parts' outlets
 
-    def _lose(self, peer: int, exc: RRFPError) -> None:
-        """``peer``'s connection broke (loop thread): blame it, then fail."""
-        if self._cause is None:
-            self._cause = (LOST, self._last_step, (self._global[peer],))
-        self._fail(exc)
+    def _send_control(
+        self, msgs: list[torch.Tensor], what: tuple[int, object], skip: int | None
+    ) -> None:
+        """An ABORT down every outbound edge but ``skip`` (the ``ControlPath``'s outlet)."""
+        for dst, sender in self._senders.items():
+            if dst == skip:
+                continue
+            if self._payload is not None:
+                self._payload.control(dst, msgs, what)  # behind the issue thread's headers
+            else:
+                sender.queue_control(msgs, what)
 
-    def _deliver(self, step: int, task: Task, payload: Any, src: int) -> None:
-        got = self._arrivals.get(step)
-        if got is None:
-            got = self._arrivals[step] = {}
-            for old in [s for s in self._arrivals if s < step - 3]:
-                del self._arrivals[old]
-        got[src] = got.get(src, 0) + 1
-        if self._sink is None:
-            self._pending.append((step, task, payload, src))
+    def _close_edges(self, hdr: list[int]) -> None:
+        """The CLOSE ``hdr`` down every outbound edge, which then ends (the
+        ``ControlPath``'s outlet)."""
+        if self._payload is not None:
+            self._payload.close_edges(hdr)
             return
-        try:
-            self._sink.deliver(step, task, payload, src)
-        except Exception as e:  # raised inside a loop callback: route it to the stage
-            self._sink.fail(e)
-
-    def _replay(self, step: int, task: Task, payload: Any, src: int) -> None:
-        """A message that came before ``bind`` (counted already)."""
-        assert self._sink is not None
-        try:
-            self._sink.deliver(step, task, payload, src)
-        except Exception as e:  # a loop callback too
-            self._sink.fail(e)
+        for sender in self._senders.values():
+            sender.end(hdr)

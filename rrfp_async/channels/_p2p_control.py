@@ -1,20 +1,26 @@
 """The p2p channel's control messages: ABORT (a step failed somewhere), CLOSE (with the
-cause of a failing rank), and what the loop learns from them. See ``P2PChannel``'s design
+cause of a failing rank), and what the loop learns from them.
+
+``ControlPath`` owns the bookkeeping: the steps whose ABORT went out, the cause a failing
+rank's CLOSE carries, why peers failed, which inbound edges closed, whether the channel is
+open or closing. It sends through two callables it is given (an ABORT down the outbound
+edges, a CLOSE down every one), so it knows nothing of threads or groups: control messages
+always travel on the gloo group, behind the messages already posted on their edge (on the
+device path: through the issue thread, behind its headers). See ``P2PChannel``'s design
 note (``_p2p``): "A failing rank says why when it closes", "A step fails everywhere or
-nowhere". Control messages always travel on the gloo group, behind the messages already
-posted on their edge (on the device path: through the issue thread, behind its headers).
+nowhere".
 """
 
 from __future__ import annotations
 
-import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import torch
 
-from .._errors import PeerStepError
+from .._errors import FailureKind, PeerStepError, RRFPError
 from ._base import AbortSink, ClosingSink
-from ._p2p_io import ChannelState
+from ._p2p_inlet import Inlet
+from ._p2p_io import Names
 from ._wire import (
     CLOSE,
     FAILED,
@@ -28,187 +34,195 @@ from ._wire import (
     pack_inline,
 )
 
-__all__ = ["ControlPath"]
+__all__ = ["ControlPath", "SendControl"]
+
+SendControl = Callable[[list[torch.Tensor], tuple[int, object], "int | None"], None]
+"""Posts a control message (``msgs``, what it is for errors) down every outbound edge except
+the one to ``skip``, behind what is posted there (loop thread)."""
 
 
-class ControlPath(ChannelState):
-    """``P2PChannel``'s control messages and failure bookkeeping (a part: see ``_p2p_io``)."""
+def _as_kind(kind: int) -> int:
+    """A known ``FailureKind`` as the enum, an unknown code as it came."""
+    try:
+        return FailureKind(kind)
+    except ValueError:
+        return kind
 
-    def arrivals(self, step: int) -> dict[int, int]:
-        """Messages received for ``step`` so far, per source pipeline rank (the last few
-        steps only). ``DistributedStage`` compares them with the plan to name the ranks a
-        timed-out step waits for."""
-        return dict(self._arrivals.get(step, {}))
+
+class ControlPath:
+    """ABORT and CLOSE: what this rank tells its peers when a step or the rank fails, and
+    what it learns from theirs (loop thread, except ``close_hdr``'s callers).
+
+    Args:
+        names: How messages name ranks.
+        inlet: The loop side: the sink told of an aborted step or a closed peer, and the
+            error the channel broke with.
+        send_control: Posts an ABORT's messages down the outbound edges (see
+            ``SendControl``).
+        close_edges: Posts the CLOSE header it is given down every outbound edge and ends
+            the edges.
+    """
+
+    def __init__(
+        self,
+        names: Names,
+        inlet: Inlet,
+        *,
+        send_control: SendControl,
+        close_edges: Callable[[list[int]], None],
+    ) -> None:
+        self._names = names
+        self._inlet = inlet
+        self._send_control = send_control
+        self._close_edges = close_edges
+        self.started = False  # the edges are open (``open``)
+        self.closing = False  # this rank's CLOSE went out: errors after it are expected
+        # (cause, step, global ranks to blame): what this rank's CLOSE says when it failed.
+        self._cause: tuple[int, int, tuple[int, ...]] | None = None
+        self._last_step = -1  # the latest step of a message sent or received
+        self._aborted: set[int] = set()  # steps whose ABORT this rank sent or passed on
+        self._peer_failures: dict[int, str] = {}
+        self._closed_in: set[int] = set()  # inbound edges whose CLOSE reached the loop
+
+    # ------------------------------------------------------------------ state
+
+    def open(self) -> None:
+        """The channel's edges are open: ABORT and CLOSE may go out."""
+        self.started = True
+
+    @property
+    def cause(self) -> tuple[int, int, tuple[int, ...]] | None:
+        """What this rank's CLOSE says if it fails: (``FAILED``/``LOST``/``TIMED_OUT``,
+        step, global ranks to blame), or None when nothing was recorded."""
+        return self._cause
+
+    @property
+    def last_step(self) -> int:
+        """The latest step of a message sent or received, or that the stage started."""
+        return self._last_step
+
+    @property
+    def aborted(self) -> frozenset[int]:
+        """The steps whose ABORT this rank sent or passed on."""
+        return frozenset(self._aborted)
+
+    def closed_in(self, src: int) -> bool:
+        """Whether ``src``'s CLOSE reached the loop."""
+        return src in self._closed_in
 
     def at_step(self, step: int) -> None:
-        """The stage starts ``step`` (the step a failing rank's CLOSE names)."""
-        self._last_step = max(self._last_step, step)
+        """A message of ``step`` went or came, or the stage starts it (any thread: the
+        latest wins, a race only delays it by a message)."""
+        if step > self._last_step:
+            self._last_step = step
 
     def blame(self, step: int, ranks: Iterable[int], *, timed_out: bool = True) -> None:
         """Record why this rank is failing, for the CLOSE its peers receive: at ``step``
         it timed out waiting for (or lost) the pipeline ranks ``ranks``. The first cause
         recorded wins (it is the closest to the root)."""
         if self._cause is None:
-            g = tuple(self._global[r] for r in ranks if r in self._global)[:MAX_BLAMED]
-            self._cause = (TIMED_OUT if timed_out else LOST, step, g)
+            g = self._names.global_ranks
+            blamed = tuple(g[r] for r in ranks if r in g)[:MAX_BLAMED]
+            self._cause = (TIMED_OUT if timed_out else LOST, step, blamed)
 
-    @property
-    def broken(self) -> bool:
-        """Whether the channel failed for good (a lost peer, a corrupt message): every later
-        step fails, and its CLOSE carries the cause."""
-        return self._failed is not None
+    def lose(self, peer: int, exc: RRFPError) -> None:
+        """``peer``'s connection broke (loop thread): blame it, then fail the channel."""
+        if self._cause is None:
+            self._cause = (LOST, self._last_step, (self._names.global_ranks[peer],))
+        self._inlet.fail(exc)
 
-    def abort(self, step: int, cause: str, *, origin: int | None = None) -> bool:
-        """Tell every rank of the pipeline that ``step`` failed (see the design note): send
-        an ABORT down every outbound edge, once per step. ``origin`` is the global rank where
-        it failed (default: this one); ``cause`` says why (text, cut to 1 KiB). Loop thread.
+    def watch_lost(self, src: int, exc: RRFPError) -> None:
+        """``src``'s pair broke (loop thread; shared I/O): blame it unless its CLOSE came."""
+        if src not in self._closed_in:
+            self.lose(src, exc)
 
-        Returns:
-            Whether it went out: False when this rank sent or passed on an ABORT of the step
-            before, or when the channel is not open or broken (a broken channel's CLOSE
-            carries the cause instead).
-        """
+    # ------------------------------------------------------------------ ABORT
+
+    def abort(
+        self, step: int, cause: str, *, origin: int | None = None, kind: int = FailureKind.OTHER
+    ) -> bool:
+        """Tell every rank of the pipeline that ``step`` failed: an ABORT down every outbound
+        edge, once per step. See ``P2PChannel.abort``."""
         if step in self._aborted:
             return False
         self._aborted.add(step)
-        if not self._started or self._closing or self._failed is not None:
+        if not self.started or self.closing or self._inlet.failed is not None:
             return False
-        self._send_abort(step, self._global[self._rank] if origin is None else origin, cause)
+        me = self._names.global_ranks[self._names.rank]
+        self._send_abort(step, me if origin is None else origin, cause, int(kind))
         return True
 
-    def _send_abort(self, step: int, origin: int, cause: str, skip: int | None = None) -> None:
-        header, text = encode_abort(step, origin, cause)
-        what = (-1, f"the ABORT of step {step}")
-        for dst, q in self._queues.items():
-            if dst == skip:
-                continue
-            msgs = [pack_inline(header, None)]
-            if text:
-                msgs.append(torch.frombuffer(bytearray(text), dtype=torch.uint8))
-            if self._dmode:
-                # Behind the headers the issue thread posts on this edge.
-                self.device_control(dst, msgs, what)
-                continue
-            # Through the sender thread, behind everything posted on the edge: no sequence
-            # number, no capacity change (see the design note).
-            with self._locks[dst]:
-                self._queued[dst] += 1
-                q.put(("send", [(msgs, what)]))
+    def _send_abort(
+        self, step: int, origin: int, cause: str, kind: int, skip: int | None = None
+    ) -> None:
+        header, text = encode_abort(step, origin, cause, kind)
+        msgs = [pack_inline(header, None)]
+        if text:
+            msgs.append(torch.frombuffer(bytearray(text), dtype=torch.uint8))
+        # No sequence number, no capacity change (see the design note).
+        self._send_control(msgs, (-1, f"the ABORT of step {step}"), skip)
 
-    def _peer_aborted(self, src: int, step: int, origin: int, cause: str) -> None:
-        """An ABORT of ``step`` came from ``src`` (loop thread): pass it on once, and fail the
-        step here (see the design note)."""
+    def peer_aborted(self, src: int, step: int, origin: int, cause: str, kind: int = 0) -> None:
+        """An ABORT of ``step`` came from ``src`` (loop thread): pass it on once, its kind
+        unchanged, and fail the step on this rank too (see the design note)."""
         if step in self._aborted:
             return
         self._aborted.add(step)
-        if not self._closing and self._failed is None:
-            self._send_abort(step, origin, cause, skip=src)
-        where = self._name_global(origin)
+        if not self.closing and self._inlet.failed is None:
+            self._send_abort(step, origin, cause, kind, skip=src)
+        names = self._names
         exc = PeerStepError(
-            f"{self._name(self._rank)}: step {step} failed on {where}: {cause}; this rank fails"
-            " the step too (its late messages are dropped) and runs the next one",
+            f"{names.me()}: step {step} failed on {names.name_global(origin)}: {cause}; this"
+            " rank fails the step too (its late messages are dropped) and runs the next one",
             step=step,
             origin=origin,
             cause=cause,
+            kind=_as_kind(kind),
         )
-        sink = self._sink  # (``is not None`` first: mypy narrows no Optional to a protocol)
+        sink = self._inlet.sink  # (``is not None`` first: mypy narrows no Optional to a protocol)
         if sink is not None and isinstance(sink, AbortSink):
             sink.step_aborted(step, exc)
 
-    def _send_close(self, *, failed: bool = False) -> None:
-        """Queue CLOSE down every outbound edge, behind the messages already queued; the
+    # ------------------------------------------------------------------ CLOSE
+
+    def send_close(self, *, failed: bool = False) -> None:
+        """CLOSE down every outbound edge, behind the messages already queued, once; the
         CLOSE of a failed rank carries its cause (see the design note)."""
-        if self._closing or not self._started:
+        if self.closing or not self.started:
             return
-        self._closing = True
+        self.closing = True
         hdr = [MAGIC, CLOSE] + [0] * (HEADER_LEN - 2)
         if failed:
-            cause, step, ranks = self._cause or (
-                FAILED,
-                self._last_step,
-                (self._global[self._rank],),
-            )
+            me = self._names.global_ranks[self._names.rank]
+            cause, step, ranks = self._cause or (FAILED, self._last_step, (me,))
             hdr[2:5] = [cause, step, len(ranks)]
             hdr[5 : 5 + len(ranks)] = list(ranks)
-        if self._dmode:
-            self.device_close_edges(hdr)
-            return
-        for dst in self._queues:
-            with self._locks[dst]:
-                self.end_edge(dst, hdr)
+        self._close_edges(hdr)
 
-    def end_edge(self, dst: int, hdr: list[int]) -> None:
-        """Post the CLOSE ``hdr`` on edge ``dst`` through its sender thread, after what was
-        posted before, and end that thread (the edge's lock held)."""
-        q = self._queues[dst]
-        un = self._unreaped[dst]
-        if un:
-            q.put(("reap", list(un)))
-            un.clear()
-        self._queued[dst] += 1
-        msg = pack_inline(hdr, None)
-        q.put(("send", [([msg], None)]))
-        if self._io_mode == "shared":  # ends the peer's watcher of this edge
-            q.put(("bye", [msg]))
-        q.put(None)
-
-    def close(self, timeout: float = 30.0, *, failed: bool = False) -> None:
-        """Send CLOSE to every outbound peer (after the messages already posted), and wait
-        (up to ``timeout`` s) for the posted sends and for the peers' CLOSE on every inbound
-        edge; on the device path, then for the payload sends in flight (their
-        communicators are aborted when they do not complete in time). ``failed``: the
-        CLOSE says this rank failed (with its cause), as ``__aexit__`` on an error."""
-        self._send_close(failed=failed)
-        deadline = time.monotonic() + timeout
-        for t in self._threads:
-            t.join(max(0.0, deadline - time.monotonic()))
-        io, io_thread = self._io, self._io_thread_
-        if io is not None and io_thread is not None:
-            # Done once every edge closed or broke; a broken edge leaves the receive from
-            # any source blocked (it never fails), so the thread is joined only when none did.
-            io.done.wait(max(0.0, deadline - time.monotonic()))
-            if not io.broke:
-                io_thread.join(max(0.0, deadline - time.monotonic()))
-            # The BYE follows the CLOSE: the watchers of closed edges end at once (so none is
-            # left to take a later channel's BYE on this group); the others wait for nothing
-            # that will come (the I/O thread failed, or their connection broke).
-            for src, w in self._watchers.items():
-                if self._rx[src].closed:
-                    w.join(max(0.0, deadline - time.monotonic()))
-        if self._dmode:
-            self.device_close(deadline)
-
-    def _peer_failed(self, src: int, cause: int, step: int, ranks: tuple[int, ...]) -> None:
+    def peer_failed(self, src: int, cause: int, step: int, ranks: tuple[int, ...]) -> None:
         """``src`` closed because it failed (loop thread): keep its cause for the error
         message, pass it on when this rank closes, and tell the stage the peer closed."""
         self._closed_in.add(src)
         if self._cause is None:
             self._cause = (cause, step, ranks)
-        if cause == FAILED and ranks == (self._global[src],):
+        names = self._names
+        if cause == FAILED and ranks == (names.global_ranks[src],):
             why = " with an error of its own (see that rank's output)"
         else:
-            why = ": " + blame_text(cause, self._names_global(ranks))
-        self._peer_failures[src] = f"{self._name(src)} failed at step {step}{why}"
-        self._peer_closed(src)
+            why = ": " + blame_text(cause, names.names_global(ranks))
+        self._peer_failures[src] = f"{names.name(src)} failed at step {step}{why}"
+        self.peer_closed(src)
 
-    def _peer_closed(self, src: int) -> None:
+    def peer_closed(self, src: int) -> None:
+        """``src`` sent its CLOSE (loop thread): tell a sink that listens, unless this rank
+        is closing itself."""
         self._closed_in.add(src)
-        if self._closing:
+        if self.closing:
             return
-        sink = self._sink
+        sink = self._inlet.sink
         if sink is not None and isinstance(sink, ClosingSink):
             sink.peer_closed(src)
 
     def peer_failures(self) -> dict[int, str]:
-        """Why peers failed, from their CLOSE: pipeline rank -> text (``DistributedStage``
-        appends it to the error of a step that lost them)."""
+        """Why peers failed, from their CLOSE: pipeline rank -> text."""
         return dict(self._peer_failures)
-
-    def _name_global(self, grank: int) -> str:
-        """A global rank, named by its pipeline rank when it is one of this channel's."""
-        r = self._by_global.get(grank)
-        return f"global rank {grank}" if r is None else self._name(r)
-
-    def _names_global(self, granks: Iterable[int]) -> str:
-        names = [self._name_global(g) for g in granks]
-        return ", ".join(names) if names else "an unknown rank"

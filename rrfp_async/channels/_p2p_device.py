@@ -63,32 +63,33 @@ import os
 import queue
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any, ClassVar
 
 import torch
 import torch.distributed as dist
 
 from .._bridges import after_fork_in_child, run_blocking
-from .._errors import PeerError, ProtocolError
+from .._errors import PeerError, ProtocolError, RRFPError
 from .._streams import Device, mark_ready
 from .._tasks import Task
-from ._p2p_io import ChannelState
+from ._p2p_control import ControlPath
+from ._p2p_inlet import Inlet
+from ._p2p_io import LoopPort, Names
+from ._p2p_send import Sender
 from ._wire import (
-    HEADER_BYTES,
     HEADER_LEN,
     MAGIC,
     REQUIRES_GRAD,
     WARMUP,
     encode_header,
-    grow,
     pack_inline,
     pack_tree,
     pack_tree_device,
     unpack_tree_device,
 )
 
-__all__ = ["DevicePath"]
+__all__ = ["PayloadPath"]
 
 _POLL_S = 0.05
 """How often a wait of the issue thread (a peer's WARMUP, the sends in flight at close) looks
@@ -110,7 +111,7 @@ class _Issuer:
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
-        self.queue: queue.SimpleQueue[tuple[DevicePath, tuple[Any, ...]]] = queue.SimpleQueue()
+        self.queue: queue.SimpleQueue[tuple[PayloadPath, tuple[Any, ...]]] = queue.SimpleQueue()
         self.thread = threading.Thread(target=self._run, name=f"rrfp-issue-{device}", daemon=True)
         self.thread.start()
 
@@ -148,40 +149,63 @@ def _forget_issuers() -> None:
 after_fork_in_child(_forget_issuers)
 
 
-class DevicePath(ChannelState):
-    """``P2PChannel``'s device path (a part: see ``_p2p_io`` and the design note above)."""
+class PayloadPath:
+    """The device path of a ``P2PChannel`` (see the design note above): owns the payload
+    communicators of this rank's edges, their comm streams, the payloads in flight and this
+    channel's items on the issue thread.
 
-    _payload: dict[tuple[int, int], Any]
-    _issuer: _Issuer | None
-    _opened: bool
-    _ended: threading.Event
-    _streams: dict[tuple[int, int], Any]
-    _payload_peer: dict[tuple[int, int], int]
-    _inflight: list[tuple[Any, torch.Tensor]]
-    _warm_seen: dict[int, threading.Event]
-    device_sent: int
-    device_received: int
+    Args:
+        payload_groups: ``(src, dst)`` pipeline ranks -> the 2-rank NCCL group of that
+            directed edge, one per edge of this rank.
+        names: How messages name ranks and edges.
+        inbound: Pipeline ranks that send to this rank.
+        outbound: Pipeline ranks this rank sends to.
+        dev: The stage's device (the comm streams', the payloads').
+        inlet: Takes the payloads and the errors that fail the channel (loop thread).
+        control: Takes lost peers (loop thread); ``closing`` tells expected errors.
+        consumer_waits: The consumer makes its stream wait on each received tensor's event
+            itself (``_streams.wait_ready``): a payload reaches it at once, else once its
+            receive completed.
 
-    def device_init(self, payload_groups: Mapping[tuple[int, int], Any] | None) -> None:
-        """Set the device path up (from ``__init__``): checks that every edge has its
-        payload communicator.
+    Raises:
+        ValueError: An edge without a payload group, a group that is no NCCL group (or the
+            NCCL-rules checker's), an edge to itself, or a blocking NCCL wait configured.
+    """
 
-        Raises:
-            ValueError: An edge without a payload group, or a group for no edge of this rank.
-        """
-        self._payload = dict(payload_groups or {})
-        self._dmode = payload_groups is not None
-        self._issuer = None
+    def __init__(
+        self,
+        payload_groups: Mapping[tuple[int, int], Any],
+        *,
+        names: Names,
+        inbound: Iterable[int],
+        outbound: Iterable[int],
+        dev: Device,
+        inlet: Inlet,
+        control: ControlPath,
+        consumer_waits: bool = False,
+    ) -> None:
+        self._names = names
+        self._rank = names.rank
+        self._global = names.global_ranks
+        self._inbound = sorted(set(inbound))
+        self._outbound = sorted(set(outbound))
+        self._dev = dev
+        self._device = dev.device
+        self._inlet = inlet
+        self._control = control
+        self.consumer_waits = consumer_waits
+        self._payload = dict(payload_groups)
+        self._issuer: _Issuer | None = None
+        self._port: LoopPort | None = None
+        self._senders: Mapping[int, Sender] = {}
         self._opened = False
         self._ended = threading.Event()
-        self._streams = {}
-        self._payload_peer = {}
-        self._inflight = []
-        self._warm_seen = {}
+        self._streams: dict[tuple[int, int], Any] = {}
+        self._payload_peer: dict[tuple[int, int], int] = {}
+        self._inflight: list[tuple[Any, torch.Tensor]] = []
+        self._warm_seen: dict[int, threading.Event] = {}
         self.device_sent = 0
         self.device_received = 0
-        if not self._dmode:
-            return
         for var in BLOCKING_WAIT_ENV:
             if os.environ.get(var, "0").lower() not in ("", "0", "false"):
                 # A blocking wait() would hold the issue thread until a receive completed,
@@ -219,11 +243,26 @@ class DevicePath(ChannelState):
                     " NCCL-rules checker's (RRFP_NCCL_RULES=1)"
                 )
 
-    def device_start(self) -> None:
+    @property
+    def _closing(self) -> bool:
+        return self._control.closing
+
+    def _post(self, fn: Callable[..., object], *args: Any) -> None:
+        assert self._port is not None
+        self._port.post(fn, *args)
+
+    def _fail(self, exc: RRFPError) -> None:
+        self._inlet.fail(exc)
+
+    def _lose(self, peer: int, exc: RRFPError) -> None:
+        self._control.lose(peer, exc)
+
+    def start(self, port: LoopPort, senders: Mapping[int, Sender]) -> None:
         """Resolve the payload groups' ranks, make the comm streams and start the issue
-        thread (from ``start``)."""
-        if not self._dmode:
-            return
+        thread's work for this channel: ``port`` hands calls to the loop, ``senders`` (one
+        per outbound edge) post the gloo headers."""
+        self._port = port
+        self._senders = senders
         for (a, b), pg in self._payload.items():
             peer = b if a == self._rank else a
             self._payload_peer[(a, b)] = dist.get_group_rank(pg, self._global[peer])
@@ -240,9 +279,15 @@ class DevicePath(ChannelState):
 
     # ------------------------------------------------------------------ the caller's side
 
-    def device_send(self, dst: int, seq: int, step: int, task: Task, payload: Any) -> None:
-        """``send`` on the device path (the caller's thread): pack on the device, on the
-        current stream, record the event the send waits for, hand it to the issue thread."""
+    def send(self, sender: Sender, step: int, task: Task, payload: Any) -> None:
+        """``send`` on the device path (the caller's thread), on ``sender``'s edge: pack on
+        the device, on the current stream, record the event the send waits for, hand it to
+        the issue thread.
+
+        Raises:
+            ProtocolError: A payload over ``max_bytes``, or a value the wire does not carry.
+        """
+        dst = sender.dst
         t: torch.Tensor | None = None
         doc: bytes | None = None
         rg = False
@@ -261,43 +306,39 @@ class DevicePath(ChannelState):
                     f"rank {self._rank} step {step}: cannot send the output for {task}: {e}"
                 ) from None
         nbytes = 0 if t is None else t.nbytes
-        self.check_size(dst, step, task, t, nbytes)
-        if step > self._last_step:
-            self._last_step = step
-        what = (seq, task)
+        sender.check_size(step, task, t, nbytes)
+        what = (sender.seq, task)
         if t is None or nbytes == 0:
             # Nothing for the device: the header (and an empty value) on gloo alone.
             if doc is not None:
                 host, tree = pack_tree(payload)  # structure only: no leaf has a byte
-                msgs = self.host_messages(dst, seq, step, task, host, tree)
+                msgs = sender.host_messages(step, task, host, tree)
             else:
                 empty = None if t is None else torch.empty(t.shape, dtype=t.dtype)
-                msgs = self.host_messages(dst, seq, step, task, empty, None)
+                msgs = sender.host_messages(step, task, empty, None)
             self._put("send", dst, msgs, None, None, what)
             return
         header = encode_header(
-            seq, step, task, t, tree=None if doc is None else len(doc), device=True
+            sender.seq, step, task, t, tree=None if doc is None else len(doc), device=True
         )
         if rg:
             header[7] |= REQUIRES_GRAD
         msgs = [pack_inline(header, None)]
         if doc is not None:
             text = torch.frombuffer(bytearray(doc), dtype=torch.uint8)
-            cap = self._send_cap[dst]
-            if HEADER_BYTES + len(doc) <= cap:
+            if sender.fits(len(doc)):
                 msgs = [pack_inline(header, text)]
             else:  # the structure on its own; both sides grow the edge (see _p2p_recv)
                 msgs.append(text)
-                self._send_cap[dst] = grow(cap, len(doc), self._max_bytes)
-        self._send_seq[dst] = seq + 1
+        sender.seq += 1
         ready = self._dev.record()  # after the packing, on the producer's stream
         self._put("send", dst, msgs, t, ready, what)
 
-    def device_control(self, dst: int, msgs: list[torch.Tensor], what: tuple[int, object]) -> None:
+    def control(self, dst: int, msgs: list[torch.Tensor], what: tuple[int, object]) -> None:
         """A control message (an ABORT) for edge ``dst``, behind its headers."""
         self._put("send", dst, msgs, None, None, what)
 
-    def device_close_edges(self, hdr: list[int]) -> None:
+    def close_edges(self, hdr: list[int]) -> None:
         """Post the CLOSE ``hdr`` on every outbound edge, behind its headers."""
         self._put("close", hdr)
 
@@ -340,8 +381,7 @@ class DevicePath(ChannelState):
                     self._post(
                         self._fail,
                         PeerError(
-                            f"{self._name(self._rank)}: opening the payload communicators"
-                            f" failed: {e}"
+                            f"{self._names.me()}: opening the payload communicators failed: {e}"
                         ),
                     )
             return
@@ -378,7 +418,7 @@ class DevicePath(ChannelState):
             else:
                 seen = self._warm_seen[a]
                 while not seen.wait(_POLL_S):
-                    if self._closing or self._failed is not None:
+                    if self._closing or self._inlet.failed is not None:
                         return False
                 buf = torch.empty(1, dtype=torch.uint8, device=self._device)
                 with self._dev.use(s):
@@ -404,7 +444,7 @@ class DevicePath(ChannelState):
                     done = self._dev.record(s)
             except Exception as e:
                 if not self._closing:
-                    self._post(self._lose, dst, PeerError(self._send_failed(dst, what, e)))
+                    self._post(self._lose, dst, PeerError(self._senders[dst].failed_text(what, e)))
                 return
             if self._dev.is_cuda:
                 t.record_stream(s)
@@ -415,14 +455,13 @@ class DevicePath(ChannelState):
 
     def _post_gloo(self, dst: int, msgs: list[torch.Tensor], what: tuple[int, object]) -> bool:
         """Post ``msgs`` on edge ``dst`` of the gloo group (the sender thread reaps them)."""
-        with self._locks[dst]:
-            try:
-                works = [self._pg.send([m], self._peer_rank[dst], 0) for m in msgs]
-            except Exception as e:
-                if not self._closing:
-                    self._post(self._lose, dst, PeerError(self._send_failed(dst, what, e)))
-                return False
-            self.reap_later(dst, works, what)
+        sender = self._senders[dst]
+        try:
+            sender.post_now(msgs, what)
+        except Exception as e:
+            if not self._closing:
+                self._post(self._lose, dst, PeerError(sender.failed_text(what, e)))
+            return False
         return True
 
     def _issue_recv(
@@ -445,9 +484,9 @@ class DevicePath(ChannelState):
         except Exception as e:
             if not self._closing:
                 err = PeerError(
-                    f"{self._name(self._rank)} lost {self._name(src)}: receiving the payload of"
+                    f"{self._names.me()} lost {self._names.name(src)}: receiving the payload of"
                     f" {task} of step {step} on the payload communicator of"
-                    f" {self._rx[src].edge} failed: {e}"
+                    f" {self._names.edge_in(src)} failed: {e}"
                 )
                 self._post(self._lose, src, err)
             return
@@ -456,7 +495,7 @@ class DevicePath(ChannelState):
             try:
                 payload = unpack_tree_device(doc, buf, self._device)
             except ProtocolError as e:
-                err2 = ProtocolError(f"{self._rx[src].edge}: {task} of step {step}: {e}")
+                err2 = ProtocolError(f"{self._names.edge_in(src)}: {task} of step {step}: {e}")
                 self._post(self._fail, err2)
                 return
         elif rg and buf.is_floating_point():
@@ -467,7 +506,7 @@ class DevicePath(ChannelState):
 
     def issue_failed(self, exc: BaseException) -> None:
         """An item of this channel raised on the issue thread: the channel fails with it."""
-        err = PeerError(f"{self._name(self._rank)}: the payload issue thread failed: {exc!r}")
+        err = PeerError(f"{self._names.me()}: the payload issue thread failed: {exc!r}")
         self._post(self._fail, err)
 
     def _issue_post(self, fn: Callable[..., object], args: tuple[Any, ...]) -> None:
@@ -475,8 +514,7 @@ class DevicePath(ChannelState):
 
     def _issue_close(self, hdr: list[int]) -> None:
         for dst in self._outbound:
-            with self._locks[dst]:
-                self.end_edge(dst, hdr)
+            self._senders[dst].end(hdr)
 
     def _reap_inflight(self) -> None:
         """Forget the payloads whose sends (and warm-ups) completed (never blocks)."""
@@ -490,7 +528,7 @@ class DevicePath(ChannelState):
         on the event itself (``consumer_waits``: the torch executor's ``wait_ready``) gets
         it at once; any other gets it once the event completed (waited for off the loop)."""
         if self.consumer_waits or ready.query():
-            self._deliver(step, task, payload, src)
+            self._inlet.deliver(step, task, payload, src)
             return
 
         def done(fut: Any) -> None:
@@ -501,12 +539,12 @@ class DevicePath(ChannelState):
                 self._lose(
                     src,
                     PeerError(
-                        f"{self._name(self._rank)} lost {self._name(src)}: the payload of"
+                        f"{self._names.me()} lost {self._names.name(src)}: the payload of"
                         f" {task} of step {step} did not arrive: {exc}"
                     ),
                 )
                 return
-            self._deliver(step, task, payload, src)
+            self._inlet.deliver(step, task, payload, src)
 
         run_blocking(
             _synchronize, self._dev, ready, name=f"rrfp-ready-{src}->{self._rank}"
@@ -514,7 +552,7 @@ class DevicePath(ChannelState):
 
     # ------------------------------------------------------------------ close
 
-    def device_close(self, deadline: float) -> None:
+    def close(self, deadline: float) -> None:
         """End this channel's use of the issue thread (after the listeners: what they
         handed on still reaches the loop), wait for the payload sends in flight until
         ``deadline``, and abort the payload communicators when they do not complete, or

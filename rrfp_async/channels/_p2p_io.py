@@ -1,45 +1,48 @@
-"""The p2p channel's shared pieces: its state, inbound-edge state, shared I/O, the inbox.
+"""The p2p channel's small pieces: rank names, the hand-off to the loop, inbound-edge state,
+shared I/O and its inbox.
 
-``P2PChannel`` (``_p2p``) is assembled from parts, one module each, over the state declared
-here (``ChannelState``): the send path (``_p2p_send``), the receive threads (``_p2p_recv``),
-the control messages, CLOSE and ABORT (``_p2p_control``), and the device path's payload
-communicators and issue thread (``_p2p_device``); the wire format is ``_wire``.
+``P2PChannel`` (``_p2p``) wires parts that own their state, one module each: the loop side
+(``_p2p_inlet``: the sink, arrivals, the error the channel broke with), the control messages
+(``_p2p_control``: ABORT and CLOSE bookkeeping), one ``Sender`` per outbound edge
+(``_p2p_send``), the ``Receiver`` of the inbound edges (``_p2p_recv``) and the device path's
+``PayloadPath`` (``_p2p_device``); the wire format is ``_wire``. What they all use is in
+this module: ``Names`` (how messages name ranks and edges) and ``LoopPort`` (how a channel
+thread hands a call to the loop).
 """
 
 from __future__ import annotations
 
 import asyncio
-import queue
 import threading
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 from typing import Any, Literal
 
 import torch
 
 from .._bridges import post
-from .._errors import RRFPError
-from .._streams import Device
 from .._tasks import Task
-from ._base import Sink
 
 __all__ = [
     "IO_ENV",
     "IO_MODES",
-    "ChannelState",
     "IOMode",
     "Inbound",
     "Inbox",
+    "Limits",
+    "LoopPort",
+    "Names",
     "SharedIO",
     "edge_text",
 ]
 
 DEFAULT_INLINE_SEND_BYTES = 1 << 20
 """Largest payload ``send`` posts from the calling thread (gloo). A gloo send writes in the
-calling thread (about 0.5 ms for 200 KiB here), but on this 2-core machine a sender thread
-buys no parallelism, only a hand-off: posting the pipeline's activations (up to ~0.6 MB in
-``bench peer``) from the caller made the fixed order 1.00x torch ``Schedule1F1B`` against
-0.94x with a 32 KiB limit (mean of 3 paired runs). Larger messages, which would stall the
-caller for milliseconds, still go through the edge's sender thread."""
+calling thread, but where cores are few a sender thread buys no parallelism, only a
+hand-off: posting the pipeline's activations from the caller kept the fixed order at par
+with torch's ``Schedule1F1B`` where a 32 KiB limit lost to it (BENCHMARKS.md#channel-costs).
+Larger messages, which would stall the caller for milliseconds, still go through the edge's
+sender thread."""
 REAP_BATCH = 16
 """Works of messages posted by ``send`` that wake the sender thread to reap them."""
 WATCH_TAG = 1
@@ -64,6 +67,93 @@ def storage_ptr(payload: Any) -> int:
 def edge_text(src: int, dst: int, gsrc: int, gdst: int) -> str:
     """Names an edge in errors: ``edge rank 1 -> rank 2 (global 3 -> 5)``."""
     return f"edge rank {src} -> rank {dst} (global {gsrc} -> {gdst})"
+
+
+@dataclass(frozen=True)
+class Limits:
+    """The sizes both ends of a channel's edges agree on, and the caller's own.
+
+    Attributes:
+        max_bytes: Largest payload a header may announce (sent or received).
+        bound_name: How errors tell the user to raise ``max_bytes``.
+        inline0: An edge's initial capacity: header and inline payload bytes.
+        inline_send: Largest payload ``send`` posts from the calling thread (-1: none).
+    """
+
+    max_bytes: int
+    bound_name: str
+    inline0: int
+    inline_send: int
+
+
+class Names:
+    """How a channel's messages name its ranks and edges (immutable).
+
+    Args:
+        rank: This process's pipeline rank.
+        global_ranks: Pipeline rank -> global rank, ``rank`` included.
+    """
+
+    __slots__ = ("by_global", "global_ranks", "rank")
+
+    def __init__(self, rank: int, global_ranks: dict[int, int]) -> None:
+        self.rank = rank
+        self.global_ranks = global_ranks
+        self.by_global = {g: r for r, g in global_ranks.items()}
+
+    def name(self, rank: int) -> str:
+        """``rank 1 (global 3)``: a pipeline rank of this channel."""
+        return f"rank {rank} (global {self.global_ranks[rank]})"
+
+    def names(self, ranks: Iterable[int]) -> str:
+        """Several pipeline ranks, comma-separated (``no rank`` for none)."""
+        return ", ".join(self.name(r) for r in ranks) or "no rank"
+
+    def name_global(self, grank: int) -> str:
+        """A global rank, named by its pipeline rank when it is one of this channel's."""
+        r = self.by_global.get(grank)
+        return f"global rank {grank}" if r is None else self.name(r)
+
+    def names_global(self, granks: Iterable[int]) -> str:
+        """Several global ranks (``an unknown rank`` for none)."""
+        names = [self.name_global(g) for g in granks]
+        return ", ".join(names) if names else "an unknown rank"
+
+    def me(self) -> str:
+        """This rank's name."""
+        return self.name(self.rank)
+
+    def edge_out(self, dst: int) -> str:
+        """The outbound edge to ``dst``, for errors."""
+        g = self.global_ranks
+        return edge_text(self.rank, dst, g[self.rank], g[dst])
+
+    def edge_in(self, src: int) -> str:
+        """The inbound edge from ``src``, for errors."""
+        g = self.global_ranks
+        return edge_text(src, self.rank, g[src], g[self.rank])
+
+
+class LoopPort:
+    """How the channel's threads hand a call to the event loop: one ``call_soon_threadsafe``
+    per call, or, with ``batched`` (shared I/O), through an ``Inbox`` that joins a call to
+    the batch not yet drained.
+
+    Args:
+        loop: The loop the calls run on.
+        batched: Hand calls off in batches (``Inbox``).
+    """
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, *, batched: bool = False) -> None:
+        self.loop = loop
+        self.inbox = Inbox(loop) if batched else None
+
+    def post(self, fn: Callable[..., object], *args: Any) -> None:
+        """Run ``fn(*args)`` on the loop (from any thread)."""
+        if self.inbox is not None:
+            self.inbox.post(fn, *args)
+        else:
+            post(self.loop, fn, *args)
 
 
 class Inbound:
@@ -96,7 +186,7 @@ class SharedIO:
     its header on the same pair). Per pair, gloo keeps the order, so each edge is still a FIFO.
     Completions reach the loop through ``Inbox``: one ``call_soon_threadsafe`` per batch.
 
-    Two things a receive from any source does not do, measured here (torch 2.13, gloo):
+    Two things a receive from any source does not do (gloo; BENCHMARKS.md#channel-costs):
     it does not fail when one of its pairs breaks (a killed peer leaves it blocked), and it
     costs the sender a round trip (gloo's handshake: a receive posted for one pair tells that
     pair it may send; one from any source can tell no pair ahead). So each inbound edge keeps
@@ -172,149 +262,3 @@ class Inbox:
                 self._loop.call_exception_handler(
                     {"message": f"exception in {fn!r}", "exception": e}
                 )
-
-
-class ChannelState:
-    """What the parts of ``P2PChannel`` share (set by its ``__init__`` and ``start``), and
-    the few methods each part calls on another (defined in ``P2PChannel`` or a part)."""
-
-    _rank: int
-    _global: dict[int, int]
-    _by_global: dict[int, int]
-    _inbound: list[int]
-    _outbound: list[int]
-    _device: torch.device
-    _dev: Device
-    _growing: bool
-    _inline0: int
-    _max_bytes: int
-    _bound_name: str
-    _inline_send: int
-    _io_mode: IOMode
-    _io: SharedIO | None
-    _io_thread_: threading.Thread | None
-    _watchers: dict[int, threading.Thread]
-    _inbox: Inbox | None
-    _sink: Sink | None
-    _loop: asyncio.AbstractEventLoop | None
-    _pg: Any
-    _peer_rank: dict[int, int]
-    _rx: dict[int, Inbound]
-    _closed_in: set[int]
-    _cause: tuple[int, int, tuple[int, ...]] | None
-    _last_step: int
-    _arrivals: dict[int, dict[int, int]]
-    _peer_failures: dict[int, str]
-    _aborted: set[int]
-    _send_seq: dict[int, int]
-    _send_cap: dict[int, int]
-    _queues: dict[int, queue.SimpleQueue[Any]]
-    _locks: dict[int, threading.Lock]
-    _queued: dict[int, int]
-    _unreaped: dict[int, list[tuple[list[Any], tuple[int, object]]]]
-    _threads: list[threading.Thread]
-    _copy_streams: dict[int, Any]  # gloo with CUDA payloads: an edge's staging stream
-    _started: bool
-    _closing: bool
-    _failed: BaseException | None
-    _dmode: bool  # the device path: payloads on communicators of their own (``_p2p_device``)
-    consumer_waits: bool
-    sent: int
-    received: int
-    inline_sent: int
-    direct_sent: int
-
-    def _post(self, fn: Callable[..., object], *args: Any) -> None:
-        """Hand ``fn(*args)`` to the loop (from a channel thread)."""
-        if self._inbox is not None:
-            self._inbox.post(fn, *args)
-        else:
-            post(self._loop, fn, *args)
-
-    def _post_rx(self, fn: Callable[..., object], *args: Any) -> None:
-        """Hand what an inbound edge's listener learned to the loop *in that edge's order*:
-        on the device path a payload reaches the loop from the issue thread, so everything
-        after it (the next messages, the CLOSE) is handed on through that thread's queue."""
-        if self._dmode:
-            self.post_in_order(fn, *args)
-        else:
-            self._post(fn, *args)
-
-    def _fail(self, exc: RRFPError) -> None:
-        raise NotImplementedError
-
-    def _lose(self, peer: int, exc: RRFPError) -> None:
-        raise NotImplementedError
-
-    def _deliver(self, step: int, task: Task, payload: Any, src: int) -> None:
-        raise NotImplementedError
-
-    def _name(self, rank: int) -> str:
-        raise NotImplementedError
-
-    def _names(self, ranks: Iterable[int]) -> str:
-        raise NotImplementedError
-
-    def _edge_out(self, dst: int) -> str:
-        raise NotImplementedError
-
-    def _send_failed(self, dst: int, what: tuple[int, object] | None, e: BaseException) -> str:
-        raise NotImplementedError
-
-    def _recv_or_lose(self, buf: torch.Tensor, src: int, doing: Callable[[], str]) -> bool:
-        raise NotImplementedError
-
-    def _peer_aborted(self, src: int, step: int, origin: int, cause: str) -> None:
-        raise NotImplementedError
-
-    def _peer_closed(self, src: int) -> None:
-        raise NotImplementedError
-
-    def _peer_failed(self, src: int, cause: int, step: int, ranks: tuple[int, ...]) -> None:
-        raise NotImplementedError
-
-    def post_in_order(self, fn: Callable[..., object], *args: Any) -> None:
-        raise NotImplementedError
-
-    def reap_later(self, dst: int, works: list[Any], what: tuple[int, object]) -> None:
-        raise NotImplementedError
-
-    def end_edge(self, dst: int, hdr: list[int]) -> None:
-        raise NotImplementedError
-
-    def check_size(
-        self, dst: int, step: int, task: Task, t: torch.Tensor | None, nbytes: int
-    ) -> None:
-        raise NotImplementedError
-
-    def host_messages(
-        self, dst: int, seq: int, step: int, task: Task, t: torch.Tensor | None, tree: int | None
-    ) -> list[torch.Tensor]:
-        raise NotImplementedError
-
-    def device_send(self, dst: int, seq: int, step: int, task: Task, payload: Any) -> None:
-        raise NotImplementedError
-
-    def device_receive(
-        self,
-        src: int,
-        step: int,
-        task: Task,
-        dtype: torch.dtype,
-        shape: tuple[int, ...],
-        doc: bytes | None,
-        rg: bool,
-    ) -> None:
-        raise NotImplementedError
-
-    def warm_announced(self, src: int) -> None:
-        raise NotImplementedError
-
-    def device_control(self, dst: int, msgs: list[torch.Tensor], what: tuple[int, object]) -> None:
-        raise NotImplementedError
-
-    def device_close_edges(self, hdr: list[int]) -> None:
-        raise NotImplementedError
-
-    def device_close(self, deadline: float) -> None:
-        raise NotImplementedError

@@ -1,23 +1,30 @@
-"""The p2p channel's receive threads: a listener per inbound edge, or the shared I/O thread.
+"""The p2p channel's receive side: the ``Receiver`` of every inbound edge, with a listener
+thread per edge, or the shared I/O thread and its watchers, and the header checks.
 
-Every thread here blocks in gloo only (headers, inline payloads, control messages): on the
-device path a header that announces a device payload is handed to the issue thread
-(``_p2p_device``), which posts its receive on the edge's payload communicator. See
-``P2PChannel``'s design note (``_p2p``).
+Every thread of the ``Receiver`` blocks in gloo only (headers, inline payloads, control
+messages): on the device path a header that announces a device payload is handed to the
+``PayloadPath`` (``_p2p_device``), whose issue thread posts its receive on the edge's
+payload communicator. What a thread learns goes to the loop through the ``LoopPort``: a
+message to the ``Inlet``, an ABORT or a CLOSE to the ``ControlPath``. See ``P2PChannel``'s
+design note (``_p2p``).
 """
 
 from __future__ import annotations
 
 import ctypes
 import math
-from collections.abc import Callable
-from typing import Any
+import threading
+from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from .._errors import PeerError, ProtocolError, RRFPError
+from .._streams import Device
 from .._tasks import Task
-from ._p2p_io import WATCH_TAG, ChannelState, Inbound
+from ._p2p_control import ControlPath
+from ._p2p_inlet import Inlet
+from ._p2p_io import WATCH_TAG, Inbound, IOMode, Limits, LoopPort, Names, SharedIO
 from ._wire import (
     ABORT,
     CLEAN,
@@ -33,7 +40,6 @@ from ._wire import (
     KINDS,
     LOST,
     MAGIC,
-    MAX_ABORT_TEXT,
     MAX_BLAMED,
     MAX_NDIM,
     NO_PAYLOAD,
@@ -41,6 +47,7 @@ from ._wire import (
     TIMED_OUT,
     TREE,
     WARMUP,
+    decode_abort,
     grow,
     read_header,
     size_text,
@@ -48,13 +55,130 @@ from ._wire import (
     unpack_tree,
 )
 
-__all__ = ["ReceivePath"]
+if TYPE_CHECKING:
+    from ._p2p_device import PayloadPath
+
+__all__ = ["Receiver"]
 
 _Checked = tuple[bool, Task, int, torch.dtype | None, tuple[int, ...]]
 
 
-class ReceivePath(ChannelState):
-    """``P2PChannel``'s receive threads (a part: see ``_p2p_io``)."""
+class Receiver:
+    """The inbound edges of a channel: owns each edge's receive state (``Inbound``), the
+    threads that receive them and the header checks.
+
+    Args:
+        names: How messages name ranks and edges.
+        pg: The gloo process group (its own ``recv``, ranks in the group).
+        peers: Source pipeline rank -> its rank in ``pg``, one per inbound edge.
+        dev: The stage's device (received payloads land there).
+        limits: The channel's sizes (``Limits``).
+        io: ``"per_edge"`` (a listener thread per edge) or ``"shared"`` (``SharedIO``).
+        port: Hands calls to the loop.
+        inlet: Takes the messages and the errors that fail the channel (loop thread).
+        control: Takes ABORTs, CLOSEs and lost peers (loop thread); its ``closing`` tells
+            expected errors (this rank closed) from losses.
+        payload: The device path (None on gloo): device payloads' receives, and the order
+            in which what a listener learned reaches the loop.
+    """
+
+    def __init__(
+        self,
+        *,
+        names: Names,
+        pg: Any,
+        peers: Mapping[int, int],
+        dev: Device,
+        limits: Limits,
+        io: IOMode,
+        port: LoopPort,
+        inlet: Inlet,
+        control: ControlPath,
+        payload: PayloadPath | None = None,
+    ) -> None:
+        self._names = names
+        self._pg = pg
+        self._peer_rank = dict(peers)
+        self._inbound = sorted(peers)
+        self._dev = dev
+        self._limits = limits
+        self._max_bytes = limits.max_bytes
+        self._post = port.post
+        self._inlet = inlet
+        self._control = control
+        self._payload = payload
+        self._dmode = payload is not None
+        self._rx = {s: Inbound(s, names.edge_in(s), limits.inline0) for s in self._inbound}
+        self._copy_streams: dict[int, Any] = {}  # a CUDA stage on gloo: a source's stream
+        self._threads: list[threading.Thread] = []
+        self._io: SharedIO | None = None
+        self._io_thread_: threading.Thread | None = None
+        self._watchers: dict[int, threading.Thread] = {}
+        self._shared = io == "shared"
+        self.received = 0
+
+    @property
+    def _closing(self) -> bool:
+        return self._control.closing
+
+    def _post_rx(self, fn: Callable[..., object], *args: Any) -> None:
+        """Hand what an inbound edge's listener learned to the loop *in that edge's order*:
+        on the device path a payload reaches the loop from the issue thread, so everything
+        after it (the next messages, the CLOSE) is handed on through that thread's queue."""
+        if self._payload is not None:
+            self._payload.post_in_order(fn, *args)
+        else:
+            self._post(fn, *args)
+
+    def _fail(self, exc: RRFPError) -> None:
+        self._post(self._inlet.fail, exc)
+
+    def _lose(self, src: int, exc: RRFPError) -> None:
+        self._post(self._control.lose, src, exc)
+
+    def start(self) -> None:
+        """Start the receiving threads."""
+        rank = self._names.rank
+        if not self._shared:
+            for src in self._inbound:
+                self._spawn(self._listener, src, f"rrfp-recv-{src}->{rank}")
+            return
+        if not self._inbound:
+            return
+        self._io = SharedIO(self._inbound)
+        for src in self._inbound:
+            w = threading.Thread(
+                target=self._watch, args=(src,), name=f"rrfp-watch-{src}->{rank}", daemon=True
+            )
+            w.start()
+            self._watchers[src] = w
+        t = threading.Thread(target=self._io_thread, name=f"rrfp-io-{rank}", daemon=True)
+        t.start()
+        self._io_thread_ = t
+
+    def _spawn(self, fn: Any, peer: int, name: str) -> None:
+        t = threading.Thread(target=fn, args=(peer,), name=name, daemon=True)
+        t.start()
+        self._threads.append(t)
+
+    def join(self, deadline: float, clock: Callable[[], float]) -> None:
+        """Wait until ``deadline`` (on ``clock``) for the peers' CLOSE on every inbound edge
+        (the threads that receive them end)."""
+        for t in self._threads:
+            t.join(max(0.0, deadline - clock()))
+        io, io_thread = self._io, self._io_thread_
+        if io is not None and io_thread is not None:
+            # Done once every edge closed or broke; a broken edge leaves the receive from
+            # any source blocked (it never fails), so the thread is joined only when none did.
+            io.done.wait(max(0.0, deadline - clock()))
+            if not io.broke:
+                io_thread.join(max(0.0, deadline - clock()))
+            # The BYE follows the CLOSE: the watchers of closed edges end at once (so none is
+            # left to take a later channel's BYE on this group); the others wait for nothing
+            # that will come (the I/O thread failed, or their connection broke).
+            for src, w in self._watchers.items():
+                if self._rx[src].closed:
+                    w.join(max(0.0, deadline - clock()))
 
     def _listener(self, src: int) -> None:
         """Per-edge I/O: this edge's own thread blocks in its receive."""
@@ -87,7 +211,7 @@ class ReceivePath(ChannelState):
             while io.open:
                 # Large enough for every open edge's capacity: a smaller buffer aborts the
                 # process, a larger one is partly filled.
-                cap = max((rx.cap for rx in rxs.values() if rx.open), default=self._inline0)
+                cap = max((rx.cap for rx in rxs.values() if rx.open), default=self._limits.inline0)
                 if raw is None or raw.numel() < cap:
                     raw = self._host_buffer(cap)
                 try:
@@ -96,21 +220,19 @@ class ReceivePath(ChannelState):
                     g = work.source_rank()
                 except Exception as e:
                     if not self._closing:
-                        self._post(
-                            self._fail,
+                        self._fail(
                             PeerError(
-                                f"{self._name(self._rank)}: the shared receive on the inbound"
-                                f" edges from {self._names(io.waiting())} failed: {e}"
+                                f"{self._names.me()}: the shared receive on the inbound"
+                                f" edges from {self._names.names(io.waiting())} failed: {e}"
                             ),
                         )
                     return
                 rx = rxs.get(g)
                 if rx is None or not rx.open:
-                    self._post(
-                        self._fail,
+                    self._fail(
                         ProtocolError(
-                            f"{self._name(self._rank)}: a message from group rank {g}, which is"
-                            f" no open inbound edge (open: {self._names(io.waiting())})"
+                            f"{self._names.me()}: a message from group rank {g}, which is"
+                            f" no open inbound edge (open: {self._names.names(io.waiting())})"
                         ),
                     )
                     return
@@ -137,17 +259,12 @@ class ReceivePath(ChannelState):
         except Exception as e:
             if not self._closing:
                 err = PeerError(
-                    f"{self._name(self._rank)} lost {self._name(src)}: the connection broke"
+                    f"{self._names.me()} lost {self._names.name(src)}: the connection broke"
                     f" while waiting for message seq {rx.expect} on {rx.edge} ({rx.last()}): {e}"
                 )
-                self._post(self._watch_lost, src, err)
+                self._post(self._control.watch_lost, src, err)
             assert self._io is not None
             self._io.lost(src)  # nothing more comes from it: the I/O thread need not wait
-
-    def _watch_lost(self, src: int, exc: RRFPError) -> None:
-        """``src``'s pair broke (loop thread; shared I/O): blame it unless its CLOSE came."""
-        if src not in self._closed_in:
-            self._lose(src, exc)
 
     def _on_message(self, rx: Inbound, raw: torch.Tensor) -> tuple[bool, bool]:
         """A message from ``rx.src`` is in ``raw`` (its I/O thread): check it, receive the
@@ -163,8 +280,8 @@ class ReceivePath(ChannelState):
         h = read_header(raw)
         if h[0] == MAGIC and h[1] == ABORT:
             return self._receive_abort(h, src, edge), False
-        if h[0] == MAGIC and h[1] == WARMUP and self._dmode:
-            self.warm_announced(src)
+        if h[0] == MAGIC and h[1] == WARMUP and self._payload is not None:
+            self._payload.warm_announced(src)
             return True, False
         try:
             closing, task, step, dtype, shape = self._check(h, expect, edge)
@@ -172,15 +289,15 @@ class ReceivePath(ChannelState):
             rg = h[7] >= 0 and bool(h[7] & REQUIRES_GRAD)
             tree_len = h[10] if code == TREE else 0
         except ProtocolError as e:
-            self._post(self._fail, e)
+            self._fail(e)
             return False, False
         if closing:
             rx.closed = True
             if h[2] == CLEAN:
-                self._post_rx(self._peer_closed, src)
+                self._post_rx(self._control.peer_closed, src)
             else:
                 n = min(max(h[4], 0), MAX_BLAMED)
-                self._post_rx(self._peer_failed, src, h[2], h[3], tuple(h[5 : 5 + n]))
+                self._post_rx(self._control.peer_failed, src, h[2], h[3], tuple(h[5 : 5 + n]))
             return False, False
         if h[1] == DATA_DEVICE:
             assert dtype is not None
@@ -188,7 +305,8 @@ class ReceivePath(ChannelState):
             if code == TREE and doc is None:
                 return False, False
             self._advance(rx, task, step)
-            self.device_receive(src, step, task, dtype, shape, doc, rg)
+            assert self._payload is not None  # ``_check`` refuses DATA_DEVICE on gloo
+            self._payload.device_receive(src, step, task, dtype, shape, doc, rg)
             return True, False
         payload: Any = None
         kept = False
@@ -196,8 +314,7 @@ class ReceivePath(ChannelState):
             nbytes = math.prod(shape) * ITEMSIZE[dtype]
             if h[1] == DATA_INLINE:
                 if HEADER_BYTES + nbytes > rx.cap:
-                    self._post(
-                        self._fail,
+                    self._fail(
                         ProtocolError(
                             f"{edge}: message seq {expect} ({task}) announces an inline"
                             f" payload of {nbytes} bytes, more than the edge's capacity"
@@ -228,15 +345,14 @@ class ReceivePath(ChannelState):
             try:
                 payload = self._to_device(src, payload, code == TREE, tree_len, rg)
             except ProtocolError as e:
-                self._post(
-                    self._fail,
+                self._fail(
                     ProtocolError(f"{edge}: message seq {expect} ({task} of step {step}): {e}"),
                 )
                 return False, False
             if self._dev.is_cuda:
                 kept = False  # copied to the device (and waited for): the buffer is free
         self._advance(rx, task, step)
-        self._post_rx(self._deliver, step, task, payload, src)
+        self._post_rx(self._inlet.deliver, step, task, payload, src)
         return True, kept
 
     def _host_buffer(self, n: int) -> torch.Tensor:
@@ -254,9 +370,9 @@ class ReceivePath(ChannelState):
         """
         if not self._dev.is_cuda:
             if tree:
-                return unpack_tree(payload, doc, self._device)
-            if payload.device != self._device:
-                payload = payload.to(self._device)
+                return unpack_tree(payload, doc, self._dev.device)
+            if payload.device != self._dev.device:
+                payload = payload.to(self._dev.device)
             if rg and payload.is_floating_point():
                 payload.requires_grad_(True)
             return payload
@@ -265,9 +381,9 @@ class ReceivePath(ChannelState):
             s = self._copy_streams[-1 - src] = self._dev.new_stream(f"copy {src}->")
         with self._dev.use(s):
             if tree:
-                out: Any = unpack_tree(payload, doc, self._device, non_blocking=True)
+                out: Any = unpack_tree(payload, doc, self._dev.device, non_blocking=True)
             else:
-                out = payload.to(self._device, non_blocking=True)
+                out = payload.to(self._dev.device, non_blocking=True)
                 if rg and out.is_floating_point():
                     out.requires_grad_(True)
             done = self._dev.record(s)
@@ -277,8 +393,7 @@ class ReceivePath(ChannelState):
     def _advance(self, rx: Inbound, task: Task, step: int) -> None:
         rx.expect += 1
         rx.prev = (task, step)
-        if step > self._last_step:
-            self._last_step = step
+        self._control.at_step(step)
         self.received += 1
 
     def _device_doc(
@@ -310,24 +425,20 @@ class ReceivePath(ChannelState):
         except Exception as e:
             if not self._closing:
                 err = PeerError(
-                    f"{self._name(self._rank)} lost {self._name(src)}: the connection broke"
+                    f"{self._names.me()} lost {self._names.name(src)}: the connection broke"
                     f" while {doing()}: {e}"
                 )
-                self._post(self._lose, src, err)
+                self._lose(src, err)
             return False
         return True
 
     def _receive_abort(self, h: list[int], src: int, edge: str) -> bool:
         """Listener thread: an ABORT header arrived from ``src``; receive its text and hand
         it to the loop. False when the listener must end (a bad header, a broken pair)."""
-        step, origin, n = h[3], h[4], h[5]
-        if step < 0 or origin < 0 or not 0 <= n <= MAX_ABORT_TEXT:
-            self._post(
-                self._fail,
-                ProtocolError(
-                    f"{edge}: corrupt ABORT header (step, origin, text bytes); header {h}"
-                ),
-            )
+        try:
+            step, origin, n, kind = decode_abort(h)
+        except ProtocolError as e:
+            self._fail(ProtocolError(f"{edge}: {e}"))
             return False
         cause = ""
         if n:
@@ -338,7 +449,7 @@ class ReceivePath(ChannelState):
                 return False
             cause = ctypes.string_at(text.data_ptr(), n).decode("utf-8", "replace")
         # Not behind the edge's payloads: a failed step is told at once.
-        self._post(self._peer_aborted, src, step, origin, cause)
+        self._post(self._control.peer_aborted, src, step, origin, cause, kind)
         return True
 
     def _check(self, h: list[int], expect: int, edge: str) -> _Checked:
@@ -380,7 +491,7 @@ class ReceivePath(ChannelState):
                     f" payload of {total} bytes, more than the bound of {self._max_bytes}"
                     f" bytes ({size_text(self._max_bytes)}): refused before allocating it. If"
                     f" messages this large are expected, raise the bound with"
-                    f" {self._bound_name} on every rank; header {h}"
+                    f" {self._limits.bound_name} on every rank; header {h}"
                 )
             return False, task, h[3], torch.uint8, (total,)
         if not 0 <= code < len(DTYPES):
@@ -399,7 +510,7 @@ class ReceivePath(ChannelState):
                 f"{edge}: message seq {expect} ({task} of step {h[3]}) announces a payload of"
                 f" {size} bytes ({shape} {dtype}), more than the bound of {self._max_bytes}"
                 f" bytes ({size_text(self._max_bytes)}): refused before allocating it. If messages"
-                f" this large are expected, raise the bound with {self._bound_name} on every"
+                f" this large are expected, raise the bound with {self._limits.bound_name} on every"
                 f" rank (else the header is corrupt); header {h}"
             )
         if device and size == 0:

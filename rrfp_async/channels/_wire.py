@@ -15,16 +15,19 @@ each at a multiple of 8 bytes from 0 (``pack_tree_device``): the layout of ``pac
 leaf part, so a staged copy (doc, padding, device bytes) is a ``pack_tree`` payload.
 A WARMUP header (no fields) opens an edge's payload communicator.
 An ABORT (a step failed on some rank: see ``P2PChannel``'s design note) is
-``[magic, ABORT, 0, step, origin global rank, n, 0 ..]`` followed, when ``n > 0``, by a
-message of ``n`` bytes: the cause as UTF-8 text (at most ``MAX_ABORT_TEXT`` bytes). It takes
-no sequence number of the edge: it may be posted from another thread than the data.
+``[magic, ABORT, failure kind, step, origin global rank, n, 0 ..]`` followed, when
+``n > 0``, by a message of ``n`` bytes: the cause as UTF-8 text (at most ``MAX_ABORT_TEXT``
+bytes). The failure kind (a ``FailureKind`` code, 0 to ``MAX_FAILURE_KIND``) is what a
+receiver tests; the text is only ever for a message. It takes no sequence number of the edge
+(its third field, a data header's sequence number, carries the kind): it may be posted from
+another thread than the data.
 
 The dtype field also carries ``REQUIRES_GRAD`` (a flag bit: the sender's tensor required
 grad, so the consumer's copy does too). A payload that is not one tensor (a tuple, a dict,
 ``rr.Args``, nested: see ``rrfp_async._pytree``) travels as one uint8 payload with dtype code
 ``TREE`` and shape ``(total bytes, structure bytes)``: its JSON structure, then each tensor
 leaf's bytes, each part starting at a multiple of 8 bytes (so every leaf is an aligned view
-of the received buffer). Pure data and functions; nothing here touches torch.distributed.
+of the received buffer). Pure data and functions; nothing in this module touches torch.distributed.
 """
 
 from __future__ import annotations
@@ -61,6 +64,8 @@ on the control group: the header (and a pytree's structure, inline behind it) on
 payload's bytes on the device."""
 WARMUP = 6
 """Kind of the header that opens an edge's payload communicator (see ``_p2p_device``)."""
+MAX_FAILURE_KIND = 255
+"""Largest failure kind code an ABORT header may carry (a larger one is a corrupt header)."""
 MAX_ABORT_TEXT = 1024
 """Most bytes of cause text an ABORT carries (longer text is cut; a header announcing more
 is refused)."""
@@ -143,12 +148,34 @@ def encode_header(
     return h
 
 
-def encode_abort(step: int, origin: int, cause: str) -> tuple[list[int], bytes]:
-    """The header of an ABORT of ``step`` (failed first on global rank ``origin``) and the
-    text that follows it (``cause``, cut to ``MAX_ABORT_TEXT`` bytes of UTF-8)."""
+def encode_abort(step: int, origin: int, cause: str, kind: int = 0) -> tuple[list[int], bytes]:
+    """The header of an ABORT of ``step`` (failed first on global rank ``origin``, a failure
+    of kind ``kind``: a ``FailureKind`` code) and the text that follows it (``cause``, cut to
+    ``MAX_ABORT_TEXT`` bytes of UTF-8).
+
+    Raises:
+        ValueError: A ``kind`` outside 0 .. ``MAX_FAILURE_KIND``.
+    """
+    if not 0 <= kind <= MAX_FAILURE_KIND:
+        raise ValueError(f"an ABORT's failure kind is 0 .. {MAX_FAILURE_KIND}, got {kind}")
     text = cause.encode("utf-8", "replace")[:MAX_ABORT_TEXT]
-    h = [MAGIC, ABORT, 0, step, origin, len(text)] + [0] * (HEADER_LEN - 6)
+    h = [MAGIC, ABORT, int(kind), step, origin, len(text)] + [0] * (HEADER_LEN - 6)
     return h, text
+
+
+def decode_abort(h: Sequence[int]) -> tuple[int, int, int, int]:
+    """An ABORT header's ``(step, origin, text bytes, failure kind)`` (pure).
+
+    Raises:
+        ProtocolError: A corrupt header (a negative step or origin, a text length or a kind
+            out of range).
+    """
+    kind, step, origin, n = h[2], h[3], h[4], h[5]
+    if step < 0 or origin < 0 or not 0 <= n <= MAX_ABORT_TEXT or not 0 <= kind <= MAX_FAILURE_KIND:
+        raise ProtocolError(
+            f"corrupt ABORT header (failure kind, step, origin, text bytes); header {list(h)}"
+        )
+    return step, origin, n, kind
 
 
 _HEADER = struct.Struct(f"={HEADER_LEN}q")
@@ -156,7 +183,7 @@ _HEADER = struct.Struct(f"={HEADER_LEN}q")
 
 def write_ints(fmt: struct.Struct, buf: torch.Tensor, values: Sequence[int]) -> None:
     """Write ``values`` packed as ``fmt`` at the start of ``buf`` (a CPU tensor of at least
-    ``fmt.size`` bytes): one ``memmove``, no torch call (a few µs less per message)."""
+    ``fmt.size`` bytes): one ``memmove``, no torch call (it runs once per message)."""
     ctypes.memmove(buf.data_ptr(), fmt.pack(*values), fmt.size)
 
 
@@ -178,8 +205,8 @@ def up8(n: int) -> int:
 def pack_inline(header: list[int], payload: torch.Tensor | None) -> torch.Tensor:
     """One uint8 message: the header, then ``payload`` (contiguous) right behind it.
 
-    On the CPU the bytes are moved with ``memmove`` (a few µs; the torch calls of the same
-    copy cost several times that per message).
+    On the CPU the bytes are moved with ``memmove`` (the torch calls of the same copy cost
+    several times as much per message).
     """
     nbytes = 0 if payload is None else payload.nbytes
     buf = torch.empty(HEADER_BYTES + nbytes, dtype=torch.uint8)

@@ -270,15 +270,16 @@ async def _direct_failure(rank: int) -> dict[str, Any]:
     out: dict[str, Any] = {}
     async with ch:
         if rank == 0:
-            pg, ch._pg = ch._pg, _BrokenGroup()
+            edge = ch._senders[1]  # the edge's part: its group fails from now on
+            pg, edge.pg = edge.pg, _BrokenGroup()
             try:
                 ch.send(1, 0, rr.Task(1, "F", 0), torch.ones(4))
             except rr.PeerError as e:
                 out["raised"] = str(e)
             await asyncio.sleep(0.05)  # the loss reaches the stage through the loop
             out["stage_got"] = [str(e) for e in sink.errors]
-            out["cause"] = ch._cause
-            ch._pg = pg  # the CLOSE still goes out
+            out["cause"] = ch._control.cause
+            edge.pg = pg  # the CLOSE still goes out
     return out
 
 
@@ -545,7 +546,8 @@ async def _reused_buffer(rank: int, n: int) -> list[float]:
     ch.bind(sink)
     async with ch:
         if rank == 0:
-            ch._pg = _LateSends(ch._pg)
+            edge = ch._senders[1]
+            edge.pg = _LateSends(edge.pg)
             # One output buffer for every microbatch, overwritten by the next forward (as a
             # CUDA graph's static output is): 2 MiB, over the inline capacity, so the first
             # goes as header + payload, and over inline_send_bytes, so through the sender.
@@ -574,3 +576,52 @@ def test_a_reused_output_buffer_is_not_torn_in_flight() -> None:
     inline capacity went to the sender thread without a copy and carried the next values."""
     got = pooled_spawn(_reused_worker, 2, timeout=150)[1]
     assert got == [0.0, 1.0, 2.0, 3.0]
+
+
+class _AbortSink(_Sink):
+    """A sink with the ``step_aborted`` hook: it records the ABORTs it is told of."""
+
+    def __init__(self) -> None:
+        super().__init__(1)
+        self.aborted: list[tuple[int, BaseException]] = []
+
+    def step_aborted(self, step: int, exc: BaseException) -> None:
+        self.aborted.append((step, exc))
+        self.done.set()
+
+
+async def _abort_kind(rank: int) -> tuple[int, int, int, str] | None:
+    from rrfp_async._errors import FailureKind
+
+    # A chain 0 <-> 1 <-> 2: rank 2 is no neighbour of rank 0, the ABORT's origin.
+    ch = P2PChannel(
+        rank,
+        global_ranks={0: 0, 1: 1, 2: 2},
+        inbound=[r for r in (rank - 1, rank + 1) if 0 <= r < 3],
+        outbound=[r for r in (rank - 1, rank + 1) if 0 <= r < 3],
+    )
+    sink = _AbortSink()
+    ch.bind(sink)
+    async with ch:
+        if rank == 0:
+            assert ch.abort(
+                5, "PlanError: the ranks are a step apart", kind=FailureKind.STEP_DIFFERS
+            )
+            return None
+        await asyncio.wait_for(sink.done.wait(), 60)
+        assert not sink.errors, sink.errors
+        ((step, exc),) = sink.aborted
+        assert isinstance(exc, rr.PeerStepError)
+        return step, exc.origin, int(exc.kind), exc.cause
+
+
+def _abort_kind_worker(rank: int, world: int) -> tuple[int, int, int, str] | None:
+    return rr.run(_abort_kind(rank))
+
+
+def test_an_abort_kind_reaches_a_rank_that_is_no_neighbour() -> None:
+    """The failure kind travels as a code in the ABORT's header and is relayed hop by hop
+    unchanged: rank 2 hears of rank 0's failure through rank 1, with its kind."""
+    got = pooled_spawn(_abort_kind_worker, 3, timeout=150)
+    want = (5, 0, 1, "PlanError: the ranks are a step apart")  # 1: FailureKind.STEP_DIFFERS
+    assert got == [None, want, want]

@@ -1,8 +1,9 @@
 """The optional hooks of a channel's sink (``ClosingSink``, ``AbortSink``): a sink with the
 hook hears of a closed peer or an aborted step, one without it is left alone.
 
-The p2p channel's control path is driven without processes: its state is set by hand on an
-instance that no ``__init__`` ran for (the paths read nothing else).
+The p2p channel's control path is driven without processes: a ``ControlPath`` built alone,
+its collaborators passed in (the names, an ``Inlet`` bound to the sink, outlets that record
+what would be sent).
 """
 
 from __future__ import annotations
@@ -12,8 +13,10 @@ from typing import Any
 import pytest
 
 import rrfp_async as rr
-from rrfp_async.channels import AbortSink, ClosingSink, P2PChannel
+from rrfp_async.channels import AbortSink, ClosingSink
 from rrfp_async.channels._p2p_control import ControlPath
+from rrfp_async.channels._p2p_inlet import Inlet
+from rrfp_async.channels._p2p_io import Names
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -39,16 +42,15 @@ class HookedSink(PlainSink):
 
 
 def _channel(sink: Any) -> ControlPath:
-    ch = object.__new__(P2PChannel)
-    ch._sink = sink
-    ch._closed_in = set()
-    ch._closing = False
-    ch._aborted = set()
-    ch._failed = None
-    ch._rank = 0
-    ch._global = {0: 0, 1: 1}
-    ch._by_global = {0: 0, 1: 1}
-    ch._send_abort = lambda *a, **k: None  # type: ignore[method-assign]
+    inlet = Inlet()
+    inlet.bind(sink)
+    ch = ControlPath(
+        Names(0, {0: 0, 1: 1}),
+        inlet,
+        send_control=lambda *a: None,
+        close_edges=lambda hdr: None,
+    )
+    ch.open()
     return ch
 
 
@@ -57,8 +59,8 @@ def test_peer_closed_reaches_a_sink_that_has_it(cls: type[PlainSink]) -> None:
     sink = cls()
     assert isinstance(sink, ClosingSink) == (cls is HookedSink)
     ch = _channel(sink)
-    ch._peer_closed(1)
-    assert ch._closed_in == {1}
+    ch.peer_closed(1)
+    assert ch.closed_in(1)
     if isinstance(sink, HookedSink):
         assert sink.closed == [1]
 
@@ -66,9 +68,10 @@ def test_peer_closed_reaches_a_sink_that_has_it(cls: type[PlainSink]) -> None:
 def test_a_closing_channel_does_not_tell_its_sink() -> None:
     sink = HookedSink()
     ch = _channel(sink)
-    ch._closing = True
-    ch._peer_closed(1)
-    assert sink.closed == [] and ch._closed_in == {1}
+    ch.send_close()
+    assert ch.closing
+    ch.peer_closed(1)
+    assert sink.closed == [] and ch.closed_in(1)
 
 
 @pytest.mark.parametrize("cls", [PlainSink, HookedSink])
@@ -76,9 +79,9 @@ def test_an_abort_reaches_a_sink_that_has_step_aborted_once(cls: type[PlainSink]
     sink = cls()
     assert isinstance(sink, AbortSink) == (cls is HookedSink)
     ch = _channel(sink)
-    ch._peer_aborted(1, 4, 1, "boom")
-    ch._peer_aborted(1, 4, 1, "boom")  # passed on once
-    assert ch._aborted == {4}
+    ch.peer_aborted(1, 4, 1, "boom")
+    ch.peer_aborted(1, 4, 1, "boom")  # passed on once
+    assert ch.aborted == {4}
     if isinstance(sink, HookedSink):
         ((step, exc),) = sink.aborted
         assert step == 4 and isinstance(exc, rr.PeerStepError) and exc.origin == 1
