@@ -287,6 +287,14 @@ class TorchStageExecutor:
         self.losses  # noqa: B018 (on CUDA, reading the losses checks them)
         return list(self._finite.events)
 
+    def adopt_seed(self, seed: int, /) -> None:
+        """Draw the tasks' random streams from ``seed`` from the next step on: the job's
+        seed, which ``DistributedStage``'s plan check gives an executor whose seed is the
+        default (see ``seed``). A given seed is kept; without per-task streams
+        (``task_rng=False``) there is nothing to seed."""
+        if self.rng_seed is not None and not self.rng_seed_given:
+            self.rng_seed = seed & ((1 << 64) - 1)
+
     def shared_parameters(self) -> dict[str, list[nn.Parameter]]:
         """Tie name -> the distinct parameter objects of this executor's modules in that tie."""
         return {k: list(v) for k, v in self._shared.items()}
