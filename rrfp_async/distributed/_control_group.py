@@ -221,7 +221,7 @@ class ControlGroup:
 
     async def begin_step(self, step: int, schedule: StepSchedule) -> None:
         """Start ``step``'s checks (see the design note): post the step check; when the plan
-        changed here, wait for its rows and run the plan check, else watch the rows beside
+        changed on this rank, wait for its rows and run the plan check, else watch the rows beside
         the step. The control group's collectives run in the same order on every rank, also
         for a step that failed elsewhere already.
 
@@ -234,11 +234,11 @@ class ControlGroup:
         changed = self.plan_changed(schedule)
         posted = self._post_step_check(step, schedule, changed=changed)
         if changed:
-            # A new plan here. When every rank has a new plan (its first step, or all changed
-            # alike) the plan check runs on every rank and names any field that differs; when
-            # only some changed, every rank fails on the step check's rows alike (the others
-            # through their watchers), and no rank posts a plan check the others would not
-            # match.
+            # A new plan on this rank. When every rank has a new plan (its first step, or all
+            # changed alike) the plan check runs on every rank and names any field that
+            # differs; when only some changed, every rank fails on the step check's rows alike
+            # (the others through their watchers), and no rank posts a plan check the others
+            # would not match.
             if posted is not None:
                 rows = await self._step_check_rows(step, posted)
                 if not rows_all_changed_alike(rows):
@@ -246,7 +246,8 @@ class ControlGroup:
                         step_check_verdict(self._who, step, rows, differ=True)
                     except PlanError as e:
                         # The others run this step until their watchers fail it: what they
-                        # send for it meanwhile is dropped here, not taken for a later step's.
+                        # send for it meanwhile is dropped on this rank, not taken for a
+                        # later step's.
                         self._abort_step(step, e)
                         raise
             await self.check_plan(schedule, step=step)
@@ -309,7 +310,7 @@ class ControlGroup:
     # the origin's last task), nor the ranks of other pipelines (DP replicas, the other TP
     # indices), which share the step through the user's gradient all-reduce or the TP
     # collectives. So every counted step ends, on every rank, with one small all-reduce
-    # (MAX) on the control group: [failed here, global rank]. A rank whose step succeeded
+    # (MAX) on the control group: [failed on this rank, global rank]. A rank whose step succeeded
     # waits for it and fails the step with ``PeerStepError`` when another rank's failed
     # (before the tied gradients are reduced, so nothing half-reduced is left); a rank whose
     # step failed posts it and raises at once (no second wait after a timeout or a cancel).
@@ -320,7 +321,7 @@ class ControlGroup:
     # collectives matched across ranks. Cost: one int64[2] all-reduce per step.
 
     async def end_step(self, step: int) -> None:
-        """The step ran here: raise the step check's verdict (done long before, in
+        """The step ran on this rank: raise the step check's verdict (done long before, in
         practice), then post the agreement and wait for it (see the design note).
 
         Raises:
@@ -363,7 +364,7 @@ class ControlGroup:
             )
 
     def fail_step(self, *, can_agree: bool) -> None:
-        """The step failed here: post its agreement as failed, unless it was posted already
+        """The step failed on this rank: post its agreement as failed, unless it was posted already
         or the job cannot agree (``can_agree`` False: a lost rank, a broken channel)."""
         if not self._agreement_posted and can_agree:
             self._agreement_posted = True
@@ -372,7 +373,7 @@ class ControlGroup:
     async def failed_step_error(self, step: int, e: BaseException) -> PlanError | None:
         """This rank's own step-check ``PlanError`` when ``e`` is a peer's failure of
         ``step`` for that cause (see ``step_check_error``); None otherwise. Call after
-        ``fail_step``: a cancelled wait here must not skip it."""
+        ``fail_step``: a cancelled wait in this call must not skip it."""
         if self._watcher is None or not isinstance(e, PeerStepError):
             return None
         return await step_check_error(self._watcher, e, step)

@@ -48,7 +48,7 @@ design note) travels hop by hop, and each rank fails that step at once with
 messages by number, and runs the next step with the others: the step numbers stay in
 lockstep, so a training loop that catches the error, zeroes the gradients and goes on
 trains on every rank as if the step had been skipped. A *refused* call (bad arguments, a
-second call while a step runs, a step number that failed here) is refused before anything
+second call while a step runs, a step number that failed on this rank) is refused before anything
 changes: it consumes no step number, tells nobody, and leaves a running step alone.
 """
 
@@ -521,7 +521,7 @@ class DistributedStage:
                 step.
             PeerError: A peer died (the message names it) or failed.
             PlanError: (refused, nothing changed) Bad arguments, a step already running on
-                this stage, a step number that failed here before.
+                this stage, a step number that failed on this rank before.
             ClosedError: The stage is not open (outside its ``async with`` block), or this
                 is not the event loop it was opened on (the message names both loops).
         """
@@ -571,10 +571,10 @@ class DistributedStage:
         train: bool,
     ) -> tuple[StepSchedule, int]:
         """This step's schedule and number, checked (as ``StageLoop.run_step`` resolves
-        them; nothing changes here).
+        them; nothing changes in this call).
 
         Raises:
-            PlanError: Bad arguments, or a step number that failed here before.
+            PlanError: Bad arguments, or a step number that failed on this rank before.
         """
         who = f"rank {self.stage.rank}"
         check_step_args(

@@ -102,11 +102,11 @@ async def step_check_error(
     The rank that reads the step check's differing rows first fails the step and tells the
     others (an ABORT); one whose watcher had not read them yet would otherwise fail it with
     that ``PeerStepError``, not the ``PlanError`` its peers raise. The origin read the rows,
-    so every rank posted the all-gather and its rows are on their way here: wait for them
+    so every rank posted the all-gather and its rows are on their way to this rank: wait for them
     (bounded like every step check, by ``step_timeout``) so that every rank fails alike.
     Only for that cause: after any other error of the origin (a ``PlanError`` of a task
     included) a rank that has not started the step yet may never post its row, so nothing is
-    waited for. None when the cause is another or the rows agree here.
+    waited for. None when the cause is another or the rows agree on this rank.
     """
     cause = e.cause
     if not (cause.startswith(f"{PlanError.__name__}:") and f"step {step}: {STEP_DIFFERS}" in cause):

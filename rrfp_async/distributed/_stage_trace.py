@@ -34,7 +34,7 @@ class StageTrace:
     ``trace_dir``); without a directory it records nothing.
 
     Args:
-        trace_dir: Where the files go (created here); None: no traces.
+        trace_dir: Where the files go (created when the stage is built); None: no traces.
         emulated_gpu_time: What the files say of their times (None: what the executor
             says, see ``EmulatingExecutor``).
         executor: The stage's executor.

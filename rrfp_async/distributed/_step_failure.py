@@ -104,7 +104,7 @@ class FailureReporter:
             self.tell(step, e)
 
     def tell(self, step: int, e: BaseException) -> None:
-        """Step ``step`` failed here with ``e``: complete its message, tell the peers. Runs
+        """Step ``step`` failed on this rank with ``e``: complete its message, tell the peers. Runs
         once per step: as the stage's ``on_failure`` hook when the stage still waits for a
         running task (so that the peers learn it at once), else when ``run_step`` raises."""
         self._told = step
@@ -116,11 +116,11 @@ class FailureReporter:
         self._announce(step, e)
 
     def _announce(self, step: int, e: BaseException) -> None:
-        """Tell every rank of the pipeline that ``step`` failed here (the channel's ABORT:
+        """Tell every rank of the pipeline that ``step`` failed on this rank (the channel's ABORT:
         see ``P2PChannel``'s design note), so that theirs fails too, at once. A lost peer
         is told by the CLOSE instead (it carries the cause; the channel is broken for good):
-        deciding here, not by the channel's state, keeps that choice free of races with the
-        listener thread that reports the loss."""
+        deciding it from the error, not from the channel's state, keeps that choice free of
+        races with the listener thread that reports the loss."""
         if isinstance(e, PeerError) and not isinstance(e, PeerStepError):
             return
         if self._decisions is not None:  # a TP leader tells its followers (one-way channel)

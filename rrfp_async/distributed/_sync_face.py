@@ -50,7 +50,7 @@ class BlockingFace:
 
     def call(self, fn: Callable[..., Awaitable[T]], /, *args: Any, **kwargs: Any) -> T:
         """Run ``fn(*args, **kwargs)`` on the face's loop and block until it ends; what it
-        raised is raised here (the same object). A step interrupted by a non-``Exception``
+        raised is raised to the caller (the same object). A step interrupted by a non-``Exception``
         of a module (``InterruptedStepError``: the step failed on every rank, the loop
         thread lives on) raises what the module raised (a ``KeyboardInterrupt`` stays one).
         """
