@@ -1,9 +1,10 @@
 """The distributed wiring: process layout and groups, :class:`DistributedStage` (a
-:class:`~rrfp_async.loop.StageLoop` on gloo/NCCL channels), the torch stage executor, the
-local process spawner, the model splitter (``split_model``: stage modules and the parameters
-they share; ``split_causal_lm``: a Hugging Face causal LM in one call). The example model's
-training harness (``TrainConfig``, ``train_worker``) is lab, not runtime: it lives in
-the lab beside the runtime, ``rrfp_lab``.
+:class:`~rrfp_async.loop.StageLoop` on gloo/NCCL channels) and its TP options
+(:class:`TPOptions`), the torch stage executor, the local process spawner, the model
+splitter (``split_model``: stage modules and the parameters they share;
+``split_causal_lm``: a Hugging Face causal LM in one call). The example model's training
+harness (``TrainConfig``, ``train_worker``) is lab, not runtime: it lives in the lab beside
+the runtime, ``rrfp_lab``.
 
 Internal to the package family: imported here for ``integrations/`` and the lab
 (``rrfp_lab``), not in ``__all__``:
@@ -27,6 +28,7 @@ from ._spawn import free_port, report_progress, spawn
 from ._split import StageModule, StageSplit, from_pipe, from_stage_modules, split_model
 from ._stage_io import SharedSpec as SharedSpec
 from ._torch_executor import TorchStageExecutor
+from ._tp_options import TPOptions
 
 __all__ = [
     "CausalLMSplit",
@@ -37,6 +39,7 @@ __all__ = [
     "StageGroups",
     "StageModule",
     "StageSplit",
+    "TPOptions",
     "TorchStageExecutor",
     "build_groups",
     "free_port",

@@ -1,7 +1,7 @@
 """The plan digest: what every rank of a job must agree on, as a fixed-size int64 row.
 
 Every process builds its own ``StepSchedule``; nothing forces them to be equal, and ranks
-that disagree (8 microbatches here, 6 there; another hint or policy) used to fail late and
+that disagree (8 microbatches on one, 6 on another; another hint or policy) used to fail late and
 obscurely: one rank finished, its peer reported a closed channel. So before a stage's first
 step, every rank all-gathers a fixed-size int64 *plan digest* (no pickle) over the control
 group (a gloo group of every rank, ``StageGroups.control``) and compares the rows: any
@@ -23,7 +23,7 @@ full values catches a difference there too), and two scopes:
   *job's*: every such rank takes that of the lowest global rank among them
   (``adopt_default_seed``), so unseeded processes agree.
 
-The check costs one small all-gather (a few hundred µs on gloo), once per *plan*: it runs at
+The check costs one small all-gather (BENCHMARKS.md#plan-check-cost), once per *plan*: it runs at
 the stage's first step and again only when a step's schedule changes the plan's key (the
 plan, the hint's name). A per-step schedule regenerated from this step's sizes
 (``with_durations``) keeps the key and is not re-checked. Whether to check is decided

@@ -20,13 +20,14 @@ or, from a synchronous training loop (the stage runs on an event loop thread of 
 
 The plan check before a stage's first step: see ``_digest``.
 
-How it is built: ``DistributedStage`` is this module's wiring (the channels, the stage loop,
-opening and closing, ``run_step``) over parts, one concept per module (see
-``_stage_fields``): the synchronous face (``_sync_face``), the plan and step checks
-(``_plan_check``), the end-of-step agreement (``_step_agreement``), telling a failed step to
-the peers and naming a lost rank (``_step_failure``), the tied and data-parallel gradient
-reductions (``_stage_grads``), the traces and state dumps (``_stage_trace``), and the p2p
-groups in use (``_p2p_registry``).
+How it is built: ``DistributedStage`` wires the channels, the stage loop and parts that own
+their state, each built with its collaborators passed in (and testable alone): the control
+group's checks and agreement (``ControlGroup``, ``_control_group``), the tied gradients
+(``TiedGradients``, ``_stage_grads``), telling a failed step to the peers and naming a lost
+rank (``FailureReporter``, ``_step_failure``), the trace files (``StageTrace``,
+``_stage_trace``), the synchronous face (``BlockingFace``, ``_sync_face``) and the p2p groups
+in use (``_p2p_registry``). Its ``run_step`` is the step's algorithm; opening and closing are
+its own.
 
 Design note: one stage, one p2p group, one event loop
 -----------------------------------------------------
@@ -37,8 +38,8 @@ was opened on, so a step run on another loop would wait for messages that never 
 ``run_step`` refuses at once (``ClosedError`` naming both loops) instead of waiting for the
 watchdog.
 
-Design note: a step fails everywhere or nowhere
------------------------------------------------
+Design note: a step fails everywhere or nowhere (invariant 6)
+-------------------------------------------------------------
 When this rank's step fails (the executor raises, the watchdog fires, the caller cancels
 the step with ``asyncio.timeout`` or an anyio scope), ``run_step`` tells every rank of the
 pipeline before it re-raises: the channel's ABORT (step, origin, cause; see ``P2PChannel``'s
@@ -47,23 +48,23 @@ design note) travels hop by hop, and each rank fails that step at once with
 messages by number, and runs the next step with the others: the step numbers stay in
 lockstep, so a training loop that catches the error, zeroes the gradients and goes on
 trains on every rank as if the step had been skipped. A *refused* call (bad arguments, a
-second call while a step runs, a step number that failed here) is refused before anything
+second call while a step runs, a step number that failed on this rank) is refused before anything
 changes: it consumes no step number, tells nobody, and leaves a running step alone.
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Sequence
 from pathlib import Path
-from typing import Any
+from types import TracebackType
+from typing import Any, Self
 
 import torch
 import torch.distributed as dist
 
-from .._check import check_bool, describe
+from .._check import check_bool
 from .._errors import ClosedError, PeerError, PeerStepError, PlanError
-from .._tasks import StepPlan
 from ..channels import DecisionChannel, P2PChannel
 from ..loop import (
     Executor,
@@ -71,24 +72,28 @@ from ..loop import (
     StageLoop,
     StageObserver,
     StepStats,
-    SyncPortal,
     check_step_args,
     restore_grads,
-    stash_grads,
 )
-from ..observability import TraceData
 from ..policies import Policy, StepSchedule
 from . import _lifetime as lifetime
 from . import _state_dump as state_dump
-from ._executor_hooks import EventWaitingExecutor, TieSpecExecutor, executor_seed
+from ._control_group import ControlGroup, TorchCollectives
+from ._digest import PlanDigest
+from ._executor_hooks import EventWaitingExecutor, SeedAdoptingExecutor, executor_seed
 from ._layout import ProcessLayout, StageGroups, build_groups, pipeline_neighbors
 from ._p2p_registry import claim_p2p_group, release_p2p_group
-from ._plan_check import PlanCheck, step_check_error
-from ._stage_grads import GradientSync
-from ._stage_trace import StageViews
-from ._step_agreement import StepAgreement
-from ._step_failure import FailureTelling
-from ._sync_face import SyncFace
+from ._stage_args import (
+    check_layout_rank,
+    check_positional,
+    not_open_with_with,
+    refuse_unless_open_here,
+)
+from ._stage_grads import TiedGradients, allreduce_dp, order_after_step
+from ._stage_trace import StageTrace
+from ._step_failure import FailureReporter
+from ._sync_face import BlockingFace
+from ._tp_options import UNSET, TPOptions, tp_options
 
 __all__ = [
     "DEFAULT_MAX_MESSAGE_BYTES",
@@ -100,71 +105,12 @@ DEFAULT_STEP_TIMEOUT = 30.0
 """Seconds a step of a ``DistributedStage`` may take by default before its watchdog fires."""
 DEFAULT_MAX_MESSAGE_BYTES = 256 << 20
 """Largest message a ``DistributedStage`` sends or accepts by default (256 MiB)."""
+_CLOSE_WAIT = 60.0
+"""How long ``close`` waits for a stage's close on another thread's loop (its channels
+wait up to 30 s for the peers' CLOSE)."""
 
 
-def _loop_name(loop: asyncio.AbstractEventLoop | None) -> str:
-    """An event loop, told apart from others: its class, its id and whether it still runs."""
-    if loop is None:
-        return "no loop"
-    state = "closed" if loop.is_closed() else "running" if loop.is_running() else "not running"
-    cls = type(loop)
-    return f"{cls.__module__}.{cls.__qualname__} at {id(loop):#x} ({state})"
-
-
-def _check_layout_rank(layout: ProcessLayout) -> None:
-    """Refuse a layout that places this process at another rank than torch.distributed's
-    (every process building ``ProcessLayout(pp=2, rank=0)``): otherwise two processes would
-    claim one pipeline rank and the other would see only "lost rank 1"."""
-    real, world = dist.get_rank(), dist.get_world_size()
-    if layout.rank != real:
-        raise PlanError(
-            f"the layout places this process at global rank {layout.rank}, but"
-            f" torch.distributed says it is global rank {real} (of {world}): every process"
-            " must build its layout with its own rank (rr.ProcessLayout.from_world(pp=...),"
-            " or rank=dist.get_rank()); two processes at one rank cannot form a pipeline"
-        )
-    if layout.world_size > world:
-        raise PlanError(
-            f"rank {real}: the layout has {layout.world_size} ranks (PP x TP x DP), but the"
-            f" torch.distributed world has {world}"
-        )
-
-
-def _check_positional(layout: object, schedule: object, executor: object) -> None:
-    """Refuse a positional argument of the wrong kind with the call that makes the right
-    one: a ``StepPlan`` for the schedule, modules for the executor (otherwise the first use
-    fails with an attribute error that names neither the argument nor the fix)."""
-    if not isinstance(layout, ProcessLayout):
-        raise PlanError(
-            f"DistributedStage: layout must be a ProcessLayout, got {describe(layout)}: pass"
-            " rr.ProcessLayout.from_world(pp=...) (after dist.init_process_group, under"
-            " torchrun or rr.spawn), rr.ProcessLayout.from_mesh(mesh) or"
-            " rr.ProcessLayout(pp=..., rank=dist.get_rank())"
-        )
-    who = f"rank {layout.rank}: DistributedStage"
-    if not isinstance(schedule, StepSchedule):
-        got = "a StepPlan" if isinstance(schedule, StepPlan) else describe(schedule)
-        raise PlanError(
-            f"{who}: schedule must be a StepSchedule, got {got}: pass"
-            " StepSchedule.build(plan, hint) (hint: a name such as '1f1b' or"
-            " 'interleaved_1f1b', see rr.HINTS, or one task order per rank)"
-        )
-    if not callable(getattr(executor, "execute", None)):
-        got = (
-            "modules"
-            if isinstance(executor, (torch.nn.Module, Mapping, list, tuple))
-            else "an object with no execute method"
-        )
-        raise PlanError(
-            f"{who}: executor must have an async execute(task, data, ctx) method, got {got}"
-            f" ({describe(executor)}): wrap the modules of this rank's stages as"
-            " rr.TorchStageExecutor({stage_index: module}, loss_fn)"
-        )
-
-
-class DistributedStage(
-    SyncFace, PlanCheck, StepAgreement, FailureTelling, GradientSync, StageViews
-):
+class DistributedStage:
     """This process's stage: a ``StageLoop`` on a ``P2PChannel``, with TP coordination.
 
     Args:
@@ -177,21 +123,12 @@ class DistributedStage(
             is open at the same time as another one in this process needs groups of its own
             (a second ``build_groups``).
         policy: Policy name or coroutine (used by the TP leader; followers follow).
-        coordinate_tp: Followers run the TP leader's decisions (switch off only to measure
-            or to demonstrate divergence).
-        verify_tp: After each step, check that the TP ranks executed the same sequence.
-        fold_tp_check: With ``coordinate_tp``, ``verify_tp`` and ``agree_steps`` (the
-            defaults), the check rides on the decisions (the leader sends a digest of its
-            sequence with the step's last decision; each follower compares its own) instead
-            of an all-gather after the step: a divergence is still caught in its step, and
-            the agreement fails the step on every rank (see ``DecisionChannel``'s "folded
-            sequence check"). False: the all-gather, on every TP rank.
-        deduce_tp: A TP follower starts, without waiting for the leader, a decision it can
-            deduce: under a policy that ``chooses_ready_head`` (every built-in one), the
-            next hinted task when it is ready with local inputs only (the first stage's
-            forwards, the last stage's backwards, ``W`` tasks). The leader's decision is
-            still checked when it arrives (``DivergenceError``). False: wait for every
-            decision (to measure that path).
+        tp: How the TP ranks of a stage work together (``TPOptions``: coordinate, verify,
+            fold_check, deduce; all on by default).
+        coordinate_tp: ``TPOptions.coordinate``, as a flat keyword (give ``tp`` or these).
+        verify_tp: ``TPOptions.verify``, as a flat keyword.
+        fold_tp_check: ``TPOptions.fold_check``, as a flat keyword.
+        deduce_tp: ``TPOptions.deduce``, as a flat keyword.
         step_timeout: Watchdog per step, seconds (default 30; None disables it). A
             multi-process step must never hang: when a peer is stopped or hung, this is
             how long the others wait before they fail with a ``StepTimeoutError`` naming
@@ -223,9 +160,9 @@ class DistributedStage(
             failure never erases the last good step. Merge the ranks' files into one
             timeline with ``rrfp-async trace {trace_dir}`` (or
             ``'{trace_dir}/failed-rank*.json'`` for the failed step) or ``rr.merge_traces``.
-            The write is part of ``run_step`` (on a loaded 2-core machine: 4 ms for a rank's
-            32 tasks, 12 ms for 128); a write that fails is logged (logger
-            ``rrfp_async.distributed._stage_trace``), never fails the step.
+            The write is part of ``run_step`` (its cost: BENCHMARKS.md#trace-write-cost); a
+            write that fails is logged (logger ``rrfp_async.distributed._stage_trace``),
+            never fails the step.
         emulated_gpu_time: What the trace files say of their times: True when the tasks'
             GPU time is emulated (sleeps from a cost model or in stand-in modules, on a CPU).
             None (default): True exactly when the executor emulates it
@@ -234,7 +171,7 @@ class DistributedStage(
 
     Tied parameters declared by the executor (``TorchStageExecutor(shared=...)``) have their
     gradients summed over every rank that holds them at the end of each training step,
-    before ``run_step`` returns (so before the optimizer). Steps that accumulate (no
+    before ``run_step`` returns (so before the optimizer; invariant 7). Steps that accumulate (no
     ``zero_grad`` between them) add each step's contribution once: the accumulated gradient
     is set aside while the step runs and added back after the reduction, also when the step
     fails (see ``rrfp_async.loop._accumulate``).
@@ -249,7 +186,8 @@ class DistributedStage(
             schedule does not fit the layout, ``max_message_bytes`` < 1,
             ``step_timeout`` is not a positive number or None, or the layout's rank is not
             this process's rank in torch.distributed (the message names both), or
-            ``trace_dir`` cannot be created.
+            ``trace_dir`` cannot be created, or ``tp`` and a flat TP keyword are both given
+            (the message names them).
 
     Attributes:
         plan_checks: How many plan checks ran (one per distinct plan).
@@ -264,10 +202,11 @@ class DistributedStage(
         *,
         groups: StageGroups | None = None,
         policy: str | Policy = "readiness_first",
-        coordinate_tp: bool = True,
-        verify_tp: bool = True,
-        fold_tp_check: bool = True,
-        deduce_tp: bool = True,
+        tp: TPOptions | None = None,
+        coordinate_tp: bool = UNSET,
+        verify_tp: bool = UNSET,
+        fold_tp_check: bool = UNSET,
+        deduce_tp: bool = UNSET,
         step_timeout: float | None = DEFAULT_STEP_TIMEOUT,
         observer: StageObserver | None = None,
         device: torch.device | str = "cpu",
@@ -279,7 +218,7 @@ class DistributedStage(
         trace_dir: str | Path | None = None,
         emulated_gpu_time: bool | None = None,
     ) -> None:
-        _check_positional(layout, schedule, executor)
+        check_positional(layout, schedule, executor)
         if schedule.plan.stages != layout.pp:
             raise PlanError(
                 f"rank {layout.rank}: the schedule has {schedule.plan.stages} pipeline ranks,"
@@ -291,8 +230,16 @@ class DistributedStage(
             or max_message_bytes < 1
         ):
             raise PlanError(f"max_message_bytes must be an int >= 1, got {max_message_bytes!r}")
+        self.tp = tp_options(
+            tp,
+            f"rank {layout.rank}: DistributedStage",
+            coordinate_tp=coordinate_tp,
+            verify_tp=verify_tp,
+            fold_tp_check=fold_tp_check,
+            deduce_tp=deduce_tp,
+        )
         if dist.is_initialized() and layout.world_size > 1:
-            _check_layout_rank(layout)
+            check_layout_rank(layout)
         self.layout = layout
         self.groups = groups if groups is not None else build_groups(layout)
         self.max_message_bytes = max_message_bytes
@@ -306,7 +253,6 @@ class DistributedStage(
                 " default, which the ranks agree on in the plan check; give every rank's"
                 " executor the same seed (TorchStageExecutor(seed=...)) or keep verify_plan"
             )
-        self._device = torch.device(device)
         inbound, outbound = pipeline_neighbors(schedule.plan, layout.pp_rank)
         # Edges both ways, even where the plan sends one way only: a failed step's ABORT
         # must reach every rank (see P2PChannel's design note).
@@ -331,7 +277,15 @@ class DistributedStage(
         self.channel.consumer_waits = isinstance(executor, EventWaitingExecutor) and bool(
             executor.waits_for_events
         )
-        observer = self._open_trace(trace_dir, emulated_gpu_time, executor, observer)
+        self.trace = StageTrace(
+            trace_dir,
+            emulated_gpu_time=emulated_gpu_time,
+            executor=executor,
+            rank=layout.rank,
+            peers=layout.pipeline_peers(),
+            who=self._who(),
+        )
+        self.agree_steps = check_bool("agree_steps", agree_steps)
         self.decisions: DecisionChannel | None = None
         if layout.tp > 1:
             self.decisions = DecisionChannel(
@@ -340,11 +294,7 @@ class DistributedStage(
                 rank=layout.rank,
                 tp_rank=layout.tp_rank,
                 stage=layout.pp_rank,
-                fold_check=(
-                    check_bool("fold_tp_check", fold_tp_check)
-                    and check_bool("coordinate_tp", coordinate_tp)
-                    and check_bool("agree_steps", agree_steps)
-                ),
+                fold_check=self.tp.fold_check and self.tp.coordinate and self.agree_steps,
             )
         self.stage = StageLoop(
             layout.pp_rank,
@@ -352,36 +302,78 @@ class DistributedStage(
             executor=executor,
             endpoint=self.channel,
             policy=policy,
-            observer=observer,
+            observer=self.trace.observer(observer),
             step_timeout=step_timeout,
             coordinator=self.decisions,
-            coordinate=coordinate_tp,
-            verify_sequences=verify_tp,
+            coordinate=self.tp.coordinate,
+            verify_sequences=self.tp.verify,
             max_microbatches=max_microbatches,
-            deduce_tp=deduce_tp,
+            deduce_tp=self.tp.deduce,
         )
-        self.check_ties = check_ties
-        self.agree_steps = check_bool("agree_steps", agree_steps)
-        self._tie_spec: dict[str, tuple[tuple[int, str], ...]] = dict(
-            (executor.shared_spec if isinstance(executor, TieSpecExecutor) else None) or {}
-        )
-        self._tie_groups: dict[str, tuple[Any, list[int]]] | None = None
-        self._ties_checked = False
         self.step_timeout = self.stage.step_timeout  # as checked there (inf: None)
+        self.ties = TiedGradients(
+            executor,
+            layout=layout,
+            control_group=self.groups.control,
+            check_undeclared=check_ties,
+            timeout=self.step_timeout,
+            who=self._who(),
+        )
+        self.control = ControlGroup(
+            TorchCollectives(self.groups.control, torch.device(device)),
+            who=self._who(),
+            rank=layout.rank,
+            world_size=layout.world_size,
+            timeout=self.step_timeout,
+            verify_plan=verify_plan,
+            agree_steps=self.agree_steps,
+            digest_of=self._plan_digest,
+            adopt_seed=self._adopt_seed,
+            abort_step=self.stage.step_aborted,
+        )
+        self.failures = FailureReporter(
+            self.channel,
+            self.decisions,
+            who=self._who(),
+            rank=layout.rank,
+            pp_rank=layout.pp_rank,
+            peers=layout.pipeline_peers(),
+            step_timeout=self.step_timeout,
+            schedule=lambda: self.stage.schedule,
+            dump=self.dump_state,
+        )
+        self.stage.on_failure = self.failures.tell
         self._next_step = 0
         self._running: int | None = None  # the step run_step runs now
-        self._told: int | None = None  # the last step whose failure was told (_tell_failure)
-        self.stage.on_failure = self._tell_failure
-        self._agreed: tuple[object, ...] | None = None
-        self._control_broken: BaseException | None = None
-        self.plan_checks = 0
-        self.plan_check_seconds = 0.0
         self._state = "new"  # -> "open" (async with / with) -> "closed"
         self._loop: asyncio.AbstractEventLoop | None = None  # the loop it was opened on
-        self._portal: SyncPortal | None = None  # the sync face's loop thread (with)
+        self._face: BlockingFace | None = None  # the sync face (with)
         self._p2p_key: int | None = None
 
-    async def __aenter__(self) -> DistributedStage:
+    @property
+    def check_ties(self) -> bool:
+        """Whether the first training step looks for undeclared tied parameters."""
+        return self.ties.check_undeclared
+
+    @property
+    def trace_dir(self) -> Path | None:
+        """Where each step's trace file goes (None: no traces)."""
+        return self.trace.trace_dir
+
+    @property
+    def plan_checks(self) -> int:
+        """How many plan checks ran (one per distinct plan)."""
+        return self.control.plan_checks
+
+    @property
+    def plan_check_seconds(self) -> float:
+        """How long the last plan check took."""
+        return self.control.plan_check_seconds
+
+    def _who(self) -> str:
+        return f"rank {self.layout.pp_rank} (global {self.layout.rank})"
+
+    async def __aenter__(self) -> Self:
         if self._state != "new":
             raise ClosedError(f"{self._who()}: a DistributedStage is opened once ({self._state})")
         self._claim_p2p_group()
@@ -413,6 +405,68 @@ class DistributedStage(
             finally:
                 self._release_p2p_group()
 
+    def __enter__(self) -> Self:
+        """Open the stage for a synchronous training loop: start an event loop on a thread
+        of its own (anyio's blocking portal; uvloop when installed) and open the stage on
+        it; ``run_step_sync`` then runs steps there, and the end of the ``with`` block
+        closes the stage and stops the thread.
+
+        Raises:
+            ClosedError: The stage was opened before.
+            PlanError: Another open stage of this process uses the same p2p group.
+        """
+        if self._state != "new":
+            raise ClosedError(f"{self._who()}: a DistributedStage is opened once ({self._state})")
+        self._face = BlockingFace.open(self.__aenter__)
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        face, self._face = self._face, None
+        if face is not None:  # (else: not opened with ``with``)
+            face.close(self.__aexit__, exc_type, exc, tb)
+
+    def close(self) -> None:
+        """Close the stage from synchronous code, however it was opened; idempotent (a stage
+        that is not open is left as it is).
+
+        ``with`` / ``async with`` close the stage at the end of their block; this is for an
+        owner whose stage has no block: the drop-ins' schedules (when they are closed or
+        garbage-collected), the hooks that close what is still open before
+        ``torch.distributed.destroy_process_group`` and at interpreter exit (see
+        ``_lifetime``). A stage opened with ``with`` closes as at the end of the block; one
+        opened with ``async with`` on a loop that still runs closes there (this call waits);
+        one whose loop has ended closes its channels on this thread.
+
+        Raises:
+            ClosedError: Called on the event loop thread of a stage opened there with
+                ``async with`` (it would wait for itself): there, leave the block.
+        """
+        if self._state != "open":
+            return
+        if self._face is not None:
+            self.__exit__(None, None, None)
+            return
+        loop = self._loop
+        if loop is not None and loop.is_running() and not loop.is_closed():
+            try:
+                running = asyncio.get_running_loop()
+            except RuntimeError:
+                running = None
+            if running is loop:
+                raise ClosedError(
+                    f"{self._who()}: close() was called on the event loop the stage runs on;"
+                    " there, leave its `async with` block (or `await stage.__aexit__(...)`)"
+                )
+            fut = asyncio.run_coroutine_threadsafe(self.__aexit__(None, None, None), loop)
+            fut.result(timeout=_CLOSE_WAIT)
+            return
+        self._close_blocking(failed=False)
+
     def _close_blocking(self, *, failed: bool) -> None:
         """``__aexit__``'s work without an event loop, for a stage whose loop is gone (see
         ``close``): the decision and p2p channels close on this thread."""
@@ -431,13 +485,10 @@ class DistributedStage(
     def _claim_p2p_group(self) -> None:
         """Refuse to open on a p2p group that another open stage of this process uses (see
         the design note); a stage without pipeline peers uses none."""
-        if not self._has_peers:
-            return
-        me = (
-            f"{self._who()} of the pipeline of global ranks"
-            f" {list(self.layout.pipeline_peers().values())}"
-        )
-        self._p2p_key = claim_p2p_group(self.groups.p2p, me)
+        if self._has_peers:
+            peers = list(self.layout.pipeline_peers().values())
+            me = f"{self._who()} of the pipeline of global ranks {peers}"
+            self._p2p_key = claim_p2p_group(self.groups.p2p, me)
 
     def _release_p2p_group(self) -> None:
         key, self._p2p_key = self._p2p_key, None
@@ -470,36 +521,61 @@ class DistributedStage(
                 step.
             PeerError: A peer died (the message names it) or failed.
             PlanError: (refused, nothing changed) Bad arguments, a step already running on
-                this stage, a step number that failed here before.
+                this stage, a step number that failed on this rank before.
             ClosedError: The stage is not open (outside its ``async with`` block), or this
                 is not the event loop it was opened on (the message names both loops).
         """
-        if self._state != "open":
-            why = (
-                "was closed (its async with block ended)"
-                if self._state == "closed"
-                else ("is not open yet")
-            )
-            raise ClosedError(
-                f"{self._who()}: run_step on a DistributedStage that {why}; run steps inside"
-                " `async with DistributedStage(...) as stage:`"
-            )
-        loop = asyncio.get_running_loop()
-        if loop is not self._loop:
-            raise ClosedError(
-                f"{self._who()}: run_step on event loop {_loop_name(loop)}, but the stage was"
-                f" opened on event loop {_loop_name(self._loop)}; its channel hands every"
-                " message to that loop, so this step would wait for messages that never come."
-                " Run every step on the loop of the `async with` block (one `rr.run` around"
-                " the whole training loop, not one per step), or from synchronous code use"
-                " `with DistributedStage(...) as stage:` and `stage.run_step_sync(...)`"
-            )
-        if self._running is not None:
-            # Refused before anything changes: the running step goes on undisturbed.
-            raise PlanError(
-                f"{self._who()}: run_step is already running step {self._running}; a stage runs"
-                " one step at a time (await the running step first). This call changed nothing"
-            )
+        refuse_unless_open_here(self._who(), self._state, self._loop, self._running)
+        sched, s = self._resolve_step(microbatches, step, schedule, train)
+        # Every check passed: from here on the step counts (it runs, or fails on every rank).
+        self._running = s
+        self._next_step = s + 1
+        self.channel.at_step(s)
+        self.trace.begin_step()
+        training = not sched.plan.forward_only
+        failed = True  # until run_step returns
+        stash: GradStash = []  # the tied parameters' accumulated gradients, set aside
+        try:
+            await self.control.begin_step(s, sched)  # the step check; a new plan's check
+            if training:
+                await self.ties.prepare(sched, s)  # (the first training step only)
+                stash = self.ties.set_aside()
+            stats = await self.stage.run_step(microbatches, step=s, schedule=sched, train=train)
+            order_after_step(self.stage.executor)
+            await self.control.end_step(s)  # the step check's verdict; the agreement
+            if training:
+                await self.ties.reduce(s)
+            failed = False
+            return stats
+        except BaseException as e:
+            self.failures.tell_once(s, e)  # (unless the stage told it, before its wait)
+            # A lost rank or a broken channel: the job cannot go on, nor agree.
+            lost = isinstance(e, PeerError) and not isinstance(e, PeerStepError)
+            self.control.fail_step(can_agree=not lost and not self.channel.broken)
+            plan_error = await self.control.failed_step_error(s, e)
+            if plan_error is not None:
+                raise plan_error from e
+            raise
+        finally:
+            self.control.finish_step()
+            order_after_step(self.stage.executor)  # (before the tied gradients come back)
+            restore_grads(stash)
+            self._running = None
+            self.trace.write(s, sched, policy=self.stage.policy_name, failed=failed)
+
+    def _resolve_step(
+        self,
+        microbatches: Sequence[Any],
+        step: int | None,
+        schedule: StepSchedule | None,
+        train: bool,
+    ) -> tuple[StepSchedule, int]:
+        """This step's schedule and number, checked (as ``StageLoop.run_step`` resolves
+        them; nothing changes in this call).
+
+        Raises:
+            PlanError: Bad arguments, or a step number that failed on this rank before.
+        """
         who = f"rank {self.stage.rank}"
         check_step_args(
             who, self.stage._base.plan, microbatches, step, schedule, self.stage.max_microbatches
@@ -514,79 +590,104 @@ class DistributedStage(
             raise PlanError(f"{who}: {e}") from None
         s = self._next_step if step is None else step
         self.stage.check_step_number(s)
-        # Every check passed: from here on the step counts (it runs, or fails on every rank).
-        self._running = s
-        self._next_step = s + 1
-        self.channel.at_step(s)
-        if self._recorder is not None:
-            self._recorder.data = TraceData()  # each file holds one step
-        agreed = False  # this step's end-of-step agreement is posted (once, on every rank)
-        failed = True  # until run_step returns
-        stash: GradStash = []  # the tied parameters' accumulated gradients, set aside
-        watcher: asyncio.Future[None] | None = None  # the step check, beside the step
-        try:
-            # The control group's collectives run in the same order on every rank, also for a
-            # step that failed elsewhere already (its run_step raises that right after).
-            changed = self.verify_plan and self._key(sched) != self._agreed
-            posted = self._post_step_check(s, sched, changed=changed)
-            if changed:
-                # A new plan here. When every rank has a new plan (its first step, or all
-                # changed alike) the plan check runs on every rank and names any field that
-                # differs; when only some changed, every rank fails on the step check's rows
-                # alike (the others through their watchers), and no rank posts a plan check
-                # the others would not match.
-                if posted is not None:
-                    rows = await self._step_check_rows(s, posted)
-                    if not (all(r[4] for r in rows) and len({r[0] for r in rows}) == 1):
-                        try:
-                            self._step_check_verdict(s, rows, differ=True)
-                        except PlanError as e:
-                            # The others run this step until their watchers fail it: what
-                            # they send for it meanwhile is dropped here, not taken for a
-                            # later step's.
-                            self.stage.step_aborted(s, e)
-                            raise
-                await self.check_plan(sched, step=s)
-            elif posted is not None:
-                watcher = asyncio.ensure_future(self._watch_step_check(s, posted))
-            training = not sched.plan.forward_only
-            if training and not self._ties_checked:
-                await self._prepare_ties(sched, s)
-            if training and self._tie_groups is not None:
-                stash = stash_grads(p for ps in self._shared_parameters().values() for p in ps)
-            stats = await self.stage.run_step(microbatches, step=s, schedule=sched, train=train)
-            if watcher is not None:
-                await watcher  # (done long before, in practice) raises a disagreement
-            self._order_after_step()
-            agreed = True
-            await self._agree(s)
-            if training and self._tie_groups is not None:
-                await self._reduce_ties(s)
-            failed = False
-            return stats
-        except BaseException as e:
-            if self._told != s:  # (not yet by the stage, before it waited for its task)
-                self._tell_failure(s, e)
-            lost = isinstance(e, PeerError) and not isinstance(e, PeerStepError)
-            if not agreed and not lost and not self.channel.broken:
-                # (a lost rank or a broken channel: the job cannot go on, nor agree)
-                self._post_agreement(failed=True)
-            if watcher is not None and isinstance(e, PeerStepError):
-                # A peer that read the step check's differing rows first told this rank:
-                # fail with the step check's own PlanError, as every rank does. Waited for
-                # after the bookkeeping above, which a cancelled wait must not skip.
-                plan_error = await step_check_error(watcher, e, s)
-                if plan_error is not None:
-                    raise plan_error from e
-            raise
-        finally:
-            if watcher is not None:
-                if not watcher.done():
-                    watcher.cancel()  # (a lost rank: the collective never completes)
-                elif not watcher.cancelled():
-                    watcher.exception()  # retrieved: the step raised it, or another error
-            self._order_after_step()  # (before the stashed tied gradients are added back)
-            restore_grads(stash)
-            self._running = None
-            if self._recorder is not None:
-                self._write_trace(s, sched, failed=failed)
+        return sched, s
+
+    def run_step_sync(
+        self,
+        microbatches: Sequence[Any],
+        *,
+        step: int | None = None,
+        schedule: StepSchedule | None = None,
+        train: bool = True,
+    ) -> StepStats:
+        """``run_step`` for synchronous code, inside ``with DistributedStage(...) as stage:``:
+        the step runs on the stage's event loop thread and this call blocks until it ends.
+
+        Args:
+            microbatches: The step's microbatches (any number).
+            step: The step number (default: one more than the last).
+            schedule: A schedule for this step.
+            train: False for a forward-only step.
+
+        Returns:
+            This rank's stats.
+
+        Raises:
+            ClosedError: The stage is not open with ``with`` (not yet, no more, or with
+                ``async with``: there, ``await stage.run_step(...)``).
+            PlanError, StepTimeoutError, PeerError: As ``run_step`` raises them (the same
+                objects, not wrapped).
+            BaseException: What a module raised on the compute thread when it was no
+                ``Exception`` (``KeyboardInterrupt``): ``run_step`` fails the step with
+                ``InterruptedStepError``, this re-raises the original.
+        """
+        face = self._face
+        if face is None:
+            raise not_open_with_with(self._who(), self._state)
+        return face.call(self.run_step, microbatches, step=step, schedule=schedule, train=train)
+
+    async def check_plan(self, schedule: StepSchedule | None = None, *, step: int = 0) -> None:
+        """Check that every rank runs the same plan: all-gather each rank's ``PlanDigest``
+        over the control group and compare (see ``_digest``). Collective: every rank calls
+        it at the same point; ``run_step`` does, at the first step and when the plan
+        changes, so call it yourself only to take its cost out of a timed step. The check
+        also gives an executor whose seed is the default the job's seed.
+
+        Args:
+            schedule: The schedule to check (default: the stage's).
+            step: The step number, for messages.
+
+        Raises:
+            PlanError: The ranks disagree; the message names each differing field and the
+                ranks on each side.
+            StepTimeoutError: Not every rank joined within ``step_timeout``.
+            PeerError: The all-gather failed (a rank died).
+        """
+        sched = schedule if schedule is not None else self.stage.schedule
+        await self.control.check_plan(sched, step=step)
+
+    def _plan_digest(self, schedule: StepSchedule) -> PlanDigest:
+        """This rank's ``PlanDigest`` of ``schedule`` (what the plan check compares)."""
+        seed, seed_default = executor_seed(self.stage.executor)
+        return PlanDigest.of(
+            schedule,
+            policy=self.stage.policy_name,
+            layout=self.layout,
+            max_message_bytes=self.max_message_bytes,
+            ties=self.ties.digest(),
+            rng_seed=seed,
+            seed_default=seed_default,
+        )
+
+    def _adopt_seed(self, seed: int) -> None:
+        """The plan check found the job's seed: an executor whose seed is the default takes
+        it (``SeedAdoptingExecutor``)."""
+        ex = self.stage.executor
+        if isinstance(ex, SeedAdoptingExecutor):
+            ex.adopt_seed(seed)
+
+    def allreduce_gradients(self, params: Iterable[torch.nn.Parameter]) -> None:
+        """Average gradients over the data-parallel group (no-op without DP). Blocking."""
+        allreduce_dp(params, self.groups.dp, self.layout.dp)
+
+    def dump_state(self, reason: str = "requested") -> Path | None:
+        """Write this rank's state now (see ``rrfp_async.distributed._state_dump``): the
+        step, the running task, the ready and admitted sets, what each waiting task waits
+        for and the last events, to the log and to ``trace_dir/state-rank{r}.txt``. A
+        ``SIGUSR1`` to the process does it for every open stage; a step timeout does it too.
+
+        Returns:
+            The file written (None without a ``trace_dir``).
+        """
+        return state_dump.write_state(self, reason)
+
+    def _state_text(self) -> str:
+        return self.stage.dump(recent=True)
+
+    @property
+    def _dump_loop(self) -> asyncio.AbstractEventLoop | None:
+        return self._loop if self._state == "open" else None
+
+    @property
+    def _dump_rank(self) -> int:
+        return self.layout.rank

@@ -21,6 +21,7 @@ __all__ = [
     "EmulatingExecutor",
     "EventWaitingExecutor",
     "ModulesExecutor",
+    "SeedAdoptingExecutor",
     "SeedGivenExecutor",
     "SeededExecutor",
     "StreamOrderingExecutor",
@@ -47,9 +48,20 @@ class SeedGivenExecutor(Protocol):
     @property
     def rng_seed_given(self) -> bool:
         """Whether ``rng_seed`` was given by the user. False: it is the default, which the
-        ranks agree on in the plan check (the first rank's is adopted), so
-        ``DistributedStage(verify_plan=False)`` with TP refuses it. Without it the seed counts
-        as given."""
+        ranks agree on in the plan check (the first rank's is adopted, through
+        :class:`SeedAdoptingExecutor`), so ``DistributedStage(verify_plan=False)`` with TP
+        refuses it. Without it the seed counts as given."""
+
+
+@runtime_checkable
+class SeedAdoptingExecutor(Protocol):
+    """Optional: an executor whose default seed becomes the job's."""
+
+    def adopt_seed(self, seed: int, /) -> None:
+        """Draw the tasks' random streams from ``seed``, the job's seed. The plan check calls
+        it on a rank whose seed is the default (:class:`SeedGivenExecutor`), with that of the
+        lowest global rank whose seed is the default too, so that unseeded processes agree.
+        Without it the executor keeps its own seed."""
 
 
 @runtime_checkable

@@ -29,13 +29,13 @@
   Not ``torch.distributed.pipelining._backward`` (``stage_backward_input`` /
   ``stage_backward_weight``): on a first stage (no input that requires grad) its parameter
   groups come out empty and W silently yields no gradient; its W runs one autograd engine
-  call per parameter group, each walking the whole graph below (about 2.6x ``B`` for I + W
-  on the example model); and it adds to ``.grad`` itself.
+  call per parameter group, each walking the whole graph below (a multiple of ``B`` for
+  I + W: BENCHMARKS.md#split-backward-costs); and it adds to ``.grad`` itself.
 
-  Cost: the walk in ``I`` visits every node of the stage graph once in Python (~2 us per
-  node on a slow CPU) and W handles each weight op and parameter-only node from Python; on
-  a model as small as the example one this bookkeeping, not the arithmetic, sets the price
-  (``measure_split_backward``).
+  Cost: the walk in ``I`` visits every node of the stage graph once in Python and W handles
+  each weight op and parameter-only node from Python; on a model as small as the example
+  one this bookkeeping, not the arithmetic, sets the price (``measure_split_backward``;
+  BENCHMARKS.md#split-backward-costs).
 
   Fallback: a stage whose weight ops or parameter-only nodes include custom
   ``autograd.Function`` backwards (not callable one by one), or a torch without
@@ -76,8 +76,9 @@ _PARAM = 2
 _ENGINE_MIN_WORK = 1 << 20
 """W: an op whose recomputed input gradient would cost about this many multiply-adds or more
 (rows of its output gradient x size of its largest parameter input) gets its parameter
-outputs from one autograd engine call (which computes only those, for ~0.1 ms of overhead)
-instead of a direct call of its node (which recomputes the input gradient too)."""
+outputs from one autograd engine call (which computes only those, for a fixed overhead per
+call: BENCHMARKS.md#split-backward-costs) instead of a direct call of its node (which
+recomputes the input gradient too)."""
 
 _Edges = list[tuple[int, Node, int]]
 """A weight op's parameter edges: (output index, child node, child's input slot)."""
@@ -132,7 +133,7 @@ def _walk(
     leaves: dict[Node, int] = {}
     ok = True
     stack = [root]
-    push, pop, expanded = stack.append, stack.pop, kids.get  # hot loop: ~2 us per node
+    push, pop, expanded = stack.append, stack.pop, kids.get  # hot loop: once per node
     while stack:
         n = stack[-1]
         nf = expanded(n)

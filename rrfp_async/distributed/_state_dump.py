@@ -43,7 +43,8 @@ STATE_FILE = "state-rank{rank}.txt"
 class _Dumps(Protocol):
     """What a stage gives the dump (``DistributedStage``)."""
 
-    trace_dir: Path | None
+    @property
+    def trace_dir(self) -> Path | None: ...
 
     def _who(self) -> str: ...
 

@@ -1,87 +1,146 @@
-"""``DistributedStage``'s failed steps: telling the peers, and naming the rank at fault.
+"""A stage's failed steps: telling the peers, and naming the rank at fault.
 
 Design note: naming a lost rank
 -------------------------------
 A killed rank breaks its TCP connections: its neighbours' channel threads fail at once and
 the step fails with ``PeerError`` "rank 0 lost rank 1 (global 1)". A stopped (hung) rank
-breaks nothing: the neighbours wait until the step watchdog fires (``step_timeout``, 30 s
-by default), and the ``StepTimeoutError`` then opens with the ranks whose messages of the
-step did not arrive (the plan says how many each must send; the channel counts what came).
-A failing rank's CLOSE carries its cause, so a rank further away names the lost rank too.
+breaks nothing: the neighbours wait until the step watchdog fires (``step_timeout``), and
+the ``StepTimeoutError`` then opens with the ranks whose messages of the step did not arrive
+(the plan says how many each must send; the channel counts what came). A failing rank's
+CLOSE carries its cause, so a rank further away names the lost rank too.
 
 Telling a failed step to the others (the ABORT, once per step) is half of "a step fails
-everywhere or nowhere" (see ``_dist_stage``); the end-of-step agreement
-(``_step_agreement``) is the other half.
+everywhere or nowhere" (invariant 6; see ``_dist_stage``); the end-of-step agreement
+(``_control_group``) is the other half.
 """
 
 from __future__ import annotations
 
 import asyncio
 import collections
+from collections.abc import Callable, Iterable, Mapping
+from typing import Protocol
 
 from .._errors import ChannelError, PeerError, PeerStepError, StepTimeoutError, exception_notes
-from ._stage_fields import StageFields
+from ..policies import StepSchedule
 
-__all__ = ["FailureTelling"]
+__all__ = ["FailureChannel", "FailureDecisions", "FailureReporter", "failure_cause"]
 
 
-class FailureTelling(StageFields):
-    """``DistributedStage``'s failed-step reports (a part: see ``_stage_fields``)."""
+class FailureChannel(Protocol):
+    """What ``FailureReporter`` needs of the p2p channel (``P2PChannel``)."""
 
-    def _tell_failure(self, step: int, e: BaseException) -> None:
-        """Step ``step`` failed here with ``e``: complete its message, tell the peers. Runs
+    def abort(self, step: int, cause: str, *, origin: int | None = None) -> object:
+        """Send the step's ABORT down every edge."""
+
+    def arrivals(self, step: int) -> Mapping[int, int]:
+        """Pipeline rank -> messages of ``step`` that arrived from it."""
+
+    def blame(self, step: int, ranks: Iterable[int]) -> None:
+        """Tell the CLOSE which ranks' messages of ``step`` did not arrive."""
+
+    def peer_failures(self) -> Mapping[int, str]:
+        """Why failed peers failed (what their CLOSE carried)."""
+
+
+class FailureDecisions(Protocol):
+    """What ``FailureReporter`` needs of the TP decision channel (``DecisionChannel``)."""
+
+    @property
+    def waiting(self) -> str | None:
+        """What a follower waits for, or None."""
+
+    def abort(self, step: int, origin: int) -> None:
+        """A leader tells its followers that ``step`` failed."""
+
+
+class FailureReporter:
+    """Completes a failed step's message and tells the peers, once per step.
+
+    Args:
+        channel: The p2p channel (the ABORT, what arrived, the peers' failures).
+        decisions: The TP decision channel (None without TP).
+        who: This rank, for messages (``"rank 0 (global 0)"``).
+        rank: This process's global rank (a failure's origin).
+        pp_rank: This process's pipeline rank (its program in the schedule).
+        peers: Pipeline rank -> global rank, of this pipeline.
+        step_timeout: The watchdog's limit, for the timeout's message.
+        schedule: The stage's current schedule (what the step expects to receive).
+        dump: Writes the stage's state (``DistributedStage.dump_state``), on a timeout.
+    """
+
+    def __init__(
+        self,
+        channel: FailureChannel,
+        decisions: FailureDecisions | None,
+        *,
+        who: str,
+        rank: int,
+        pp_rank: int,
+        peers: Mapping[int, int],
+        step_timeout: float | None,
+        schedule: Callable[[], StepSchedule],
+        dump: Callable[[str], object],
+    ) -> None:
+        self._channel = channel
+        self._decisions = decisions
+        self._who = who
+        self._rank = rank
+        self._pp_rank = pp_rank
+        self._peers = dict(peers)
+        self._step_timeout = step_timeout
+        self._schedule = schedule
+        self._dump = dump
+        self._told: int | None = None  # the last step whose failure was told
+
+    def told(self, step: int) -> bool:
+        """Whether ``step``'s failure was told already."""
+        return self._told == step
+
+    def tell_once(self, step: int, e: BaseException) -> None:
+        """``tell``, unless ``step``'s failure was told already (by the stage loop's
+        ``on_failure`` hook, while it waited for a running task)."""
+        if self._told != step:
+            self.tell(step, e)
+
+    def tell(self, step: int, e: BaseException) -> None:
+        """Step ``step`` failed on this rank with ``e``: complete its message, tell the peers. Runs
         once per step: as the stage's ``on_failure`` hook when the stage still waits for a
         running task (so that the peers learn it at once), else when ``run_step`` raises."""
         self._told = step
         if isinstance(e, StepTimeoutError):
             self._explain_timeout(e, step)
-            self.dump_state(f"step {step} timed out")
+            self._dump(f"step {step} timed out")
         elif isinstance(e, ChannelError) and not isinstance(e, PeerStepError):
             self._add_peer_failures(e)
         self._announce(step, e)
 
     def _announce(self, step: int, e: BaseException) -> None:
-        """Tell every rank of the pipeline that ``step`` failed here (the channel's ABORT:
+        """Tell every rank of the pipeline that ``step`` failed on this rank (the channel's ABORT:
         see ``P2PChannel``'s design note), so that theirs fails too, at once. A lost peer
         is told by the CLOSE instead (it carries the cause; the channel is broken for good):
-        deciding here, not by the channel's state, keeps that choice free of races with the
-        listener thread that reports the loss."""
+        deciding it from the error, not from the channel's state, keeps that choice free of
+        races with the listener thread that reports the loss."""
         if isinstance(e, PeerError) and not isinstance(e, PeerStepError):
             return
-        if self.decisions is not None:  # a TP leader tells its followers (one-way channel)
-            origin = e.origin if isinstance(e, PeerStepError) else self.layout.rank
-            self.decisions.abort(step, origin)
+        if self._decisions is not None:  # a TP leader tells its followers (one-way channel)
+            origin = e.origin if isinstance(e, PeerStepError) else self._rank
+            self._decisions.abort(step, origin)
         if isinstance(e, PeerStepError):  # failed elsewhere: the channel passed it on
-            self.channel.abort(step, e.cause, origin=e.origin)
+            self._channel.abort(step, e.cause, origin=e.origin)
             return
-        if isinstance(e, asyncio.CancelledError):
-            cause = "the step was cancelled there (asyncio.CancelledError: a timeout or a cancel"
-            cause += " scope of its caller)"
-        else:
-            text = str(e).strip()
-            first = text.splitlines()[0] if text else ""
-            cause = f"{type(e).__name__}: {first}" if first else type(e).__name__
-            # The notes (add_note: the task, and the fix where one is known) travel too.
-            # Not the state dump (``Stage``'s "state of rank ..." note): it stays local.
-            notes = [
-                str(n)
-                for n in exception_notes(e)
-                if str(n).strip() and not str(n).startswith("state of rank ")
-            ]
-            if notes:
-                cause += " [" + "; ".join(notes) + "]"
-        self.channel.abort(step, cause)
+        self._channel.abort(step, failure_cause(e))
 
     def _explain_timeout(self, e: StepTimeoutError, step: int) -> None:
         """Open the watchdog's message with what the step waited for: the ranks whose
         messages of this step did not all arrive (the plan says how many each sends), or
         the TP decision group; tell the channel, so the peers learn it from the CLOSE."""
-        prog = self.stage.schedule.program(self.layout.pp_rank)
+        prog = self._schedule().program(self._pp_rank)
         expected = collections.Counter(r for r in prog.src_rank if r >= 0)
-        got = self.channel.arrivals(step)
+        got = self._channel.arrivals(step)
         missing = {r: n - got.get(r, 0) for r, n in sorted(expected.items()) if got.get(r, 0) < n}
-        peers = self.layout.pipeline_peers()
-        head = f"{self._who()} step {step}: timed out after {self.step_timeout} s"
+        peers = self._peers
+        head = f"{self._who} step {step}: timed out after {self._step_timeout} s"
         if missing:
             names = ", ".join(
                 f"rank {r} (global {peers[r]}; {k} of its {expected[r]} messages of the step"
@@ -91,15 +150,15 @@ class FailureTelling(StageFields):
             head += (
                 f" waiting for {names}: hung, stopped or lost (or waiting itself for another rank)"
             )
-            self.channel.blame(step, missing)
-        elif self.decisions is not None and self.decisions.waiting is not None:
-            head += f" waiting for {self.decisions.waiting}"
+            self._channel.blame(step, missing)
+        elif self._decisions is not None and self._decisions.waiting is not None:
+            head += f" waiting for {self._decisions.waiting}"
         else:
             head += (
                 ": every message of the step arrived; it is stuck in this rank's own work"
                 " (a task that does not return, or the policy)"
             )
-        failures = list(self.channel.peer_failures().values())
+        failures = list(self._channel.peer_failures().values())
         if failures:
             head += "; " + "; ".join(failures)
         e.args = (f"{head}\n{e.args[0] if e.args else ''}", *e.args[1:])
@@ -107,6 +166,27 @@ class FailureTelling(StageFields):
     def _add_peer_failures(self, e: ChannelError) -> None:
         """Append why failed peers failed (the cause their CLOSE carried) to ``e``."""
         text = str(e)
-        extra = [t for t in self.channel.peer_failures().values() if t not in text]
+        extra = [t for t in self._channel.peer_failures().values() if t not in text]
         if extra and e.args:
             e.args = (f"{e.args[0]}; " + "; ".join(extra), *e.args[1:])
+
+
+def failure_cause(e: BaseException) -> str:
+    """What a failed step's ABORT says of ``e``: its type and first line, and its notes
+    (``add_note``: the task, and the fix where one is known); not the state dump (``Stage``'s
+    "state of rank ..." note), which stays local. A cancel says where it came from."""
+    if isinstance(e, asyncio.CancelledError):
+        cause = "the step was cancelled there (asyncio.CancelledError: a timeout or a cancel"
+        cause += " scope of its caller)"
+        return cause
+    text = str(e).strip()
+    first = text.splitlines()[0] if text else ""
+    cause = f"{type(e).__name__}: {first}" if first else type(e).__name__
+    notes = [
+        str(n)
+        for n in exception_notes(e)
+        if str(n).strip() and not str(n).startswith("state of rank ")
+    ]
+    if notes:
+        cause += " [" + "; ".join(notes) + "]"
+    return cause

@@ -73,7 +73,11 @@ from ._stage_io import (
     validate_side_inputs,
 )
 
-__all__ = ["TokenCounted", "TorchStageExecutor"]
+__all__ = ["TaskHandler", "TokenCounted", "TorchStageExecutor"]
+
+TaskHandler = Callable[[Task, Any, TaskContext], Any]
+"""Runs one kind of task on the compute thread: ``handler(task, data, ctx)``, returning what
+to send on (or None); see ``TorchStageExecutor(task_handlers=...)``."""
 
 
 @runtime_checkable
@@ -182,6 +186,11 @@ class TorchStageExecutor:
         check_tensors: Also check every floating tensor a task sends on (one ``isfinite``
             pass per tensor; on CUDA a host sync per task). Losses are always checked
             unless ``nonfinite="off"`` (free: they are read anyway).
+        task_handlers: Task kind (``"F"``, ``"B"``, ``"I"``, ``"W"``) -> the function that
+            runs such a task on the compute thread, ``handler(task, data, ctx)`` returning
+            what to send on, in place of the built-in one (an adapter that keeps a peer's
+            own compute, as the megatron drop-in does); the executor's dispatch, random
+            streams, step bookkeeping and failure handling stay.
 
     Raises:
         PlanError: ``modules`` is no dict of stage indices (ints >= 0) to modules (a bare
@@ -225,6 +234,7 @@ class TorchStageExecutor:
         task_rng: bool = True,
         nonfinite: NonFiniteMode = "warn",
         check_tensors: bool = False,
+        task_handlers: Mapping[str, TaskHandler] | None = None,
     ) -> None:
         _check_modules(modules)
         if loss_scale not in ("microbatch", "tokens", "sum"):
@@ -274,11 +284,12 @@ class TorchStageExecutor:
         self._step: int | None = None
         self._total_tokens = 0
         self._durations: Durations | None = None
-        self._handlers: dict[str, Callable[[Task, Any, TaskContext], Any]] = {
+        self._handlers: dict[str, TaskHandler] = {
             "F": self._forward,
             "B": self._backward,
             "I": self._input_grad,
             "W": self._weight_grad,
+            **(task_handlers or {}),
         }
 
     @property
@@ -286,6 +297,14 @@ class TorchStageExecutor:
         """The non-finite values found in the last step (see ``nonfinite``)."""
         self.losses  # noqa: B018 (on CUDA, reading the losses checks them)
         return list(self._finite.events)
+
+    def adopt_seed(self, seed: int, /) -> None:
+        """Draw the tasks' random streams from ``seed`` from the next step on: the job's
+        seed, which ``DistributedStage``'s plan check gives an executor whose seed is the
+        default (see ``seed``). A given seed is kept; without per-task streams
+        (``task_rng=False``) there is nothing to seed."""
+        if self.rng_seed is not None and not self.rng_seed_given:
+            self.rng_seed = seed & ((1 << 64) - 1)
 
     def shared_parameters(self) -> dict[str, list[nn.Parameter]]:
         """Tie name -> the distinct parameter objects of this executor's modules in that tie."""
@@ -374,7 +393,18 @@ class TorchStageExecutor:
         next step begins (on the compute thread, after any task of ``step`` still running)."""
         self._failed_step = step
 
+    def begin_step(self, ctx: TaskContext, *, previous: int | None, failed: bool) -> None:
+        """Called on the compute thread when step ``ctx.step``'s first task starts, before
+        the executor drops or checks what step ``previous`` kept (``failed``: that step
+        failed). Nothing here; a subclass that keeps state per step (an adapter's
+        activations) drops it after a failed step and refuses what a finished one left.
+
+        Raises:
+            PlanError: What a finished step left (a subclass's check).
+        """
+
     def _begin_step(self, ctx: TaskContext) -> None:
+        self.begin_step(ctx, previous=self._step, failed=self._failed_step == self._step)
         if self._failed_step == self._step:
             self._stash.clear()
             self._kept.clear()

@@ -23,8 +23,8 @@ if TYPE_CHECKING:
     from ._megatron_peer import megatron_order as megatron_order
     from ._torch_pipelining import ScheduleInterleavedReadinessFirst, ScheduleReadinessFirst
 
-# Each adapter is imported when first named (torch.distributed.pipelining alone costs ~1 s
-# to import; a Megatron user should not pay it).
+# Each adapter is imported when first named (importing torch.distributed.pipelining is slow;
+# a Megatron user should not pay for it).
 _WHERE = {
     "MegatronForwardBackward": "._megatron_dropin",
     "get_forward_backward_func": "._megatron_dropin",

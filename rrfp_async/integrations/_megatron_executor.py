@@ -36,22 +36,26 @@ class MegatronExecutor(TorchStageExecutor):
         # Megatron's randomness stays Megatron's: its CUDA RNG tracker's named streams carry
         # on from call to call (a per-task stream of the default generator alone would
         # change its dropout masks and still leave the tracker's in dispatch order).
-        super().__init__(modules, None, rank=rank, task_rng=False)
+        super().__init__(
+            modules,
+            None,
+            rank=rank,
+            task_rng=False,
+            task_handlers={"F": self._mforward, "B": self._mbackward},
+        )
         self.peer = peer
         self.call: MegatronCall | None = None
         # (stage, mb) -> (input tensor, output tensor) as Megatron's schedules keep them
         self._mstash: dict[tuple[int, int], tuple[Any, Any]] = {}
-        self._handlers["F"] = self._mforward
-        self._handlers["B"] = self._mbackward
 
-    def _begin_step(self, ctx: TaskContext) -> None:
-        if self._failed_step == self._step:
+    def begin_step(self, ctx: TaskContext, *, previous: int | None, failed: bool) -> None:
+        """Drop the activations a failed step kept; refuse what a finished one left."""
+        if failed:
             self._mstash.clear()
         if self._mstash:
             raise PlanError(
-                f"rank {ctx.rank}: step {self._step} left activations {sorted(self._mstash)}"
+                f"rank {ctx.rank}: step {previous} left activations {sorted(self._mstash)}"
             )
-        super()._begin_step(ctx)
 
     def _mforward(self, task: Task, data: Any, ctx: TaskContext) -> Any:
         s = self.peer.schedules
@@ -60,7 +64,7 @@ class MegatronExecutor(TorchStageExecutor):
         model = self.modules[task.stage]
         chunk = task.stage // call.pp
         mb: Microbatch = ctx.microbatches[task.mb]
-        first, last = task.stage == 0, self._is_last(task, ctx)
+        first, last = task.stage == 0, task.stage == ctx.plan.num_virtual - 1
         # Megatron's receive buffers want grad: the received activation is such a leaf.
         input_tensor = None if first else map_tensors(data, _received)
         store: list[Any] = []

@@ -46,8 +46,8 @@ the factory carries the options:
   loss rank in ``components.metrics`` by the name ``"ZBVZeroBubble"``), and, decisively, it
   wraps every stage in FSDP (``fully_shard``, also on a data-parallel mesh of size 1), while
   the V orders need the split backward, which the runtime refuses on FSDP-wrapped stages
-  (its ``W`` would run past FSDP's unshard and reduce-scatter; measured: ZBV failed at the
-  first ``W`` on torchtitan's llama3). Patching the placement would only move the failure,
+  (its ``W`` would run past FSDP's unshard and reduce-scatter: ZBV fails at the first ``W``
+  on torchtitan's llama3). Patching the placement would only move the failure,
   so the names raise ``PlanError`` that says so and points to the torch API (V-shape trains
   through ``rrfp_async.pipelining`` on stages without FSDP). The other orders that split the
   backward (``InterleavedZeroBubble``, our ``zb_h1``, ``split_backward: true``) resolve, and

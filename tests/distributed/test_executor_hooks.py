@@ -15,13 +15,14 @@ from rrfp_async.distributed._executor_hooks import (
     EmulatingExecutor,
     EventWaitingExecutor,
     ModulesExecutor,
+    SeedAdoptingExecutor,
     SeededExecutor,
     SeedGivenExecutor,
     StreamOrderingExecutor,
     TieSpecExecutor,
     executor_seed,
 )
-from rrfp_async.distributed._stage_grads import GradientSync
+from rrfp_async.distributed._stage_grads import TiedGradients, order_after_step
 from rrfp_async.distributed._torch_executor import TokenCounted, TorchStageExecutor
 
 pytestmark = pytest.mark.timeout(30)
@@ -37,6 +38,7 @@ def test_the_torch_executor_has_every_hook() -> None:
     for hook in (
         SeededExecutor,
         SeedGivenExecutor,
+        SeedAdoptingExecutor,
         ModulesExecutor,
         StreamOrderingExecutor,
         EmulatingExecutor,
@@ -70,15 +72,38 @@ class Ordering(Plain):
         return {"w": (self.p,)}
 
 
+def _ties(ex: object) -> TiedGradients:
+    return TiedGradients(
+        ex,
+        layout=rr.ProcessLayout(pp=1, rank=0),
+        control_group=None,
+        check_undeclared=False,
+        timeout=None,
+        who="rank 0",
+    )
+
+
 def test_the_gradient_part_calls_the_hooks_it_finds_and_skips_the_rest() -> None:
     ex = Ordering()
-    part = SimpleNamespace(stage=SimpleNamespace(executor=ex))
-    GradientSync._order_after_step(part)  # type: ignore[arg-type]
+    order_after_step(ex)
     assert ex.ordered == 1
-    assert GradientSync._shared_parameters(part) == {"w": [ex.p]}  # type: ignore[arg-type]
-    bare = SimpleNamespace(stage=SimpleNamespace(executor=Plain()))
-    GradientSync._order_after_step(bare)  # type: ignore[arg-type]
-    assert GradientSync._shared_parameters(bare) == {}  # type: ignore[arg-type]
+    assert _ties(ex).shared_parameters() == {"w": [ex.p]}
+    order_after_step(Plain())
+    assert _ties(Plain()).shared_parameters() == {}
+
+
+def test_the_job_seed_is_adopted_only_by_a_default_seed() -> None:
+    ex = TorchStageExecutor({0: torch.nn.Linear(2, 2)}, loss_fn=lambda o, mb: o.sum())
+    ex.adopt_seed(-5)  # (a digest's signed seed: kept as the unsigned 64-bit one)
+    assert executor_seed(ex) == ((1 << 64) - 5, True)
+    given = TorchStageExecutor({0: torch.nn.Linear(2, 2)}, loss_fn=lambda o, mb: o.sum(), seed=3)
+    given.adopt_seed(9)
+    assert executor_seed(given) == (3, False)
+    off = TorchStageExecutor(
+        {0: torch.nn.Linear(2, 2)}, loss_fn=lambda o, mb: o.sum(), task_rng=False
+    )
+    off.adopt_seed(9)
+    assert executor_seed(off) == (None, True)
 
 
 def test_token_counts_come_from_the_microbatch_when_it_has_them() -> None:

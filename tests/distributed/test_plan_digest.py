@@ -322,15 +322,15 @@ def _step_worker(rank: int, world: int, late_rows: float = 0.0) -> dict[str, Any
     whose plan is unchanged reads the step check's rows that much later (its watcher), so
     the changed rank's ABORT reaches it first: the order a loaded machine gives at times."""
     if late_rows:
-        from rrfp_async.distributed._plan_check import PlanCheck
+        from rrfp_async.distributed._control_group import ControlGroup
 
-        watch = PlanCheck._watch_step_check
+        watch = ControlGroup._watch_step_check
 
         async def later(self: Any, step: int, posted: Any) -> None:
             await asyncio.sleep(late_rows)
             await watch(self, step, posted)
 
-        PlanCheck._watch_step_check = later  # type: ignore[method-assign]
+        ControlGroup._watch_step_check = later  # type: ignore[method-assign]
     layout = rr.ProcessLayout.from_world(pp=world)
     groups = rr.build_groups(layout)
     plan = rr.StepPlan(topology=rr.Topology(stages=world), microbatches=4)

@@ -1,0 +1,335 @@
+"""The parts of ``DistributedStage``, each built alone with its collaborators passed in: no
+processes, no torch.distributed (fake collectives, channels and decision channels).
+
+``ControlGroup`` (the plan check, the step check, the end-of-step agreement),
+``FailureReporter`` (telling a failed step, naming what it waited for), ``StageTrace``,
+``BlockingFace``, ``TiedGradients`` and ``TPOptions``."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import Callable, Iterable, Sequence
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+import rrfp_async as rr
+from rrfp_async.distributed import TPOptions
+from rrfp_async.distributed._control_group import ControlGroup
+from rrfp_async.distributed._digest import PlanDigest
+from rrfp_async.distributed._plan_check import STEP_DIFFERS, step_row
+from rrfp_async.distributed._stage_trace import StageTrace
+from rrfp_async.distributed._step_failure import FailureReporter
+from rrfp_async.distributed._sync_face import BlockingFace
+from rrfp_async.distributed._tp_options import UNSET, tp_options
+
+pytestmark = pytest.mark.timeout(30)
+
+
+def _sched(stages: int = 2, mbs: int = 2) -> rr.StepSchedule:
+    plan = rr.StepPlan(topology=rr.Topology(stages=stages), microbatches=mbs)
+    return rr.StepSchedule.build(plan, "1f1b")
+
+
+class _Done:
+    """A completed ``Work``: its future has a result."""
+
+    def get_future(self) -> torch.futures.Future[None]:
+        fut: torch.futures.Future[None] = torch.futures.Future()
+        fut.set_result(None)
+        return fut
+
+
+class FakeCollectives:
+    """Two ranks; this one is ``me``. ``others(row)`` gives the other rank's row of an
+    all-gather; an all-reduce takes the element-wise max with ``reduce_with``."""
+
+    def __init__(self, me: int, others: Callable[[list[int]], list[int]]) -> None:
+        self.me = me
+        self.others = others
+        self.reduce_with = [0, -1]
+        self.gathers: list[list[int]] = []
+        self.reduces: list[list[int]] = []
+
+    def size(self) -> int:
+        return 2
+
+    def row(self, values: Sequence[int]) -> torch.Tensor:
+        return torch.tensor(list(values), dtype=torch.int64)
+
+    def all_gather(self, outs: list[torch.Tensor], row: torch.Tensor) -> Any:
+        mine = row.tolist()
+        self.gathers.append(mine)
+        outs[self.me].copy_(row)
+        outs[1 - self.me].copy_(torch.tensor(self.others(mine), dtype=torch.int64))
+        return _Done()
+
+    def all_reduce_max(self, row: torch.Tensor) -> Any:
+        self.reduces.append(row.tolist())
+        row.copy_(torch.maximum(row, torch.tensor(self.reduce_with)))
+        return _Done()
+
+
+def _digest(seed: int, *, default: bool, rank: int = 0) -> PlanDigest:
+    return PlanDigest.of(
+        _sched(),
+        policy="readiness_first",
+        layout=rr.ProcessLayout(pp=2, rank=rank),
+        max_message_bytes=1 << 20,
+        rng_seed=seed,
+        seed_default=default,
+    )
+
+
+def _control(
+    comm: FakeCollectives, *, seed: int = 22
+) -> tuple[ControlGroup, list[int], list[tuple[int, BaseException]]]:
+    adopted: list[int] = []
+    aborted: list[tuple[int, BaseException]] = []
+    control = ControlGroup(
+        comm,
+        who="rank 1 (global 1)",
+        rank=1,
+        world_size=2,
+        timeout=5.0,
+        verify_plan=True,
+        agree_steps=True,
+        digest_of=lambda s: _digest(seed, default=True, rank=1),
+        adopt_seed=adopted.append,
+        abort_step=lambda step, e: aborted.append((step, e)),
+    )
+    return control, adopted, aborted
+
+
+async def test_the_control_group_checks_a_new_plan_and_adopts_the_jobs_seed() -> None:
+    theirs = _digest(11, default=True).encode()
+    comm = FakeCollectives(1, lambda row: theirs if len(row) == len(theirs) else row)
+    control, adopted, aborted = _control(comm)
+    sched = _sched()
+    assert control.plan_changed(sched)
+    await control.begin_step(0, sched)  # the step check's rows agree; the plan check runs
+    assert control.plan_checks == 1 and not control.plan_changed(sched)
+    assert adopted == [11]  # the lowest rank's default seed is the job's
+    assert [len(g) for g in comm.gathers] == [5, len(theirs)]  # step check, then plan check
+    await control.end_step(0)
+    assert comm.reduces == [[0, -1]]  # the agreement: nothing failed here
+    control.finish_step()
+    assert not aborted
+
+
+async def test_the_control_group_names_each_ranks_step_when_the_steps_differ() -> None:
+    sched = _sched()
+    other = step_row(0, _sched(mbs=3), changed=False)  # the other rank has 3 microbatches
+    comm = FakeCollectives(1, lambda row: other if len(row) == 5 else row)
+    control, _, aborted = _control(comm)
+    with pytest.raises(rr.PlanError, match=STEP_DIFFERS) as err:
+        await control.begin_step(0, sched)  # changed here, and the rows differ
+    assert "rank 0 has step 0, 3 microbatches" in str(err.value)
+    assert "rank 1 has step 0, 2 microbatches" in str(err.value)
+    assert aborted == [(0, err.value)]  # the running step fails at once
+    control.fail_step(can_agree=True)
+    control.fail_step(can_agree=True)  # posted once per step
+    assert comm.reduces == [[1, 1]]
+    control.finish_step()
+
+
+async def test_the_watcher_fails_a_running_step_whose_rows_differ() -> None:
+    sched = _sched()
+    same: Callable[[list[int]], list[int]] = lambda row: row  # noqa: E731
+    comm = FakeCollectives(1, same)
+    control, _, aborted = _control(comm)
+    await control.begin_step(0, sched)  # (the plan check: every row alike)
+    await control.end_step(0)
+    control.finish_step()
+    comm.others = lambda row: [row[0], 4, *row[2:]] if len(row) == 5 else row
+    await control.begin_step(1, sched)  # unchanged here: watched beside the step
+    with pytest.raises(rr.PlanError, match=STEP_DIFFERS):
+        await control.end_step(1)
+    assert [step for step, _ in aborted] == [1]
+    control.fail_step(can_agree=True)  # the verdict came before the agreement was posted
+    assert comm.reduces[-1] == [1, 1]
+    control.finish_step()
+
+
+async def test_the_agreement_fails_a_step_that_failed_on_another_rank() -> None:
+    comm = FakeCollectives(1, lambda row: row)
+    control, _, _ = _control(comm)
+    await control.begin_step(0, _sched())
+    comm.reduce_with = [1, 0]  # global rank 0's step failed
+    with pytest.raises(rr.PeerStepError, match="step 0 failed on global rank 0") as err:
+        await control.end_step(0)
+    assert err.value.origin == 0
+    control.fail_step(can_agree=True)  # posted already: not again
+    assert len(comm.reduces) == 1
+    control.finish_step()
+
+
+class FakeChannel:
+    def __init__(self) -> None:
+        self.aborts: list[tuple[int, str, int | None]] = []
+        self.blamed: list[tuple[int, list[int]]] = []
+        self.got: dict[int, int] = {}
+
+    def abort(self, step: int, cause: str, *, origin: int | None = None) -> bool:
+        self.aborts.append((step, cause, origin))
+        return True
+
+    def arrivals(self, step: int) -> dict[int, int]:
+        return dict(self.got)
+
+    def blame(self, step: int, ranks: Iterable[int]) -> None:
+        self.blamed.append((step, list(ranks)))
+
+    def peer_failures(self) -> dict[int, str]:
+        return {}
+
+
+class FakeDecisions:
+    waiting: str | None = None
+
+    def __init__(self) -> None:
+        self.aborts: list[tuple[int, int]] = []
+
+    def abort(self, step: int, origin: int) -> None:
+        self.aborts.append((step, origin))
+
+
+def _reporter(
+    channel: FakeChannel, decisions: FakeDecisions | None = None
+) -> tuple[FailureReporter, list[str]]:
+    dumps: list[str] = []
+    reporter = FailureReporter(
+        channel,
+        decisions,
+        who="rank 1 (global 3)",
+        rank=3,
+        pp_rank=1,
+        peers={0: 2, 1: 3},
+        step_timeout=7.0,
+        schedule=_sched,
+        dump=dumps.append,
+    )
+    return reporter, dumps
+
+
+def test_the_failure_reporter_tells_a_failed_step_once() -> None:
+    channel, decisions = FakeChannel(), FakeDecisions()
+    reporter, _ = _reporter(channel, decisions)
+    e = RuntimeError("boom\nsecond line")
+    e.add_note("in task 1F0")
+    reporter.tell(4, e)
+    reporter.tell_once(4, e)  # the stage told it already
+    assert channel.aborts == [(4, "RuntimeError: boom [in task 1F0]", None)]
+    assert decisions.aborts == [(4, 3)]  # the TP leader tells its followers, naming itself
+    assert reporter.told(4)
+
+
+def test_a_peers_failure_is_passed_on_and_a_lost_peer_is_not_aborted() -> None:
+    channel = FakeChannel()
+    reporter, _ = _reporter(channel)
+    peer = rr.PeerStepError("step 2 failed", step=2, origin=0, cause="ValueError: x")
+    reporter.tell(2, peer)
+    assert channel.aborts == [(2, "ValueError: x", 0)]
+    reporter.tell(3, rr.PeerError("rank 1 lost rank 0 (global 2)"))
+    assert len(channel.aborts) == 1  # the CLOSE tells a lost peer, not an ABORT
+
+
+def test_a_timeout_names_the_ranks_whose_messages_did_not_come() -> None:
+    channel = FakeChannel()
+    channel.got = {0: 1}  # one of rank 0's two forwards arrived
+    reporter, dumps = _reporter(channel)
+    e = rr.StepTimeoutError("watchdog")
+    reporter.tell(5, e)
+    text = str(e)
+    assert text.startswith("rank 1 (global 3) step 5: timed out after 7.0 s waiting for rank 0")
+    assert "global 2; 1 of its 2 messages of the step missing" in text
+    assert channel.blamed == [(5, [0])]
+    assert dumps == ["step 5 timed out"]
+
+
+def test_the_stage_trace_writes_one_file_per_step(tmp_path: Path) -> None:
+    trace = StageTrace(
+        tmp_path / "t",
+        emulated_gpu_time=None,
+        executor=object(),
+        rank=3,
+        peers={0: 2, 1: 3},
+        who="rank 1 (global 3)",
+    )
+    assert trace.observer(None) is not None and not trace.emulated
+    trace.begin_step()
+    trace.write(0, _sched(), policy="readiness_first", failed=False)
+    trace.write(1, _sched(), policy="readiness_first", failed=True)
+    assert sorted(p.name for p in (tmp_path / "t").iterdir()) == [
+        "failed-rank3.json",
+        "rank3.json",
+    ]
+    off = StageTrace(None, emulated_gpu_time=True, executor=object(), rank=0, peers={}, who="")
+    assert off.observer(None) is None and off.emulated and off.trace_dir is None
+    off.write(0, _sched(), policy="x", failed=False)  # nothing to write
+    with pytest.raises(rr.PlanError, match="emulated_gpu_time must be a bool"):
+        StageTrace(None, emulated_gpu_time=1, executor=object(), rank=0, peers={}, who="")  # type: ignore[arg-type]
+
+
+def test_the_blocking_face_runs_coroutines_on_a_thread_of_its_own() -> None:
+    seen: list[str] = []
+
+    async def aenter() -> None:
+        seen.append(threading.current_thread().name)
+
+    async def add(a: int, *, b: int) -> int:
+        await asyncio.sleep(0)
+        return a + b
+
+    async def aexit(*exc: object) -> None:
+        seen.append("closed")
+
+    face = BlockingFace.open(aenter)
+    assert seen and seen[0] != threading.current_thread().name
+    assert face.call(add, 2, b=3) == 5
+    face.close(aexit, None, None, None)
+    assert seen[-1] == "closed"
+
+    async def refuse() -> None:
+        raise rr.ClosedError("no")
+
+    with pytest.raises(rr.ClosedError, match="no"):
+        BlockingFace.open(refuse)  # its thread is stopped, the error raised as it is
+
+
+def test_tp_options_are_validated_and_said_once() -> None:
+    assert TPOptions() == TPOptions(coordinate=True, verify=True, fold_check=True, deduce=True)
+    with pytest.raises(rr.PlanError, match=r"TPOptions.deduce must be True or False"):
+        TPOptions(deduce="no")  # type: ignore[arg-type]
+    with pytest.raises(TypeError):
+        TPOptions(True)  # type: ignore[misc]  # keyword-only
+    assert tp_options(None, "s", coordinate_tp=UNSET, deduce_tp=False) == TPOptions(deduce=False)
+    with pytest.raises(rr.PlanError, match=r"both tp= and deduce_tp= are given"):
+        tp_options(TPOptions(), "s", coordinate_tp=UNSET, deduce_tp=False)
+    with pytest.raises(rr.PlanError, match=r"verify_tp must be True or False"):
+        tp_options(None, "s", verify_tp=1)
+    with pytest.raises(rr.PlanError, match=r"tp must be a TPOptions"):
+        tp_options({"deduce": False}, "s")  # type: ignore[arg-type]
+
+
+class _Plain:
+    async def execute(self, task: Any, data: Any, ctx: Any) -> Any:
+        return data
+
+
+def test_the_stage_refuses_tp_options_said_twice() -> None:
+    sched = _sched(stages=1)
+    ex = _Plain()
+    with pytest.raises(rr.PlanError, match=r"both tp= and verify_tp=, deduce_tp= are given"):
+        rr.DistributedStage(
+            rr.ProcessLayout(pp=1, rank=0),
+            sched,
+            ex,
+            groups=rr.StageGroups(),
+            tp=TPOptions(),
+            verify_tp=True,
+            deduce_tp=False,
+        )
