@@ -324,13 +324,6 @@ class P2PChannel:
         ``consumer_waits``)."""
         return self._consumer_waits
 
-    @consumer_waits.setter
-    def consumer_waits(self, value: bool) -> None:
-        # Kept settable for callers that still assign it after construction.
-        self._consumer_waits = value
-        if self._payload is not None:
-            self._payload.consumer_waits = value
-
     @property
     def handoffs(self) -> tuple[int, int]:
         """Shared I/O: (hand-offs to the loop, completions they carried); per-edge I/O

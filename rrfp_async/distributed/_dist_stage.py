@@ -72,7 +72,7 @@ from ..loop import (
     StageLoop,
     StageObserver,
     StepStats,
-    check_step_args,
+    resolve_step,
     restore_grads,
 )
 from ..policies import Policy, StepSchedule
@@ -269,14 +269,13 @@ class DistributedStage:
                 max_bytes=max_message_bytes,
                 bound_name="DistributedStage(max_message_bytes=...)",
                 payload_groups=self.groups.payload,
+                # The torch executor makes its compute stream wait on each received tensor's
+                # event (_streams.wait_ready); any other executor gets payloads once arrived.
+                consumer_waits=isinstance(executor, EventWaitingExecutor)
+                and bool(executor.waits_for_events),
             )
         except ValueError as e:  # an edge the groups have no payload communicator for
             raise PlanError(f"rank {layout.rank}: {e}") from None
-        # The torch executor makes its compute stream wait on each received tensor's event
-        # (_streams.wait_ready); any other executor gets payloads once they arrived.
-        self.channel.consumer_waits = isinstance(executor, EventWaitingExecutor) and bool(
-            executor.waits_for_events
-        )
         self.trace = StageTrace(
             trace_dir,
             emulated_gpu_time=emulated_gpu_time,
@@ -309,6 +308,7 @@ class DistributedStage:
             verify_sequences=self.tp.verify,
             max_microbatches=max_microbatches,
             deduce_tp=self.tp.deduce,
+            on_failure=self._tell_failure,
         )
         self.step_timeout = self.stage.step_timeout  # as checked there (inf: None)
         self.ties = TiedGradients(
@@ -342,7 +342,6 @@ class DistributedStage:
             schedule=lambda: self.stage.schedule,
             dump=self.dump_state,
         )
-        self.stage.on_failure = self.failures.tell
         self._next_step = 0
         self._running: int | None = None  # the step run_step runs now
         self._state = "new"  # -> "open" (async with / with) -> "closed"
@@ -563,6 +562,10 @@ class DistributedStage:
             self._running = None
             self.trace.write(s, sched, policy=self.stage.policy_name, failed=failed)
 
+    def _tell_failure(self, step: int, exc: BaseException) -> None:
+        """The stage loop's ``on_failure``: tell the peers (``FailureReporter.tell``)."""
+        self.failures.tell(step, exc)
+
     def _resolve_step(
         self,
         microbatches: Sequence[Any],
@@ -576,21 +579,18 @@ class DistributedStage:
         Raises:
             PlanError: Bad arguments, or a step number that failed on this rank before.
         """
-        who = f"rank {self.stage.rank}"
-        check_step_args(
-            who, self.stage._base.plan, microbatches, step, schedule, self.stage.max_microbatches
+        resolved = resolve_step(
+            f"rank {self.stage.rank}",
+            self.stage.base_schedule,
+            microbatches,
+            step=step,
+            schedule=schedule,
+            train=train,
+            next_step=self._next_step,
+            max_microbatches=self.stage.max_microbatches,
         )
-        check_bool(f"{who}: train", train)
-        base = self.stage._base if schedule is None or schedule.plan.forward_only else schedule
-        try:
-            sched = schedule if schedule is not None else base.for_microbatches(len(microbatches))
-            if not train:
-                sched = sched.forward_only()
-        except PlanError as e:
-            raise PlanError(f"{who}: {e}") from None
-        s = self._next_step if step is None else step
-        self.stage.check_step_number(s)
-        return sched, s
+        self.stage.check_step_number(resolved.step)
+        return resolved.schedule, resolved.step
 
     def run_step_sync(
         self,

@@ -13,12 +13,14 @@ import asyncio
 import hashlib
 from collections.abc import Sequence
 
-from .._errors import PeerStepError, PlanError
+from .._errors import FailureKind, PeerStepError, PlanError
 from ..policies import StepSchedule
 from ._digest import _ranks as ranks_have
 
 __all__ = [
     "STEP_DIFFERS",
+    "StepDiffersError",
+    "failure_kind",
     "plan_key",
     "rows_all_changed_alike",
     "step_check_error",
@@ -85,13 +87,25 @@ def step_check_verdict(
         f" {'training' if r[3] else 'forward-only'}, plan #{r[2] & 0xFFFFFFFF:08x}"
         for r, ranks in sorted(groups.items(), key=lambda kv: kv[1][0])
     ]
-    raise PlanError(
+    raise StepDiffersError(
         f"{who} step {step}: {STEP_DIFFERS}: "
         + "; ".join(parts)
         + ". Every rank must give each step the same number of microbatches (and the same"
         " schedule, train= and step number); a rank's data loader that ran out early or"
         " yields other batch counts is the usual cause"
     )
+
+
+class StepDiffersError(PlanError):
+    """The step check's ``PlanError``: the ranks do not run the same step. A rank that fails
+    a step with it tells the others with ``FailureKind.STEP_DIFFERS`` in the ABORT's header
+    (``FailureReporter``), which is how they tell it from any other cause
+    (``step_check_error``)."""
+
+
+def failure_kind(e: BaseException) -> FailureKind:
+    """The ``FailureKind`` the ABORT of a step that failed here with ``e`` carries."""
+    return FailureKind.STEP_DIFFERS if isinstance(e, StepDiffersError) else FailureKind.OTHER
 
 
 async def step_check_error(
@@ -108,8 +122,7 @@ async def step_check_error(
     included) a rank that has not started the step yet may never post its row, so nothing is
     waited for. None when the cause is another or the rows agree on this rank.
     """
-    cause = e.cause
-    if not (cause.startswith(f"{PlanError.__name__}:") and f"step {step}: {STEP_DIFFERS}" in cause):
+    if e.kind != FailureKind.STEP_DIFFERS or e.step != step:
         return None
     try:
         await asyncio.shield(watcher)

@@ -23,6 +23,7 @@ from typing import Protocol
 
 from .._errors import ChannelError, PeerError, PeerStepError, StepTimeoutError, exception_notes
 from ..policies import StepSchedule
+from ._plan_check import failure_kind
 
 __all__ = ["FailureChannel", "FailureDecisions", "FailureReporter", "failure_cause"]
 
@@ -30,8 +31,8 @@ __all__ = ["FailureChannel", "FailureDecisions", "FailureReporter", "failure_cau
 class FailureChannel(Protocol):
     """What ``FailureReporter`` needs of the p2p channel (``P2PChannel``)."""
 
-    def abort(self, step: int, cause: str, *, origin: int | None = None) -> object:
-        """Send the step's ABORT down every edge."""
+    def abort(self, step: int, cause: str, *, origin: int | None = None, kind: int = 0) -> object:
+        """Send the step's ABORT down every edge (``kind``: a ``FailureKind`` code)."""
 
     def arrivals(self, step: int) -> Mapping[int, int]:
         """Pipeline rank -> messages of ``step`` that arrived from it."""
@@ -127,9 +128,9 @@ class FailureReporter:
             origin = e.origin if isinstance(e, PeerStepError) else self._rank
             self._decisions.abort(step, origin)
         if isinstance(e, PeerStepError):  # failed elsewhere: the channel passed it on
-            self._channel.abort(step, e.cause, origin=e.origin)
+            self._channel.abort(step, e.cause, origin=e.origin, kind=e.kind)
             return
-        self._channel.abort(step, failure_cause(e))
+        self._channel.abort(step, failure_cause(e), kind=failure_kind(e))
 
     def _explain_timeout(self, e: StepTimeoutError, step: int) -> None:
         """Open the watchdog's message with what the step waited for: the ranks whose

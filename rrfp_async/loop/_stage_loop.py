@@ -167,7 +167,7 @@ class StageLoop:
         on_failure: Called as ``on_failure(step, exc)`` when a step fails while one of its
             tasks is still on the executor, before the stage waits for that task
             (``DistributedStage`` tells the other ranks there, so that they need not wait
-            for this rank's task). Also settable as the attribute ``on_failure``.
+            for this rank's task).
 
     Use ``await stage.run_step(microbatches)`` for each step, inside any running loop.
 
@@ -235,9 +235,7 @@ class StageLoop:
         self.coordinate = coordinate
         self.verify_sequences = verify_sequences
         self.deduce_tp = deduce_tp
-        #: Called as ``on_failure(step, exc)`` before a failed step waits for its task on
-        #: the executor (see the ``on_failure`` argument).
-        self.on_failure = on_failure
+        self._on_failure = on_failure  # (see the ``on_failure`` argument)
         #: The flight recorder: the recent events (message, start, end) a dump lists.
         self.recent: collections.deque[tuple[float, str, Task]] | None = (
             collections.deque(maxlen=flight_recorder) if flight_recorder > 0 else None
@@ -389,8 +387,8 @@ class StageLoop:
             self._dump_on_failure(e)
         computing = self._run.computing()
         if computing is not None:
-            if self.on_failure is not None:  # tell the peers first: the wait takes a task
-                self.on_failure(step, e)
+            if self._on_failure is not None:  # tell the peers first: the wait takes a task
+                self._on_failure(step, e)
             await self._tasks.settle(computing, e)
 
     def _begin(self, step: int, microbatches: Sequence[Any]) -> StepState:

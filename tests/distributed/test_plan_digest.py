@@ -12,8 +12,15 @@ import pytest
 import torch
 
 import rrfp_async as rr
+from rrfp_async._errors import FailureKind
 from rrfp_async.distributed._digest import PlanDigest, adopt_default_seed, plan_disagreement
-from rrfp_async.distributed._plan_check import STEP_DIFFERS, step_check_error
+from rrfp_async.distributed._plan_check import (
+    STEP_DIFFERS,
+    StepDiffersError,
+    failure_kind,
+    step_check_error,
+    step_check_verdict,
+)
 from tests._pool import pooled_spawn
 
 # ---------------------------------------------------------------------- pure
@@ -386,26 +393,38 @@ def test_a_step_with_other_microbatch_counts_fails_at_once_on_every_rank(
 
 async def test_a_peers_abort_waits_for_the_step_check_only_after_the_step_check_failed() -> None:
     """``step_check_error`` (a rank told by a peer's ABORT): it waits for its own step-check
-    rows only when the peer failed on them; after any other cause, a ``PlanError`` of a task
-    included, it waits for nothing (a rank that never starts the step never posts its row)."""
+    rows only when the peer failed on them — the ABORT's ``FailureKind.STEP_DIFFERS`` code of
+    this step, never the cause's text; after any other cause, a ``PlanError`` of a task
+    included (even one whose text reads like the step check's), it waits for nothing (a rank
+    that never starts the step never posts its row)."""
     loop = asyncio.get_running_loop()
     never: asyncio.Future[None] = loop.create_future()  # a row that never comes
+    differs_text = f"PlanError: rank 0 (global 0) step 3: {STEP_DIFFERS}: rank 0 has step 3"
 
-    def told(cause: str) -> rr.PeerStepError:
-        return rr.PeerStepError("told", step=3, origin=0, cause=cause)
+    def told(cause: str, kind: FailureKind, step: int = 3) -> rr.PeerStepError:
+        return rr.PeerStepError("told", step=step, origin=0, cause=cause, kind=kind)
 
-    for cause in (
-        "PlanError: rank 0 (global 0) step 3: a task refused its input",
-        f"PlanError: rank 0 (global 0) step 2: {STEP_DIFFERS}: ...",  # another step's
-        f"RuntimeError: step 3: {STEP_DIFFERS}",
+    for e in (
+        told("PlanError: rank 0 (global 0) step 3: a task refused its input", FailureKind.OTHER),
+        told(differs_text, FailureKind.OTHER),  # the text alone decides nothing
+        told(differs_text, FailureKind.STEP_DIFFERS, step=2),  # another step's
     ):
-        assert await asyncio.wait_for(step_check_error(never, told(cause), 3), 1.0) is None
+        assert await asyncio.wait_for(step_check_error(never, e, 3), 1.0) is None
     differ = rr.PlanError(f"rank 1 (global 1) step 3: {STEP_DIFFERS}: rank 0 has ...")
     rows: asyncio.Future[None] = loop.create_future()
     rows.set_exception(differ)
-    mine = told(f"PlanError: rank 0 (global 0) step 3: {STEP_DIFFERS}: rank 0 has step 3, ...")
+    mine = told("any text", FailureKind.STEP_DIFFERS)
     assert await step_check_error(rows, mine, 3) is differ
     agree: asyncio.Future[None] = loop.create_future()
     agree.set_result(None)
     assert await step_check_error(agree, mine, 3) is None
     never.cancel()
+
+
+def test_only_the_step_checks_own_error_is_sent_as_step_differs() -> None:
+    with pytest.raises(StepDiffersError) as err:
+        step_check_verdict("rank 0", 3, [[3, 4, 1, 1, 1], [4, 4, 1, 1, 1]])
+    assert isinstance(err.value, rr.PlanError) and STEP_DIFFERS in str(err.value)
+    assert failure_kind(err.value) is FailureKind.STEP_DIFFERS
+    assert failure_kind(rr.PlanError(f"step 3: {STEP_DIFFERS}")) is FailureKind.OTHER
+    assert failure_kind(RuntimeError("boom")) is FailureKind.OTHER
