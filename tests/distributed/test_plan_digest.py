@@ -381,7 +381,8 @@ def test_a_step_with_other_microbatch_counts_fails_at_once_on_every_rank(
         a, b = STEP_CASES[case]
         for r in (r0, r1):
             kind, msg = r[case]
-            assert kind == "PlanError", (case, r[case])
+            # The step check's own PlanError on every rank (the one told by an ABORT too).
+            assert kind == "StepDiffersError", (case, r[case])
             assert f"step {step}: the ranks do not run the same step" in msg, msg
             assert f"rank 0 has step {step}, {a} microbatches, training, plan #" in msg, msg
             assert f"rank 1 has step {step}, {b} microbatches, training, plan #" in msg, msg

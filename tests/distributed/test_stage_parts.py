@@ -17,6 +17,7 @@ import pytest
 import torch
 
 import rrfp_async as rr
+from rrfp_async._errors import FailureKind
 from rrfp_async.distributed import TPOptions
 from rrfp_async.distributed._control_group import ControlGroup
 from rrfp_async.distributed._digest import PlanDigest
@@ -170,11 +171,13 @@ async def test_the_agreement_fails_a_step_that_failed_on_another_rank() -> None:
 class FakeChannel:
     def __init__(self) -> None:
         self.aborts: list[tuple[int, str, int | None]] = []
+        self.kinds: list[int] = []
         self.blamed: list[tuple[int, list[int]]] = []
         self.got: dict[int, int] = {}
 
-    def abort(self, step: int, cause: str, *, origin: int | None = None) -> bool:
+    def abort(self, step: int, cause: str, *, origin: int | None = None, kind: int = 0) -> bool:
         self.aborts.append((step, cause, origin))
+        self.kinds.append(kind)
         return True
 
     def arrivals(self, step: int) -> dict[int, int]:
@@ -223,6 +226,7 @@ def test_the_failure_reporter_tells_a_failed_step_once() -> None:
     reporter.tell(4, e)
     reporter.tell_once(4, e)  # the stage told it already
     assert channel.aborts == [(4, "RuntimeError: boom [in task 1F0]", None)]
+    assert channel.kinds == [FailureKind.OTHER]
     assert decisions.aborts == [(4, 3)]  # the TP leader tells its followers, naming itself
     assert reporter.told(4)
 
@@ -233,6 +237,7 @@ def test_a_peers_failure_is_passed_on_and_a_lost_peer_is_not_aborted() -> None:
     peer = rr.PeerStepError("step 2 failed", step=2, origin=0, cause="ValueError: x")
     reporter.tell(2, peer)
     assert channel.aborts == [(2, "ValueError: x", 0)]
+    assert channel.kinds == [FailureKind.OTHER]  # the peer's kind, passed on
     reporter.tell(3, rr.PeerError("rank 1 lost rank 0 (global 2)"))
     assert len(channel.aborts) == 1  # the CLOSE tells a lost peer, not an ABORT
 
