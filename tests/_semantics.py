@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import rrfp_async as rr
-from rrfp_async.models import ColumnParallelLinear, RowParallelLinear, TPContext
+from rrfp_lab.models import ColumnParallelLinear, RowParallelLinear, TPContext
 
 V, D, H = 20, 8, 16  # vocabulary, width, MLP width (a multiple of the TP sizes used)
 P_DROP = 0.3

@@ -36,7 +36,7 @@ import click
 import pytest
 from click.testing import CliRunner
 
-from rrfp_async import ExtraMissingError
+from rrfp_async.errors import ExtraMissingError
 
 ROOT = Path(__file__).resolve().parent.parent
 PAGES = sorted(

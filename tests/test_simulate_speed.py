@@ -31,7 +31,7 @@ pytestmark = pytest.mark.timeout(300)
 RECORDED = json.loads((Path(__file__).parent / "data" / "simulate_recorded.json").read_text())
 
 
-def digest(r: rr.SimResult) -> tuple[str, str]:
+def digest(r: rr.sim.SimResult) -> tuple[str, str]:
     """sha256[:16] of the per-rank orders, and of the orders with exact times."""
     timed = hashlib.sha256()
     for rank in r.executed:
@@ -198,4 +198,4 @@ def test_lower_bound_matches_the_original(data: st.DataObject) -> None:
         latency=data.draw(st.sampled_from([0.0, 1e-2])),
         latency_jitter=0.5,
     )
-    assert rr.lower_bound(plan, d) == oracle_lower_bound(plan, d)
+    assert rr.sim.lower_bound(plan, d) == oracle_lower_bound(plan, d)

@@ -23,8 +23,8 @@ from torch import nn
 
 import rrfp_async as rr
 from rrfp_async.distributed import _split_backward as sb
-from rrfp_async.models import ImageTextConfig, build_stage_modules, loss_fn, make_microbatches
 from rrfp_lab._split_measure import measure_split_backward
+from rrfp_lab.models import ImageTextConfig, build_stage_modules, loss_fn, make_microbatches
 
 CFG = ImageTextConfig()
 STAGES = 4

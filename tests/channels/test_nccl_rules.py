@@ -1,5 +1,5 @@
-"""The NCCL-rules checker (``channels._nccl_rules``): each rule it models fails when broken
-(in one process, over a loopback stand-in for gloo), the logs' order check names the
+"""The NCCL-rules checker (``rrfp_async.testing.nccl_rules``): each rule it models fails
+when broken (in one process, over a loopback stand-in for gloo), the logs' order check names the
 deadlock, and a real 2-rank pipeline step runs under it with no violation."""
 
 from __future__ import annotations
@@ -17,9 +17,9 @@ from torch import nn
 
 import rrfp_async as rr
 from rrfp_async._streams import HostEvent, HostStream, use_host_stream
-from rrfp_async.channels import _nccl_logs as logs
-from rrfp_async.channels import _nccl_rules as rules
 from rrfp_async.channels import _wire
+from rrfp_async.testing import nccl_logs as logs
+from rrfp_async.testing import nccl_rules as rules
 from tests._pool import pooled_spawn
 
 pytestmark = pytest.mark.timeout(120)

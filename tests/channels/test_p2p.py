@@ -132,9 +132,9 @@ def test_out_of_order_variable_shapes_and_bad_headers() -> None:
 def test_header_encoding_is_pure_and_checked() -> None:
     h = encode_header(7, 2, rr.Task(3, "I", 5), torch.zeros(2, 3, dtype=torch.bfloat16))
     assert h[:9] == [MAGIC, 1, 7, 2, 3, 2, 5, 2, 2] and h[9:11] == [2, 3]
-    with pytest.raises(rr.ProtocolError, match="unsupported dtype"):
+    with pytest.raises(rr.errors.ProtocolError, match="unsupported dtype"):
         encode_header(0, 0, rr.Task(0, "F", 0), torch.zeros(1, dtype=torch.complex64))
-    with pytest.raises(rr.ProtocolError, match="dims"):
+    with pytest.raises(rr.errors.ProtocolError, match="dims"):
         encode_header(0, 0, rr.Task(0, "F", 0), torch.zeros([1] * 8))
 
 
@@ -160,7 +160,7 @@ async def _growing(rank: int) -> dict[str, Any]:
                 if i == 3:  # too large for max_bytes: refused here, and it takes no seq
                     try:
                         ch.send(1, 0, rr.Task(1, "F", 99), torch.zeros(4096))
-                    except rr.ProtocolError as e:
+                    except rr.errors.ProtocolError as e:
                         refused = str(e)
                 payload = torch.arange(n, dtype=torch.float32) + i if n else None
                 ch.send(1, 0, rr.Task(1, "F", i), payload)
@@ -273,7 +273,7 @@ async def _direct_failure(rank: int) -> dict[str, Any]:
             pg, ch._pg = ch._pg, _BrokenGroup()
             try:
                 ch.send(1, 0, rr.Task(1, "F", 0), torch.ones(4))
-            except rr.PeerError as e:
+            except rr.errors.PeerError as e:
                 out["raised"] = str(e)
             await asyncio.sleep(0.05)  # the loss reaches the stage through the loop
             out["stage_got"] = [str(e) for e in sink.errors]

@@ -44,7 +44,7 @@ def _cmd(tmp: Path, *extra: str, restarts: int, monitor: float | None = None) ->
         "--rdzv-backend",
         "c10d",
         "--rdzv-endpoint",
-        f"127.0.0.1:{rr.free_port()}",
+        f"127.0.0.1:{rr.testing.free_port()}",
     ]
     if monitor is not None:
         cmd += ["--monitor-interval", str(monitor)]

@@ -39,7 +39,7 @@ class _Recording:
     passes ``"<task>@<step>"`` on and records what every (step, task) received."""
 
     def __init__(self, durations: rr.Durations) -> None:
-        self.inner = rr.CostModelExecutor(durations)
+        self.inner = rr.sim.CostModelExecutor(durations)
         self.seen: dict[tuple[int, Task], Any] = {}
         self.cancelled: list[tuple[int, Task]] = []
         self.on_start: Callable[[int, Task], None] | None = None
@@ -112,7 +112,7 @@ async def _under(
 
 def _run(kind: str, main: Callable[[], Awaitable[Any]]) -> Any:
     factory = {
-        "virtual": rr.VirtualEventLoop,
+        "virtual": rr.sim.VirtualEventLoop,
         "asyncio": None,
         "uvloop": loop_factory(True),
     }[kind]

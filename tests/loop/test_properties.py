@@ -15,9 +15,10 @@ import random
 from hypothesis import given
 from hypothesis import strategies as st
 
-from rrfp_async import HINTS, HintError, StepPlan, Topology, simulate
+from rrfp_async import StepPlan, Topology, simulate
 from rrfp_async._tasks import activation_delta
-from rrfp_async.policies import make_hint, validate_hint
+from rrfp_async.errors import HintError
+from rrfp_async.policies import HINTS, make_hint, validate_hint
 
 POLICIES = ["strict", "readiness_first", "lateness_aware", "backfill"]
 
@@ -115,8 +116,9 @@ def test_shuffled_hints_are_refused_or_run(p: int, v: int, m: int, rnd: random.R
         validate_hint(plan, hint)
     except HintError:
         return
-    from rrfp_async import CostModelExecutor, Durations, LocalPipeline, StepSchedule
+    from rrfp_async import Durations, LocalPipeline, StepSchedule
     from rrfp_async.loop import VirtualEventLoop
+    from rrfp_async.sim import CostModelExecutor
 
     sched = StepSchedule.build(plan, hint)
     d = Durations.from_arrays(plan, [[1.0] * m for _ in range(p * v)])

@@ -9,7 +9,7 @@ import math
 import pytest
 
 import rrfp_async as rr
-from rrfp_async import VirtualEventLoop
+from rrfp_async.sim import VirtualEventLoop
 from tests._virtual import run_virtual
 
 
@@ -63,7 +63,7 @@ async def _step(latency: float) -> None:
     plan = rr.StepPlan(topology=rr.Topology(stages=2), microbatches=2)
     s = rr.StepSchedule.build(plan, "1f1b")
     d = rr.Durations.from_arrays(plan, [[0.1, 0.1]] * 2)
-    pipe = rr.LocalPipeline(s, rr.CostModelExecutor(d), latency=lambda step, task: latency)
+    pipe = rr.LocalPipeline(s, rr.sim.CostModelExecutor(d), latency=lambda step, task: latency)
     await pipe.run_step([None, None])
 
 
@@ -77,7 +77,7 @@ def test_a_latency_that_never_arrives_is_a_plan_error(latency: float) -> None:
 @pytest.mark.parametrize(
     ("kw", "err"),
     [
-        ({"memory_factor": 1e308}, rr.HintError),
+        ({"memory_factor": 1e308}, rr.errors.HintError),
         ({"latency": 1e308}, rr.PlanError),
         ({"forward": [[1e308] * 4] * 2}, rr.PlanError),
         ({"cost_model": rr.CostModel(default=rr.StageProfile(per_token=1e308))}, rr.PlanError),

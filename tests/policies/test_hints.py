@@ -9,9 +9,10 @@ from types import SimpleNamespace
 import pytest
 
 import rrfp_async as rr
-from rrfp_async import HintError, StepPlan, Task, Topology
+from rrfp_async import StepPlan, Task, Topology
 from rrfp_async._admission import hint_peak
 from rrfp_async._tasks import format_tasks, parse_tasks
+from rrfp_async.errors import HintError
 from rrfp_async.policies import HINTS, default_bound, make_hint, resolve_bounds, validate_hint
 
 

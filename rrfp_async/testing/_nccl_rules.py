@@ -321,7 +321,7 @@ def _install_guards() -> None:
     guard_ctypes("string_at", lambda a: [(a[0], a[1] if len(a) > 1 else 1)])
 
     # Buffers packed by the host: wrap the packing helpers wherever the transport imported them.
-    from . import _wire
+    from ..channels import wire as _wire
 
     for fname in ("pack_inline", "pack_tree"):
         orig = getattr(_wire, fname)
