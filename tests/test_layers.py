@@ -603,7 +603,7 @@ def private_accesses(
 
 def test_no_private_attribute_is_read_across_packages() -> None:
     """Between packages, a public method or a constructor argument, never a private
-    attribute (ARCHITECTURE.md, "Boundaries"): ``stage._st`` read in ``sim/`` couples the
+    attribute (ARCHITECTURE.md, the layers' rules): ``stage._st`` read in ``sim/`` couples the
     simulator to how the loop stores its step, and nothing else would say so."""
     found = private_accesses(modules())
     bad = [
