@@ -156,12 +156,12 @@ def leave_one_out(
     return out
 
 
-# Fitted to `rrfp-async bench overhead --section tp` (TP 1, 2, 4, 8; BENCHMARKS.md, "TP
-# coordination, the curve"; 2 cores, load average 6-11): the followers' first-task delay, a
-# decision that could not be sent ahead (32 + 322 x (tp - 1) µs, leave-one-out within 19 %
-# at TP 2/4/8), and the end of the step with the sequence check folded into the decisions
-# (0.45-0.92 ms at TP 8 over five runs, mostly the leader waiting for its sends; too noisy
-# below TP 8 to fit, so 100 µs x (tp - 1)). Pass tp_latency= / tp_check= to override.
+# Fitted to `rrfp-async bench overhead --section tp` (TP 1, 2, 4, 8; the fit, its data and
+# its error: BENCHMARKS.md#tp-coordination-the-curve): the followers' first-task delay, a
+# decision that could not be sent ahead (linear in tp - 1), and the end of the step with
+# the sequence check folded into the decisions (mostly the leader waiting for its sends; too
+# noisy below TP 8 to fit a constant, so a slope alone). Pass tp_latency= / tp_check= to
+# override.
 TP_DECISION_LATENCY = TPTerm(form="linear", a=32e-6, b=322e-6)
 """Default latency of one TP decision in the simulator (seconds, by TP degree)."""
 TP_STEP_CHECK = TPTerm(form="linear", a=0.0, b=100e-6)
