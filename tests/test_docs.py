@@ -226,7 +226,11 @@ def _resolve_source(parts: list[str]) -> str | None:
         if isinstance(node, ast.Assign) and any(
             isinstance(t, ast.Name) and t.id == "__all__" for t in node.targets
         ):
-            names |= {c.value for c in ast.walk(node.value) if isinstance(c, ast.Constant)}
+            names |= {
+                c.value
+                for c in ast.walk(node.value)
+                if isinstance(c, ast.Constant) and isinstance(c.value, str)
+            }
     return None if attrs[0] in names else f"{module} has no attribute {attrs[0]!r} in __all__"
 
 

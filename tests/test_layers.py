@@ -333,7 +333,7 @@ def test_names_from_a_face_are_public_or_declared_internal() -> None:
                         )
                 continue
             if in_lab and target == "rrfp_async":
-                public, internal = set(rrfp_async.__all__), set()
+                public, internal = set(rrfp_async.__all__), set[str]()
             elif (
                 len(parts) != 2
                 or parts[0] != "rrfp_async"

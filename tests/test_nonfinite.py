@@ -53,8 +53,8 @@ def _step(**kw: Any) -> tuple[list[rr.TorchStageExecutor], BaseException | None]
         rr.run(pipe.run_step(_batches()))
     except rr.RRFPError as e:
         err = e
-    for e in execs:
-        e.close()
+    for ex in execs:
+        ex.close()
     return execs, err
 
 

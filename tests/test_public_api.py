@@ -177,7 +177,9 @@ def test_lazy_exports_match_the_type_checkers_imports(face: str) -> None:
                         continue
                     typed[alias.asname or alias.name] = "." * imp.level + (imp.module or "")
     assert namespaces == set(vars(mod).get("_NAMESPACES", ()))
-    table = next((v for k, v in vars(mod).items() if k in ("_EXPORTS", "_WHERE")), {})
+    table: dict[str, str] = next(
+        (v for k, v in vars(mod).items() if k in ("_EXPORTS", "_WHERE")), {}
+    )
     internal = vars(mod).get("_INTERNAL", {})
     assert table or internal
     assert not set(table) & set(internal)

@@ -105,6 +105,7 @@ def test_one_slow_forward_is_the_root_of_every_wait_it_caused(
         latency=0.1,
         record=True,
     )
+    assert r.trace is not None
     out = rr.observability.stalls(r.trace)
     slow = f"{stage}:{stage}F{mb}"
     assert [f"{s['rank']}:{s['task']}" for s in out["slow"]] == [slow]
@@ -129,6 +130,7 @@ def test_one_slow_forward_is_the_root_of_every_wait_it_caused(
 
 def test_without_a_slow_task_no_wait_has_a_root() -> None:
     r = rr.simulate(stages=P, microbatches=M, hint="1f1b", latency=0.1, record=True)
+    assert r.trace is not None
     out = rr.observability.stalls(r.trace)
     assert out["slow"] == [] and out["waits"]  # the fill and drain are waits, with no root
     assert all(w["root"] is None for w in out["waits"])

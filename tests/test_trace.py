@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 from typing import Any
 
@@ -297,8 +298,6 @@ def test_a_failed_write_keeps_the_previous_trace(
     temporary file is left (before: a torn file that is not JSON replaced the good one)."""
     import errno
 
-    from rrfp_async.observability import _chrome
-
     path = tmp_path / "t.json"
     good = rr.simulate(stages=2, microbatches=2, record=True).chrome_trace()
     rr.observability.write_trace(path, good)
@@ -307,7 +306,7 @@ def test_a_failed_write_keeps_the_previous_trace(
     def full(fd: int) -> None:
         raise OSError(errno.ENOSPC, "No space left on device")
 
-    monkeypatch.setattr(_chrome.os, "fsync", full)
+    monkeypatch.setattr(os, "fsync", full)  # the module the trace writer syncs with
     with pytest.raises(OSError, match="No space left"):
         rr.observability.write_trace(
             path, rr.simulate(stages=2, microbatches=4, record=True).chrome_trace()

@@ -32,7 +32,12 @@ from rrfp_async.observability import (
 
 pytestmark = pytest.mark.timeout(120)
 
-HOST_A = {"host": "a", "boot": "boot-a", "monotonic": 100.0, "wall": 1_700_000_000.0}
+HOST_A: dict[str, Any] = {
+    "host": "a",
+    "boot": "boot-a",
+    "monotonic": 100.0,
+    "wall": 1_700_000_000.0,
+}
 
 
 def _whole(stages: int = 3, mbs: int = 4) -> TraceData:

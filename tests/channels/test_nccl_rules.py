@@ -9,7 +9,7 @@ import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import pytest
 import torch
@@ -369,4 +369,6 @@ def test_a_pipeline_step_keeps_nccls_rules(tmp_path: Path, monkeypatch: pytest.M
     want = [dict(a.named_parameters()), dict(b.named_parameters())]
     for rank in (0, 1):
         for k, g in res[rank]["grads"].items():
-            torch.testing.assert_close(g, 2 * want[rank][k].grad, rtol=1e-6, atol=1e-6)
+            torch.testing.assert_close(
+                g, 2 * cast(torch.Tensor, want[rank][k].grad), rtol=1e-6, atol=1e-6
+            )

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import asyncio
-from typing import Any
+from typing import Any, cast
 
 import pytest
 import torch
@@ -423,7 +423,9 @@ _TURNS = [[1, 2, 3], [1, 3, 2], [3, 1, 2], [3, 2, 1]]  # 11 changes of sender
 def _message(src: int, i: int) -> tuple[rr.Task, Any]:
     """The ``i``-th message from ``src``: a task that names it, values that name it too."""
     kind, n = _SCRIPTS[src][i % len(_SCRIPTS[src])]
-    task = rr.Task(0, "FBIW"[i % 4], 100 * src + (97 - i))  # microbatches out of order
+    task = rr.Task(
+        0, cast(rr.Kind, "FBIW"[i % 4]), 100 * src + (97 - i)
+    )  # microbatches out of order
     v = float(1000 * src + i)
     if kind == "none":
         return task, None
@@ -557,7 +559,7 @@ async def _reused_buffer(rank: int, n: int) -> list[float]:
             return []
         await asyncio.wait_for(sink.done.wait(), 60)
         assert not sink.errors, sink.errors
-        out = []
+        out: list[Any] = []
         for _, task, p, _ in sorted(sink.got, key=lambda g: g[1].mb):
             assert task.mb == len(out)
             out.append(float(p.min()) if float(p.min()) == float(p.max()) else float("nan"))

@@ -168,8 +168,8 @@ def test_a_job_that_leaves_groups_env_config_seeds_and_threads_leaves_the_next_c
             }
     assert pool_pids()[:2] == zygotes[:2]  # the same pool: the slate is clean by design
     # The look is not vacuous: in the process that leaked, it sees every leak.
-    for rank, look in enumerate(pooled_spawn(_leak_then_look, 2)):
-        assert look == {
+    for rank, seen in enumerate(pooled_spawn(_leak_then_look, 2)):
+        assert seen == {
             "groups": 2,
             "message": 111 if rank else -1,
             "env": "leaked",

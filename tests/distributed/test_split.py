@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 import pytest
 import torch
@@ -76,7 +76,7 @@ def assert_same_forward_and_grads(
 
 
 def names(split: rr.distributed.StageSplit) -> list[tuple[str, ...]]:
-    return [m.block_names for m in split.modules]
+    return [cast(rr.distributed.StageModule, m).block_names for m in split.modules]
 
 
 # ------------------------------------------------------------------------------ splitting
@@ -91,8 +91,9 @@ def test_sequential_split_composes_to_the_model_bitwise() -> None:
     assert names(split) == [("0", "1"), ("2", "3"), ("4", "5")]
     assert all(isinstance(m, rr.distributed.StageModule) for m in split.modules)
     # The model's own block objects, not copies.
-    assert list(split.modules[1]) == [model[2], model[3]]
-    assert [len(m) for m in split.modules] == [2, 2, 2]
+    stages = [cast(nn.Sequential, m) for m in split.modules]
+    assert list(stages[1]) == [model[2], model[3]]
+    assert [len(m) for m in stages] == [2, 2, 2]
     assert_same_forward_and_grads(model, split, torch.randn(5, 4))
 
 
@@ -122,7 +123,7 @@ def test_int_spec_splits_evenly_by_blocks_the_first_stages_one_more() -> None:
     for n_blocks in range(1, 13):
         model = nn.Sequential(*(nn.Identity() for _ in range(n_blocks)))
         for n in range(1, n_blocks + 1):
-            sizes = [len(m) for m in rr.split_model(model, n).modules]
+            sizes = [len(cast(nn.Sequential, m)) for m in rr.split_model(model, n).modules]
             q, r = divmod(n_blocks, n)
             assert sizes == [q + 1] * r + [q] * (n - r), (n_blocks, n)
     net = make_net()
@@ -190,7 +191,7 @@ def test_batchnorm_buffers_are_the_models_own() -> None:
     assert split.modules[0].get_buffer("1.running_mean") is bn.running_mean
     before = bn.running_mean.clone()
     run(split, torch.randn(8, 4))  # training mode: the stage updates the statistics
-    assert int(bn.num_batches_tracked) == 1
+    assert int(cast(torch.Tensor, bn.num_batches_tracked)) == 1
     assert not torch.equal(bn.running_mean, before)
     model.eval()
     x = torch.randn(3, 4)
@@ -392,7 +393,10 @@ def test_bad_stage_modules_ties_and_stage_indices() -> None:
             lambda: rr.distributed.from_stage_modules([]),
             r"modules: a split needs at least one stage",
         ),
-        (lambda: rr.distributed.from_stage_modules([a, "b"]), r"modules: stage 1 is a str"),
+        (
+            lambda: rr.distributed.from_stage_modules([a, "b"]),  # type: ignore[list-item]  # a str on purpose
+            r"modules: stage 1 is a str",
+        ),
         (
             lambda: rr.distributed.from_stage_modules([a, b], ties=[{0: "weight", 2: "weight"}]),
             r"ties: .* stage 2",

@@ -195,7 +195,10 @@ def _sync_worker(rank: int, world: int) -> dict[str, Any]:
     layout = rr.ProcessLayout.from_world(pp=2)
     groups = rr.build_groups(layout)
     before = _portal_threads()
-    out = {"sync": _train(layout, groups, True), "async": _train(layout, groups, False)}
+    out: dict[str, Any] = {
+        "sync": _train(layout, groups, True),
+        "async": _train(layout, groups, False),
+    }
     out["disagree"] = _disagree(layout, groups)
     out["threads_left"] = _portal_threads() - before
     return out

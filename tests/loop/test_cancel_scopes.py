@@ -13,7 +13,7 @@ so what it cuts is decided by causality, not by how busy the machine is.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any
 
 import anyio
@@ -110,7 +110,7 @@ async def _under(
     return "finished"
 
 
-def _run(kind: str, main: Callable[[], Awaitable[Any]]) -> Any:
+def _run(kind: str, main: Callable[[], Coroutine[Any, Any, Any]]) -> Any:
     factory = {
         "virtual": rr.sim.VirtualEventLoop,
         "asyncio": None,

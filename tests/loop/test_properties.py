@@ -15,7 +15,7 @@ import random
 from hypothesis import given
 from hypothesis import strategies as st
 
-from rrfp_async import StepPlan, Topology, simulate
+from rrfp_async import Placement, StepPlan, Topology, simulate
 from rrfp_async._tasks import activation_delta
 from rrfp_async.errors import HintError
 from rrfp_async.policies import HINTS, make_hint, validate_hint
@@ -28,7 +28,7 @@ def configs(draw: st.DrawFn) -> dict[str, object]:
     p = draw(st.integers(1, 8))
     v = draw(st.integers(1, 3))
     m = draw(st.integers(1, 32))
-    placement = draw(st.sampled_from(["interleaved", "interleaved", "vshape"]))
+    placement: Placement = draw(st.sampled_from(["interleaved", "interleaved", "vshape"]))
     split = draw(st.booleans())
     ordered = split and draw(st.booleans())
     plan = StepPlan(

@@ -26,6 +26,9 @@ pytestmark = pytest.mark.timeout(60)
 class _Sink:
     """An endpoint that drops what the stage sends (the ranks it sends to are not here)."""
 
+    rank = 0
+    inflight = 0
+
     def bind(self, sink: Any) -> None:
         pass
 

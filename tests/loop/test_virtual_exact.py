@@ -30,7 +30,7 @@ def test_timers_fire_in_order_at_their_own_time(start: float) -> None:
     fired: list[tuple[int, float]] = []
     try:
         for i, delay in enumerate([3e6, 1.0, 2.5e-7, 1e-12, 0.0]):
-            loop.call_later(delay, lambda i=i: fired.append((i, loop.time())))
+            loop.call_later(delay, lambda i=i: fired.append((i, loop.time())))  # type: ignore[misc]  # mypy infers no type for a defaulted lambda argument
         loop.call_later(4e6, loop.stop)
         loop.run_forever()
     finally:

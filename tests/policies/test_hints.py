@@ -189,7 +189,7 @@ def test_interleaved_matches_torch_implementation_exhaustively() -> None:
     ct = getattr(schedules, "_ComputationType", None)
     if cls is None or ct is None or not hasattr(cls, "_calculate_single_rank_operations"):
         pytest.skip("torch's private schedule API changed")
-    kind = {ct.FORWARD: "F", ct.FULL_BACKWARD: "B"}
+    kind: dict[object, rr.Kind] = {ct.FORWARD: "F", ct.FULL_BACKWARD: "B"}
     for p, v, m in itertools.product([1, 2, 3, 4], [1, 2, 3], [1, 2, 4, 6, 8, 12]):
         rounds = max(1, m // p)
         if m % rounds:
