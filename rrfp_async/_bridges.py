@@ -147,7 +147,8 @@ class _DedicatedThreads:
     A thread that has finished its call parks for a while and is handed the next call, so a
     call costs a queue hand-off instead of a thread start (the difference:
     BENCHMARKS.md#notes-from-the-runtimes-docstrings); a call never waits behind another
-    one, because only idle threads are reused. At most ``max_idle`` threads stay parked, each for at most ``idle_timeout`` seconds.
+    one, because only idle threads are reused. At most ``max_idle`` threads stay parked,
+    each for at most ``idle_timeout`` seconds.
     """
 
     def __init__(self, max_idle: int = 64, idle_timeout: float = 10.0) -> None:
