@@ -26,10 +26,11 @@ documented semantics:
   operation a little later (``RRFP_NCCL_RULES_LAG`` seconds, a millisecond by default) on
   its device thread; a receive buffer holds poison (all bits set: NaN, -1) until then; the
   completion reaches whoever waits on an event recorded after ``wait()`` on a host stream
-  (``rrfp_async._streams``). So a tensor read before the event of its receive reads
-  poison, and a ``wait()`` with no stream current (the default stream: NCCL would stall
-  everything ordered after it there) is an error. A send reads its tensor when it runs: a tensor freed before (not kept alive
-  until its send completed) is an error, a reused buffer sends what it holds then.
+  (``rrfp_async._streams``). So a tensor read before the event of its receive reads poison,
+  and a ``wait()`` with no stream current (the default stream: NCCL would stall everything
+  ordered after it there) is an error. A send reads its tensor when it runs: a tensor freed
+  before (not kept alive until its send completed) is an error, a reused buffer sends what
+  it holds then.
 * **A receive is posted only after its header said it comes** (a receive kept posted on an
   NCCL communicator blocks the stream behind it): ``observe`` wraps the gloo control group,
   reads the headers that go by, and counts those announcing a device payload (kind
