@@ -20,7 +20,7 @@ async def main() -> None:
     schedule = rr.StepSchedule.build(
         plan, "1f1b", durations=cost.declared(plan, mbs), memory_factor=2.0
     )
-    pipe = rr.LocalPipeline(schedule, rr.CostModelExecutor(cost, seed=0), policy="backfill")
+    pipe = rr.LocalPipeline(schedule, rr.sim.CostModelExecutor(cost, seed=0), policy="backfill")
     beats = 0
 
     async def heartbeat() -> None:

@@ -81,7 +81,7 @@ def launch(argv: list[str], args: argparse.Namespace) -> int:
         "--rdzv-backend",
         "c10d",
         "--rdzv-endpoint",
-        f"127.0.0.1:{rr.free_port()}",
+        f"127.0.0.1:{rr.testing.free_port()}",
         __file__,
         *argv,
     ]

@@ -95,10 +95,10 @@ def report(figures: list[torch.Tensor], cfg: lab.TrainConfig) -> None:
     slowest rank's) and the speedup step by step, with its min-max and whether it is noise.
 
     Step ``i`` of every policy trains on the same microbatches with the same emulated noise,
-    so the speedup is paired step by step (``rr.paired_ratio``): the median of the per-step
-    ratios, "within noise" unless the signed-rank test finds a difference ("too few steps to
-    judge" below 6 steps, where it cannot), and "same order as <first>" when neither policy
-    ever left the hint's order (then the ratio is noise whatever it is)."""
+    so the speedup is paired step by step (``rr.observability.paired_ratio``): the median of
+    the per-step ratios, "within noise" unless the signed-rank test finds a difference ("too
+    few steps to judge" below 6 steps, where it cannot), and "same order as <first>" when
+    neither policy ever left the hint's order (then the ratio is noise whatever it is)."""
     base: tuple[str, list[float], int] | None = None
     print(
         f"{cfg.steps} timed steps per policy, taken in turn; a step = the slowest rank,"
@@ -110,7 +110,7 @@ def report(figures: list[torch.Tensor], cfg: lab.TrainConfig) -> None:
         losses = [float(x) for r in rows for x in r[cfg.steps : -1] if not torch.isnan(x)]
         deviations = int(sum(float(r[-1]) for r in rows))
         base = base or (policy, steps, deviations)
-        vs = rr.paired_ratio(base[1], steps, same_order=base[2] == deviations == 0)
+        vs = rr.observability.paired_ratio(base[1], steps, same_order=base[2] == deviations == 0)
         print(
             f"{policy:16} median step {statistics.median(steps) * 1e3:7.1f} ms"
             f"  speedup {vs.median:.3f}x  deviations {deviations:4d}"

@@ -1,326 +1,270 @@
 """rrfp_async: readiness-first pipeline-parallel training steps, driven by asyncio.
 
-The friendly public API, pulled together from the private modules and the layers:
+The friendly public API, pulled together from the private modules and the layers. The top
+level holds what a user writing a training loop, a policy or a simulation reaches for:
 
-* the schedule IR: ``Task``, ``Topology``, ``StepPlan``;
-* costs and workloads: ``Microbatch``, ``CostModel``, ``Durations``, ``make_workload``;
-* deciding (``rrfp_async.policies``): hints, ``StepSchedule``, policies;
-* running (``rrfp_async.loop``): ``StageLoop``, ``LocalPipeline``, ``run``, the bridges;
-* distributed: ``ProcessLayout``, ``build_groups``, ``DistributedStage``,
-  ``TorchStageExecutor``, ``EmulatedCost``, ``spawn`` (``report_progress``: a worker's
-  messages to its ``on_progress``); splitting a model into stage
-  modules with the parameters they share: ``split_model``, ``from_stage_modules``,
-  ``from_pipe``, ``StageSplit``, ``StageModule``; a Hugging Face causal LM in one call:
-  ``split_causal_lm``, ``CausalLMSplit``, ``CausalLMStage``;
-* simulating: ``simulate``, ``compare``, ``SimResult``;
-* reporting a measured speedup honestly: ``paired_ratio``, ``PairedRatio``;
-* the tasks' random streams (dropout independent of the dispatch order) and their
-  single-process reference: ``task_rng``, ``task_seed``;
-* errors: ``RRFPError`` and its subclasses.
+* the schedule IR: ``Task``, ``Kind``, ``Topology``, ``Placement``, ``StepPlan``,
+  ``parse_tasks``, ``format_tasks``;
+* costs and workloads: ``Microbatch``, ``CostModel``, ``StageProfile``, ``Durations``,
+  ``make_workload``;
+* deciding: ``StepSchedule``, ``Policy``, ``PolicyBase``, ``ReadyView``,
+  ``register_policy``;
+* running a stage: ``StageLoop``, ``LocalPipeline``, ``run``, ``Executor``,
+  ``TaskContext``, ``StepStats``;
+* across processes: ``ProcessLayout``, ``build_groups``, ``DistributedStage``,
+  ``TorchStageExecutor``, ``EmulatedCost``, ``spawn``, ``Args``; splitting a model:
+  ``split_model``, ``split_causal_lm``;
+* simulating: ``simulate``, ``compare``;
+* logging: ``configure_logging``, ``LogObserver``;
+* the tasks' random streams (dropout independent of the dispatch order): ``task_rng``,
+  ``task_seed``;
+* the errors a training loop catches: ``RRFPError`` (the base), ``PlanError``,
+  ``StepTimeoutError``, ``PeerStepError``, ``DeadlockError``.
+
+The rest lives in namespaces, each reachable as an attribute (``rr.sim.SimResult``):
+``rrfp_async.errors`` (every error, the tree drawn in its docstring),
+``rrfp_async.policies`` (hints, the built-in policies, admission), ``rrfp_async.sim`` (the
+simulator's results, cost-model executor, virtual clock, workloads),
+``rrfp_async.observability`` (traces, summaries, stalls, the paired speedup),
+``rrfp_async.distributed`` (groups, the model splitters' parts, ``report_progress``),
+``rrfp_async.loop`` (the stage loop's parts), ``rrfp_async.channels`` and
+``rrfp_async.testing`` (the NCCL-rules checker, ``free_port``). The names that left the
+top level still resolve there until 0.2, with a ``DeprecationWarning`` naming the new path.
 """
 
+from __future__ import annotations
+
+import importlib
 from typing import TYPE_CHECKING, Any
 
 from ._lazy import exports
 
 __version__ = "0.1.0"
 
-# The public names and where each lives. ``import rrfp_async`` imports none of them (no
-# torch): a name's module is imported when the name is first used, so the command line's
-# ``--help`` and code that needs only the simulator stay light (see ``__getattr__``).
+# The public names and where each lives: the one list of the face (``__all__`` is its keys).
+# ``import rrfp_async`` imports none of them (no torch): a name's module is imported when the
+# name is first used, so the command line's ``--help`` and code that needs only the
+# simulator stay light (see ``__getattr__``). Type checkers read the same names from the
+# ``if TYPE_CHECKING:`` imports below; tests/test_public_api.py holds the two equal.
 _EXPORTS: dict[str, str] = {
-    "AdmissionLedger": "._admission",
-    "Args": "._pytree",
-    "CausalLMSplit": ".distributed._causal_lm",
-    "CausalLMStage": ".distributed._causal_lm_stage",
-    "ChannelError": "._errors",
-    "ClosedError": "._errors",
-    "CostModel": "._costs",
-    "CostModelExecutor": ".loop._executors",
-    "DeadlockError": "._errors",
-    "DistributedStage": ".distributed._dist_stage",
-    "DivergenceError": "._errors",
-    "Durations": "._costs",
-    "EmulatedCost": ".distributed._emulation",
-    "ExecutedTask": ".loop",
-    "Executor": ".loop._executors",
-    "ExtraMissingError": "._errors",
-    "HINTS": ".policies",
-    "HintError": "._errors",
-    "InterruptedStepError": "._errors",
+    # the schedule IR
     "Kind": "._tasks",
-    "LocalPipeline": ".loop",
-    "LogObserver": ".observability",
-    "Microbatch": "._costs",
-    "MultiObserver": ".observability",
-    "NonFinite": ".distributed._nonfinite",
-    "NonFiniteError": "._errors",
-    "ObserverError": "._errors",
-    "PairedRatio": ".observability",
-    "PeerError": "._errors",
-    "PeerStepError": "._errors",
     "Placement": "._tasks",
-    "PlanError": "._errors",
+    "StepPlan": "._tasks",
+    "Task": "._tasks",
+    "Topology": "._tasks",
+    "format_tasks": "._tasks",
+    "parse_tasks": "._tasks",
+    # costs and workloads
+    "CostModel": "._costs",
+    "Durations": "._costs",
+    "Microbatch": "._costs",
+    "StageProfile": "._costs",
+    "make_workload": "._workloads",
+    # deciding
     "Policy": ".policies",
     "PolicyBase": ".policies",
-    "PolicyError": "._errors",
-    "ProcessLayout": ".distributed._layout",
-    "ProtocolError": "._errors",
-    "RRFPError": "._errors",
     "ReadyView": ".policies",
-    "SimResult": ".sim._simulate",
-    "SpawnError": "._errors",
-    "StageGroups": ".distributed._layout",
-    "StageLoop": ".loop",
-    "StageModule": ".distributed._split",
-    "StageProfile": "._costs",
-    "StageSplit": ".distributed._split",
-    "StepPlan": "._tasks",
     "StepSchedule": ".policies",
-    "StepStats": ".loop",
-    "StepTimeoutError": "._errors",
-    "Task": "._tasks",
-    "TaskContext": ".loop._executors",
-    "Topology": "._tasks",
-    "TorchStageExecutor": ".distributed._torch_executor",
-    "TraceData": ".observability",
-    "TraceError": "._errors",
-    "TraceRecorder": ".observability",
-    "VirtualEventLoop": ".loop",
-    "WORKLOADS": "._workloads",
-    "Workload": "._workloads",
-    "build_groups": ".distributed._layout",
-    "chrome_trace": ".observability",
-    "compare": ".sim._simulate",
-    "configure_logging": ".observability",
-    "format_tasks": "._tasks",
-    "free_port": ".distributed._spawn",
-    "from_pipe": ".distributed._split",
-    "from_stage_modules": ".distributed._split",
-    "hint_from_torch": ".policies",
-    "hint_peak": "._admission",
-    "load_trace": ".observability",
-    "lower_bound": ".sim._simulate",
-    "make_hint": ".policies",
-    "make_workload": "._workloads",
-    "merge_traces": ".observability",
-    "paired_ratio": ".observability",
-    "parse_tasks": "._tasks",
-    "pipeline_neighbors": ".distributed._layout",
-    "readiness_first": ".policies",
     "register_policy": ".policies",
-    "render_png": ".observability",
+    # running a stage
+    "Executor": ".loop",
+    "LocalPipeline": ".loop",
+    "StageLoop": ".loop",
+    "StepStats": ".loop",
+    "TaskContext": ".loop",
     "run": ".loop",
-    "simulate": ".sim._simulate",
-    "report_progress": ".distributed._spawn",
-    "spawn": ".distributed._spawn",
-    "split_causal_lm": ".distributed._causal_lm",
-    "split_model": ".distributed._split",
-    "stalls": ".observability",
-    "strict": ".policies",
-    "summarize": ".observability",
+    # across processes
+    "Args": "._pytree",
+    "DistributedStage": ".distributed",
+    "EmulatedCost": ".distributed",
+    "ProcessLayout": ".distributed",
+    "TorchStageExecutor": ".distributed",
+    "build_groups": ".distributed",
+    "spawn": ".distributed",
+    "split_causal_lm": ".distributed",
+    "split_model": ".distributed",
+    # simulating
+    "compare": ".sim",
+    "simulate": ".sim",
+    # logging
+    "LogObserver": ".observability",
+    "configure_logging": ".observability",
+    # the tasks' random streams
     "task_rng": "._rng",
     "task_seed": "._rng",
-    "validate_chrome_trace": ".observability",
-    "validate_hint": ".policies",
-    "write_trace": ".observability",
+    # the errors a training loop catches (all of them: rrfp_async.errors)
+    "DeadlockError": ".errors",
+    "PeerStepError": ".errors",
+    "PlanError": ".errors",
+    "RRFPError": ".errors",
+    "StepTimeoutError": ".errors",
 }
 
-if TYPE_CHECKING:  # the same names for type checkers (tests/test_public_api.py holds them equal)
-    from ._admission import AdmissionLedger, hint_peak
-    from ._costs import CostModel, Durations, Microbatch, StageProfile
-    from ._errors import (
-        ChannelError,
-        ClosedError,
-        DeadlockError,
-        DivergenceError,
-        ExtraMissingError,
-        HintError,
-        InterruptedStepError,
-        NonFiniteError,
-        ObserverError,
-        PeerError,
-        PeerStepError,
-        PlanError,
-        PolicyError,
-        ProtocolError,
-        RRFPError,
-        SpawnError,
-        StepTimeoutError,
-        TraceError,
-    )
-    from ._pytree import Args
-    from ._rng import task_rng, task_seed
-    from ._tasks import Kind, Placement, StepPlan, Task, Topology, format_tasks, parse_tasks
-    from ._workloads import WORKLOADS, Workload, make_workload
-    from .distributed._causal_lm import CausalLMSplit, split_causal_lm
-    from .distributed._causal_lm_stage import CausalLMStage
-    from .distributed._dist_stage import DistributedStage
-    from .distributed._emulation import EmulatedCost
-    from .distributed._layout import ProcessLayout, StageGroups, build_groups, pipeline_neighbors
-    from .distributed._nonfinite import NonFinite
-    from .distributed._spawn import free_port, report_progress, spawn
-    from .distributed._split import (
-        StageModule,
-        StageSplit,
-        from_pipe,
-        from_stage_modules,
-        split_model,
-    )
-    from .distributed._torch_executor import TorchStageExecutor
-    from .loop import ExecutedTask, LocalPipeline, StageLoop, StepStats, VirtualEventLoop, run
-    from .loop._executors import CostModelExecutor, Executor, TaskContext
-    from .observability import (
-        LogObserver,
-        MultiObserver,
-        PairedRatio,
-        TraceData,
-        TraceRecorder,
-        chrome_trace,
-        configure_logging,
-        load_trace,
-        merge_traces,
-        paired_ratio,
-        render_png,
-        stalls,
-        summarize,
-        validate_chrome_trace,
-        write_trace,
-    )
-    from .policies import (
-        HINTS,
-        Policy,
-        PolicyBase,
-        ReadyView,
-        StepSchedule,
-        hint_from_torch,
-        make_hint,
-        readiness_first,
-        register_policy,
-        strict,
-        validate_hint,
-    )
-    from .sim._simulate import SimResult, compare, lower_bound, simulate
+#: The namespaces, reachable as attributes of the face without an import of their own.
+_NAMESPACES = frozenset(
+    {"channels", "distributed", "errors", "loop", "observability", "policies", "sim", "testing"}
+)
 
+#: Names that left the top level, and their new home: until 0.2 ``rrfp_async.<name>`` still
+#: resolves (to the same object) with a ``DeprecationWarning`` naming the new path. The
+#: example model's harness moved to the lab (``rrfp_lab``): it is looked up by name when
+#: used, never imported by the runtime's layers (tests/test_layers.py).
+_MOVED: dict[str, str] = {
+    **dict.fromkeys(
+        (
+            "ChannelError",
+            "ClosedError",
+            "DivergenceError",
+            "ExtraMissingError",
+            "HintError",
+            "InterruptedStepError",
+            "NonFiniteError",
+            "ObserverError",
+            "PeerError",
+            "PolicyError",
+            "ProtocolError",
+            "SpawnError",
+            "TraceError",
+        ),
+        "rrfp_async.errors",
+    ),
+    **dict.fromkeys(
+        (
+            "AdmissionLedger",
+            "HINTS",
+            "hint_from_torch",
+            "hint_peak",
+            "make_hint",
+            "readiness_first",
+            "strict",
+            "validate_hint",
+        ),
+        "rrfp_async.policies",
+    ),
+    **dict.fromkeys(
+        (
+            "CostModelExecutor",
+            "SimResult",
+            "VirtualEventLoop",
+            "WORKLOADS",
+            "Workload",
+            "lower_bound",
+        ),
+        "rrfp_async.sim",
+    ),
+    **dict.fromkeys(
+        (
+            "MultiObserver",
+            "PairedRatio",
+            "TraceData",
+            "TraceRecorder",
+            "chrome_trace",
+            "load_trace",
+            "merge_traces",
+            "paired_ratio",
+            "render_png",
+            "stalls",
+            "summarize",
+            "validate_chrome_trace",
+            "write_trace",
+        ),
+        "rrfp_async.observability",
+    ),
+    **dict.fromkeys(
+        (
+            "CausalLMSplit",
+            "CausalLMStage",
+            "NonFinite",
+            "StageGroups",
+            "StageModule",
+            "StageSplit",
+            "from_pipe",
+            "from_stage_modules",
+            "pipeline_neighbors",
+            "report_progress",
+        ),
+        "rrfp_async.distributed",
+    ),
+    "ExecutedTask": "rrfp_async.loop",
+    "free_port": "rrfp_async.testing",
+    **dict.fromkeys(("TrainConfig", "TrainResult", "image_text_cost", "train_worker"), "rrfp_lab"),
+}
 
-_exported, __dir__ = exports(__name__, _EXPORTS)
+if TYPE_CHECKING:  # the same names for type checkers (``X as X``: an explicit re-export)
+    from . import channels as channels
+    from . import distributed as distributed
+    from . import errors as errors
+    from . import loop as loop
+    from . import observability as observability
+    from . import policies as policies
+    from . import sim as sim
+    from . import testing as testing
+    from ._costs import CostModel as CostModel
+    from ._costs import Durations as Durations
+    from ._costs import Microbatch as Microbatch
+    from ._costs import StageProfile as StageProfile
+    from ._pytree import Args as Args
+    from ._rng import task_rng as task_rng
+    from ._rng import task_seed as task_seed
+    from ._tasks import Kind as Kind
+    from ._tasks import Placement as Placement
+    from ._tasks import StepPlan as StepPlan
+    from ._tasks import Task as Task
+    from ._tasks import Topology as Topology
+    from ._tasks import format_tasks as format_tasks
+    from ._tasks import parse_tasks as parse_tasks
+    from ._workloads import make_workload as make_workload
+    from .distributed import DistributedStage as DistributedStage
+    from .distributed import EmulatedCost as EmulatedCost
+    from .distributed import ProcessLayout as ProcessLayout
+    from .distributed import TorchStageExecutor as TorchStageExecutor
+    from .distributed import build_groups as build_groups
+    from .distributed import spawn as spawn
+    from .distributed import split_causal_lm as split_causal_lm
+    from .distributed import split_model as split_model
+    from .errors import DeadlockError as DeadlockError
+    from .errors import PeerStepError as PeerStepError
+    from .errors import PlanError as PlanError
+    from .errors import RRFPError as RRFPError
+    from .errors import StepTimeoutError as StepTimeoutError
+    from .loop import Executor as Executor
+    from .loop import LocalPipeline as LocalPipeline
+    from .loop import StageLoop as StageLoop
+    from .loop import StepStats as StepStats
+    from .loop import TaskContext as TaskContext
+    from .loop import run as run
+    from .observability import LogObserver as LogObserver
+    from .observability import configure_logging as configure_logging
+    from .policies import Policy as Policy
+    from .policies import PolicyBase as PolicyBase
+    from .policies import ReadyView as ReadyView
+    from .policies import StepSchedule as StepSchedule
+    from .policies import register_policy as register_policy
+    from .sim import compare as compare
+    from .sim import simulate as simulate
 
-# The example model's training harness moved to the lab (``rrfp_lab``, beside the runtime);
-# until 0.2 its old names still resolve, with a warning. The lab's module is looked up by
-# name here, never imported by the runtime's layers (tests/test_layers.py).
-_MOVED_TO_LAB = frozenset({"TrainConfig", "TrainResult", "image_text_cost", "train_worker"})
+__all__ = sorted(_EXPORTS)
+
+_exported, _dir = exports(__name__, _EXPORTS)
 
 
 def __getattr__(name: str) -> Any:
-    if name in _MOVED_TO_LAB:
-        import importlib
+    if name in _NAMESPACES:
+        return importlib.import_module(f".{name}", __name__)
+    new = _MOVED.get(name)
+    if new is not None:
         import warnings
 
         warnings.warn(
-            f"rrfp_async.{name} moved to rrfp_lab.{name} (the example model's training"
-            f" harness is lab, not runtime): `from rrfp_lab import {name}`; the old name goes"
-            " in 0.2",
+            f"rrfp_async.{name} moved to {new}.{name}: `from {new} import {name}`; the old"
+            " name goes in 0.2",
             DeprecationWarning,
             stacklevel=2,
         )
-        return getattr(importlib.import_module("rrfp_lab"), name)
+        return getattr(importlib.import_module(new), name)
     return _exported(name)
 
 
-__all__ = [
-    "HINTS",
-    "WORKLOADS",
-    "AdmissionLedger",
-    "Args",
-    "CausalLMSplit",
-    "CausalLMStage",
-    "ChannelError",
-    "ClosedError",
-    "CostModel",
-    "CostModelExecutor",
-    "DeadlockError",
-    "DistributedStage",
-    "DivergenceError",
-    "Durations",
-    "EmulatedCost",
-    "ExecutedTask",
-    "Executor",
-    "ExtraMissingError",
-    "HintError",
-    "InterruptedStepError",
-    "Kind",
-    "LocalPipeline",
-    "LogObserver",
-    "Microbatch",
-    "MultiObserver",
-    "NonFinite",
-    "NonFiniteError",
-    "ObserverError",
-    "PairedRatio",
-    "PeerError",
-    "PeerStepError",
-    "Placement",
-    "PlanError",
-    "Policy",
-    "PolicyBase",
-    "PolicyError",
-    "ProcessLayout",
-    "ProtocolError",
-    "RRFPError",
-    "ReadyView",
-    "SimResult",
-    "SpawnError",
-    "StageGroups",
-    "StageLoop",
-    "StageModule",
-    "StageProfile",
-    "StageSplit",
-    "StepPlan",
-    "StepSchedule",
-    "StepStats",
-    "StepTimeoutError",
-    "Task",
-    "TaskContext",
-    "Topology",
-    "TorchStageExecutor",
-    "TraceData",
-    "TraceError",
-    "TraceRecorder",
-    "VirtualEventLoop",
-    "Workload",
-    "build_groups",
-    "chrome_trace",
-    "compare",
-    "configure_logging",
-    "format_tasks",
-    "free_port",
-    "from_pipe",
-    "from_stage_modules",
-    "hint_from_torch",
-    "hint_peak",
-    "load_trace",
-    "lower_bound",
-    "make_hint",
-    "make_workload",
-    "merge_traces",
-    "paired_ratio",
-    "parse_tasks",
-    "pipeline_neighbors",
-    "readiness_first",
-    "register_policy",
-    "render_png",
-    "report_progress",
-    "run",
-    "simulate",
-    "spawn",
-    "split_causal_lm",
-    "split_model",
-    "stalls",
-    "strict",
-    "summarize",
-    "task_rng",
-    "task_seed",
-    "validate_chrome_trace",
-    "validate_hint",
-    "write_trace",
-]
+def __dir__() -> list[str]:
+    return sorted({*_dir(), *_NAMESPACES})

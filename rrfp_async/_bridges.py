@@ -145,9 +145,10 @@ class _DedicatedThreads:
     """Daemon threads for blocking calls: each call has a thread to itself while it runs.
 
     A thread that has finished its call parks for a while and is handed the next call, so a
-    call costs a queue hand-off instead of a thread start (about 60 µs less here); a call
-    never waits behind another one, because only idle threads are reused. At most
-    ``max_idle`` threads stay parked, each for at most ``idle_timeout`` seconds.
+    call costs a queue hand-off instead of a thread start (the difference:
+    BENCHMARKS.md#notes-from-the-runtimes-docstrings); a call never waits behind another
+    one, because only idle threads are reused. At most ``max_idle`` threads stay parked,
+    each for at most ``idle_timeout`` seconds.
     """
 
     def __init__(self, max_idle: int = 64, idle_timeout: float = 10.0) -> None:
@@ -293,9 +294,10 @@ def cuda_event_future(
       the event with ``torch.cuda.Event(blocking=True)``: otherwise the CUDA runtime
       spin-waits and the helper thread keeps a CPU core busy until the event completes.
     * ``mode="poll"``: ``event.query()`` from the loop, with timers (``loop.call_later``)
-      backing off exponentially from 20 µs to 1 ms; never a busy loop. The effective
-      resolution is the loop's timer granularity (about 1 ms for asyncio's epoll loop;
-      uvloop runs sub-millisecond timers on the next iteration).
+      backing off exponentially from ``_POLL_FIRST_S`` to ``_POLL_MAX_S``; never a busy
+      loop. The effective resolution is the loop's timer granularity (asyncio's epoll loop
+      rounds a timer to its clock's resolution; uvloop runs sub-millisecond timers on the
+      next iteration).
 
     Args:
         event: A CUDA event that has been recorded on a stream.

@@ -10,8 +10,8 @@ stages of a pipeline would draw the same sequence. So each forward runs on a str
 own, derived from ``(seed, step, stage, microbatch)`` alone: the executor saves the
 generators' states (the CPU one and those of the CUDA devices the stage lives on), seeds
 them with :func:`task_seed`, runs the forward and puts the saved states back, the shape of
-``torch.random.fork_rng`` at a fraction of its price (3.5 us against ~150 us for
-``fork_rng`` + ``torch.manual_seed`` on this machine: that one visits every device type).
+``torch.random.fork_rng`` at a fraction of its price (``fork_rng`` + ``torch.manual_seed``
+visit every device type; the figures: BENCHMARKS.md#notes-from-the-runtimes-docstrings).
 The stream is re-derived per task, never continued: Megatron's ``CudaRNGStatesTracker``
 forks *named* streams that carry on from call to call, and a stream that carries on is
 exactly what depends on the order. The saved states are put back so that whatever the

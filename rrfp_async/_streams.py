@@ -10,7 +10,7 @@ compute stream waits on it; nothing waits on the default stream, and no host thr
 in a device operation.
 
 On a CPU there is no device to order things on, but the same code runs (gloo, tests, the
-NCCL-rules checker of ``channels._nccl_rules``). ``HostStream`` and ``HostEvent`` are the CPU
+NCCL-rules checker of ``rrfp_async.testing``). ``HostStream`` and ``HostEvent`` are the CPU
 stand-ins: a host stream collects *pending completions* (``Pending``) that were ordered on it
 while it was the thread's current stream (``use_host_stream``), an event recorded on it
 captures those, and ``synchronize()`` waits for them. With plain gloo nothing is ever pending

@@ -39,13 +39,6 @@ from rrfp_async.distributed import (
     report_progress,
 )
 from rrfp_async.loop import StepStats, run
-from rrfp_async.models import TPContext
-from rrfp_async.models.image_text import (
-    ImageTextConfig,
-    build_stage_modules,
-    loss_fn,
-    make_microbatches,
-)
 from rrfp_async.observability import (
     LogFormat,
     LogObserver,
@@ -58,6 +51,13 @@ from rrfp_async.observability import (
     write_trace,
 )
 from rrfp_async.policies import StepSchedule
+from rrfp_lab.models import TPContext
+from rrfp_lab.models.image_text import (
+    ImageTextConfig,
+    build_stage_modules,
+    loss_fn,
+    make_microbatches,
+)
 
 __all__ = [
     "TrainConfig",
@@ -170,7 +170,7 @@ class TrainConfig:
             step) as a Chrome / Perfetto JSON file ``{trace_dir}/{policy}/rank{r}.json`` (one
             directory per policy, one file per global rank, written when the policy's
             training ends, and when it fails). Merge a policy's files into one timeline with
-            ``rrfp-async trace {trace_dir}/{policy}`` or ``rr.merge_traces``.
+            ``rrfp-async trace {trace_dir}/{policy}`` or ``rr.observability.merge_traces``.
         log_format: Configure step-traced logs in every process ("json" / "console").
         log_level: Their level.
         progress: Rank 0 reports ``(policy, step)`` after each step (``report_progress``).

@@ -372,7 +372,7 @@ def hf_worker(rank: int, world: int, cfg: HFConfig) -> dict[str, Any]:
             for key in order:
                 results[key][0].append(fns[key](s))
             if rank == 0:
-                from rrfp_async import report_progress
+                from rrfp_async.distributed import report_progress
 
                 report_progress(s)
     finally:

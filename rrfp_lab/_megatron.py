@@ -22,7 +22,7 @@ which sends each tensor's shape ahead of it). Per step and configuration every p
 enters a barrier, runs one training step (no optimizer step, so every configuration
 computes the same losses, which is checked) and the slowest rank's time is the step time;
 configurations are interleaved step by step and compared step by step (paired ratios). The
-efficiency is the lower bound of the step (``rrfp_async.lower_bound`` of the realised
+efficiency is the lower bound of the step (``rrfp_async.sim.lower_bound`` of the realised
 emulated durations) over the measured step.
 
 megatron-core assumes a GPU; the worker processes map it to the CPU (``_megatron_cpu``).
@@ -195,9 +195,9 @@ def megatron_worker(rank: int, world: int, cfg: MegatronBenchConfig) -> dict[str
     from megatron.core.process_groups_config import ProcessGroupCollection
     from megatron.core.transformer.transformer_config import TransformerConfig
 
-    from rrfp_async import hint_peak
     from rrfp_async.integrations import get_forward_backward_func as rr_fb
     from rrfp_async.integrations import megatron_order
+    from rrfp_async.policies import hint_peak
 
     from ._peer import slowest
     from ._peer_stage import fill_table
@@ -296,7 +296,7 @@ def megatron_worker(rank: int, world: int, cfg: MegatronBenchConfig) -> dict[str
                 assert run.fn is not None
                 run.times.append(run.fn(s))
             if rank == 0:
-                from rrfp_async import report_progress
+                from rrfp_async.distributed import report_progress
 
                 report_progress(s)
     finally:

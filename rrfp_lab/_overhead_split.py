@@ -56,7 +56,7 @@ def split_backward_cost(
     from rrfp_async import StepPlan, Task, Topology
     from rrfp_async.distributed import TorchStageExecutor
     from rrfp_async.loop import TaskContext
-    from rrfp_async.models.image_text import (
+    from rrfp_lab.models.image_text import (
         ImageTextConfig,
         build_stage_modules,
         loss_fn,

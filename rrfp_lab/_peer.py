@@ -32,7 +32,7 @@ Per step and configuration, every process enters a barrier, runs one training st
 optimizer step: the weights stay put, so every configuration computes the same losses,
 which the benchmark checks), and the slowest rank's time is the step time. Configurations
 are interleaved step by step (the machine is noisy); the median over the timed steps is
-reported. Efficiency = a lower bound of the step (``rrfp_async.lower_bound`` of the
+reported. Efficiency = a lower bound of the step (``rrfp_async.sim.lower_bound`` of the
 realized emulated durations, no communication, no host compute) / the measured step.
 
 Where it lives: ``_peer_config`` (the configuration, result rows and each step's work;
@@ -119,7 +119,7 @@ def peer_worker(rank: int, world: int, cfg: PeerConfig) -> dict[str, Any]:
                     current = run.chunks
                 run.times.append(run.fn(s))
             if rank == 0:
-                from rrfp_async import report_progress
+                from rrfp_async.distributed import report_progress
 
                 report_progress(s)
     finally:

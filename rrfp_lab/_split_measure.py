@@ -88,7 +88,7 @@ def measure_split_backward(
 
     from rrfp_async import Topology
     from rrfp_async.loop import TaskContext
-    from rrfp_async.models.image_text import (
+    from rrfp_lab.models.image_text import (
         ImageTextConfig,
         build_stage_modules,
         loss_fn,

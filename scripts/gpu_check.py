@@ -316,8 +316,9 @@ def _reference_rank(rank: int, world: int, device: str) -> dict[str, Any]:
 
 
 def part_reference(cpu: bool) -> None:
-    from rrfp_async.channels import _nccl_rules as rules
-    from rrfp_async.channels._nccl_logs import check_logs
+
+    from rrfp_async.testing import nccl_logs
+    from rrfp_async.testing import nccl_rules as rules
 
     dev = torch.device("cpu" if cpu else "cuda:0")
     if dev.type == "cuda":
@@ -360,7 +361,7 @@ def part_reference(cpu: bool) -> None:
                 for k, g in res[rank]["grads"][s].items():
                     ok &= torch.allclose(g, want_grads[s][rank][k], rtol=1e-5, atol=1e-6)
         if env:
-            problems = check_logs(logs)
+            problems = nccl_logs.check_logs(logs)
             for p in problems[:5]:
                 print(f"    {p}")
             ok &= all(r["on_device"] for r in res) and not problems

@@ -14,7 +14,7 @@ import statistics
 import torch
 
 import rrfp_async as rr
-from rrfp_async.models import ImageTextConfig, build_stage_modules, loss_fn, make_microbatches
+from rrfp_lab.models import ImageTextConfig, build_stage_modules, loss_fn, make_microbatches
 
 
 def main() -> None:

@@ -26,7 +26,7 @@ from rrfp_async.loop._portal import SyncPortal
 def _pipeline() -> rr.LocalPipeline:
     plan = rr.StepPlan(topology=rr.Topology(stages=2), microbatches=2)
     zero = rr.Durations.from_arrays(plan, [[0.0] * 2 for _ in range(plan.num_virtual)])
-    return rr.LocalPipeline(rr.StepSchedule.build(plan, "1f1b"), rr.CostModelExecutor(zero))
+    return rr.LocalPipeline(rr.StepSchedule.build(plan, "1f1b"), rr.sim.CostModelExecutor(zero))
 
 
 def _median_async(pipe: rr.LocalPipeline, calls: int, use_uvloop: bool) -> float:

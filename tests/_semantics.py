@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import rrfp_async as rr
-from rrfp_async.models import ColumnParallelLinear, RowParallelLinear, TPContext
+from rrfp_lab.models import ColumnParallelLinear, RowParallelLinear, TPContext
 
 V, D, H = 20, 8, 16  # vocabulary, width, MLP width (a multiple of the TP sizes used)
 P_DROP = 0.3
@@ -68,7 +68,7 @@ class Mid(nn.Module):
 class Head(nn.Module):
     """Last stage: hidden -> logits through ``weight`` (tied to the embedding, or not)."""
 
-    def __init__(self, weight: nn.Parameter, p: float, tp: TPContext) -> None:
+    def __init__(self, weight: torch.Tensor, p: float, tp: TPContext) -> None:
         super().__init__()
         self.mlp = _MLP(p, tp)
         self.norm = nn.LayerNorm(D)  # constant-initialised: never taken for a tie
@@ -103,7 +103,7 @@ def build(
     e = Embed(p, tp)
     mids = [Mid(p, tp) for _ in range(stages - 2)]
     if kind == "untied":
-        w = nn.Parameter(torch.randn(V, D) * 0.5)
+        w: torch.Tensor = nn.Parameter(torch.randn(V, D) * 0.5)
     elif kind == "copies":
         w = nn.Parameter(e.emb.weight.detach().clone())
     else:

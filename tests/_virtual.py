@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from rrfp_async import VirtualEventLoop
+from rrfp_async.sim import VirtualEventLoop
 
 
 def run_virtual(coro: Any) -> Any:

@@ -12,7 +12,7 @@ from rrfp_async._tasks import activation_delta, parse_tasks
 def test_ledger_admits_within_the_hint_safety() -> None:
     # Rank 0 of 1F1B with P=2, M=3: F0 F1 B0 F2 B1 B2, bound 2.
     order = parse_tasks("0F0 0F1 0B0 0F2 0B1 0B2")
-    led = rr.AdmissionLedger(order, 2)
+    led = rr.policies.AdmissionLedger(order, 2)
     assert led.admissible(rr.Task(0, "F", 0))
     # F2 first would leave F0 and F1 of the hint needing 2 more slots: 3 > 2, refused.
     assert not led.admissible(rr.Task(0, "F", 2))
@@ -30,10 +30,10 @@ def test_ledger_admits_within_the_hint_safety() -> None:
 
 def test_head_is_always_admissible_and_bound_holds() -> None:
     plan = rr.StepPlan(topology=rr.Topology(stages=4, chunks=2), microbatches=8)
-    hint = rr.make_hint("interleaved", plan)
+    hint = rr.policies.make_hint("interleaved", plan)
     for r in range(4):
         order = hint[r]
-        led = rr.AdmissionLedger(order, rr.hint_peak(order))
+        led = rr.policies.AdmissionLedger(order, rr.policies.hint_peak(order))
         for k in range(len(order)):
             assert led.admissible_at(k), (r, order[k])
             led.start_at(k)
@@ -53,7 +53,7 @@ def test_filter_admissible_is_the_bankers_test(
     # Against the definition: a forward at k is admitted iff inflight + 1 + the largest
     # prefix sum of the not-started deltas strictly before k stays within the bound.
     order = [rr.Task(0, k, i) for i, k in enumerate(kinds)]  # type: ignore[arg-type]
-    led = rr.AdmissionLedger(order, bound)
+    led = rr.policies.AdmissionLedger(order, bound)
     for k in sorted({s for s in started if s < len(order)}):
         led.start_at(k)
     led.inflight = inflight

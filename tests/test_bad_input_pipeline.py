@@ -15,8 +15,9 @@ from typing import Any
 import pytest
 
 import rrfp_async as rr
-from rrfp_async import PlanError, PolicyError, StepSchedule, Task, TaskContext
+from rrfp_async import PlanError, StepSchedule, Task, TaskContext
 from rrfp_async.channels import LocalChannel
+from rrfp_async.errors import PolicyError
 from rrfp_async.loop._pipeline import unwrap_group
 from rrfp_async.policies import get_policy
 from tests._virtual import run_virtual
@@ -202,12 +203,12 @@ class _SyncNone:
         (_NoExecute(), r"executor of rank 1 .*_NoExecute.* has no execute method"),
         (None, r"executor of rank 1 None \(NoneType\) has no execute method"),
         (_TwoArgs(), r"executor of rank 1 .*: execute\(task, data\) cannot be called as"),
-        (rr.CostModelExecutor, r"rank 1: got the class CostModelExecutor, not an instance"),
+        (rr.sim.CostModelExecutor, r"rank 1: got the class CostModelExecutor, not an instance"),
     ],
 )
 def test_an_unusable_executor_is_refused_at_construction(executor: Any, match: str) -> None:
     s = sched()
-    good = rr.CostModelExecutor(unit(s))
+    good = rr.sim.CostModelExecutor(unit(s))
     with pytest.raises(PlanError, match=match):
         rr.LocalPipeline(s, [good, executor])
     with pytest.raises(PlanError, match=match):
@@ -278,7 +279,7 @@ class _PartialExecute:
 @pytest.mark.parametrize(
     "executor",
     [
-        rr.CostModelExecutor(unit(sched())),
+        rr.sim.CostModelExecutor(unit(sched())),
         _Decorated(),
         _FutureReturning(),
         _CallableExecute(),
@@ -297,7 +298,7 @@ def _stage(s: StepSchedule, rank: int = 0, **kw: Any) -> rr.StageLoop:
     return rr.StageLoop(
         rank,
         schedule=s,
-        executor=rr.CostModelExecutor(unit(s)),
+        executor=rr.sim.CostModelExecutor(unit(s)),
         endpoint=LocalChannel(s.plan.stages).endpoint(rank),
         **kw,
     )
@@ -326,7 +327,7 @@ _BAD_STEP_ARGS: list[tuple[dict[str, Any], str]] = [
 @pytest.mark.parametrize(("kw", "match"), _BAD_STEP_ARGS)
 def test_bad_run_step_arguments_of_a_pipeline(kw: dict[str, Any], match: str) -> None:
     s = sched()
-    pipe = rr.LocalPipeline(s, rr.CostModelExecutor(unit(s)))
+    pipe = rr.LocalPipeline(s, rr.sim.CostModelExecutor(unit(s)))
     kw = dict(kw)
     mbs = kw.pop("microbatches", [0, 1])
     with pytest.raises(PlanError, match="run_step: " + match):
@@ -351,7 +352,7 @@ def test_bad_run_step_arguments_of_a_stage(kw: dict[str, Any], match: str) -> No
 @pytest.mark.timeout(30)
 def test_a_concurrent_step_of_a_pipeline_is_refused_and_the_running_one_ends_well() -> None:
     s = sched()
-    pipe = rr.LocalPipeline(s, rr.CostModelExecutor(unit(s)))
+    pipe = rr.LocalPipeline(s, rr.sim.CostModelExecutor(unit(s)))
 
     async def main() -> list[rr.StepStats]:
         first = asyncio.ensure_future(pipe.run_step([0, 1]))
@@ -388,7 +389,7 @@ def test_a_stuck_policy_under_the_watchdog_raises_one_step_timeout_error() -> No
         return view.ready[0]
 
     s = sched(p=3, m=2)
-    pipe = rr.LocalPipeline(s, rr.CostModelExecutor(unit(s)), policy=stuck, step_timeout=50)
+    pipe = rr.LocalPipeline(s, rr.sim.CostModelExecutor(unit(s)), policy=stuck, step_timeout=50)
     try:
         run_virtual(pipe.run_step([0, 1]))
     except rr.StepTimeoutError as e:
@@ -405,7 +406,7 @@ def test_a_stuck_policy_under_the_watchdog_raises_one_step_timeout_error() -> No
 
 
 def test_unwrap_group_returns_the_first_error_with_the_others_as_notes() -> None:
-    a, b = rr.PolicyError("first", policy="p"), rr.ProtocolError("second")
+    a, b = rr.errors.PolicyError("first", policy="p"), rr.errors.ProtocolError("second")
     eg = BaseExceptionGroup("g", [a, ExceptionGroup("inner", [b]), asyncio.CancelledError()])
     root = unwrap_group(eg)
     assert root is a and a.__notes__ == ["also raised: ProtocolError: second"]
@@ -438,7 +439,7 @@ def _sync_policy(view: rr.ReadyView) -> Task:
 def test_bad_pipeline_arguments(kw: dict[str, Any], error: type[Exception], match: str) -> None:
     s = sched()
     with pytest.raises(error, match=match):
-        rr.LocalPipeline(s, rr.CostModelExecutor(unit(s)), **kw)
+        rr.LocalPipeline(s, rr.sim.CostModelExecutor(unit(s)), **kw)
 
 
 @pytest.mark.parametrize(
@@ -464,7 +465,7 @@ def test_bad_stage_arguments(rank: Any, kw: dict[str, Any], match: str) -> None:
     s = sched()
     args: dict[str, Any] = {
         "schedule": s,
-        "executor": rr.CostModelExecutor(unit(s)),
+        "executor": rr.sim.CostModelExecutor(unit(s)),
         "endpoint": LocalChannel(2).endpoint(0),
     }
     args.update(kw)
@@ -474,7 +475,7 @@ def test_bad_stage_arguments(rank: Any, kw: dict[str, Any], match: str) -> None:
 
 def test_bad_pipeline_schedule_and_executor_list() -> None:
     s = sched(p=3)
-    ex = rr.CostModelExecutor(unit(s))
+    ex = rr.sim.CostModelExecutor(unit(s))
     with pytest.raises(PlanError, match=r"schedule must be a StepSchedule, got '1f1b' \(str\)"):
         rr.LocalPipeline("1f1b", ex)  # type: ignore[arg-type]
     with pytest.raises(PlanError, match=r"need one executor per rank \(3\), got a sequence of 2"):
@@ -483,7 +484,7 @@ def test_bad_pipeline_schedule_and_executor_list() -> None:
 
 def test_an_infinite_step_timeout_means_no_watchdog() -> None:
     s = sched()
-    pipe = rr.LocalPipeline(s, rr.CostModelExecutor(unit(s)), step_timeout=math.inf)
+    pipe = rr.LocalPipeline(s, rr.sim.CostModelExecutor(unit(s)), step_timeout=math.inf)
     assert all(st.step_timeout is None for st in pipe.stages)
 
 
@@ -506,7 +507,7 @@ def test_a_latency_that_is_no_duration_fails_the_step_and_the_pipeline_recovers(
     def latency(step: int, task: Task) -> Any:
         return delay if bad[0] else 0.5
 
-    pipe = rr.LocalPipeline(s, rr.CostModelExecutor(unit(s)), latency=latency)
+    pipe = rr.LocalPipeline(s, rr.sim.CostModelExecutor(unit(s)), latency=latency)
     with pytest.raises(
         PlanError, match=rf"latency\(0, 1F0\) must return seconds >= 0, got {shown} \(rank 0"
     ):
@@ -526,13 +527,13 @@ def test_a_policy_raising_cancelled_error_is_a_policy_error_in_real_time() -> No
     s = StepSchedule.build(plan, "1f1b")
     d = rr.Durations.from_arrays(plan, [[0.001] * 2] * 2)
     pipe = rr.LocalPipeline(
-        s, [rr.CostModelExecutor(d) for _ in range(2)], policy=cancels, step_timeout=20
+        s, [rr.sim.CostModelExecutor(d) for _ in range(2)], policy=cancels, step_timeout=20
     )
     with pytest.raises(PolicyError, match=r"raised asyncio\.CancelledError") as ei:
         rr.run(pipe.run_step([0, 1]))
     assert ei.value.rank == 0 and str(ei.value.policy).endswith("cancels")
     # and the step is still cancellable from outside: that stays a CancelledError
-    pipe2 = rr.LocalPipeline(s, [rr.CostModelExecutor(d) for _ in range(2)], step_timeout=20)
+    pipe2 = rr.LocalPipeline(s, [rr.sim.CostModelExecutor(d) for _ in range(2)], step_timeout=20)
 
     async def cancel_outside() -> None:
         run = asyncio.ensure_future(pipe2.run_step([0, 1]))

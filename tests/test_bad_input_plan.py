@@ -1,6 +1,10 @@
 """Bad input to the planning side (``simulate``, plans, schedules, costs): every one a typed
 error that names the argument, and no simulated step that can hang."""
 
+# mypy: disable-error-code="arg-type,list-item,misc"
+# (the checker would refuse what this file tests: every bad input of a plan, passed on
+# purpose with the wrong type.)
+
 from __future__ import annotations
 
 import asyncio
@@ -111,7 +115,7 @@ def test_policy_that_swallows_its_cancellation_still_ends() -> None:
 
 @pytest.mark.parametrize("stages", [1, 3])
 def test_policy_raising_cancelled_error_is_a_policy_error(stages: int) -> None:
-    with quickly(), pytest.raises(rr.PolicyError) as ei:
+    with quickly(), pytest.raises(rr.errors.PolicyError) as ei:
         rr.simulate(stages=stages, microbatches=4, policy=cancels)
     assert "policy 'cancels' on rank 0 step 0 raised asyncio.CancelledError" in str(ei.value)
     assert (ei.value.policy, ei.value.rank, ei.value.step) == ("cancels", 0, 0)
@@ -304,23 +308,59 @@ def _tuple_hint() -> dict[int, list[tuple[int, str, int]]]:
         ({"stages": 2.0}, rr.PlanError, r"stages must be an int >= 1, got 2.0 \(float\)"),
         ({"stages": True}, rr.PlanError, r"stages must be an int >= 1, got True \(bool\)"),
         ({"chunks": "2"}, rr.PlanError, r"chunks must be an int >= 1, got '2' \(str\)"),
-        ({"hint": None}, rr.HintError, r"hint must be a hint name, a generator .* got None"),
-        ({"hint": 123}, rr.HintError, r"hint must be a hint name, .* got 123 \(int\)"),
-        ({"hint": "tuples"}, rr.HintError, r"rank 0: position 0 is not a Task: \(0, 'F', 0\)"),
-        ({"hint": {0: "0F0 0F1", 1: "1F0"}}, rr.HintError, r"rank 0: the order must be a seq"),
-        ({"hint": {"0": [], 1: []}}, rr.HintError, r"one order per rank 0..1, got ranks"),
-        ({"hint": _gen_none}, rr.HintError, r"hint generator '_gen_none' returned None"),
-        ({"hint": _gen_raises}, rr.HintError, r"hint generator '_gen_raises' raised ValueError"),
-        ({"max_inflight": 2.5}, rr.HintError, r"max_inflight must be an integer \(every rank\)"),
-        ({"max_inflight": "3"}, rr.HintError, r"max_inflight must be an integer .* '3' \(str\)"),
-        ({"max_inflight": math.nan}, rr.HintError, r"max_inflight must be an integer .* nan"),
-        ({"max_inflight": True}, rr.HintError, r"max_inflight must be an integer .* True"),
-        ({"max_inflight": [math.nan, 2]}, rr.HintError, r"max_inflight\[0\] must be an integer"),
-        ({"max_inflight": [2, 2.5]}, rr.HintError, r"max_inflight\[1\] must be an integer"),
-        ({"memory_factor": math.inf}, rr.HintError, r"memory_factor must be finite, got inf"),
-        ({"memory_factor": "2"}, rr.HintError, r"memory_factor must be a number, got '2'"),
-        ({"memory_factor": math.nan}, rr.HintError, r"memory_factor must be a number, got NaN"),
-        ({"memory_factor": 0}, rr.HintError, r"memory_factor must be > 0.0, got 0.0"),
+        ({"hint": None}, rr.errors.HintError, r"hint must be a hint name, a generator .* got None"),
+        ({"hint": 123}, rr.errors.HintError, r"hint must be a hint name, .* got 123 \(int\)"),
+        (
+            {"hint": "tuples"},
+            rr.errors.HintError,
+            r"rank 0: position 0 is not a Task: \(0, 'F', 0\)",
+        ),
+        (
+            {"hint": {0: "0F0 0F1", 1: "1F0"}},
+            rr.errors.HintError,
+            r"rank 0: the order must be a seq",
+        ),
+        ({"hint": {"0": [], 1: []}}, rr.errors.HintError, r"one order per rank 0..1, got ranks"),
+        ({"hint": _gen_none}, rr.errors.HintError, r"hint generator '_gen_none' returned None"),
+        (
+            {"hint": _gen_raises},
+            rr.errors.HintError,
+            r"hint generator '_gen_raises' raised ValueError",
+        ),
+        (
+            {"max_inflight": 2.5},
+            rr.errors.HintError,
+            r"max_inflight must be an integer \(every rank\)",
+        ),
+        (
+            {"max_inflight": "3"},
+            rr.errors.HintError,
+            r"max_inflight must be an integer .* '3' \(str\)",
+        ),
+        (
+            {"max_inflight": math.nan},
+            rr.errors.HintError,
+            r"max_inflight must be an integer .* nan",
+        ),
+        ({"max_inflight": True}, rr.errors.HintError, r"max_inflight must be an integer .* True"),
+        (
+            {"max_inflight": [math.nan, 2]},
+            rr.errors.HintError,
+            r"max_inflight\[0\] must be an integer",
+        ),
+        ({"max_inflight": [2, 2.5]}, rr.errors.HintError, r"max_inflight\[1\] must be an integer"),
+        (
+            {"memory_factor": math.inf},
+            rr.errors.HintError,
+            r"memory_factor must be finite, got inf",
+        ),
+        ({"memory_factor": "2"}, rr.errors.HintError, r"memory_factor must be a number, got '2'"),
+        (
+            {"memory_factor": math.nan},
+            rr.errors.HintError,
+            r"memory_factor must be a number, got NaN",
+        ),
+        ({"memory_factor": 0}, rr.errors.HintError, r"memory_factor must be > 0.0, got 0.0"),
         ({"forward": [[1, "x"], [1, 1]]}, rr.PlanError, r"forward\[0\]\[1\] must be a number"),
         ({"forward": [[1, None], [1, 1]]}, rr.PlanError, r"got None \(NoneType\)"),
         ({"forward": [None, [1, 1]]}, rr.PlanError, r"forward\[0\] must be a sequence of"),
@@ -392,7 +432,7 @@ def test_simulate_refuses_bad_arguments(kwargs: dict[str, Any], err: type, match
             lambda: rr.CostModel().declared(plan(2, 2), [1, 2]),
             r"microbatches\[0\] must be a Microbatch, got 1 \(int\)",
         ),
-        (lambda: rr.lower_bound(plan(), None), r"durations must be Durations, got None"),
+        (lambda: rr.sim.lower_bound(plan(), None), r"durations must be Durations, got None"),
         (lambda: rr.compare("strict", **SMALL), r"policies must be a sequence of policy names"),
         (lambda: rr.simulate(**SMALL).chrome_trace(), r"record=True"),
     ],
@@ -406,11 +446,14 @@ def test_plan_and_cost_constructors_refuse_bad_arguments(make: Any, match: str) 
     ("make", "match"),
     [
         (lambda: rr.StepSchedule.build(plan(2, 2), 7), r"hint must be a hint name"),
-        (lambda: rr.make_hint(7, plan(2, 2)), r"a hint generator must be a hint name or a"),
-        (lambda: rr.make_hint(_gen_none, plan(2, 2)), r"'_gen_none' returned None"),
-        (lambda: rr.validate_hint(plan(2, 2), [[], []]), r"a hint must be a mapping"),
         (
-            lambda: rr.validate_hint(plan(2, 1), {0: [rr.Task("0", "F", 0)], 1: []}),  # type: ignore[arg-type]
+            lambda: rr.policies.make_hint(7, plan(2, 2)),
+            r"a hint generator must be a hint name or a",
+        ),
+        (lambda: rr.policies.make_hint(_gen_none, plan(2, 2)), r"'_gen_none' returned None"),
+        (lambda: rr.policies.validate_hint(plan(2, 2), [[], []]), r"a hint must be a mapping"),
+        (
+            lambda: rr.policies.validate_hint(plan(2, 1), {0: [rr.Task("0", "F", 0)], 1: []}),  # type: ignore[arg-type]
             r"rank 0: position 0 is a Task with fields of the wrong type: \('0', 'F', 0\)",
         ),
         (lambda: rr.Task.parse(5), r"cannot parse task 5 \(int\)"),
@@ -418,7 +461,7 @@ def test_plan_and_cost_constructors_refuse_bad_arguments(make: Any, match: str) 
     ],
 )
 def test_hint_functions_refuse_bad_arguments(make: Any, match: str) -> None:
-    with pytest.raises(rr.HintError, match=match):
+    with pytest.raises(rr.errors.HintError, match=match):
         make()
 
 
@@ -427,7 +470,7 @@ def test_valid_variants_still_work() -> None:
     p2 = plan(2, 2)
     hint = rr.StepSchedule.build(p2, "1f1b").hint  # tuples of Tasks per rank
     assert rr.simulate(stages=2, microbatches=2, hint=hint).hint == "custom"
-    assert rr.simulate(stages=2, microbatches=2, hint=rr.HINTS["gpipe"]).hint == "gpipe"
+    assert rr.simulate(stages=2, microbatches=2, hint=rr.policies.HINTS["gpipe"]).hint == "gpipe"
     assert rr.simulate(stages=2, microbatches=2, max_inflight=(2, 1)).max_inflight == (2, 1)
     assert rr.simulate(stages=2, microbatches=2, memory_factor=2).max_inflight == (4, 2)
     mbs = rr.make_workload("multimodal", 4, virtual_stages=2, seed=1).microbatches

@@ -51,7 +51,8 @@ def test_every_help_runs_without_importing_torch() -> None:
 
 def test_import_rrfp_async_imports_no_torch() -> None:
     code = (
-        "import sys, rrfp_async; rrfp_async.Task; rrfp_async.HINTS; print('torch' in sys.modules)"
+        "import sys, rrfp_async; rrfp_async.Task; rrfp_async.policies.HINTS;"
+        " print('torch' in sys.modules)"
     )
     got = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert got.returncode == 0, got.stderr

@@ -67,7 +67,7 @@ def test_p2p_channel_refuses_to_send_before_start() -> None:
     from rrfp_async.channels import P2PChannel
 
     ch = P2PChannel(0, global_ranks={0: 0, 1: 1}, inbound=[], outbound=[1])
-    with pytest.raises(rr.ProtocolError, match="is the channel started"):
+    with pytest.raises(rr.errors.ProtocolError, match="is the channel started"):
         ch.send(1, 0, rr.Task(1, "F", 0), None)
     with pytest.raises(ValueError, match="has no global rank"):
         P2PChannel(0, global_ranks={0: 0}, inbound=[1], outbound=[])

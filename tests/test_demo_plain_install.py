@@ -55,7 +55,7 @@ def declared_distributions(extras: Iterable[str] = ()) -> set[str]:
             todo += [Requirement(r) for r in md.distribution(name).requires or []]
         except md.PackageNotFoundError:
             continue  # declared but not installed here: nothing of it to keep visible
-    return seen
+    return {str(n) for n in seen}
 
 
 def undeclared_modules(keep: set[str]) -> list[str]:

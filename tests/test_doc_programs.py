@@ -254,7 +254,7 @@ def rank(rank, world, counting):
         try:
             rr.simulate(policy=name, stages=2, microbatches=2)
             found[name] = "ok"
-        except rr.PolicyError as e:
+        except rr.errors.PolicyError as e:
             found[name] = str(e).split(";")[0]
     arrived = counting.calls
     rr.simulate(policy=counting, stages=2, microbatches=2)

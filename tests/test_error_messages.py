@@ -7,6 +7,9 @@ path's end to end (a real ``data_iterator`` that runs dry under the drop-in) is
 ``tests/integrations/test_megatron_errors.py``.
 """
 
+# mypy: disable-error-code="dict-item"
+# (the checker would refuse what this file tests: bad inputs, of the wrong type on purpose.)
+
 from __future__ import annotations
 
 import asyncio
@@ -171,7 +174,7 @@ def test_layout_from_world_without_a_process_group() -> None:
 
 def test_memory_factor_of_the_wrong_type_says_what_is_valid() -> None:
     plan = rr.StepPlan(topology=rr.Topology(stages=2), microbatches=4)
-    with pytest.raises(rr.HintError) as e:
+    with pytest.raises(rr.errors.HintError) as e:
         rr.StepSchedule.build(plan, "1f1b", memory_factor="2")  # type: ignore[arg-type]
     msg = str(e.value)
     assert "memory_factor must be a number" in msg and "got '2' (str)" in msg
@@ -187,7 +190,7 @@ def test_unknown_policy_names_the_known_ones_and_the_process_boundary(
 ) -> None:
     for var in ("RANK", "WORLD_SIZE", "TORCHELASTIC_RUN_ID"):
         monkeypatch.delenv(var, raising=False)
-    with pytest.raises(rr.PolicyError) as e:
+    with pytest.raises(rr.errors.PolicyError) as e:
         get_policy("my_policy")
     msg = str(e.value)
     assert "unknown policy 'my_policy'" in msg and "'readiness_first'" in msg
@@ -199,7 +202,7 @@ def test_unknown_policy_names_the_known_ones_and_the_process_boundary(
 def test_unknown_policy_in_a_spawned_rank_says_it_is_one(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("RANK", "1")  # what rr.spawn and torchrun set in each rank
     monkeypatch.setenv("WORLD_SIZE", "2")
-    with pytest.raises(rr.PolicyError) as e:
+    with pytest.raises(rr.errors.PolicyError) as e:
         get_policy("my_policy")
     msg = str(e.value)
     assert "rank 1 of 2" in msg and "does not see the parent's registry" in msg

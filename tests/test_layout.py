@@ -26,9 +26,9 @@ def test_layout_errors() -> None:
 
 def test_pipeline_neighbors() -> None:
     plan = rr.StepPlan(topology=rr.Topology(stages=4), microbatches=2)
-    assert rr.pipeline_neighbors(plan, 0) == ([1], [1])
-    assert rr.pipeline_neighbors(plan, 2) == ([1, 3], [1, 3])
+    assert rr.distributed.pipeline_neighbors(plan, 0) == ([1], [1])
+    assert rr.distributed.pipeline_neighbors(plan, 2) == ([1, 3], [1, 3])
     inter = rr.StepPlan(topology=rr.Topology(stages=2, chunks=2), microbatches=2)
-    assert rr.pipeline_neighbors(inter, 0) == ([1], [1])
+    assert rr.distributed.pipeline_neighbors(inter, 0) == ([1], [1])
     single = rr.StepPlan(topology=rr.Topology(stages=1, chunks=3), microbatches=2)
-    assert rr.pipeline_neighbors(single, 0) == ([], [])
+    assert rr.distributed.pipeline_neighbors(single, 0) == ([], [])

@@ -76,7 +76,7 @@ def test_json_lines_carry_rank_stage_step_task() -> None:
         assert all(x["step"] == 0 for x in events)
 
 
-def _task_owner(res: rr.SimResult) -> dict[rr.Task, int]:
+def _task_owner(res: rr.sim.SimResult) -> dict[rr.Task, int]:
     assert res.schedule is not None
     return {t: rank for rank, tasks in res.schedule.hint.items() for t in tasks}
 
@@ -170,13 +170,13 @@ def test_failure_dump_is_logged_and_attached() -> None:
     stage = rr.StageLoop(
         0,
         schedule=sched,
-        executor=rr.CostModelExecutor(d),
+        executor=rr.sim.CostModelExecutor(d),
         endpoint=LocalChannel(1).endpoint(0),
         policy=sleepy,
         step_timeout=3.0,
-        observer=rr.MultiObserver(rr.TraceRecorder(), rr.LogObserver()),
+        observer=rr.observability.MultiObserver(rr.observability.TraceRecorder(), rr.LogObserver()),
     )
-    loop = rr.VirtualEventLoop()
+    loop = rr.sim.VirtualEventLoop()
     with capture_logs() as logs:
         try:
             with pytest.raises(rr.StepTimeoutError) as ei:

@@ -54,7 +54,7 @@ async def test_log_observer_with_a_failing_logger_goes_quiet(
 ) -> None:
     s = rr.StepSchedule.build(rr.StepPlan(topology=rr.Topology(stages=2), microbatches=4), "1f1b")
     obs = LogObserver(BrokenLogger())
-    pipe = rr.LocalPipeline(s, rr.CostModelExecutor(_zero(s)), observer=obs)
+    pipe = rr.LocalPipeline(s, rr.sim.CostModelExecutor(_zero(s)), observer=obs)
     for _ in range(3):
         await pipe.run_step([None] * 4)
     assert isinstance(obs.broken, OSError) and not obs.active

@@ -98,7 +98,7 @@ _NO_CONFIG = textwrap.dedent(
 
     try:
         rr.simulate(stages=2, microbatches=2, policy=explode, observer=rr.LogObserver())
-    except rr.PolicyError:
+    except rr.errors.PolicyError:
         pass
     """
 )

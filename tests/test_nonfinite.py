@@ -53,8 +53,8 @@ def _step(**kw: Any) -> tuple[list[rr.TorchStageExecutor], BaseException | None]
         rr.run(pipe.run_step(_batches()))
     except rr.RRFPError as e:
         err = e
-    for e in execs:
-        e.close()
+    for ex in execs:
+        ex.close()
     return execs, err
 
 
@@ -91,7 +91,7 @@ def test_check_tensors_names_the_first_non_finite_activation() -> None:
 
 def test_raise_fails_the_step_naming_the_task() -> None:
     _, err = _step(nonfinite="raise")
-    assert isinstance(err, rr.NonFiniteError), err
+    assert isinstance(err, rr.errors.NonFiniteError), err
     assert "rank 1 step 0 1F2: non-finite loss in microbatch 2" in str(err)
     assert "nonfinite='raise'" in str(err)
 
@@ -118,5 +118,5 @@ def test_a_loss_read_after_its_step_is_warned_even_under_raise(
         "rank 3 step 7 1F2: non-finite loss in microbatch 2 (nan)"
     ]
     assert [r.getMessage() for r in caplog.records] == [str(check.events[0])]
-    with pytest.raises(rr.NonFiniteError):  # read during its step: the step fails
+    with pytest.raises(rr.errors.NonFiniteError):  # read during its step: the step fails
         check.loss(7, rr.Task(1, "F", 3), float("inf"))

@@ -96,7 +96,10 @@ def test_bad_input_is_refused(base: list[float], cand: list[float], msg: str) ->
 
 
 def test_public() -> None:
-    assert rr.paired_ratio is paired_ratio and rr.PairedRatio is PairedRatio
+    assert (
+        rr.observability.paired_ratio is paired_ratio
+        and rr.observability.PairedRatio is PairedRatio
+    )
 
 
 times = st.floats(min_value=1e-3, max_value=1e3, allow_nan=False)

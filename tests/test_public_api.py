@@ -11,16 +11,24 @@ import pytest
 import rrfp_async
 import rrfp_async.channels
 import rrfp_async.distributed
+import rrfp_async.errors
 import rrfp_async.loop
+import rrfp_async.observability
 import rrfp_async.policies
+import rrfp_async.sim
+import rrfp_async.testing
 import rrfp_lab
 
 MODULES = [
     rrfp_async,
+    rrfp_async.errors,
     rrfp_async.loop,
     rrfp_async.channels,
     rrfp_async.policies,
     rrfp_async.distributed,
+    rrfp_async.observability,
+    rrfp_async.sim,
+    rrfp_async.testing,
     rrfp_lab,
 ]
 EXAMPLES = pathlib.Path(__file__).resolve().parent.parent / "examples"
@@ -68,10 +76,23 @@ def test_training_harness_is_the_labs_public_api() -> None:
 @pytest.mark.parametrize("example", sorted(EXAMPLES.glob("*.py")), ids=lambda p: p.name)
 def test_examples_use_only_public_names(example: pathlib.Path) -> None:
     """Users copy the examples: they import nothing private (no ``_module`` of rrfp_async or
-    of the lab) and every ``rr.<name>`` (``lab.<name>``) they use is exported."""
+    of the lab) and every ``rr.<name>`` (``lab.<name>``, ``rr.<namespace>.<name>``) they use
+    is exported."""
+    import importlib
+
     faces = {"rr": rrfp_async.__all__, "lab": rrfp_lab.__all__}
     tree = ast.parse(example.read_text())
     for node in ast.walk(tree):
+        if (
+            isinstance(node, ast.Attribute)
+            and isinstance(node.value, ast.Attribute)
+            and isinstance(node.value.value, ast.Name)
+            and node.value.value.id == "rr"
+            and node.value.attr in rrfp_async._NAMESPACES
+        ):
+            ns = importlib.import_module(f"rrfp_async.{node.value.attr}")
+            assert node.attr in ns.__all__, (example.name, f"rr.{node.value.attr}.{node.attr}")
+            continue
         mods: list[str] = []
         if isinstance(node, ast.ImportFrom) and node.module:
             mods = [node.module]
@@ -85,6 +106,8 @@ def test_examples_use_only_public_names(example: pathlib.Path) -> None:
             and isinstance(node.value, ast.Name)
             and node.value.id in faces
         ):
+            if node.value.id == "rr" and node.attr in rrfp_async._NAMESPACES:
+                continue  # rr.sim.X: checked above
             assert node.attr in faces[node.value.id], (example.name, f"{node.value.id}.{node.attr}")
 
 
@@ -143,13 +166,20 @@ def test_lazy_exports_match_the_type_checkers_imports(face: str) -> None:
     path = pathlib.Path(mod.__file__)  # type: ignore[arg-type]
     tree = ast.parse(path.read_text())
     typed: dict[str, str] = {}
+    namespaces: set[str] = set()
     for node in tree.body:
         if isinstance(node, ast.If) and getattr(node.test, "id", None) == "TYPE_CHECKING":
             for imp in node.body:
                 assert isinstance(imp, ast.ImportFrom)
                 for alias in imp.names:
+                    if imp.module is None:  # ``from . import sim as sim``: a namespace
+                        namespaces.add(alias.asname or alias.name)
+                        continue
                     typed[alias.asname or alias.name] = "." * imp.level + (imp.module or "")
-    table = next((v for k, v in vars(mod).items() if k in ("_EXPORTS", "_WHERE")), {})
+    assert namespaces == set(vars(mod).get("_NAMESPACES", ()))
+    table: dict[str, str] = next(
+        (v for k, v in vars(mod).items() if k in ("_EXPORTS", "_WHERE")), {}
+    )
     internal = vars(mod).get("_INTERNAL", {})
     assert table or internal
     assert not set(table) & set(internal)
@@ -157,3 +187,55 @@ def test_lazy_exports_match_the_type_checkers_imports(face: str) -> None:
     assert sorted(mod.__all__) == sorted(table)  # type: ignore[attr-defined]
     for name, where in {**table, **internal}.items():
         assert getattr(mod, name) is getattr(importlib.import_module(where, face), name)
+
+
+def test_the_face_is_small() -> None:
+    """The top level holds what a user writing a training loop, a policy or a simulation
+    needs (about 40 names); the rest lives in the namespaces, each an attribute of the face
+    (``rr.sim``) without an import of its own. ``__all__`` is derived from the one table."""
+    import importlib
+
+    assert len(rrfp_async.__all__) <= 45, len(rrfp_async.__all__)
+    assert rrfp_async.__all__ == sorted(rrfp_async._EXPORTS)
+    for ns in sorted(rrfp_async._NAMESPACES):
+        assert getattr(rrfp_async, ns) is importlib.import_module(f"rrfp_async.{ns}"), ns
+        assert ns in dir(rrfp_async), ns
+    with pytest.raises(AttributeError, match="no attribute 'simm'"):
+        rrfp_async.simm  # noqa: B018
+
+
+@pytest.mark.parametrize("name", sorted(rrfp_async._MOVED))
+def test_names_that_left_the_face_warn_and_resolve(name: str) -> None:
+    """Every name that left the top level still resolves for a release, to the same object
+    as its new home's, with a ``DeprecationWarning`` that names the new path; it is in
+    neither ``__all__`` nor ``dir()``, and its new home exports it."""
+    import importlib
+
+    new = rrfp_async._MOVED[name]
+    home = importlib.import_module(new)
+    assert name in home.__all__, (new, name)
+    assert name not in rrfp_async.__all__ and name not in dir(rrfp_async), name
+    with pytest.warns(DeprecationWarning, match=rf"rrfp_async\.{name} moved to {new}\.{name}"):
+        got = getattr(rrfp_async, name)
+    assert got is getattr(home, name)
+
+
+def test_the_example_models_old_package_warns_and_resolves() -> None:
+    """``rrfp_async.models`` (the example model, now the lab's ``rrfp_lab.models``) and its
+    modules still import for a release, with a warning, as the lab's modules themselves."""
+    import subprocess
+    import sys
+
+    code = (
+        "import warnings\n"
+        "with warnings.catch_warnings(record=True) as w:\n"
+        "    warnings.simplefilter('always')\n"
+        "    import rrfp_async.models.image_text as old\n"
+        "    from rrfp_async.models import ImageTextConfig\n"
+        "import rrfp_lab.models as lab\n"
+        "assert old is lab.image_text and ImageTextConfig is lab.ImageTextConfig\n"
+        "print([str(x.message) for x in w if x.category is DeprecationWarning])\n"
+    )
+    got = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert got.returncode == 0, got.stderr
+    assert "rrfp_async.models moved to rrfp_lab.models" in got.stdout, got.stdout

@@ -42,10 +42,10 @@ def test_explicit_durations_replay() -> None:
         ({"forward": [[1, -1], [1, 1]]}, rr.PlanError, "finite and >= 0"),
         ({"backward": [[1, 1], [1, 1]]}, rr.PlanError, "need forward durations"),
         ({"workload": "video"}, rr.PlanError, "unknown workload"),
-        ({"hint": "zzz"}, rr.HintError, "unknown hint"),
-        ({"max_inflight": 1}, rr.HintError, "holds 2 activations"),
+        ({"hint": "zzz"}, rr.errors.HintError, "unknown hint"),
+        ({"max_inflight": 1}, rr.errors.HintError, "holds 2 activations"),
         ({"chunks": 0}, rr.PlanError, "chunks must be"),
-        ({"policy": "nope"}, rr.PolicyError, "unknown policy"),
+        ({"policy": "nope"}, rr.errors.PolicyError, "unknown policy"),
     ],
 )
 def test_bad_input_is_refused_clearly(kwargs: dict, err: type, match: str) -> None:

@@ -31,7 +31,7 @@ pytestmark = pytest.mark.timeout(300)
 RECORDED = json.loads((Path(__file__).parent / "data" / "simulate_recorded.json").read_text())
 
 
-def digest(r: rr.SimResult) -> tuple[str, str]:
+def digest(r: rr.sim.SimResult) -> tuple[str, str]:
     """sha256[:16] of the per-rank orders, and of the orders with exact times."""
     timed = hashlib.sha256()
     for rank in r.executed:
@@ -87,7 +87,8 @@ def test_fast_iteration_matches_asyncios_own(config: dict[str, Any]) -> None:
     fast = outcome(config)
     mp = pytest.MonkeyPatch()
     try:
-        mp.setattr(VirtualEventLoop, "_run_once", asyncio.SelectorEventLoop._run_once)
+        # asyncio's private loop step (typeshed does not declare it): the reference.
+        mp.setattr(VirtualEventLoop, "_run_once", asyncio.SelectorEventLoop._run_once)  # type: ignore[attr-defined]
         full = outcome(config)
     finally:
         mp.undo()
@@ -100,7 +101,7 @@ def test_the_fast_iteration_runs_in_a_simulation(monkeypatch: pytest.MonkeyPatch
     # selector, so the iterations are counted, not the calls.
     counts = {"full": 0}
     loops: list[VirtualEventLoop] = []
-    base = asyncio.SelectorEventLoop._run_once
+    base = asyncio.SelectorEventLoop._run_once  # type: ignore[attr-defined]  # (as above)
 
     def full(self: Any) -> None:
         counts["full"] += 1
@@ -198,4 +199,4 @@ def test_lower_bound_matches_the_original(data: st.DataObject) -> None:
         latency=data.draw(st.sampled_from([0.0, 1e-2])),
         latency_jitter=0.5,
     )
-    assert rr.lower_bound(plan, d) == oracle_lower_bound(plan, d)
+    assert rr.sim.lower_bound(plan, d) == oracle_lower_bound(plan, d)

@@ -1,4 +1,5 @@
-"""``rr.stalls``: slow tasks, the idle gaps they caused, and the chain from a gap to its root.
+"""``rr.observability.stalls``: slow tasks, the idle gaps they caused, and the chain from a gap
+to its root.
 
 A hand-built trace pins each link (input wait, busy rank, hold); simulated steps with one
 slow forward injected check the whole analysis against what the plan implies, under every
@@ -42,7 +43,7 @@ def _trace() -> TraceData:
 
 
 def test_each_link_of_a_hand_built_trace() -> None:
-    out = rr.stalls(_trace())
+    out = rr.observability.stalls(_trace())
     assert [(s["rank"], s["task"]) for s in out["slow"]] == [(0, "0F1")]
     waits = {(w["rank"], w["task"]): w for w in out["waits"]}
     assert set(waits) == {(1, "1F0"), (1, "1F1"), (1, "1F2")}
@@ -69,13 +70,13 @@ def test_a_chain_runs_through_a_busy_rank_to_its_slow_task() -> None:
     tr.arrivals[2] = Arrival(1, 0, "1F2", 0, 8.0)
     tr.sends[2] = Send(0, 0, "1F2", 1, 6.0)
     tr.spans[-1] = Span(1, 0, "1F2", 8.0, 9.0)
-    w = next(w for w in rr.stalls(tr)["waits"] if w["task"] == "1F2")
+    w = next(w for w in rr.observability.stalls(tr)["waits"] if w["task"] == "1F2")
     assert w["chain"] == ["1:1F2", "0:0F2", "0:0F1"] and w["root"] == "0:0F1"
 
 
 def test_bad_thresholds_are_refused() -> None:
     with pytest.raises(ValueError, match="slow_factor"):
-        rr.stalls(_trace(), slow_factor=1.0)
+        rr.observability.stalls(_trace(), slow_factor=1.0)
 
 
 P, M = 4, 8
@@ -104,7 +105,8 @@ def test_one_slow_forward_is_the_root_of_every_wait_it_caused(
         latency=0.1,
         record=True,
     )
-    out = rr.stalls(r.trace)
+    assert r.trace is not None
+    out = rr.observability.stalls(r.trace)
     slow = f"{stage}:{stage}F{mb}"
     assert [f"{s['rank']}:{s['task']}" for s in out["slow"]] == [slow]
     # The next stage's forward of that microbatch, if it waited, waited for it (by name);
@@ -128,7 +130,8 @@ def test_one_slow_forward_is_the_root_of_every_wait_it_caused(
 
 def test_without_a_slow_task_no_wait_has_a_root() -> None:
     r = rr.simulate(stages=P, microbatches=M, hint="1f1b", latency=0.1, record=True)
-    out = rr.stalls(r.trace)
+    assert r.trace is not None
+    out = rr.observability.stalls(r.trace)
     assert out["slow"] == [] and out["waits"]  # the fill and drain are waits, with no root
     assert all(w["root"] is None for w in out["waits"])
 
@@ -145,10 +148,10 @@ def test_a_short_tasks_noise_is_not_slow_unless_asked() -> None:
         Span(0, 0, "0F2", 8.5e-3, 10.0e-3),
     ]
     tr = TraceData(spans=spans)
-    assert rr.stalls(tr)["slow"] == []
-    assert [s["task"] for s in rr.stalls(tr, min_share=0.0)["slow"]] == ["0B1"]
+    assert rr.observability.stalls(tr)["slow"] == []
+    assert [s["task"] for s in rr.observability.stalls(tr, min_share=0.0)["slow"]] == ["0B1"]
     with pytest.raises(ValueError, match="min_share"):
-        rr.stalls(tr, min_share=1.0)
+        rr.observability.stalls(tr, min_share=1.0)
 
 
 def test_a_task_that_jitters_like_the_others_is_not_slow() -> None:
@@ -161,8 +164,8 @@ def test_a_task_that_jitters_like_the_others_is_not_slow() -> None:
         spans.append(Span(0, 0, f"0F{i}", t, t + d * 1e-3))
         t += d * 1e-3
     tr = TraceData(spans=spans)
-    assert [s["task"] for s in rr.stalls(tr)["slow"]] == ["0F9"]
+    assert [s["task"] for s in rr.observability.stalls(tr)["slow"]] == ["0F9"]
     # Fails without the spread rule: the fixed thresholds alone flag the jitter too.
-    assert [s["task"] for s in rr.stalls(tr, spread=0.0)["slow"]] == ["0F7", "0F9"]
+    assert [s["task"] for s in rr.observability.stalls(tr, spread=0.0)["slow"]] == ["0F7", "0F9"]
     with pytest.raises(ValueError, match="spread"):
-        rr.stalls(tr, spread=-1.0)
+        rr.observability.stalls(tr, spread=-1.0)

@@ -14,7 +14,7 @@ import asyncio
 import itertools
 import weakref
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, cast
 
 import pytest
 import torch
@@ -23,8 +23,8 @@ from torch import nn
 
 import rrfp_async as rr
 from rrfp_async.distributed import _split_backward as sb
-from rrfp_async.models import ImageTextConfig, build_stage_modules, loss_fn, make_microbatches
 from rrfp_lab._split_measure import measure_split_backward
+from rrfp_lab.models import ImageTextConfig, build_stage_modules, loss_fn, make_microbatches
 
 CFG = ImageTextConfig()
 STAGES = 4
@@ -166,7 +166,7 @@ def test_split_accumulates_like_backward_over_microbatches(w_path: str) -> None:
             ex,
             rr.TaskContext(0, 0, _plan(False), mbs),
             [
-                (rr.Task(v, k, m), inputs[m][v] if k == "F" else grads[m])
+                (rr.Task(v, cast(rr.Kind, k), m), inputs[m][v] if k == "F" else grads[m])
                 for m in range(len(mbs))
                 for k in "FB"
             ],
@@ -266,7 +266,9 @@ def _odd_run(
                 g = torch.randn(mod(x).shape, generator=torch.Generator().manual_seed(m))
             kinds = "FIW" if split else "FB"
             ctx = rr.TaskContext(0, m, plan, list(range(len(data))))
-            res = _tasks(ex, ctx, [(rr.Task(v, k, m), x if k == "F" else g) for k in kinds])
+            res = _tasks(
+                ex, ctx, [(rr.Task(v, cast(rr.Kind, k), m), x if k == "F" else g) for k in kinds]
+            )
             outs.append(res[1])
             assert not ex._kept
     finally:
@@ -522,6 +524,8 @@ def test_an_output_of_a_dead_step_is_not_sent() -> None:
 
     class Endpoint:
         threadsafe_send = True
+        rank = 0
+        inflight = 0
 
         def bind(self, stage: Any) -> None:
             pass

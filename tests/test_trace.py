@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 from typing import Any
 
@@ -26,7 +27,7 @@ from rrfp_async.observability import (
 from rrfp_async.observability._trace_data import from_chrome
 
 
-def _check_trace_matches(res: rr.SimResult) -> dict:
+def _check_trace_matches(res: rr.sim.SimResult) -> dict:
     tr = res.chrome_trace()
     assert validate_chrome_trace(tr) == []
     spans = [e for e in tr["traceEvents"] if e["ph"] == "X"]
@@ -204,13 +205,13 @@ def _bad_traces(good: dict[str, Any]) -> dict[str, tuple[str, str]]:
 
 def test_load_trace_refuses_broken_files_with_a_trace_error(tmp_path: Path) -> None:
     good = rr.simulate(stages=2, microbatches=2, policy="strict", record=True).chrome_trace()
-    ok = rr.write_trace(tmp_path / "good.json", good)
-    assert rr.load_trace(ok)["traceEvents"]
+    ok = rr.observability.write_trace(tmp_path / "good.json", good)
+    assert rr.observability.load_trace(ok)["traceEvents"]
     for name, (text, msg) in _bad_traces(good).items():
         f = tmp_path / f"{name.replace(' ', '_')}.json"
         f.write_text(text)
-        with pytest.raises(rr.TraceError, match=msg) as ei:
-            rr.load_trace(f)
+        with pytest.raises(rr.errors.TraceError, match=msg) as ei:
+            rr.observability.load_trace(f)
         assert f.name in str(ei.value), name
 
 
@@ -297,20 +298,20 @@ def test_a_failed_write_keeps_the_previous_trace(
     temporary file is left (before: a torn file that is not JSON replaced the good one)."""
     import errno
 
-    from rrfp_async.observability import _chrome
-
     path = tmp_path / "t.json"
     good = rr.simulate(stages=2, microbatches=2, record=True).chrome_trace()
-    rr.write_trace(path, good)
+    rr.observability.write_trace(path, good)
     before = path.read_bytes()
 
     def full(fd: int) -> None:
         raise OSError(errno.ENOSPC, "No space left on device")
 
-    monkeypatch.setattr(_chrome.os, "fsync", full)
+    monkeypatch.setattr(os, "fsync", full)  # the module the trace writer syncs with
     with pytest.raises(OSError, match="No space left"):
-        rr.write_trace(path, rr.simulate(stages=2, microbatches=4, record=True).chrome_trace())
-    assert path.read_bytes() == before and rr.load_trace(path)
+        rr.observability.write_trace(
+            path, rr.simulate(stages=2, microbatches=4, record=True).chrome_trace()
+        )
+    assert path.read_bytes() == before and rr.observability.load_trace(path)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["t.json"]
 
 
@@ -337,7 +338,7 @@ def test_a_trace_is_read_from_a_pipe(tmp_path: Path) -> None:
         t.start()
         try:
             if reader == "load":
-                tr = rr.load_trace(f"/dev/fd/{r}")
+                tr = rr.observability.load_trace(f"/dev/fd/{r}")
                 assert tr["traceEvents"]
             else:
                 res = CliRunner().invoke(main, ["trace", f"/dev/fd/{r}"])

@@ -65,8 +65,8 @@ def test_load_trace_enforces_every_documented_rule(tmp_path: Path, good: dict[st
     for name, (text, msg) in _cases(good).items():
         f = tmp_path / f"{name.replace(' ', '_')}.json"
         f.write_text(text)
-        with pytest.raises(rr.TraceError, match=msg):
-            rr.load_trace(f)
+        with pytest.raises(rr.errors.TraceError, match=msg):
+            rr.observability.load_trace(f)
 
 
 def test_load_trace_size_bound(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -75,12 +75,12 @@ def test_load_trace_size_bound(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) 
     f = tmp_path / "big.json"
     f.write_text(json.dumps({"traceEvents": [{"ph": "M"}] * 50}))
     monkeypatch.setattr(_chrome, "MAX_TRACE_BYTES", 100)
-    with pytest.raises(rr.TraceError, match="MAX_TRACE_BYTES"):
-        rr.load_trace(f)
+    with pytest.raises(rr.errors.TraceError, match="MAX_TRACE_BYTES"):
+        rr.observability.load_trace(f)
     monkeypatch.setattr(_chrome, "MAX_TRACE_BYTES", 1 << 30)
     monkeypatch.setattr(_chrome, "MAX_TRACE_EVENTS", 10)
-    with pytest.raises(rr.TraceError, match="MAX_TRACE_EVENTS"):
-        rr.load_trace(f)
+    with pytest.raises(rr.errors.TraceError, match="MAX_TRACE_EVENTS"):
+        rr.observability.load_trace(f)
 
 
 def test_trace_json_errors_are_json_on_stdout(tmp_path: Path, good: dict[str, Any]) -> None:
@@ -110,14 +110,14 @@ def test_png_with_an_unknown_extension_is_a_clear_error(
     tmp_path: Path, good: dict[str, Any]
 ) -> None:
     """Before: a matplotlib traceback."""
-    f = rr.write_trace(tmp_path / "t.json", good)
+    f = rr.observability.write_trace(tmp_path / "t.json", good)
     res = CliRunner().invoke(main, ["trace", str(f), "--png", str(tmp_path / "out.xyz")])
     assert res.exit_code == 1 and "Error: cannot write an image" in res.output
     assert ".xyz is no image format" in res.output and "Traceback" not in res.output
     res = CliRunner().invoke(main, ["trace", str(f), "--json", "--png", str(tmp_path / "o.xyz")])
     assert json.loads(res.stdout)["error"]["type"] == "PlanError"
     with pytest.raises(rr.PlanError, match="no image format"):
-        rr.render_png([("t", good)], tmp_path / "noext")
+        rr.observability.render_png([("t", good)], tmp_path / "noext")
 
 
 def test_png_of_many_lanes_is_bounded(tmp_path: Path) -> None:
@@ -130,9 +130,9 @@ def test_png_of_many_lanes_is_bounded(tmp_path: Path) -> None:
     for lane in range(lanes):
         for mb in range(3):
             data.spans.append(Span(lane, 0, f"{lane}F{mb}", mb * 1e-3, mb * 1e-3 + 5e-4))
-    trace = rr.chrome_trace(data)
+    trace = rr.observability.chrome_trace(data)
     t = time.perf_counter()
-    out = rr.render_png([("many", trace)], tmp_path / "many.png")
+    out = rr.observability.render_png([("many", trace)], tmp_path / "many.png")
     assert time.perf_counter() - t < 60
     height = matplotlib.image.imread(out).shape[0]
     assert height < 110 * (2 + 0.45 * 64 + 1)  # at most MAX_PNG_LANES rows

@@ -32,7 +32,12 @@ from rrfp_async.observability import (
 
 pytestmark = pytest.mark.timeout(120)
 
-HOST_A = {"host": "a", "boot": "boot-a", "monotonic": 100.0, "wall": 1_700_000_000.0}
+HOST_A: dict[str, Any] = {
+    "host": "a",
+    "boot": "boot-a",
+    "monotonic": 100.0,
+    "wall": 1_700_000_000.0,
+}
 
 
 def _whole(stages: int = 3, mbs: int = 4) -> TraceData:
@@ -141,9 +146,9 @@ def test_per_rank_files_merge_into_the_whole_step(tmp_path: Path) -> None:
         assert s["ranks"][lane]["tasks"] == v["tasks"]
         assert s["ranks"][lane]["busy"] == pytest.approx(v["busy"], abs=1e-8)
     # The public face: TraceData back, the merged Chrome JSON written with out=.
-    data = rr.merge_traces(paths, out=tmp_path / "m" / "merged.json")
+    data = rr.observability.merge_traces(paths, out=tmp_path / "m" / "merged.json")
     assert sorted(s.task for s in data.spans) == sorted(s.task for s in whole.spans)
-    loaded = rr.load_trace(tmp_path / "m" / "merged.json")
+    loaded = rr.observability.load_trace(tmp_path / "m" / "merged.json")
     assert loaded["otherData"]["rrfp"]["merged"]["files"] == [str(p) for p in paths]
 
 
@@ -176,8 +181,8 @@ def test_files_of_two_hosts_meet_on_the_wall_clock(tmp_path: Path) -> None:
 
 def test_one_rank_file_alone_says_which_files_it_needs(tmp_path: Path) -> None:
     paths = _write_parts(_whole(), tmp_path)
-    with pytest.raises(rr.TraceError) as ei:
-        rr.load_trace(paths[1])
+    with pytest.raises(rr.errors.TraceError) as ei:
+        rr.observability.load_trace(paths[1])
     msg = str(ei.value)
     assert "holds rank 1" in msg and "rank 0, 2" in msg, msg
     assert f"rrfp-async trace {tmp_path / 'rank*.json'}" in msg and "flow 1 has only" not in msg
@@ -186,17 +191,17 @@ def test_one_rank_file_alone_says_which_files_it_needs(tmp_path: Path) -> None:
     # A part whose messages all stay inside it is a whole trace: it loads.
     one = TraceData([Span(0, 0, "0F0", 1.0, 2.0)], steps=[StepRecord(0, 0, {})])
     ok = write_trace(tmp_path / "solo" / "rank0.json", chrome_trace(one, origin=HOST_A))
-    assert rr.load_trace(ok)["traceEvents"]
+    assert rr.observability.load_trace(ok)["traceEvents"]
 
 
 def test_a_missing_rank_file_is_named(tmp_path: Path) -> None:
     paths = _write_parts(_whole(), tmp_path)
-    with pytest.raises(rr.TraceError) as ei:
+    with pytest.raises(rr.errors.TraceError) as ei:
         merge_trace_files(paths[:2])
     msg = str(ei.value)
     assert msg.startswith("the trace file of rank 2 is missing: rank 1 (")
     assert str(paths[1]) in msg and str(paths[0]) not in msg
-    with pytest.raises(rr.TraceError, match="trace file of ranks 0, 2 is missing"):
+    with pytest.raises(rr.errors.TraceError, match="trace file of ranks 0, 2 is missing"):
         merge_trace_files(paths[1:2])
 
 
@@ -206,7 +211,9 @@ def test_refused_combinations(tmp_path: Path) -> None:
     copy = tmp_path / "copy" / "rank0.json"
     copy.parent.mkdir()
     shutil.copy(paths[0], copy)
-    with pytest.raises(rr.TraceError, match=r"rank 0 is in both .*rank0.json and .*copy/rank0"):
+    with pytest.raises(
+        rr.errors.TraceError, match=r"rank 0 is in both .*rank0.json and .*copy/rank0"
+    ):
         merge_trace_files([*paths, copy])
     # Another run's rank 2 (another policy), or its steps (the next step).
     other = tmp_path / "other"
@@ -214,7 +221,7 @@ def test_refused_combinations(tmp_path: Path) -> None:
     tr = json.loads(paths[2].read_text())
     tr["otherData"]["rrfp"]["policy"] = "strict"
     (other / "rank2.json").write_text(json.dumps(tr))
-    with pytest.raises(rr.TraceError, match="different runs: policy 'readiness_first' in"):
+    with pytest.raises(rr.errors.TraceError, match="different runs: policy 'readiness_first' in"):
         merge_trace_files([*paths[:2], other / "rank2.json"])
     later = TraceData.merge(
         [
@@ -227,7 +234,9 @@ def test_refused_combinations(tmp_path: Path) -> None:
         ]
     )
     write_trace(other / "rank2.json", chrome_trace(later, origin=HOST_A, policy="readiness_first"))
-    with pytest.raises(rr.TraceError, match=r"different steps: rank 0 \(rank0.json\): steps \[0\]"):
+    with pytest.raises(
+        rr.errors.TraceError, match=r"different steps: rank 0 \(rank0.json\): steps \[0\]"
+    ):
         merge_trace_files([*paths[:2], other / "rank2.json"])
     # A real-clock file without its clock origin, one without message identities.
     for key, msg in (("clock_origin", "has no clock_origin"), ("args", "identity")):
@@ -238,7 +247,7 @@ def test_refused_combinations(tmp_path: Path) -> None:
             for e in tr["traceEvents"]:
                 e.pop("args") if e["ph"] in ("s", "f") else None
         (other / "rank2.json").write_text(json.dumps(tr))
-        with pytest.raises(rr.TraceError, match=msg):
+        with pytest.raises(rr.errors.TraceError, match=msg):
             merge_trace_files([*paths[:2], other / "rank2.json"])
 
 
@@ -272,11 +281,11 @@ def test_trace_files_takes_files_globs_and_directories(tmp_path: Path) -> None:
     ]
     (tmp_path / "runs" / "strict").mkdir(parents=True)
     (tmp_path / "runs" / "strict" / "rank0.json").write_text("{}")
-    with pytest.raises(rr.TraceError, match="subdirectories strict/ hold some"):
+    with pytest.raises(rr.errors.TraceError, match="subdirectories strict/ hold some"):
         trace_files([tmp_path / "runs"])
-    with pytest.raises(rr.TraceError, match="no trace file matches"):
+    with pytest.raises(rr.errors.TraceError, match="no trace file matches"):
         trace_files([str(tmp_path / "nope*.json")])
-    with pytest.raises(rr.TraceError, match="no such trace file"):
+    with pytest.raises(rr.errors.TraceError, match="no such trace file"):
         trace_files([tmp_path / "nope.json"])
 
 
@@ -293,7 +302,7 @@ def test_trace_command_merges_and_writes_the_result(tmp_path: Path) -> None:
         assert res.exit_code == 0, res.output
         assert "merged 3 files (ranks 0, 1, 2)" in res.output
         assert "one host (a)" in res.output and f"wrote {out}" in res.output
-        assert validate_chrome_trace(rr.load_trace(out)) == []
+        assert validate_chrome_trace(rr.observability.load_trace(out)) == []
     res = CliRunner().invoke(main, ["trace", str(tmp_path / "t"), "--json"])
     assert res.exit_code == 0, res.output
     rep = json.loads(res.output)

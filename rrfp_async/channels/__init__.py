@@ -5,11 +5,11 @@ Nothing in this package imports ``policies/``: moving messages is independent of
 Internal to the package family: imported by this face for the packages above, not in ``__all__``:
 
 * ``LatencyFn``: the type of ``LocalChannel``'s ``latency`` (``LocalPipeline`` takes one);
-* ``nccl_rules``, ``nccl_logs``: the NCCL-rules checker's two modules, which
-  ``distributed/``'s group wiring wraps the process groups with when it is on.
+* ``wire``: the wire format module (``_wire``), for the NCCL-rules checker
+  (``rrfp_async.testing``), which reads its message kinds and wraps its host packers.
 """
 
-from . import _nccl_logs, _nccl_rules
+from . import _wire
 from ._base import AbortSink, ClosingSink, Endpoint, Sink, ThreadsafeEndpoint
 from ._decisions import DecisionChannel, sequence_digest
 from ._local import LatencyFn as LatencyFn
@@ -17,9 +17,8 @@ from ._local import LocalChannel, LocalEndpoint
 from ._p2p import P2PChannel
 from ._wire import HEADER_LEN, encode_header
 
-# Internal to the package family (see above): the checker's modules under face names.
-nccl_logs = _nccl_logs
-nccl_rules = _nccl_rules
+# Internal to the package family (see above): the wire format module under a face name.
+wire = _wire
 
 __all__ = [
     "HEADER_LEN",

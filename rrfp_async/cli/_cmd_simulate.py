@@ -85,7 +85,7 @@ def simulate_cmd(
     """Simulate one step under several policies (same sizes, same noise) and compare.
 
     Time is virtual: the real stage-loop code runs on a discrete-event clock with a
-    declared GPU cost model; nothing here measures this machine.
+    declared GPU cost model; nothing is measured on the host it runs on.
     """
     from ..observability import LogObserver
     from ..sim import simulate

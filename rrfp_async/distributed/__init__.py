@@ -24,6 +24,7 @@ from ._dist_stage import DistributedStage
 from ._emulation import EmulatedCost
 from ._layout import ProcessLayout, StageGroups, build_groups, pipeline_neighbors
 from ._lifetime import close_quietly as close_quietly
+from ._nonfinite import NonFinite
 from ._spawn import free_port, report_progress, spawn
 from ._split import StageModule, StageSplit, from_pipe, from_stage_modules, split_model
 from ._stage_io import SharedSpec as SharedSpec
@@ -35,6 +36,7 @@ __all__ = [
     "CausalLMStage",
     "DistributedStage",
     "EmulatedCost",
+    "NonFinite",
     "ProcessLayout",
     "StageGroups",
     "StageModule",

@@ -17,7 +17,7 @@ import torch.distributed as dist
 
 from .._errors import PlanError
 from .._tasks import StepPlan
-from ..channels import nccl_logs, nccl_rules
+from ..testing import nccl_logs, nccl_rules
 
 __all__ = [
     "ProcessLayout",
@@ -223,7 +223,7 @@ def build_groups(
             between neighbouring pipeline ranks (``StageGroups.payload``; headers and control
             stay on the gloo p2p group: see ``channels._p2p_device``). With
             ``RRFP_NCCL_RULES`` set, "gloo" and "nccl" alike build the payload groups as the
-            NCCL-rules checker's gloo stand-ins (``channels._nccl_rules``).
+            NCCL-rules checker's gloo stand-ins (``rrfp_async.testing.nccl_rules``).
 
     Raises:
         PlanError: An unknown ``p2p_backend``.
@@ -249,7 +249,7 @@ def build_groups(
     control = dist.new_group(list(range(layout.world_size)), backend="gloo")
     p2p = None
     payload: dict[tuple[int, int], Any] | None = None
-    # RRFP_NCCL_RULES: the NCCL groups are checked gloo groups (channels._nccl_rules).
+    # RRFP_NCCL_RULES: the NCCL groups are checked gloo groups (rrfp_async.testing.nccl_rules).
     rules = nccl_rules.enabled()
     device = rules or p2p_backend == "nccl"
     if layout.pp > 1:  # one group per pipeline, created by every rank in the same order

@@ -12,7 +12,6 @@ import datetime
 import io
 import os
 import queue
-import socket
 import sys
 import time
 import traceback
@@ -22,6 +21,7 @@ from typing import Any, Protocol, TypeVar
 
 from .._check import check_int
 from .._errors import SpawnError
+from ..testing import free_port
 
 __all__ = ["free_port", "report_progress", "spawn"]
 
@@ -78,13 +78,6 @@ def _check_picklable(fn: Callable[..., Any], args: tuple[Any, ...]) -> None:
                 f" for the spawned processes: {type(e).__name__}: {e}",
                 {},
             ) from None
-
-
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that is free right now."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _worker(

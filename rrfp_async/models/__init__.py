@@ -1,54 +1,24 @@
-"""Small, deterministic models to train with the pipeline runtime.
+"""Moved: the example model is the lab's, ``rrfp_lab.models`` (the runtime ships no model).
 
-* ``_tp``: generic Megatron-style tensor parallelism: ``TPContext``, the collectives with
-  autograd (``copy_to_tp``, ``reduce_from_tp``), ``ColumnParallelLinear`` /
-  ``RowParallelLinear`` and the naming rule that recognises them (``parallel_kind``,
-  ``shard_dim``).
-* ``image_text``: the example model, an image-text decoder-only transformer that splits
-  into pipeline stages and, with ``_tp``'s layers, tensor-parallel shards, plus a
-  single-process reference trainer to check distributed runs against.
+Until 0.2 ``rrfp_async.models`` and its modules (``rrfp_async.models.image_text``) still
+resolve, to the lab's modules themselves, with a ``DeprecationWarning``. The lab is looked up
+by name here, never imported by the runtime's layers (tests/test_layers.py).
 """
 
-from ._tp import (
-    COLUMN_SUFFIX,
-    ROW_SUFFIX,
-    ColumnParallelLinear,
-    RowParallelLinear,
-    TPContext,
-    copy_to_tp,
-    parallel_kind,
-    reduce_from_tp,
-    shard_dim,
-)
-from .image_text import (
-    ImageTextConfig,
-    ImageTextStage,
-    build_stage_modules,
-    full_model,
-    loss_fn,
-    make_microbatches,
-    reference_train,
-    stage_layers,
-    unshard,
+import importlib
+import sys
+import warnings
+
+warnings.warn(
+    "rrfp_async.models moved to rrfp_lab.models (the example model is lab, not runtime):"
+    " `from rrfp_lab.models import ...`; the old path goes in 0.2",
+    DeprecationWarning,
+    stacklevel=2,
 )
 
-__all__ = [
-    "COLUMN_SUFFIX",
-    "ROW_SUFFIX",
-    "ColumnParallelLinear",
-    "ImageTextConfig",
-    "ImageTextStage",
-    "RowParallelLinear",
-    "TPContext",
-    "build_stage_modules",
-    "copy_to_tp",
-    "full_model",
-    "loss_fn",
-    "make_microbatches",
-    "parallel_kind",
-    "reduce_from_tp",
-    "reference_train",
-    "shard_dim",
-    "stage_layers",
-    "unshard",
-]
+_lab = importlib.import_module("rrfp_lab.models")
+for _name in ("image_text", "_tp"):
+    # ``import rrfp_async.models.image_text`` finds the lab's module (the same object).
+    sys.modules[f"{__name__}.{_name}"] = importlib.import_module(f"rrfp_lab.models.{_name}")
+__all__ = list(_lab.__all__)
+globals().update({n: getattr(_lab, n) for n in __all__})

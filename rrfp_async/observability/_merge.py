@@ -25,8 +25,9 @@ produced it started, so the largest "arrival before the producer's start" over a
 messages is a lower bound on the offset between two hosts, and the merge reports it
 (``MergedTrace.causality_gap``; the CLI prints it). Not the send time: a flow starts where
 the producing task ends *as the sender's event loop saw it*, and an output leaves from the
-compute thread before the loop hears that the task ended (on one loaded host, a message
-arrived 1.5 ms before its producer's recorded end, on one clock). The bound does not try to
+compute thread before the loop hears that the task ended (a message can arrive before its
+producer's recorded end on one clock: BENCHMARKS.md#notes-from-the-runtimes-docstrings).
+The bound does not try to
 correct the offset: a correction guessed from messages would also hide real delays. A
 real-clock file without a ``clock_origin`` (written by an older version) cannot be placed
 on the others' clock and is refused.

@@ -59,8 +59,8 @@ def stalls(
         slow_factor: A task is slow above this multiple of its kind's median on its rank.
         min_wait: An idle gap counts above this multiple of the rank's median task time.
         min_share: A slow task also exceeds its median by at least this share of its
-            step's makespan (a short task's noise — 3 ms for a 1 ms backward on a busy
-            machine — is not what held the step up).
+            step's makespan (a short task's noise, several times its own length on a
+            loaded host, is not what held the step up).
         spread: A slow task also exceeds its median by more than this multiple of its
             kind's median absolute deviation on its rank (the run's own spread; 0: off).
 

@@ -12,6 +12,9 @@ One concept per module, bottom first:
 * ``_policy``: the ``Policy`` protocol, the ``ReadyView`` it reads, the built-in policies
   and their registry.
 
+Admission (``AdmissionLedger``, ``hint_peak``: the in-flight bound every dispatch keeps) is
+plain data of the base layer, re-exported here beside the bounds it checks.
+
 Nothing here imports ``channels/``: deciding is independent of how messages move.
 
 Internal to the package family: imported here for the packages above, not in ``__all__``:
@@ -21,6 +24,7 @@ Internal to the package family: imported here for the packages above, not in ``_
   names are built from them).
 """
 
+from .._admission import AdmissionLedger, hint_peak
 from ._bounds import default_bound, resolve_bounds
 from ._hints import (
     _ALIASES,
@@ -68,6 +72,7 @@ HINT_ALIASES = _ALIASES
 __all__ = [
     "ENTRY_POINT_GROUP",
     "HINTS",
+    "AdmissionLedger",
     "Hint",
     "HintFn",
     "NamedPolicy",
@@ -89,6 +94,7 @@ __all__ = [
     "get_policy",
     "gpipe",
     "hint_from_torch",
+    "hint_peak",
     "interleaved_1f1b",
     "lateness_aware",
     "list_schedule",

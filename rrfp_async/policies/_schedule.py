@@ -190,8 +190,8 @@ class StepSchedule:
         A generated hint is generated again from ``durations`` (a cost-aware hint then
         follows the step's microbatches); the admission bounds stay as they are. A
         ready-made hint is kept. Every rank computes the same result from the same sizes,
-        so no rank has to send it. A 4 x 16 ``breadth_first_weighted`` schedule takes about
-        2 ms here.
+        so no rank has to send it (what it costs:
+        BENCHMARKS.md#notes-from-the-runtimes-docstrings).
 
         Raises:
             HintError: The regenerated hint does not fit the bounds.

@@ -72,7 +72,7 @@ def _worker(rank: int, world: int) -> dict[str, Any]:
         else:
             try:
                 await ch2.receive(1, 0)
-            except rr.DivergenceError as e:
+            except rr.errors.DivergenceError as e:
                 out["gap"] = str(e)
         await close(ch2)
         # 3. The leader closes while a follower waits: the follower's receive ends.
@@ -84,7 +84,7 @@ def _worker(rank: int, world: int) -> dict[str, Any]:
         else:
             try:
                 await asyncio.wait_for(ch3.receive(0, 0), 10)
-            except rr.ClosedError as e:
+            except rr.errors.ClosedError as e:
                 out["closed"] = str(e)
             await close(ch3)
         # 4. A send that fails where it is posted names the follower.
@@ -98,7 +98,7 @@ def _worker(rank: int, world: int) -> dict[str, Any]:
             ch4.group = _Broken()
             try:
                 ch4.publish(0, 0, rr.Task(0, "F", 0))
-            except rr.PeerError as e:
+            except rr.errors.PeerError as e:
                 out["send_failed"] = str(e)
 
     rr.run(main())

@@ -16,17 +16,17 @@ def test_a_bad_message_fails_the_receiving_stage() -> None:
     d = rr.Durations.from_arrays(plan, [[1.0], [1.0]])
     ch = LocalChannel(2, latency=lambda step, task: 0.5)
     stage = rr.StageLoop(
-        1, schedule=sched, executor=rr.CostModelExecutor(d), endpoint=ch.endpoint(1)
+        1, schedule=sched, executor=rr.sim.CostModelExecutor(d), endpoint=ch.endpoint(1)
     )
 
     async def main() -> None:
         run = asyncio.ensure_future(stage.run_step([0]))
         ch.endpoint(0).send(1, 0, rr.Task(1, "F", 0), "a")
         ch.endpoint(0).send(1, 0, rr.Task(1, "F", 0), "again")  # a duplicate
-        with pytest.raises(rr.ProtocolError, match="arrived twice"):
+        with pytest.raises(rr.errors.ProtocolError, match="arrived twice"):
             await run
 
-    loop = rr.VirtualEventLoop()
+    loop = rr.sim.VirtualEventLoop()
     try:
         loop.run_until_complete(main())
     finally:
@@ -53,13 +53,13 @@ def test_latency_and_inflight_count() -> None:
         assert ch.inflight == 2
         await asyncio.sleep(5)
 
-    loop = rr.VirtualEventLoop()
+    loop = rr.sim.VirtualEventLoop()
     try:
         loop.run_until_complete(main())
     finally:
         loop.close()
     assert seen == [(1.0, "1F0"), (2.0, "1F1")]
-    with pytest.raises(rr.ProtocolError, match="does not exist"):
+    with pytest.raises(rr.errors.ProtocolError, match="does not exist"):
         asyncio.run(_send_to_nowhere(ch))
 
 

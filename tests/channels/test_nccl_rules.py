@@ -1,5 +1,5 @@
-"""The NCCL-rules checker (``channels._nccl_rules``): each rule it models fails when broken
-(in one process, over a loopback stand-in for gloo), the logs' order check names the
+"""The NCCL-rules checker (``rrfp_async.testing.nccl_rules``): each rule it models fails
+when broken (in one process, over a loopback stand-in for gloo), the logs' order check names the
 deadlock, and a real 2-rank pipeline step runs under it with no violation."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import pytest
 import torch
@@ -17,9 +17,9 @@ from torch import nn
 
 import rrfp_async as rr
 from rrfp_async._streams import HostEvent, HostStream, use_host_stream
-from rrfp_async.channels import _nccl_logs as logs
-from rrfp_async.channels import _nccl_rules as rules
 from rrfp_async.channels import _wire
+from rrfp_async.testing import nccl_logs as logs
+from rrfp_async.testing import nccl_rules as rules
 from tests._pool import pooled_spawn
 
 pytestmark = pytest.mark.timeout(120)
@@ -369,4 +369,6 @@ def test_a_pipeline_step_keeps_nccls_rules(tmp_path: Path, monkeypatch: pytest.M
     want = [dict(a.named_parameters()), dict(b.named_parameters())]
     for rank in (0, 1):
         for k, g in res[rank]["grads"].items():
-            torch.testing.assert_close(g, 2 * want[rank][k].grad, rtol=1e-6, atol=1e-6)
+            torch.testing.assert_close(
+                g, 2 * cast(torch.Tensor, want[rank][k].grad), rtol=1e-6, atol=1e-6
+            )

@@ -18,8 +18,8 @@ from pathlib import Path
 
 import pytest
 
-from rrfp_async.channels import _nccl_rules as rules
-from rrfp_async.channels._nccl_logs import check_logs
+from rrfp_async.testing import nccl_logs
+from rrfp_async.testing import nccl_rules as rules
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -54,7 +54,7 @@ def test_the_stage_tests_pass_under_the_nccl_rules_checker(tmp_path: Path) -> No
         cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=1450, check=False
     )
     assert done.returncode == 0, done.stdout[-8000:] + done.stderr[-4000:]
-    assert check_logs(logs) == []
+    assert nccl_logs.check_logs(logs) == []
     # Not vacuous: the payloads went over checked communicators, both ways, in many jobs.
     ops = [
         json.loads(line)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import asyncio
-from typing import Any
+from typing import Any, cast
 
 import pytest
 import torch
@@ -132,9 +132,9 @@ def test_out_of_order_variable_shapes_and_bad_headers() -> None:
 def test_header_encoding_is_pure_and_checked() -> None:
     h = encode_header(7, 2, rr.Task(3, "I", 5), torch.zeros(2, 3, dtype=torch.bfloat16))
     assert h[:9] == [MAGIC, 1, 7, 2, 3, 2, 5, 2, 2] and h[9:11] == [2, 3]
-    with pytest.raises(rr.ProtocolError, match="unsupported dtype"):
+    with pytest.raises(rr.errors.ProtocolError, match="unsupported dtype"):
         encode_header(0, 0, rr.Task(0, "F", 0), torch.zeros(1, dtype=torch.complex64))
-    with pytest.raises(rr.ProtocolError, match="dims"):
+    with pytest.raises(rr.errors.ProtocolError, match="dims"):
         encode_header(0, 0, rr.Task(0, "F", 0), torch.zeros([1] * 8))
 
 
@@ -160,7 +160,7 @@ async def _growing(rank: int) -> dict[str, Any]:
                 if i == 3:  # too large for max_bytes: refused here, and it takes no seq
                     try:
                         ch.send(1, 0, rr.Task(1, "F", 99), torch.zeros(4096))
-                    except rr.ProtocolError as e:
+                    except rr.errors.ProtocolError as e:
                         refused = str(e)
                 payload = torch.arange(n, dtype=torch.float32) + i if n else None
                 ch.send(1, 0, rr.Task(1, "F", i), payload)
@@ -274,7 +274,7 @@ async def _direct_failure(rank: int) -> dict[str, Any]:
             pg, edge.pg = edge.pg, _BrokenGroup()
             try:
                 ch.send(1, 0, rr.Task(1, "F", 0), torch.ones(4))
-            except rr.PeerError as e:
+            except rr.errors.PeerError as e:
                 out["raised"] = str(e)
             await asyncio.sleep(0.05)  # the loss reaches the stage through the loop
             out["stage_got"] = [str(e) for e in sink.errors]
@@ -424,7 +424,9 @@ _TURNS = [[1, 2, 3], [1, 3, 2], [3, 1, 2], [3, 2, 1]]  # 11 changes of sender
 def _message(src: int, i: int) -> tuple[rr.Task, Any]:
     """The ``i``-th message from ``src``: a task that names it, values that name it too."""
     kind, n = _SCRIPTS[src][i % len(_SCRIPTS[src])]
-    task = rr.Task(0, "FBIW"[i % 4], 100 * src + (97 - i))  # microbatches out of order
+    task = rr.Task(
+        0, cast(rr.Kind, "FBIW"[i % 4]), 100 * src + (97 - i)
+    )  # microbatches out of order
     v = float(1000 * src + i)
     if kind == "none":
         return task, None
@@ -559,7 +561,7 @@ async def _reused_buffer(rank: int, n: int) -> list[float]:
             return []
         await asyncio.wait_for(sink.done.wait(), 60)
         assert not sink.errors, sink.errors
-        out = []
+        out: list[Any] = []
         for _, task, p, _ in sorted(sink.got, key=lambda g: g[1].mb):
             assert task.mb == len(out)
             out.append(float(p.min()) if float(p.min()) == float(p.max()) else float("nan"))

@@ -96,23 +96,23 @@ def test_corrupt_structures_are_protocol_errors(mutate: Any, why: str) -> None:
     up = lambda n: (n + 7) // 8 * 8  # noqa: E731 - the wire's alignment
     body = bad.ljust(up(len(bad)), b"\0") + raw[up(doc) :]  # same leaves behind it
     t = torch.frombuffer(bytearray(body), dtype=torch.uint8)
-    with pytest.raises(rr.ProtocolError, match=why):
+    with pytest.raises(rr.errors.ProtocolError, match=why):
         unpack_tree(t, len(bad), CPU)
 
 
 def test_trailing_bytes_and_deep_or_unsupported_values_are_refused() -> None:
     buf, doc = pack_tree([torch.zeros(2)])
     longer = torch.cat([buf, torch.zeros(8, dtype=torch.uint8)])
-    with pytest.raises(rr.ProtocolError, match="leaves end at byte"):
+    with pytest.raises(rr.errors.ProtocolError, match="leaves end at byte"):
         unpack_tree(longer, doc, CPU)
     deep: Any = torch.zeros(1)
     for _ in range(MAX_DEPTH + 2):
         deep = [deep]
-    with pytest.raises(rr.ProtocolError, match="nested deeper"):
+    with pytest.raises(rr.errors.ProtocolError, match="nested deeper"):
         pack_tree(deep)
-    with pytest.raises(rr.ProtocolError, match=r"boundary value\[1\]: .* got object"):
+    with pytest.raises(rr.errors.ProtocolError, match=r"boundary value\[1\]: .* got object"):
         pack_tree((torch.zeros(1), object()))
-    with pytest.raises(rr.ProtocolError, match="dict keys must be str or int"):
+    with pytest.raises(rr.errors.ProtocolError, match="dict keys must be str or int"):
         pack_tree({(1, 2): torch.zeros(1)})
 
 
@@ -147,7 +147,7 @@ def test_device_packing_reads_nothing_on_the_host(
     item or numpy while it is packed or unpacked (``pack_tree`` is, and is refused)."""
     import weakref
 
-    from rrfp_async.channels import _nccl_rules as rules
+    from rrfp_async.testing import nccl_rules as rules
 
     monkeypatch.setenv(rules.RULES_ENV, str(tmp_path))
     monkeypatch.setattr(rules, "_registry", None)
@@ -173,11 +173,11 @@ def test_device_packing_reads_nothing_on_the_host(
 def test_corrupt_device_structures_are_protocol_errors() -> None:
     doc, flat = pack_tree_device([torch.zeros(2), torch.ones(3)], CPU)
     assert flat is not None
-    with pytest.raises(rr.ProtocolError, match="leaves end at byte"):
+    with pytest.raises(rr.errors.ProtocolError, match="leaves end at byte"):
         unpack_tree_device(doc, torch.cat([flat, torch.zeros(8, dtype=torch.uint8)]), CPU)
-    with pytest.raises(rr.ProtocolError, match="overruns the payload"):
+    with pytest.raises(rr.errors.ProtocolError, match="overruns the payload"):
         unpack_tree_device(doc, flat[:8], CPU)
-    with pytest.raises(rr.ProtocolError, match="overruns the payload"):
+    with pytest.raises(rr.errors.ProtocolError, match="overruns the payload"):
         unpack_tree_device(doc, None, CPU)
 
 

@@ -92,7 +92,7 @@ def matrix(pp: int) -> list[Case]:
 
 
 PP2, PP4 = matrix(2), matrix(4)
-_RUNS: dict[str, Any] = {}
+_RUNS: dict[int, Any] = {}
 
 
 def _results(pp: int, cases: list[Case]) -> Any:

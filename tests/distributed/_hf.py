@@ -194,7 +194,7 @@ NUM_LABELS = 5
 
 def resnet(seed: int) -> ResNetForImageClassification:
     torch.manual_seed(seed)
-    cfg = ResNetConfig(
+    cfg = ResNetConfig(  # type: ignore[call-arg]  # num_labels: PretrainedConfig's, via **kwargs
         num_channels=3,
         embedding_size=8,
         hidden_sizes=[8, 16],
@@ -519,7 +519,7 @@ async def _train(job: Job, run: Run, layout: rr.ProcessLayout, groups: Any) -> d
     finally:
         executor.close()
     return {
-        **snapshot(model, mine.values()),
+        **snapshot(model, list(mine.values())),
         "losses": losses,
         "eval": evals,
         "eval_shapes": shapes,
@@ -565,7 +565,9 @@ def train_local(job: Job, run: Run, stages: int) -> list[dict[str, Any]]:
     finally:
         for ex in executors:
             ex.close()
-    out = [{**snapshot(built[v][0], [mods[v]]), "losses": [], "eval": None} for v in range(stages)]
+    out: list[dict[str, Any]] = [
+        {**snapshot(built[v][0], [mods[v]]), "losses": [], "eval": None} for v in range(stages)
+    ]
     out[-1].update(losses=losses, eval=None if evals is None else list(evals))
     return out
 

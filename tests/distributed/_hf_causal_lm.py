@@ -20,7 +20,7 @@ import rrfp_async as rr
 from . import _hf
 
 VOCAB = _hf.VOCAB
-_COMMON = dict(
+_COMMON: dict[str, Any] = dict(
     vocab_size=VOCAB,
     hidden_size=32,
     intermediate_size=64,
@@ -59,7 +59,7 @@ def mistral() -> nn.Module:
 def gpt_neox() -> nn.Module:
     # Its own names (embed_in, emb_dropout, final_layer_norm), its own layer call
     # (layer_past=), partial rotary (a quarter of each head), parallel residual.
-    cfg = tf.GPTNeoXConfig(
+    cfg = tf.GPTNeoXConfig(  # type: ignore[call-arg]  # rotary_pct: a legacy keyword it converts
         vocab_size=VOCAB,
         hidden_size=32,
         intermediate_size=64,
@@ -95,9 +95,10 @@ FAMILIES: dict[str, Callable[[], nn.Module]] = {
 }
 
 
-def build(family: str, seed: int = 0) -> nn.Module:
+def build(family: str, seed: int = 0) -> Any:
+    """A family's model (``Any``: its attributes are the family's own, ``model.model.layers``)."""
     torch.manual_seed(seed)
-    model = FAMILIES[family]().train()
+    model: Any = FAMILIES[family]().train()
     model.loss_type = "ForCausalLM"  # what it computes anyway (silences a warning)
     return model
 

@@ -96,7 +96,7 @@ def _check_rows(rows: dict[str, dict[str, Any]], policies: list[str], steps: int
 
 
 def test_example_under_torchrun() -> None:
-    port = rr.free_port()
+    port = rr.testing.free_port()
     out = subprocess.run(
         [
             sys.executable,

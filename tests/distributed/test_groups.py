@@ -154,7 +154,7 @@ def _shared_groups(rank: int, world: int) -> dict[str, Any]:
     sched = _schedule(2, "1f1b")
     out: dict[str, Any] = {}
 
-    def stage(g: rr.StageGroups) -> rr.DistributedStage:
+    def stage(g: rr.distributed.StageGroups) -> rr.DistributedStage:
         return rr.DistributedStage(layout, sched, _Tagged(1), groups=g, verify_plan=False)
 
     async def main() -> None:
@@ -175,10 +175,10 @@ def _shared_groups(rank: int, world: int) -> dict[str, Any]:
         async with stage(groups) as again:  # closed: its group is free again
             out["again"] = (await again.run_step([0, 1])).step
         # Groups built by hand without a p2p group: both stages would use the default group.
-        bare = rr.StageGroups(control=groups.control)
+        bare = rr.distributed.StageGroups(control=groups.control)
         async with stage(bare) as d:
             try:
-                async with stage(rr.StageGroups(control=groups.control)):
+                async with stage(rr.distributed.StageGroups(control=groups.control)):
                     out["default"] = "opened"
             except rr.PlanError as e:
                 out["default"] = str(e)

@@ -113,7 +113,9 @@ def test_ties_names_and_stages() -> None:
     assert set().union(*names) == set(whole)
     assert "model.layers.2.self_attn.q_proj.weight" in names[1]
     assert all("model.rotary_emb.inv_freq" in dict(m.named_buffers()) for m in split.modules)
-    assert not any(isinstance(m, rr.CausalLMStage) and m.first for m in split.modules[1:])
+    assert not any(
+        isinstance(m, rr.distributed.CausalLMStage) and m.first for m in split.modules[1:]
+    )
     # Untied: nothing shared.
     assert rr.split_causal_lm(H.build("llama"), 2).shared == {}
 

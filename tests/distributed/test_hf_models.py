@@ -131,7 +131,7 @@ def _without_mask(batches: list[list[rr.Microbatch]]) -> list[list[rr.Microbatch
 @distributed
 def test_gpt2_undeclared_tie_fails_naming_both() -> None:
     job = Job(kind="gpt2", runs=(Run(),), batches=_lm_batches(pad=True), declare_ties=False)
-    with pytest.raises(rr.SpawnError, match="PlanError") as ei:
+    with pytest.raises(rr.errors.SpawnError, match="PlanError") as ei:
         pooled_spawn(_hf.worker, 2, job, timeout=100)
     text = str(ei.value)
     assert "'wte.weight' of virtual stage 0" in text

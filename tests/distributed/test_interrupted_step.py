@@ -49,7 +49,7 @@ _ONE_PROCESS = textwrap.dedent(
     ex = rr.TorchStageExecutor({0: m}, loss)
     stage = rr.DistributedStage(
         rr.ProcessLayout(pp=1, rank=0), rr.StepSchedule.build(plan, "1f1b"), ex,
-        groups=rr.StageGroups(), verify_plan=False, check_ties=False,
+        groups=rr.distributed.StageGroups(), verify_plan=False, check_ties=False,
     )
     mbs = batches(0, 1, 2)[0]
     out = []

@@ -73,7 +73,7 @@ def test_a_failing_rank_takes_its_peers_down_with_reports() -> None:
     cfg = TrainConfig(
         pp=2, microbatches=4, steps=1, policies=("explode",), return_params=False, step_timeout=60
     )
-    with pytest.raises(rr.SpawnError) as ei:
+    with pytest.raises(rr.errors.SpawnError) as ei:
         pooled_spawn(_worker, 2, cfg, timeout=120)
     f = ei.value.failures
     assert "PolicyError" in f[0] and "policy bug on purpose" in f[0]
@@ -89,7 +89,7 @@ def test_a_hung_rank_is_stopped_by_the_watchdog() -> None:
     cfg = TrainConfig(
         pp=2, microbatches=4, steps=1, policies=("hang",), return_params=False, step_timeout=5
     )
-    with pytest.raises(rr.SpawnError) as ei:
+    with pytest.raises(rr.errors.SpawnError) as ei:
         pooled_spawn(_worker, 2, cfg, timeout=120)
     f = ei.value.failures
     assert "StepTimeoutError" in f[0]
@@ -120,7 +120,7 @@ def test_demo_command_small(tmp_path: Path) -> None:
     assert sum("too few" in r for r in rows) == 2 and "within" not in res.output, res.output
     assert (tmp_path / "timeline.png").exists()
     for p in ("strict", "readiness_first", "backfill"):
-        tr = rr.load_trace(tmp_path / f"trace_{p}.json")
+        tr = rr.observability.load_trace(tmp_path / f"trace_{p}.json")
         assert validate_chrome_trace(tr) == []
 
 

@@ -130,7 +130,9 @@ def test_stage_defaults_are_finite_and_bounded() -> None:
 
     def stage(**kw: Any) -> rr.DistributedStage:
         sched = rr.StepSchedule.build(plan, "1f1b")
-        return rr.DistributedStage(layout, sched, _Tiny(), groups=rr.StageGroups(), **kw)
+        return rr.DistributedStage(
+            layout, sched, _Tiny(), groups=rr.distributed.StageGroups(), **kw
+        )
 
     s = stage()
     assert s.step_timeout == 30.0 and s.stage.step_timeout == 30.0
@@ -150,29 +152,35 @@ def test_tp_without_the_plan_check_needs_a_given_seed() -> None:
     lin = torch.nn.Linear(2, 2)
     default = rr.TorchStageExecutor({0: lin})
     with pytest.raises(rr.PlanError, match=r"verify_plan=False\) with TP: .*seed=\.\.\."):
-        rr.DistributedStage(layout, sched, default, groups=rr.StageGroups(), verify_plan=False)
+        rr.DistributedStage(
+            layout, sched, default, groups=rr.distributed.StageGroups(), verify_plan=False
+        )
     # A given seed passes that check (TP then needs a real group: construction goes on to
     # the decision channel, which asks the unset default group for its size).
     given = rr.TorchStageExecutor({0: lin}, seed=3)
     with pytest.raises(ValueError, match="Default process group has not been initialized"):
-        rr.DistributedStage(layout, sched, given, groups=rr.StageGroups(), verify_plan=False)
+        rr.DistributedStage(
+            layout, sched, given, groups=rr.distributed.StageGroups(), verify_plan=False
+        )
 
 
 def test_a_stage_runs_steps_only_while_open() -> None:
     plan = rr.StepPlan(topology=rr.Topology(stages=1), microbatches=2)
     layout = rr.ProcessLayout(pp=1, rank=0)
     sched = rr.StepSchedule.build(plan, "1f1b")
-    stage = rr.DistributedStage(layout, sched, _Tiny(), groups=rr.StageGroups(), verify_plan=False)
+    stage = rr.DistributedStage(
+        layout, sched, _Tiny(), groups=rr.distributed.StageGroups(), verify_plan=False
+    )
 
     async def go() -> None:
-        with pytest.raises(rr.ClosedError, match="is not open yet"):
+        with pytest.raises(rr.errors.ClosedError, match="is not open yet"):
             await stage.run_step([0, 1])
         async with stage:
             stats = await stage.run_step([0, 1])
             assert [str(e.task) for e in stats.executed] == ["0F0", "0B0", "0F1", "0B1"]
-        with pytest.raises(rr.ClosedError, match="was closed"):
+        with pytest.raises(rr.errors.ClosedError, match="was closed"):
             await stage.run_step([0, 1])
-        with pytest.raises(rr.ClosedError, match="opened once"):
+        with pytest.raises(rr.errors.ClosedError, match="opened once"):
             async with stage:
                 pass
 

@@ -62,7 +62,7 @@ def _hang(rank: int, world: int) -> None:
 
 def test_a_crashed_rank_fails_its_job_as_spawn_reports_it_and_the_next_job_runs() -> None:
     zygotes = pooled_spawn(_allreduce, 2, 0) and pool_pids()
-    with pytest.raises(rr.SpawnError, match="process died with exit code 3") as ei:
+    with pytest.raises(rr.errors.SpawnError, match="process died with exit code 3") as ei:
         pooled_spawn(_die_on_1, 2, timeout=60)
     assert ei.value.failures[0] == "stopped after another rank failed"
     assert str(ei.value).startswith("2 of 2 rank(s) failed; rank 1: process died with exit")
@@ -71,7 +71,7 @@ def test_a_crashed_rank_fails_its_job_as_spawn_reports_it_and_the_next_job_runs(
 
 
 def test_every_rank_exception_comes_back_with_its_traceback() -> None:
-    with pytest.raises(rr.SpawnError, match=r"rank 1: ValueError: boom on purpose") as ei:
+    with pytest.raises(rr.errors.SpawnError, match=r"rank 1: ValueError: boom on purpose") as ei:
         pooled_spawn(_fail_on_1, 2, timeout=60, grace=1.0)
     assert "Traceback" in ei.value.failures[1] and "_fail_on_1" in ei.value.failures[1]
     assert ei.value.failures[0] == "stopped after another rank failed"
@@ -80,7 +80,7 @@ def test_every_rank_exception_comes_back_with_its_traceback() -> None:
 
 def test_a_job_past_its_timeout_is_killed_and_the_next_job_runs() -> None:
     t = time.monotonic()
-    with pytest.raises(rr.SpawnError, match="did not finish within 3") as ei:
+    with pytest.raises(rr.errors.SpawnError, match="did not finish within 3") as ei:
         pooled_spawn(_hang, 2, timeout=3)
     assert set(ei.value.failures) == {0, 1}
     assert time.monotonic() - t < 20
@@ -88,7 +88,7 @@ def test_a_job_past_its_timeout_is_killed_and_the_next_job_runs() -> None:
 
 
 def test_what_cannot_reach_the_ranks_is_refused_as_spawn_refuses_it() -> None:
-    with pytest.raises(rr.SpawnError, match=r"needs a picklable, module-level function"):
+    with pytest.raises(rr.errors.SpawnError, match=r"needs a picklable, module-level function"):
         pooled_spawn(lambda rank, world: rank, 2)
     with pytest.raises(rr.PlanError, match=r"world_size \(the number of processes\) must be"):
         pooled_spawn(_allreduce, 0, 1)
@@ -168,8 +168,8 @@ def test_a_job_that_leaves_groups_env_config_seeds_and_threads_leaves_the_next_c
             }
     assert pool_pids()[:2] == zygotes[:2]  # the same pool: the slate is clean by design
     # The look is not vacuous: in the process that leaked, it sees every leak.
-    for rank, look in enumerate(pooled_spawn(_leak_then_look, 2)):
-        assert look == {
+    for rank, seen in enumerate(pooled_spawn(_leak_then_look, 2)):
+        assert seen == {
             "groups": 2,
             "message": 111 if rank else -1,
             "env": "leaked",

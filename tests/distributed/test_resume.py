@@ -44,7 +44,7 @@ def _cmd(tmp: Path, *extra: str, restarts: int, monitor: float | None = None) ->
         "--rdzv-backend",
         "c10d",
         "--rdzv-endpoint",
-        f"127.0.0.1:{rr.free_port()}",
+        f"127.0.0.1:{rr.testing.free_port()}",
     ]
     if monitor is not None:
         cmd += ["--monitor-interval", str(monitor)]
@@ -110,13 +110,13 @@ def test_without_a_restart_the_killed_job_fails_and_names_the_lost_rank(tmp_path
             time.sleep(0.1)
     finally:
         _torchrun.end(agent, workers)
-    log = log_path.read_text()
+    text = log_path.read_text()
     # Rank 1 SIGKILLed itself; rank 0 failed and exited 1 by itself.
     assert sorted(c for c in codes.values() if c is not None) == [-signal.SIGKILL, 1], (
         codes,
-        log[-4000:],
+        text[-4000:],
     )
-    assert "PeerError: rank 0 (global 0) lost rank 1 (global 1)" in log, log[-4000:]
+    assert "PeerError: rank 0 (global 0) lost rank 1 (global 1)" in text, text[-4000:]
     # Steps before the kill finished (the last stage writes each step's loss); none after.
-    assert (tmp_path / "out" / f"loss-{KILL_AT - 1}.json").exists(), log[-4000:]
-    assert not (tmp_path / "out" / f"loss-{KILL_AT}.json").exists(), log[-4000:]
+    assert (tmp_path / "out" / f"loss-{KILL_AT - 1}.json").exists(), text[-4000:]
+    assert not (tmp_path / "out" / f"loss-{KILL_AT}.json").exists(), text[-4000:]

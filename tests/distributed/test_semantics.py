@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 import rrfp_async as rr
-from rrfp_async.models import TPContext, shard_dim
+from rrfp_lab.models import TPContext, shard_dim
 from tests._pool import pooled_spawn
 from tests._semantics import (
     SEED,

@@ -8,10 +8,10 @@ the activations). Each rank writes debug JSON logs to its own file and its trace
 ``trace_dir=``; the test then reads only those files, as a user would (step 1: step 0 warms
 up):
 
-* the merged trace (``rr.merge_traces``, and ``rrfp-async trace DIR --json``) and its stall
-  analysis (``rr.stalls``) name 1F3 on rank 1 as the one slow task, and the tasks that waited
-  for it include its consumers 2F3 and 3F3, each waiting for its producer's message; every
-  wait's root is 1F3 or nothing (the pipeline's fill and drain);
+* the merged trace (``rr.observability.merge_traces``, and ``rrfp-async trace DIR --json``)
+  and its stall analysis (``rr.observability.stalls``) name 1F3 on rank 1 as the one slow
+  task, and the tasks that waited for it include its consumers 2F3 and 3F3, each waiting for
+  its producer's message; every wait's root is 1F3 or nothing (the pipeline's fill and drain);
 * the logs' stall reasons on ranks 2 and 3 say what they wait for, by message and rank
   (``... for 2F3 <- message 1F3 from rank 1``), and no stall reason is false (an
   "admission bound reached" line always has its in-flight count at the bound).
@@ -71,7 +71,7 @@ def test_the_slow_forward_is_found_from_the_logs_and_the_merged_trace(tmp_path: 
     slow = f"{SLOW_RANK}:{SLOW_RANK}F{SLOW_MB}"
 
     # The merged trace: one timeline from the 4 per-rank files.
-    merged = rr.merge_traces([str(tmp_path / "traces")])
+    merged = rr.observability.merge_traces([str(tmp_path / "traces")])
     # The traces say their GPU time is emulated (the forwards sleep for it): every file.
     from rrfp_async.observability import merge_trace_files
 
@@ -79,7 +79,7 @@ def test_the_slow_forward_is_found_from_the_logs_and_the_merged_trace(tmp_path: 
     for f in sorted((tmp_path / "traces").glob("rank*.json")):
         assert json.loads(f.read_text())["otherData"]["rrfp"]["emulated_gpu_time"] is True, f
     assert sorted({s.lane for s in merged.spans}) == list(range(P))
-    found = rr.stalls(merged)
+    found = rr.observability.stalls(merged)
     assert [f"{s['rank']}:{s['task']}" for s in found["slow"]] == [slow]
     waited = set(found["slow"][0]["waited_by"])
     assert {"2:2F3", "3:3F3"} <= waited, found["slow"][0]

@@ -40,7 +40,7 @@ def test_spawn_returns_results_in_rank_order() -> None:
 
 def test_spawn_reports_the_failing_rank_fast() -> None:
     t = time.monotonic()
-    with pytest.raises(rr.SpawnError, match=r"rank 1: ValueError: boom on purpose") as ei:
+    with pytest.raises(rr.errors.SpawnError, match=r"rank 1: ValueError: boom on purpose") as ei:
         rr.spawn(_fail_on_1, 2, timeout=60)
     assert 1 in ei.value.failures
     assert time.monotonic() - t < 30
@@ -48,7 +48,7 @@ def test_spawn_reports_the_failing_rank_fast() -> None:
 
 def test_spawn_times_out_and_kills() -> None:
     t = time.monotonic()
-    with pytest.raises(rr.SpawnError, match="did not finish within 4"):
+    with pytest.raises(rr.errors.SpawnError, match="did not finish within 4"):
         rr.spawn(_hang, 2, timeout=4)
     assert time.monotonic() - t < 20
 
@@ -63,7 +63,7 @@ def _die_on_1(rank: int, world: int) -> None:
 
 def test_spawn_reports_a_dead_process() -> None:
     t = time.monotonic()
-    with pytest.raises(rr.SpawnError, match="process died with exit code 3") as ei:
+    with pytest.raises(rr.errors.SpawnError, match="process died with exit code 3") as ei:
         rr.spawn(_die_on_1, 2, timeout=60)
     assert ei.value.failures[0] == "stopped after another rank failed"
     assert time.monotonic() - t < 30
@@ -79,7 +79,7 @@ def _unpicklable_result(rank: int, world: int) -> Any:
 
 
 def test_spawn_names_an_unpicklable_result() -> None:
-    with pytest.raises(rr.SpawnError) as ei:
+    with pytest.raises(rr.errors.SpawnError) as ei:
         rr.spawn(_unpicklable_result, 2, timeout=60)
     msg = str(ei.value)
     assert "the result of tests.distributed.test_spawn._unpicklable_result (a _Unpicklable)" in msg
@@ -90,10 +90,12 @@ def test_spawn_names_an_unpicklable_result() -> None:
 def test_spawn_refuses_what_cannot_reach_the_processes() -> None:
     t = time.monotonic()
     with pytest.raises(
-        rr.SpawnError, match=r"needs a picklable, module-level function; .*<lambda>"
+        rr.errors.SpawnError, match=r"needs a picklable, module-level function; .*<lambda>"
     ):
         rr.spawn(lambda rank, world: rank, 2)
-    with pytest.raises(rr.SpawnError, match=r"argument 0 of .*_allreduce \(a _Unpicklable\)"):
+    with pytest.raises(
+        rr.errors.SpawnError, match=r"argument 0 of .*_allreduce \(a _Unpicklable\)"
+    ):
         rr.spawn(_allreduce, 2, _Unpicklable())
     for n in (0, -1):
         with pytest.raises(rr.PlanError, match=r"world_size \(the number of processes\) must be"):
@@ -110,7 +112,7 @@ def test_spawn_from_an_interactive_main_says_so() -> None:
         "    return rank\n"
         "try:\n"
         "    rr.spawn(f, 2, timeout=30)\n"
-        "except rr.SpawnError as e:\n"
+        "except rr.errors.SpawnError as e:\n"
         "    print(e)\n"
     )
     root = Path(__file__).resolve().parents[2]
@@ -134,7 +136,7 @@ class _Noop:
 
 
 def test_every_process_claiming_rank_0_is_a_layout_error() -> None:
-    with pytest.raises(rr.SpawnError) as ei:
+    with pytest.raises(rr.errors.SpawnError) as ei:
         rr.spawn(_claim_rank_0, 2, timeout=60, grace=1.0)
     msg = ei.value.failures[1]
     assert msg.startswith("PlanError: the layout places this process at global rank 0, but"), msg
@@ -143,7 +145,7 @@ def test_every_process_claiming_rank_0_is_a_layout_error() -> None:
 
 
 def _report_then_return(rank: int, world: int, n: int) -> int:
-    from rrfp_async import report_progress
+    from rrfp_async.distributed import report_progress
 
     for i in range(n):
         report_progress((rank, i))

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 import pytest
 import torch
@@ -45,7 +45,7 @@ def make_net() -> Net:
     return Net()
 
 
-def run(split: rr.StageSplit, *args: Any) -> Any:
+def run(split: rr.distributed.StageSplit, *args: Any) -> Any:
     """Run the stages in order, passing outputs on as a stage passes them between blocks."""
     out: Any = args
     for m in split.modules:
@@ -64,7 +64,9 @@ def grads(model: nn.Module, forward: Callable[[], torch.Tensor]) -> dict[str, to
     return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
 
-def assert_same_forward_and_grads(model: nn.Module, split: rr.StageSplit, x: torch.Tensor) -> None:
+def assert_same_forward_and_grads(
+    model: nn.Module, split: rr.distributed.StageSplit, x: torch.Tensor
+) -> None:
     assert torch.equal(run(split, x), model(x))
     whole = grads(model, lambda: model(x))
     staged = grads(model, lambda: run(split, x))
@@ -73,8 +75,8 @@ def assert_same_forward_and_grads(model: nn.Module, split: rr.StageSplit, x: tor
         assert torch.equal(whole[n], staged[n]), n
 
 
-def names(split: rr.StageSplit) -> list[tuple[str, ...]]:
-    return [m.block_names for m in split.modules]
+def names(split: rr.distributed.StageSplit) -> list[tuple[str, ...]]:
+    return [cast(rr.distributed.StageModule, m).block_names for m in split.modules]
 
 
 # ------------------------------------------------------------------------------ splitting
@@ -87,10 +89,11 @@ def test_sequential_split_composes_to_the_model_bitwise() -> None:
     )
     split = rr.split_model(model, ["2", "4"])
     assert names(split) == [("0", "1"), ("2", "3"), ("4", "5")]
-    assert all(isinstance(m, rr.StageModule) for m in split.modules)
+    assert all(isinstance(m, rr.distributed.StageModule) for m in split.modules)
     # The model's own block objects, not copies.
-    assert list(split.modules[1]) == [model[2], model[3]]
-    assert [len(m) for m in split.modules] == [2, 2, 2]
+    stages = [cast(nn.Sequential, m) for m in split.modules]
+    assert list(stages[1]) == [model[2], model[3]]
+    assert [len(m) for m in stages] == [2, 2, 2]
     assert_same_forward_and_grads(model, split, torch.randn(5, 4))
 
 
@@ -120,7 +123,7 @@ def test_int_spec_splits_evenly_by_blocks_the_first_stages_one_more() -> None:
     for n_blocks in range(1, 13):
         model = nn.Sequential(*(nn.Identity() for _ in range(n_blocks)))
         for n in range(1, n_blocks + 1):
-            sizes = [len(m) for m in rr.split_model(model, n).modules]
+            sizes = [len(cast(nn.Sequential, m)) for m in rr.split_model(model, n).modules]
             q, r = divmod(n_blocks, n)
             assert sizes == [q + 1] * r + [q] * (n - r), (n_blocks, n)
     net = make_net()
@@ -188,7 +191,7 @@ def test_batchnorm_buffers_are_the_models_own() -> None:
     assert split.modules[0].get_buffer("1.running_mean") is bn.running_mean
     before = bn.running_mean.clone()
     run(split, torch.randn(8, 4))  # training mode: the stage updates the statistics
-    assert int(bn.num_batches_tracked) == 1
+    assert int(cast(torch.Tensor, bn.num_batches_tracked)) == 1
     assert not torch.equal(bn.running_mean, before)
     model.eval()
     x = torch.randn(3, 4)
@@ -279,17 +282,19 @@ def test_hf_gpt2_tied_lm_head_is_declared() -> None:
 def test_from_stage_modules_finds_ties_and_takes_declared_ones() -> None:
     emb, mid, head = nn.Embedding(10, 8), nn.Linear(8, 8), nn.Linear(8, 10, bias=False)
     head.weight = emb.weight
-    split = rr.from_stage_modules([emb, mid, head])
+    split = rr.distributed.from_stage_modules([emb, mid, head])
     assert split.modules == (emb, mid, head)
     assert split.shared == {"0:weight": ((0, "weight"), (2, "weight"))}
     assert split.modules_of([2, 0]) == {2: head, 0: emb}
     # Replicas that are different objects are ties only when declared.
     copy = nn.Linear(8, 10, bias=False)
-    assert rr.from_stage_modules([emb, mid, copy]).shared == {}
-    declared = rr.from_stage_modules([emb, mid, copy], ties=[{2: "weight", 0: "weight"}])
+    assert rr.distributed.from_stage_modules([emb, mid, copy]).shared == {}
+    declared = rr.distributed.from_stage_modules(
+        [emb, mid, copy], ties=[{2: "weight", 0: "weight"}]
+    )
     assert declared.shared == {"0:weight": ((0, "weight"), (2, "weight"))}
     # A declared group meeting an identity group makes one group.
-    joined = rr.from_stage_modules([emb, head, copy], ties=[{1: "weight", 2: "weight"}])
+    joined = rr.distributed.from_stage_modules([emb, head, copy], ties=[{1: "weight", 2: "weight"}])
     assert joined.shared == {"0:weight": ((0, "weight"), (1, "weight"), (2, "weight"))}
 
 
@@ -319,13 +324,13 @@ def test_torch_pipeline_tracer_stages_with_their_replicated_tie() -> None:
         # torch's own tracer, on torch 2.13: "isinstance(treespec, LeafSpec) is deprecated".
         warnings.filterwarnings("ignore", message=".*LeafSpec.*", category=FutureWarning)
         pipe = pipeline(model, mb_args=(ids,))
-    split = rr.from_pipe(pipe)
+    split = rr.distributed.from_pipe(pipe)
     assert len(split.modules) == 2
     assert torch.equal(run(split, ids), model(ids))
     assert split.shared == {"0:emb.weight": ((0, "emb.weight"), (1, "head.weight"))}
     # The tracer copies the tied weight into each stage: identity alone finds no tie.
     assert pipe.get_stage_module(1).get_parameter("head.weight") is not model.emb.weight
-    assert rr.from_stage_modules(split.modules).shared == {}
+    assert rr.distributed.from_stage_modules(split.modules).shared == {}
 
 
 # ------------------------------------------------------------------------------ errors
@@ -384,18 +389,24 @@ def test_a_bad_split_spec(spec: Any, match: str) -> None:
 def test_bad_stage_modules_ties_and_stage_indices() -> None:
     a, b = nn.Linear(2, 2), nn.Linear(2, 2)
     cases: list[tuple[Callable[[], object], str]] = [
-        (lambda: rr.from_stage_modules([]), r"modules: a split needs at least one stage"),
-        (lambda: rr.from_stage_modules([a, "b"]), r"modules: stage 1 is a str"),
         (
-            lambda: rr.from_stage_modules([a, b], ties=[{0: "weight", 2: "weight"}]),
+            lambda: rr.distributed.from_stage_modules([]),
+            r"modules: a split needs at least one stage",
+        ),
+        (
+            lambda: rr.distributed.from_stage_modules([a, "b"]),  # type: ignore[list-item]  # a str on purpose
+            r"modules: stage 1 is a str",
+        ),
+        (
+            lambda: rr.distributed.from_stage_modules([a, b], ties=[{0: "weight", 2: "weight"}]),
             r"ties: .* stage 2",
         ),
         (
-            lambda: rr.from_stage_modules([a, b], ties=[{0: "w", 1: "weight"}]),
+            lambda: rr.distributed.from_stage_modules([a, b], ties=[{0: "w", 1: "weight"}]),
             r"ties: .*'w', which is no parameter of stage 0",
         ),
         (
-            lambda: rr.from_stage_modules(
+            lambda: rr.distributed.from_stage_modules(
                 [a, b], ties=[{0: "weight", 1: "weight"}, {0: "bias", 1: "weight"}]
             ),
             r"ties: stage 0's parameters 'weight' and 'bias' are declared tied",
@@ -405,23 +416,23 @@ def test_bad_stage_modules_ties_and_stage_indices() -> None:
             r"stages: 2 is no virtual stage of this split \(0 .. 1\)",
         ),
         (
-            lambda: rr.StageSplit((a, b), {"g": ((0, "weight"),)}),
+            lambda: rr.distributed.StageSplit((a, b), {"g": ((0, "weight"),)}),
             r"shared: group 'g' must list two or more stages",
         ),
         (
-            lambda: rr.StageSplit((a, b), {"g": ((1, "weight"), (0, "weight"))}),
+            lambda: rr.distributed.StageSplit((a, b), {"g": ((1, "weight"), (0, "weight"))}),
             r"shared: group 'g' must list",
         ),
         (
-            lambda: rr.StageSplit((a, b), {"g": ((0, "weight"), (3, "weight"))}),
+            lambda: rr.distributed.StageSplit((a, b), {"g": ((0, "weight"), (3, "weight"))}),
             r"shared: group 'g' names stage 3",
         ),
         (
-            lambda: rr.StageSplit((a, b), {"g": ((0, "weight"), (1, "w"))}),
+            lambda: rr.distributed.StageSplit((a, b), {"g": ((0, "weight"), (1, "w"))}),
             r"shared: group 'g' names 'w'",
         ),
-        (lambda: rr.StageSplit((), {}), r"modules: a split needs at least one stage"),
-        (lambda: rr.StageModule([]), r"blocks: a stage needs at least one block"),
+        (lambda: rr.distributed.StageSplit((), {}), r"modules: a split needs at least one stage"),
+        (lambda: rr.distributed.StageModule([]), r"blocks: a stage needs at least one block"),
     ]
     for call, match in cases:
         with pytest.raises(rr.PlanError, match=match):

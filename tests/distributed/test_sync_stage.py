@@ -39,7 +39,9 @@ def _single() -> rr.DistributedStage:
     plan = rr.StepPlan(topology=rr.Topology(stages=1), microbatches=2)
     layout = rr.ProcessLayout(pp=1, rank=0)
     sched = rr.StepSchedule.build(plan, "1f1b")
-    return rr.DistributedStage(layout, sched, _Tiny(), groups=rr.StageGroups(), verify_plan=False)
+    return rr.DistributedStage(
+        layout, sched, _Tiny(), groups=rr.distributed.StageGroups(), verify_plan=False
+    )
 
 
 def _portal_threads() -> int:
@@ -50,9 +52,11 @@ def _portal_threads() -> int:
 def test_the_sync_face_runs_steps_inside_its_with_block_only() -> None:
     before = _portal_threads()
     stage = _single()
-    with pytest.raises(rr.ClosedError, match=r"inside `with DistributedStage\(...\) as stage:`"):
+    with pytest.raises(
+        rr.errors.ClosedError, match=r"inside `with DistributedStage\(...\) as stage:`"
+    ):
         stage.run_step_sync([0, 1])
-    with pytest.raises(rr.ClosedError, match="it is not open yet"):
+    with pytest.raises(rr.errors.ClosedError, match="it is not open yet"):
         stage.run_step_sync([0, 1])
     with stage as s:
         assert s is stage and _portal_threads() == before + 1
@@ -62,9 +66,9 @@ def test_the_sync_face_runs_steps_inside_its_with_block_only() -> None:
         with pytest.raises(rr.PlanError, match="a step needs at least 1 microbatch, got 0"):
             stage.run_step_sync([])  # the step's own error, not wrapped
     assert _portal_threads() == before  # the with block stopped its loop thread
-    with pytest.raises(rr.ClosedError, match="it was closed"):
+    with pytest.raises(rr.errors.ClosedError, match="it was closed"):
         stage.run_step_sync([0, 1])
-    with pytest.raises(rr.ClosedError, match="opened once"), stage:
+    with pytest.raises(rr.errors.ClosedError, match="opened once"), stage:
         pass
     assert _portal_threads() == before
 
@@ -96,7 +100,9 @@ def test_run_step_sync_in_an_async_with_block_says_to_await() -> None:
 
 
 def _sync_call_refused(stage: rr.DistributedStage) -> None:
-    with pytest.raises(rr.ClosedError, match=r"opened with `async with`: there, run steps with"):
+    with pytest.raises(
+        rr.errors.ClosedError, match=r"opened with `async with`: there, run steps with"
+    ):
         stage.run_step_sync([0, 1])
 
 
@@ -106,7 +112,7 @@ def test_run_step_on_another_loop_names_both_loops() -> None:
     with asyncio.Runner() as runner:
         runner.run(stage.__aenter__())
         opened = runner.get_loop()
-        with pytest.raises(rr.ClosedError) as ei:
+        with pytest.raises(rr.errors.ClosedError) as ei:
             rr.run(stage.run_step([0, 1]), use_uvloop=False)
         msg = str(ei.value)
         assert msg.startswith("rank 0 (global 0): run_step on event loop asyncio.")
@@ -134,7 +140,9 @@ def _batches() -> list[list[torch.Tensor]]:
     return [[torch.randn(5, 6, generator=g) for _ in range(M)] for _ in range(STEPS)]
 
 
-def _train(layout: rr.ProcessLayout, groups: rr.StageGroups, sync: bool) -> dict[str, Any]:
+def _train(
+    layout: rr.ProcessLayout, groups: rr.distributed.StageGroups, sync: bool
+) -> dict[str, Any]:
     plan = rr.StepPlan(topology=rr.Topology(stages=2), microbatches=M)
     mod = _model()[layout.pp_rank]
     opt = torch.optim.SGD(mod.parameters(), lr=0.1)
@@ -167,7 +175,7 @@ def _train(layout: rr.ProcessLayout, groups: rr.StageGroups, sync: bool) -> dict
     }
 
 
-def _disagree(layout: rr.ProcessLayout, groups: rr.StageGroups) -> tuple[str, str]:
+def _disagree(layout: rr.ProcessLayout, groups: rr.distributed.StageGroups) -> tuple[str, str]:
     """Rank 1 builds a plan of another size: ``run_step_sync`` raises the plan check's
     ``PlanError`` itself, on every rank."""
     m = 2 if layout.rank == 0 else 3
@@ -187,7 +195,10 @@ def _sync_worker(rank: int, world: int) -> dict[str, Any]:
     layout = rr.ProcessLayout.from_world(pp=2)
     groups = rr.build_groups(layout)
     before = _portal_threads()
-    out = {"sync": _train(layout, groups, True), "async": _train(layout, groups, False)}
+    out: dict[str, Any] = {
+        "sync": _train(layout, groups, True),
+        "async": _train(layout, groups, False),
+    }
     out["disagree"] = _disagree(layout, groups)
     out["threads_left"] = _portal_threads() - before
     return out
@@ -309,7 +320,9 @@ def test_a_refused_run_step_changes_nothing() -> None:
     plan = rr.StepPlan(topology=rr.Topology(stages=1), microbatches=2)
     layout = rr.ProcessLayout(pp=1, rank=0)
     sched = rr.StepSchedule.build(plan, "1f1b")
-    stage = rr.DistributedStage(layout, sched, _Slow(), groups=rr.StageGroups(), verify_plan=False)
+    stage = rr.DistributedStage(
+        layout, sched, _Slow(), groups=rr.distributed.StageGroups(), verify_plan=False
+    )
 
     async def main() -> list[int]:
         async with stage:

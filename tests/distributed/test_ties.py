@@ -33,7 +33,7 @@ class Embed(nn.Module):
 
 
 class Head(nn.Module):
-    def __init__(self, weight: nn.Parameter) -> None:
+    def __init__(self, weight: torch.Tensor) -> None:
         super().__init__()
         self.weight = weight
         self.norm = nn.LayerNorm(8)  # constant-initialised: never taken for a tie

@@ -34,7 +34,7 @@ def test_a_stage_writes_its_last_step_and_never_fails_a_step_for_it(
         layout,
         sched,
         _single().stage.executor,
-        groups=rr.StageGroups(),
+        groups=rr.distributed.StageGroups(),
         verify_plan=False,
         trace_dir=tmp_path / "t",
     )
@@ -65,7 +65,7 @@ def test_a_stage_writes_its_last_step_and_never_fails_a_step_for_it(
             layout,
             sched,
             _single().stage.executor,
-            groups=rr.StageGroups(),
+            groups=rr.distributed.StageGroups(),
             trace_dir=blocker / "t",
         )
 
@@ -92,7 +92,7 @@ def test_a_failed_step_never_replaces_the_last_good_trace(tmp_path: Path) -> Non
         rr.ProcessLayout(pp=1, rank=0),
         rr.StepSchedule.build(plan, "1f1b"),
         _FailsOn({1}),
-        groups=rr.StageGroups(),
+        groups=rr.distributed.StageGroups(),
         verify_plan=False,
         trace_dir=tmp_path,
     )
@@ -161,7 +161,7 @@ def test_training_writes_per_rank_traces_that_merge(tmp_path: Path) -> None:
     results = pooled_spawn(lab.train_worker, 2, cfg, timeout=240)
     d = tmp_path / "traces" / "readiness_first"
     assert sorted(p.name for p in d.iterdir()) == ["rank0.json", "rank1.json"]
-    with pytest.raises(rr.TraceError, match="holds rank 0, and 8 of its messages"):
+    with pytest.raises(rr.errors.TraceError, match="holds rank 0, and 8 of its messages"):
         load_trace(d / "rank0.json")
     out = tmp_path / "merged.json"
     res = CliRunner().invoke(main, ["trace", str(d), "-o", str(out), "--json"])
@@ -207,7 +207,7 @@ def _stage_worker(rank: int, world: int, trace_dir: str) -> list[list[str]]:
 def test_a_distributed_stage_writes_per_rank_traces_that_merge(tmp_path: Path) -> None:
     executed = pooled_spawn(_stage_worker, 2, str(tmp_path / "t"), timeout=240)
     out = tmp_path / "merged.json"
-    data = rr.merge_traces([str(tmp_path / "t" / "rank*.json")], out=out)
+    data = rr.observability.merge_traces([str(tmp_path / "t" / "rank*.json")], out=out)
     assert {s.step for s in data.spans} == {2}  # each file holds its rank's last step
     tr = load_trace(out)
     spans = _spans(tr)

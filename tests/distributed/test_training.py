@@ -16,8 +16,8 @@ import torch
 
 import rrfp_async as rr
 from rrfp_async import CostModel, Microbatch
-from rrfp_async.models import reference_train, unshard
 from rrfp_lab import TrainConfig, TrainResult, image_text_cost, train_worker
+from rrfp_lab.models import reference_train, unshard
 from tests._pool import pooled_spawn
 
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(300)]
@@ -133,7 +133,7 @@ def test_tp_divergence_is_caught_without_coordination() -> None:
         policies=("readiness_first",),
         cost=_strong_noise(),
     )
-    with pytest.raises(rr.SpawnError, match="DivergenceError") as ei:
+    with pytest.raises(rr.errors.SpawnError, match="DivergenceError") as ei:
         pooled_spawn(train_worker, 4, cfg, timeout=240)
     assert "executed different task sequences" in str(ei.value)
 

@@ -660,7 +660,7 @@ def _refusals(version: str) -> list[tuple[str, dict[str, Any], dict[str, Any], s
     two = [configured(virtual_pipeline_model_parallel_size=2) for _ in range(2)]
     comm, pgc = fake_groups()
     groups = {"p2p_communicator": comm, "pg_collection": pgc}
-    out = [
+    out: list[tuple[str, dict[str, Any], dict[str, Any], str]] = [
         ("unknown_keyword", one, {"foo": 1}, rf"megatron-core {v}'s .*unexpected keyword.*'foo'"),
         (
             "missing_seq_length",

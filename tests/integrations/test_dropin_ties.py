@@ -2,8 +2,8 @@
 
 The tracer copies a parameter used by two stages into each (``pipe.replicated_params``) and
 torch's own schedules leave the copies' gradients to the caller. The drop-in takes them as
-``shared=rr.from_pipe(pipe).shared`` and reduces them at the end of every step, adding each
-step's contribution once when steps accumulate.
+``shared=rr.distributed.from_pipe(pipe).shared`` and reduces them at the end of every step,
+adding each step's contribution once when steps accumulate.
 """
 
 from __future__ import annotations
@@ -63,7 +63,11 @@ def worker(rank: int, world: int) -> dict[str, Any]:
         pipe = pipeline(model, mb_args=(data(0)[: BATCH // N_MB],))
     stage = pipe.build_stage(rank, torch.device("cpu"))
     sched = ScheduleReadinessFirst(
-        stage, N_MB, loss_fn=loss_fn, scale_grads=False, shared=rr.from_pipe(pipe).shared
+        stage,
+        N_MB,
+        loss_fn=loss_fn,
+        scale_grads=False,
+        shared=rr.distributed.from_pipe(pipe).shared,
     )
     tied = stage.submod.get_parameter("emb.weight" if rank == 0 else "head.weight")
     grads = []

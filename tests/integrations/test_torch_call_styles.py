@@ -255,8 +255,9 @@ def misuse_worker(rank: int, world: int) -> dict[str, str]:
         "mixed_kw": lambda: sched.step(kwarg_mbs=[{}, {}], scale=x),
         "mixed_target": lambda: sched.step(target=x, target_mbs=[x, x]),
         "count": lambda: sched.step(arg_mbs=[(x,)]),
-        "not_list": lambda: sched.step(arg_mbs=((x,), (x,))),
-        "not_tuple": lambda: sched.step(arg_mbs=[x, x]),
+        # Wrong types on purpose: the refusals under test.
+        "not_list": lambda: sched.step(arg_mbs=((x,), (x,))),  # type: ignore[arg-type]
+        "not_tuple": lambda: sched.step(arg_mbs=[x, x]),  # type: ignore[list-item]
         "small_batch": lambda: sched.step(torch.zeros(1, D)),
     }.items():
         try:

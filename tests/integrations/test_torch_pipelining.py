@@ -8,7 +8,7 @@ line.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, cast
 
 import pytest
 import torch
@@ -42,7 +42,7 @@ def make_schedule(which: str, stages: list[Any], n: int) -> Any:
 
     from rrfp_async.pipelining import ScheduleReadinessFirst
 
-    one = stages[0] if len(stages) == 1 else stages
+    one: Any = stages[0] if len(stages) == 1 else stages
     if which == "torch":  # the line a user changes
         cls = tp.Schedule1F1B if len(stages) == 1 else tp.ScheduleInterleaved1F1B
         return cls(one, n, loss_fn=loss_fn)
@@ -293,7 +293,7 @@ def fsdp_worker(rank: int, world: int) -> dict[str, Any]:
 
     torch.set_num_threads(1)
     mesh = init_device_mesh("cpu", (world, 1), mesh_dim_names=("pp", "dp"))
-    part = full_model(world)[rank]
+    part = cast(nn.Sequential, full_model(world)[rank])
     fully_shard(part[0], mesh=mesh["dp"])
     stage = PipelineStage(part, rank, world, torch.device("cpu"), group=mesh.get_group("pp"))
     out: dict[str, Any] = {}

@@ -97,7 +97,7 @@ def test_the_factory_records_checked_options_and_returns_the_config() -> None:
         tt.readiness_first(node, memory_factor=-1)
     with pytest.raises(rr.PlanError, match="split_backward must be True or False"):
         tt.readiness_first(node, split_backward="yes")
-    with pytest.raises(rr.PolicyError, match="unknown policy"):
+    with pytest.raises(rr.errors.PolicyError, match="unknown policy"):
         tt.readiness_first(node, policy="nope")
     with pytest.raises(rr.PlanError, match="neither an rrfp_async hint nor a torch schedule"):
         tt.readiness_first(node, hint="nope")
@@ -236,5 +236,5 @@ def test_without_torchtitan_the_face_says_so(monkeypatch: pytest.MonkeyPatch) ->
     monkeypatch.setitem(sys.modules, "torchtitan", None)  # not importable
     monkeypatch.delitem(sys.modules, "rrfp_async.torchtitan", raising=False)
     monkeypatch.setattr(tt, "_installed", False)
-    with pytest.raises(rr.ExtraMissingError, match="needs torchtitan installed"):
+    with pytest.raises(rr.errors.ExtraMissingError, match="needs torchtitan installed"):
         importlib.import_module("rrfp_async.torchtitan")

@@ -13,7 +13,7 @@ so what it cuts is decided by causality, not by how busy the machine is.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any
 
 import anyio
@@ -39,7 +39,7 @@ class _Recording:
     passes ``"<task>@<step>"`` on and records what every (step, task) received."""
 
     def __init__(self, durations: rr.Durations) -> None:
-        self.inner = rr.CostModelExecutor(durations)
+        self.inner = rr.sim.CostModelExecutor(durations)
         self.seen: dict[tuple[int, Task], Any] = {}
         self.cancelled: list[tuple[int, Task]] = []
         self.on_start: Callable[[int, Task], None] | None = None
@@ -110,9 +110,9 @@ async def _under(
     return "finished"
 
 
-def _run(kind: str, main: Callable[[], Awaitable[Any]]) -> Any:
+def _run(kind: str, main: Callable[[], Coroutine[Any, Any, Any]]) -> Any:
     factory = {
-        "virtual": rr.VirtualEventLoop,
+        "virtual": rr.sim.VirtualEventLoop,
         "asyncio": None,
         "uvloop": loop_factory(True),
     }[kind]

@@ -10,17 +10,9 @@ from typing import Any
 import pytest
 
 import rrfp_async as rr
-from rrfp_async import (
-    CostModelExecutor,
-    Durations,
-    LocalPipeline,
-    ObserverError,
-    StepPlan,
-    StepSchedule,
-    Task,
-    TaskContext,
-    Topology,
-)
+from rrfp_async import Durations, LocalPipeline, StepPlan, StepSchedule, Task, TaskContext, Topology
+from rrfp_async.errors import ObserverError
+from rrfp_async.sim import CostModelExecutor
 
 
 def sched(p: int = 2, m: int = 4) -> StepSchedule:

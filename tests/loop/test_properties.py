@@ -15,9 +15,10 @@ import random
 from hypothesis import given
 from hypothesis import strategies as st
 
-from rrfp_async import HINTS, HintError, StepPlan, Topology, simulate
+from rrfp_async import Placement, StepPlan, Topology, simulate
 from rrfp_async._tasks import activation_delta
-from rrfp_async.policies import make_hint, validate_hint
+from rrfp_async.errors import HintError
+from rrfp_async.policies import HINTS, make_hint, validate_hint
 
 POLICIES = ["strict", "readiness_first", "lateness_aware", "backfill"]
 
@@ -27,7 +28,7 @@ def configs(draw: st.DrawFn) -> dict[str, object]:
     p = draw(st.integers(1, 8))
     v = draw(st.integers(1, 3))
     m = draw(st.integers(1, 32))
-    placement = draw(st.sampled_from(["interleaved", "interleaved", "vshape"]))
+    placement: Placement = draw(st.sampled_from(["interleaved", "interleaved", "vshape"]))
     split = draw(st.booleans())
     ordered = split and draw(st.booleans())
     plan = StepPlan(
@@ -115,8 +116,9 @@ def test_shuffled_hints_are_refused_or_run(p: int, v: int, m: int, rnd: random.R
         validate_hint(plan, hint)
     except HintError:
         return
-    from rrfp_async import CostModelExecutor, Durations, LocalPipeline, StepSchedule
+    from rrfp_async import Durations, LocalPipeline, StepSchedule
     from rrfp_async.loop import VirtualEventLoop
+    from rrfp_async.sim import CostModelExecutor
 
     sched = StepSchedule.build(plan, hint)
     d = Durations.from_arrays(plan, [[1.0] * m for _ in range(p * v)])

@@ -5,7 +5,8 @@ from __future__ import annotations
 from typing import Any
 
 import rrfp_async as rr
-from rrfp_async import CostModel, CostModelExecutor, Microbatch, StageProfile, StepPlan, Topology
+from rrfp_async import CostModel, Microbatch, StageProfile, StepPlan, Topology
+from rrfp_async.sim import CostModelExecutor
 from tests._virtual import run_virtual
 
 

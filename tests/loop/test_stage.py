@@ -10,14 +10,9 @@ import pytest
 
 import rrfp_async as rr
 from rrfp_async import (
-    HINTS,
-    CostModelExecutor,
     DeadlockError,
     Durations,
-    HintError,
     LocalPipeline,
-    PolicyError,
-    ProtocolError,
     ReadyView,
     StageLoop,
     StepPlan,
@@ -29,6 +24,9 @@ from rrfp_async import (
     compare,
 )
 from rrfp_async.channels import LocalChannel
+from rrfp_async.errors import HintError, PolicyError, ProtocolError
+from rrfp_async.policies import HINTS
+from rrfp_async.sim import CostModelExecutor
 from tests._virtual import run_virtual
 
 
@@ -361,10 +359,10 @@ def test_a_broken_channel_fails_every_later_step() -> None:
     stage = StageLoop(
         1, schedule=s, executor=CostModelExecutor(unit(s)), endpoint=LocalChannel(2).endpoint(1)
     )
-    stage.fail(rr.PeerError("edge rank 0 -> rank 1: connection reset"))  # between steps
-    with pytest.raises(rr.PeerError, match="connection reset"):
+    stage.fail(rr.errors.PeerError("edge rank 0 -> rank 1: connection reset"))  # between steps
+    with pytest.raises(rr.errors.PeerError, match="connection reset"):
         run_virtual(stage.run_step([0]))
-    with pytest.raises(rr.PeerError, match="connection reset"):
+    with pytest.raises(rr.errors.PeerError, match="connection reset"):
         run_virtual(stage.run_step([0]))
 
 
@@ -379,7 +377,9 @@ def test_peer_closed_fails_a_waiting_stage() -> None:
         stage.deliver(0, Task(1, "F", 0), None, 0)
         await asyncio.sleep(0.5)
         stage.peer_closed(0)
-        with pytest.raises(rr.PeerError, match=r"rank 0 closed its channel .* 1F1 still waits"):
+        with pytest.raises(
+            rr.errors.PeerError, match=r"rank 0 closed its channel .* 1F1 still waits"
+        ):
             await run
 
     run_virtual(main())
@@ -567,7 +567,7 @@ class _LostFollower(_LeaderLog):
 
     def publish(self, step: int, seq: int, task: Task) -> None:
         if seq >= 1:
-            raise rr.PeerError(f"sending decision {seq} ({task}) to TP rank 1 failed")
+            raise rr.errors.PeerError(f"sending decision {seq} ({task}) to TP rank 1 failed")
         super().publish(step, seq, task)
 
 
@@ -581,7 +581,9 @@ def test_a_look_ahead_publish_that_fails_fails_the_step_not_the_loop() -> None:
     async def main() -> None:
         asyncio.get_running_loop().set_exception_handler(lambda _, ctx: handled.append(ctx))
         stage = _leader(s, _Ending(ended), "strict", _LostFollower(ended))
-        with pytest.raises(rr.PeerError, match=r"sending decision 1 \(0F1\) to TP rank 1 failed"):
+        with pytest.raises(
+            rr.errors.PeerError, match=r"sending decision 1 \(0F1\) to TP rank 1 failed"
+        ):
             await stage.run_step(list(range(4)))
 
     run_virtual(main())

@@ -177,7 +177,7 @@ def test_a_step_timeout_under_an_overrunning_policy_names_the_policy() -> None:
     stage = rr.StageLoop(
         0,
         schedule=rr.StepSchedule.build(plan, "1f1b"),
-        executor=rr.CostModelExecutor(rr.Durations.from_arrays(plan, [[1e-3, 1e-3]])),
+        executor=rr.sim.CostModelExecutor(rr.Durations.from_arrays(plan, [[1e-3, 1e-3]])),
         endpoint=LocalChannel(1).endpoint(0),
         policy=slowpoke,
         step_timeout=0.2,
@@ -259,7 +259,7 @@ def test_a_tp_followers_stall_events_say_it_waits_for_the_leader_only_when_it_do
     stage = rr.StageLoop(
         0,
         schedule=s,
-        executor=rr.CostModelExecutor(rr.Durations.from_arrays(plan, [[1.0, 1.0]])),
+        executor=rr.sim.CostModelExecutor(rr.Durations.from_arrays(plan, [[1.0, 1.0]])),
         endpoint=LocalChannel(1).endpoint(0),
         coordinator=_Follower(list(zip(times, order, strict=True))),
         verify_sequences=False,
@@ -289,7 +289,7 @@ def test_a_strict_pipelines_log_names_the_task_it_holds_back_not_admission() -> 
     )
     pipe = rr.LocalPipeline(
         s,
-        rr.CostModelExecutor(d),
+        rr.sim.CostModelExecutor(d),
         policy="strict",
         observer=rr.LogObserver(),
         latency=lambda step, task: 0.1,

@@ -26,6 +26,9 @@ pytestmark = pytest.mark.timeout(60)
 class _Sink:
     """An endpoint that drops what the stage sends (the ranks it sends to are not here)."""
 
+    rank = 0
+    inflight = 0
+
     def bind(self, sink: Any) -> None:
         pass
 
@@ -39,7 +42,7 @@ def _one_stage(arrivals: list[tuple[float, str]], **kw: Any) -> rr.StageLoop:
     return rr.StageLoop(
         0,
         schedule=s,
-        executor=rr.CostModelExecutor(rr.Durations.from_arrays(plan, [[1.0, 1.0]])),
+        executor=rr.sim.CostModelExecutor(rr.Durations.from_arrays(plan, [[1.0, 1.0]])),
         endpoint=_Sink(),
         coordinator=_Follower([(t, Task.parse(x)) for t, x in arrivals]),
         verify_sequences=False,
@@ -91,7 +94,7 @@ def test_a_task_with_an_input_message_waits_for_its_decision() -> None:
         stage = rr.StageLoop(
             1,
             schedule=s,
-            executor=rr.CostModelExecutor(rr.Durations.from_arrays(plan, [[1.0] * 2] * 2)),
+            executor=rr.sim.CostModelExecutor(rr.Durations.from_arrays(plan, [[1.0] * 2] * 2)),
             endpoint=_Sink(),
             coordinator=_Follower([(t, Task.parse(x)) for t, x in rows]),
             verify_sequences=False,
@@ -117,7 +120,9 @@ def test_a_task_with_an_input_message_waits_for_its_decision() -> None:
 
 def test_a_leader_row_that_differs_from_the_deduction_is_a_divergence() -> None:
     stage = _one_stage([(2.0, "0F1"), (2.1, "0F0"), (3.5, "0B0"), (9.0, "0B1")])
-    with pytest.raises(rr.DivergenceError, match=r"deduced decision 0 as 0F0 .* decided 0F1"):
+    with pytest.raises(
+        rr.errors.DivergenceError, match=r"deduced decision 0 as 0F0 .* decided 0F1"
+    ):
         run_virtual(stage.run_step([0, 1]))
 
 

@@ -57,9 +57,12 @@ def test_virtual_loop_accepts_thread_wakeups() -> None:
 
     async def main() -> str:
         fut: asyncio.Future[str] = asyncio.get_running_loop().create_future()
-        threading.Thread(
-            target=lambda: (time.sleep(0.05), loop.call_soon_threadsafe(fut.set_result, "hi"))
-        ).start()
+
+        def wake() -> None:
+            time.sleep(0.05)
+            loop.call_soon_threadsafe(fut.set_result, "hi")
+
+        threading.Thread(target=wake).start()
         return await fut
 
     try:

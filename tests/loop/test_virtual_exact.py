@@ -9,7 +9,7 @@ import math
 import pytest
 
 import rrfp_async as rr
-from rrfp_async import VirtualEventLoop
+from rrfp_async.sim import VirtualEventLoop
 from tests._virtual import run_virtual
 
 
@@ -30,7 +30,7 @@ def test_timers_fire_in_order_at_their_own_time(start: float) -> None:
     fired: list[tuple[int, float]] = []
     try:
         for i, delay in enumerate([3e6, 1.0, 2.5e-7, 1e-12, 0.0]):
-            loop.call_later(delay, lambda i=i: fired.append((i, loop.time())))
+            loop.call_later(delay, lambda i=i: fired.append((i, loop.time())))  # type: ignore[misc]  # mypy infers no type for a defaulted lambda argument
         loop.call_later(4e6, loop.stop)
         loop.run_forever()
     finally:
@@ -63,7 +63,7 @@ async def _step(latency: float) -> None:
     plan = rr.StepPlan(topology=rr.Topology(stages=2), microbatches=2)
     s = rr.StepSchedule.build(plan, "1f1b")
     d = rr.Durations.from_arrays(plan, [[0.1, 0.1]] * 2)
-    pipe = rr.LocalPipeline(s, rr.CostModelExecutor(d), latency=lambda step, task: latency)
+    pipe = rr.LocalPipeline(s, rr.sim.CostModelExecutor(d), latency=lambda step, task: latency)
     await pipe.run_step([None, None])
 
 
@@ -77,7 +77,7 @@ def test_a_latency_that_never_arrives_is_a_plan_error(latency: float) -> None:
 @pytest.mark.parametrize(
     ("kw", "err"),
     [
-        ({"memory_factor": 1e308}, rr.HintError),
+        ({"memory_factor": 1e308}, rr.errors.HintError),
         ({"latency": 1e308}, rr.PlanError),
         ({"forward": [[1e308] * 4] * 2}, rr.PlanError),
         ({"cost_model": rr.CostModel(default=rr.StageProfile(per_token=1e308))}, rr.PlanError),

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import rrfp_async as rr
-from rrfp_async.models import (
+from rrfp_lab.models import (
     ColumnParallelLinear,
     ImageTextConfig,
     RowParallelLinear,

@@ -9,9 +9,10 @@ from types import SimpleNamespace
 import pytest
 
 import rrfp_async as rr
-from rrfp_async import HintError, StepPlan, Task, Topology
+from rrfp_async import StepPlan, Task, Topology
 from rrfp_async._admission import hint_peak
 from rrfp_async._tasks import format_tasks, parse_tasks
+from rrfp_async.errors import HintError
 from rrfp_async.policies import HINTS, default_bound, make_hint, resolve_bounds, validate_hint
 
 
@@ -188,7 +189,7 @@ def test_interleaved_matches_torch_implementation_exhaustively() -> None:
     ct = getattr(schedules, "_ComputationType", None)
     if cls is None or ct is None or not hasattr(cls, "_calculate_single_rank_operations"):
         pytest.skip("torch's private schedule API changed")
-    kind = {ct.FORWARD: "F", ct.FULL_BACKWARD: "B"}
+    kind: dict[object, rr.Kind] = {ct.FORWARD: "F", ct.FULL_BACKWARD: "B"}
     for p, v, m in itertools.product([1, 2, 3, 4], [1, 2, 3], [1, 2, 4, 6, 8, 12]):
         rounds = max(1, m // p)
         if m % rounds:

@@ -17,7 +17,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from rrfp_async import StepPlan, Task, Topology
+from rrfp_async import Kind, StepPlan, Task, Topology
 from rrfp_async._costs import Durations
 from rrfp_async._errors import HintError
 from rrfp_async.policies import make_hint, validate_hint
@@ -167,7 +167,9 @@ def plans(draw: st.DrawFn) -> StepPlan:
     )
 
 
-def durations_for(draw: st.DrawFn, plan: StepPlan, coarse: bool) -> Durations:
+def durations_for(
+    draw: Callable[[st.SearchStrategy[Any]], Any], plan: StepPlan, coarse: bool
+) -> Durations:
     # Coarse values (a few small integers) make many ties: same-time events and equal keys.
     val = st.integers(0, 3).map(float) if coarse else st.floats(0.0, 5.0)
     shape = (plan.num_virtual, plan.microbatches)
@@ -175,7 +177,7 @@ def durations_for(draw: st.DrawFn, plan: StepPlan, coarse: bool) -> Durations:
     def table() -> list[list[float]]:
         return [[draw(val) for _ in range(shape[1])] for _ in range(shape[0])]
 
-    kinds = ("F", "B", "I", "W")
+    kinds: tuple[Kind, ...] = ("F", "B", "I", "W")
     lat = {k: table() for k in kinds} if draw(st.booleans()) else None
     return Durations({k: table() for k in kinds}, lat)
 

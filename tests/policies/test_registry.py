@@ -22,22 +22,22 @@ def test_register_and_use_by_name() -> None:
     assert "test_last_ready" in available_policies()
     res = rr.simulate(stages=3, microbatches=6, policy="test_last_ready", hint="gpipe")
     assert res.policy == "test_last_ready"
-    with pytest.raises(rr.PolicyError, match="already registered"):
-        register_policy("test_last_ready", rr.strict)
+    with pytest.raises(rr.errors.PolicyError, match="already registered"):
+        register_policy("test_last_ready", rr.policies.strict)
 
 
 def test_register_refuses_non_coroutines_naming_them() -> None:
     def not_async(view: Any) -> Any:
         return None
 
-    with pytest.raises(rr.PolicyError, match="policy 'bad' must be a coroutine function"):
+    with pytest.raises(rr.errors.PolicyError, match="policy 'bad' must be a coroutine function"):
         register_policy("bad", not_async)
-    with pytest.raises(rr.PolicyError, match="must be a coroutine"):
+    with pytest.raises(rr.errors.PolicyError, match="must be a coroutine"):
         register_policy("bad", 42)
 
 
 def test_unknown_policy() -> None:
-    with pytest.raises(rr.PolicyError, match="unknown policy 'nope'"):
+    with pytest.raises(rr.errors.PolicyError, match="unknown policy 'nope'"):
         get_policy("nope")
 
 
@@ -141,7 +141,9 @@ def sync_policy(view: Any) -> Any:
 
 @pytest.mark.parametrize("name", [123, None, "", "  ", "two words", "1st", "a/b"])
 def test_register_refuses_bad_names(registry: object, name: Any) -> None:
-    with pytest.raises(rr.PolicyError, match="register_policy: name must be a non-empty") as ei:
+    with pytest.raises(
+        rr.errors.PolicyError, match="register_policy: name must be a non-empty"
+    ) as ei:
         register_policy(name, last_ready)
     assert repr(name) in str(ei.value)
     assert name not in _policy._REGISTRY
@@ -155,14 +157,15 @@ def test_register_accepts_identifier_like_names(registry: object) -> None:
 
 def test_register_refuses_an_alias_name(registry: object) -> None:
     with pytest.raises(
-        rr.PolicyError, match=r"'rf' is an alias of the policy 'readiness_first'.*replace=True"
+        rr.errors.PolicyError,
+        match=r"'rf' is an alias of the policy 'readiness_first'.*replace=True",
     ):
         register_policy("rf", last_ready)
-    assert get_policy("rf") is rr.readiness_first
+    assert get_policy("rf") is rr.policies.readiness_first
     # replace=True makes the registration win, consistently: lookup, listing and name.
     register_policy("rf", last_ready, replace=True)
     assert get_policy("rf") is last_ready
-    assert get_policy("readiness_first") is rr.readiness_first
+    assert get_policy("readiness_first") is rr.policies.readiness_first
     assert "rf" in available_policies()
     assert _policy.policy_name(last_ready) == "rf"
 
@@ -198,7 +201,7 @@ def test_partials_and_async_call_objects_are_accepted(registry: object, policy: 
 
 
 def test_partial_of_a_sync_function_is_refused(registry: object) -> None:
-    with pytest.raises(rr.PolicyError, match="policy 'p' must be a coroutine function"):
+    with pytest.raises(rr.errors.PolicyError, match="policy 'p' must be a coroutine function"):
         register_policy("p", functools.partial(sync_policy))
 
 
@@ -223,17 +226,17 @@ def test_a_broken_entry_point_hides_nothing_else(
     assert "ep_last" in names and "strict" in names
     assert "ep_broken" not in names and "ep_sync" not in names
     assert get_policy("ep_last") is last_ready
-    assert get_policy("strict") is rr.strict
-    assert get_policy("rf") is rr.readiness_first
+    assert get_policy("strict") is rr.policies.strict
+    assert get_policy("rf") is rr.policies.readiness_first
     with pytest.raises(
-        rr.PolicyError,
+        rr.errors.PolicyError,
         match=r"policy entry point 'ep_broken' \(no_such_module_rrfp:policy\) failed to load:"
         r" ModuleNotFoundError",
     ) as ei:
         get_policy("ep_broken")
     assert isinstance(ei.value.__cause__, ModuleNotFoundError)
     assert ei.value.policy == "ep_broken"
-    with pytest.raises(rr.PolicyError, match=r"'ep_sync'.*must be a coroutine function"):
+    with pytest.raises(rr.errors.PolicyError, match=r"'ep_sync'.*must be a coroutine function"):
         get_policy("ep_sync")
 
 
@@ -243,10 +246,10 @@ def test_a_broken_entry_point_does_not_break_builtins_first(
     # get_policy of a built-in never loads entry points; an unknown name does, and then
     # still reports an unknown name (not the broken plug-in).
     registry([_ep("ep_broken", "no_such_module_rrfp:policy")])
-    assert get_policy("strict") is rr.strict
+    assert get_policy("strict") is rr.policies.strict
     with (
         pytest.warns(RuntimeWarning, match="ep_broken"),
-        pytest.raises(rr.PolicyError, match="unknown policy 'nope'") as ei,
+        pytest.raises(rr.errors.PolicyError, match="unknown policy 'nope'") as ei,
     ):
         get_policy("nope")
     assert "failed to load: ['ep_broken']" in str(ei.value)
@@ -280,7 +283,7 @@ def test_get_policy_errors_list_the_available_names(
     registry: object, policy: Any, what: str
 ) -> None:
     register_policy("mine", last_ready)
-    with pytest.raises(rr.PolicyError, match=what) as ei:
+    with pytest.raises(rr.errors.PolicyError, match=what) as ei:
         get_policy(policy)
     msg = str(ei.value)
     assert "registered: ['backfill', 'lateness_aware', 'mine', 'readiness_first', 'strict']" in msg

@@ -21,17 +21,10 @@ pipelining = pytest.importorskip("torch.distributed.pipelining")
 schedules = pytest.importorskip("torch.distributed.pipelining.schedules")
 
 import rrfp_async as rr  # noqa: E402
-from rrfp_async import (  # noqa: E402
-    CostModelExecutor,
-    Durations,
-    HintError,
-    LocalPipeline,
-    StepSchedule,
-    Task,
-    VirtualEventLoop,
-    hint_from_torch,
-)
-from rrfp_async.policies import validate_hint  # noqa: E402
+from rrfp_async import Durations, LocalPipeline, StepSchedule, Task  # noqa: E402
+from rrfp_async.errors import HintError  # noqa: E402
+from rrfp_async.policies import hint_from_torch, validate_hint  # noqa: E402
+from rrfp_async.sim import CostModelExecutor, VirtualEventLoop  # noqa: E402
 from tests._virtual import run_virtual  # noqa: E402
 
 MULTI_CASES: dict[str, list[tuple[int, int, int]]] = {
@@ -265,7 +258,7 @@ def test_split_backward_and_ordered_weights_on_a_full_backward_order() -> None:
 
 def test_readme_example_runs_readiness_first() -> None:
     cls = torch_class("ScheduleInterleavedZeroBubble")
-    plan, hint = rr.hint_from_torch(cls, stages=4, microbatches=8, chunks=2)
+    plan, hint = rr.policies.hint_from_torch(cls, stages=4, microbatches=8, chunks=2)
     schedule = StepSchedule.build(plan, hint)
     costs = Durations.from_arrays(plan, [[1.0] * 8 for _ in range(plan.num_virtual)])
     pipe = LocalPipeline(schedule, CostModelExecutor(costs), policy="readiness_first")

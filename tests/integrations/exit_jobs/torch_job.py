@@ -21,6 +21,7 @@ import asyncio
 import gc
 import os
 import sys
+from typing import Any
 
 import torch
 
@@ -85,8 +86,10 @@ def main() -> None:
         stages = [
             PipelineStage(part(Decoder(layers=n), i, n), i, n, torch.device("cpu")) for i in indices
         ]
-        extra = {"hint": ScheduleZBVZeroBubble} if MODE == "vshape" else {}
-        schedule = ScheduleInterleavedReadinessFirst(stages, N_MB, loss_fn=loss_fn, **extra)
+        extra: dict[str, Any] = {"hint": ScheduleZBVZeroBubble} if MODE == "vshape" else {}
+        schedule: ScheduleReadinessFirst | ScheduleInterleavedReadinessFirst = (
+            ScheduleInterleavedReadinessFirst(stages, N_MB, loss_fn=loss_fn, **extra)
+        )
         first, last = 0 in indices, n - 1 in indices
     else:
         stage = PipelineStage(part(Decoder(), rank, world), rank, world, torch.device("cpu"))

@@ -15,7 +15,7 @@ deterministic on CPU and independent of how the model is split:
   the final LayerNorm and the LM head.
 * **Tensor parallelism (Megatron-style).** Attention heads and the MLP hidden width are split
   across the TP ranks of a ``TPContext`` with the generic layers of ``_tp`` (exported by
-  ``rrfp_async.models``): a block's QKV and MLP-up projections are ``ColumnParallelLinear``,
+  ``rrfp_lab.models``): a block's QKV and MLP-up projections are ``ColumnParallelLinear``,
   its attention-output and MLP-down projections ``RowParallelLinear``. The fused QKV weight
   is laid out per head (``[q_h; k_h; v_h]`` for head ``h``), so a contiguous row block is a
   set of whole heads. Parallel linears are registered only under names ending in ``_col`` /
@@ -37,8 +37,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .._costs import Microbatch
-from .._errors import PlanError
+from rrfp_async import Microbatch, PlanError
+
 from ._tp import (
     COLUMN_SUFFIX,
     ROW_SUFFIX,

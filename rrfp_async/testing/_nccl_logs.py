@@ -17,8 +17,8 @@ from typing import Any
 
 import torch
 
+from ..channels import wire
 from . import _nccl_rules as core
-from ._wire import DATA_DEVICE, HEADER_BYTES, MAGIC, WARMUP
 
 __all__ = ["ObservedGroup", "check_logs", "observe"]
 
@@ -72,14 +72,14 @@ class ObservedGroup:
 
     def send(self, tensors: list[torch.Tensor], dst: int, tag: int = 0) -> Any:
         h = _header(tensors[0])
-        if h == (MAGIC, WARMUP):
+        if h == (wire.MAGIC, wire.WARMUP):
             # The header that opens an edge's payload communicator goes *before* its 1-byte
             # send (the send blocks until the communicator exists, which needs the peer's
             # receive, which needs this header); it counts as an announcement.
             edge = (self.me, self._global[dst])
             with self.reg.lock:
                 self.reg.headers_sent[edge] = self.reg.headers_sent.get(edge, 0) + 1
-        elif h is not None and h == (MAGIC, DATA_DEVICE):
+        elif h is not None and h == (wire.MAGIC, wire.DATA_DEVICE):
             edge = (self.me, self._global[dst])
             reg = self.reg
             with reg.lock:
@@ -102,7 +102,10 @@ class ObservedGroup:
         return _ObservedWork(self.inner.recv_anysource(tensors, tag), self, tensors[0], None)
 
     def _seen(self, buf: torch.Tensor, src: int) -> None:
-        if buf.nbytes >= HEADER_BYTES and _header(buf) in ((MAGIC, DATA_DEVICE), (MAGIC, WARMUP)):
+        if buf.nbytes >= wire.HEADER_BYTES and _header(buf) in (
+            (wire.MAGIC, wire.DATA_DEVICE),
+            (wire.MAGIC, wire.WARMUP),
+        ):
             edge = (self._global[src], self.me)
             with self.reg.lock:
                 self.reg.announced[edge] = self.reg.announced.get(edge, 0) + 1

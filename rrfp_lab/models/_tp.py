@@ -32,7 +32,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.distributed import ProcessGroup
 
-from .._errors import PlanError
+from rrfp_async import PlanError
 
 __all__ = [
     "COLUMN_SUFFIX",

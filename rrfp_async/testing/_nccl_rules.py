@@ -23,13 +23,14 @@ documented semantics:
   sending) is the deadlock it names.
 * **Deferred completion.** ``Work.wait()`` does not wait: it orders the *current stream*
   after the operation and returns (torch's ``ProcessGroupNCCL``). The model runs each
-  operation a little later (``RRFP_NCCL_RULES_LAG``, 1 ms) on its device thread; a receive
-  buffer holds poison (all bits set: NaN, -1) until then; the completion reaches whoever
-  waits on an event recorded after ``wait()`` on a host stream (``rrfp_async._streams``). So
-  a tensor read before the event of its receive reads poison, and a ``wait()`` with no
-  stream current (the default stream: NCCL would stall everything ordered after it there)
-  is an error. A send reads its tensor when it runs: a tensor freed before (not kept alive
-  until its send completed) is an error, a reused buffer sends what it holds then.
+  operation a little later (``RRFP_NCCL_RULES_LAG`` seconds, a millisecond by default) on
+  its device thread; a receive buffer holds poison (all bits set: NaN, -1) until then; the
+  completion reaches whoever waits on an event recorded after ``wait()`` on a host stream
+  (``rrfp_async._streams``). So a tensor read before the event of its receive reads poison,
+  and a ``wait()`` with no stream current (the default stream: NCCL would stall everything
+  ordered after it there) is an error. A send reads its tensor when it runs: a tensor freed
+  before (not kept alive until its send completed) is an error, a reused buffer sends what
+  it holds then.
 * **A receive is posted only after its header said it comes** (a receive kept posted on an
   NCCL communicator blocks the stream behind it): ``observe`` wraps the gloo control group,
   reads the headers that go by, and counts those announcing a device payload (kind
@@ -321,7 +322,7 @@ def _install_guards() -> None:
     guard_ctypes("string_at", lambda a: [(a[0], a[1] if len(a) > 1 else 1)])
 
     # Buffers packed by the host: wrap the packing helpers wherever the transport imported them.
-    from . import _wire
+    from ..channels import wire as _wire
 
     for fname in ("pack_inline", "pack_tree"):
         orig = getattr(_wire, fname)

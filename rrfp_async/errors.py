@@ -1,0 +1,50 @@
+"""Every error rrfp_async raises on purpose, in one namespace.
+
+``RRFPError`` is the base of all of them; the hierarchy, with what each means, is drawn at
+the top of ``rrfp_async/_errors.py`` beside the classes. The top level re-exports the ones a
+training loop catches (``RRFPError``, ``PlanError``, ``StepTimeoutError``,
+``PeerStepError``, ``DeadlockError``); the rest are here. Every message says which rank,
+which step and which task, and what was waited for.
+"""
+
+from ._errors import (
+    ChannelError,
+    ClosedError,
+    DeadlockError,
+    DivergenceError,
+    ExtraMissingError,
+    HintError,
+    InterruptedStepError,
+    NonFiniteError,
+    ObserverError,
+    PeerError,
+    PeerStepError,
+    PlanError,
+    PolicyError,
+    ProtocolError,
+    RRFPError,
+    SpawnError,
+    StepTimeoutError,
+    TraceError,
+)
+
+__all__ = [
+    "ChannelError",
+    "ClosedError",
+    "DeadlockError",
+    "DivergenceError",
+    "ExtraMissingError",
+    "HintError",
+    "InterruptedStepError",
+    "NonFiniteError",
+    "ObserverError",
+    "PeerError",
+    "PeerStepError",
+    "PlanError",
+    "PolicyError",
+    "ProtocolError",
+    "RRFPError",
+    "SpawnError",
+    "StepTimeoutError",
+    "TraceError",
+]
