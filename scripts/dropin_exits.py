@@ -50,7 +50,8 @@ def run_job(mode: str, nproc: int = 2, timeout: float = 180.0) -> tuple[bool, st
         out = (e.stdout or b"").decode() if isinstance(e.stdout, bytes) else (e.stdout or "")
         return False, f"timed out after {timeout} s\n{out}"
     log = p.stdout + p.stderr
-    done = sum(done_line in line for line in log.splitlines())
+    # Counted in the whole log: two ranks' lines may interleave (unbuffered output).
+    done = log.count(done_line)
     good = p.returncode == 0 and done == want and "terminate called" not in log
     return good, f"exit {p.returncode}, {done} of {want} '{done_line}' lines\n{log}"
 

@@ -463,6 +463,9 @@ FOREIGN_PRIVATES: dict[tuple[str, str], str] = {
     ("rrfp_async.loop._virtual", "_scheduled"): "asyncio.BaseEventLoop's",
     ("rrfp_async.policies._torch_hints", "_n_microbatches"): "torch's PipelineScheduleSingle",
     ("rrfp_async.integrations._torchtitan", "_REGISTRY"): "torchtitan's override registry",
+    ("rrfp_async.integrations._timeouts", "_get_backend"): "torch's ProcessGroup",
+    ("rrfp_async.integrations._timeouts", "_timeout"): "torch's backend options",
+    ("rrfp_async.loop._virtual", "_loop"): "asyncio.Handle's",
 }
 
 #: ``(module, attribute) -> whose`` for the cross-package private accesses that exist on main

@@ -536,6 +536,9 @@ def test_an_output_of_a_dead_step_is_not_sent() -> None:
     class Executor:
         output_hook: Any = None
 
+        def set_output_hook(self, hook: Any, /) -> None:
+            self.output_hook = hook
+
         async def execute(self, task: rr.Task, data: Any, ctx: rr.TaskContext) -> Any:
             return None
 

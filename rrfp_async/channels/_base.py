@@ -80,7 +80,7 @@ class Endpoint(Protocol):
 class ThreadsafeEndpoint(Protocol):
     """Optional: an endpoint whose ``send`` may be called from a thread other than the loop's.
 
-    When ``threadsafe_send`` is true and the executor has an ``output_hook``
+    When ``threadsafe_send`` is true and the executor takes an output hook (``set_output_hook``)
     (``loop.OutputHookExecutor``), the stage sends each output from the executor's compute
     thread as soon as it exists (one thread at a time), instead of from the loop thread once
     the task's completion reached the loop. Read once, when the stage is built.

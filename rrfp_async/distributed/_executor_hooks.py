@@ -2,7 +2,7 @@
 
 An executor of a :class:`~rrfp_async.DistributedStage` needs only ``execute``
 (:class:`~rrfp_async.Executor`), and may implement the loop's optional hooks
-(``rrfp_async.loop``: ``output_hook``, ``step_failed``, ``settle``, ``step_results``,
+(``rrfp_async.loop``: ``set_output_hook``, ``step_failed``, ``settle``, ``step_results``,
 ``shared_parameters``). The distributed stage reads a few more, declared here, each a
 protocol of one member so that an executor implements any subset; the stage checks each
 with ``isinstance`` and, without it, does what the docstring says. ``TorchStageExecutor``

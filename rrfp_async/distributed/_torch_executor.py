@@ -208,8 +208,6 @@ class TorchStageExecutor:
             records; see ``nonfinite``).
         rng_seed_given: Whether ``seed`` was given (False: the default, agreed on by the
             job's ranks at the first plan check).
-        output_hook: Set by a stage whose endpoint sends thread-safely: called on the
-            compute thread with each task's output as soon as it exists (see ``Executor``).
     """
 
     waits_for_events = True
@@ -265,7 +263,7 @@ class TorchStageExecutor:
         self._shared: dict[str, list[nn.Parameter]] = {}
         if shared is not None:
             self.shared_spec, self._shared = resolve_shared(self.modules, shared)
-        self.output_hook: OutputHook | None = None
+        self._output_hook: OutputHook | None = None
         self._finite = FiniteCheck(nonfinite, check_tensors, rank)
         self._ready_device = Device(self.worker.device or "cpu")
         self._failed_step: int | None = None
@@ -342,6 +340,12 @@ class TorchStageExecutor:
             raise PlanError(f"rank {ctx.rank}: no module for virtual stage {task.stage}")
         return await self.worker.run_enqueued(self._run, task, data, ctx)
 
+    def set_output_hook(self, hook: OutputHook | None, /) -> None:
+        """Called by a stage when it is built (``OutputHookExecutor``): ``hook`` gets each
+        task's output on the compute thread as soon as it exists (None: outputs go back
+        through ``execute`` only)."""
+        self._output_hook = hook
+
     def order_after_step(self) -> None:
         """Order the device's current stream (the default stream, from the loop thread)
         after every kernel of the step, on the device: the gradients are then ready for
@@ -378,7 +382,7 @@ class TorchStageExecutor:
             time.sleep(d)
         if self._finite.tensors:  # (off the per-task path unless asked for)
             self._finite.output(ctx.step, task, out)
-        hook = self.output_hook
+        hook = self._output_hook
         if hook is not None:  # the stage sends the output from here (see Executor)
             hook(task, out, ctx.step)
         return out

@@ -66,7 +66,7 @@ class Executor(Protocol):
 
     ``execute`` is the whole contract. An executor may also implement optional hooks, each
     declared as a protocol of its own below (the stage checks for each with ``isinstance``
-    and does without it): :class:`OutputHookExecutor` (``output_hook``),
+    and does without it): :class:`OutputHookExecutor` (``set_output_hook``),
     :class:`StepFailedExecutor` (``step_failed(step)``), :class:`SettlingExecutor`
     (``async settle()``), :class:`StepResultsExecutor` (``step_results(step)``) and
     :class:`TiedExecutor` (``shared_parameters()``).
@@ -87,18 +87,19 @@ class Executor(Protocol):
 class OutputHookExecutor(Protocol):
     """Optional: an executor that computes on a thread of its own and may send from there.
 
-    A stage whose endpoint sends thread-safely (``channels.ThreadsafeEndpoint``) sets
-    ``output_hook`` to its send function when the stage is built (to None otherwise, so that
-    a hook of an earlier stage never stays). The executor then calls ``output_hook(task,
-    output, ctx.step)`` on its compute thread right after the output exists and before its
-    own completion hand-off: the message leaves without waiting for the event loop to take
-    the completion (one thread hop less on every message's path). ``execute`` still returns
-    the output. The step number lets the stage drop the output of a step that failed (or was
-    cancelled) while the task computed. Without the attribute every output is sent from the
+    When the stage is built it calls ``set_output_hook`` with its send function when its
+    endpoint sends thread-safely (``channels.ThreadsafeEndpoint``), else with None (so that
+    a hook of an earlier stage never stays). The executor then calls ``hook(task, output,
+    ctx.step)`` on its compute thread right after the output exists and before its own
+    completion hand-off: the message leaves without waiting for the event loop to take the
+    completion (one thread hop less on every message's path). ``execute`` still returns the
+    output. The step number lets the stage drop the output of a step that failed (or was
+    cancelled) while the task computed. Without the method every output is sent from the
     loop thread once ``execute`` returned.
     """
 
-    output_hook: OutputHook | None
+    def set_output_hook(self, hook: OutputHook | None, /) -> None:
+        """Call ``hook`` with each output on the compute thread from now on (None: don't)."""
 
 
 @runtime_checkable

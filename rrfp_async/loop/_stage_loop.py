@@ -588,7 +588,7 @@ class StageLoop:
     @property
     def eager_outputs(self) -> bool:
         """Whether remote outputs leave from the executor's compute thread (its
-        ``output_hook``) rather than when the loop resumes."""
+        ``set_output_hook``) rather than when the loop resumes."""
         return self._tasks.eager
 
     @property

@@ -89,7 +89,7 @@ class TaskRunner:
         if isinstance(executor, OutputHookExecutor):  # this stage's hook, or none (not a stale one)
             #: Whether remote outputs leave from the compute thread (``send_output``).
             self.eager = isinstance(endpoint, ThreadsafeEndpoint) and bool(endpoint.threadsafe_send)
-            executor.output_hook = self.send_output if self.eager else None
+            executor.set_output_hook(self.send_output if self.eager else None)
         else:
             self.eager = False
 

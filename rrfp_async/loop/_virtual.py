@@ -26,7 +26,7 @@ them unwind):
 
 Exact time. asyncio runs every timer whose time is below ``clock + _clock_resolution``. A
 fixed resolution is wrong at both ends of the scale: 1e-9 s made timers 1e-12 s apart run
-together (tasks that short looked 2.5 times faster than possible), and beyond ~2**24 s,
+together (tasks that short looked 2.5 times faster than possible), and beyond 2**24 seconds,
 where neighbouring floats lie further apart than that, ``clock + (when - clock)`` could
 round below ``when`` and the clock never reached the timer. So the clock jumps to the next
 timer's own time (``_advance``), and the resolution is the spacing of floats at the

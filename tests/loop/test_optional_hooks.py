@@ -196,6 +196,9 @@ class _Endpoint:
 class Hooked(Plain):
     output_hook: Any = "a stale hook of another stage"
 
+    def set_output_hook(self, hook: Any, /) -> None:
+        self.output_hook = hook
+
 
 @pytest.mark.parametrize("threadsafe", [True, False, None])
 def test_the_output_hook_is_set_only_when_the_endpoint_sends_threadsafely(

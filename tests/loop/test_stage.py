@@ -523,6 +523,9 @@ class _ThreadExecutor:
     def __init__(self) -> None:
         self.output_hook: Any = None
 
+    def set_output_hook(self, hook: Any, /) -> None:
+        self.output_hook = hook
+
     async def execute(self, task: Task, data: Any, ctx: TaskContext) -> Any:
         def work() -> str:
             out = f"{task}"
