@@ -83,7 +83,9 @@ def _dropin_run(
         if n_chunks > 1
         else ScheduleReadinessFirst(stages[0], cfg.microbatches, **common)
     )
-    run = WorkerRun(("drop-in", hint, pol, mf), n_chunks, placement, None, split=sched._split)
+    run = WorkerRun(
+        ("drop-in", hint, pol, mf), n_chunks, placement, None, split=sched.split_backward
+    )
 
     def run_dropin(s: int) -> float:
         assert s == len(done), "the drop-in's step numbers follow the benchmark's"

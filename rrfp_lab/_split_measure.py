@@ -124,17 +124,17 @@ def measure_split_backward(
                 tot = dict.fromkeys(keys, 0.0)
                 for m in range(microbatches):
                     data = mbs[m] if v == 0 else inputs[m]
-                    ex_b._forward(Task(v, "F", m), data, ctx_b)
+                    ex_b.task_handler("F")(Task(v, "F", m), data, ctx_b)
                     t0, c0 = time.perf_counter(), time.thread_time()
-                    ex_b._backward(Task(v, "B", m), grads[m], ctx_b)
+                    ex_b.task_handler("B")(Task(v, "B", m), grads[m], ctx_b)
                     tot["b"] += time.perf_counter() - t0
                     tot["b_cpu"] += time.thread_time() - c0
-                    ex_s._forward(Task(v, "F", m), data, ctx_s)
+                    ex_s.task_handler("F")(Task(v, "F", m), data, ctx_s)
                     t0, c0 = time.perf_counter(), time.thread_time()
-                    ex_s._input_grad(Task(v, "I", m), grads[m], ctx_s)
+                    ex_s.task_handler("I")(Task(v, "I", m), grads[m], ctx_s)
                     t1 = time.perf_counter()
-                    split_used = split_used and ex_s._kept[(v, m)].recompute is None
-                    ex_s._weight_grad(Task(v, "W", m), None, ctx_s)
+                    split_used = split_used and not ex_s.weight_recomputes(v, m)
+                    ex_s.task_handler("W")(Task(v, "W", m), None, ctx_s)
                     tot["i"] += t1 - t0
                     tot["w"] += time.perf_counter() - t1
                     tot["iw_cpu"] += time.thread_time() - c0

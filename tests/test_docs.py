@@ -570,23 +570,7 @@ _MACHINE = re.compile(r"\bthis (?:machine|VM|box)\b|\b\d+-core\b", re.IGNORECASE
 #: ``(module, the phrase found) -> why`` for the runtime's lab notes in the packages being
 #: recomposed (issue 39): their branches move the numbers to BENCHMARKS.md, and this list is
 #: emptied when they merge. Do not add to it.
-LAB_NOTES_ALLOWED: dict[tuple[str, str], str] = {
-    ("rrfp_async.channels._decisions", "2-core"): "a machine note",
-    ("rrfp_async.channels._decisions", "20-50 µs"): "a measured timing",
-    ("rrfp_async.channels._decisions", "9 µs"): "a measured timing",
-    ("rrfp_async.channels._decisions", "~110 µs"): "a measured timing",
-    ("rrfp_async.channels._p2p", "0.5 ms"): "a measured timing",
-    ("rrfp_async.channels._p2p", "27 µs"): "a measured timing",
-    ("rrfp_async.distributed._dist_stage", "12 ms"): "a measured timing",
-    ("rrfp_async.distributed._dist_stage", "2-core"): "a machine note",
-    ("rrfp_async.distributed._dist_stage", "4 ms"): "a measured timing",
-    ("rrfp_async.distributed._plan_check", "1.4-1.7 ms"): "a measured timing",
-    ("rrfp_async.distributed._plan_check", "2-core"): "a machine note",
-    ("rrfp_async.distributed._plan_check", "2026-12"): "a date",
-    ("rrfp_async.distributed._split_backward", "~2 us"): "a measured timing",
-    ("rrfp_async.integrations", "~1 s"): "a measured timing",
-    ("rrfp_async.loop._virtual", "24 s"): "a measured timing",
-}
+LAB_NOTES_ALLOWED: dict[tuple[str, str], str] = {}
 
 
 def _doc_texts(path: Path) -> list[tuple[int, str]]:

@@ -463,7 +463,6 @@ FOREIGN_PRIVATES: dict[tuple[str, str], str] = {
     ("rrfp_async.loop._virtual", "_scheduled"): "asyncio.BaseEventLoop's",
     ("rrfp_async.policies._torch_hints", "_n_microbatches"): "torch's PipelineScheduleSingle",
     ("rrfp_async.integrations._torchtitan", "_REGISTRY"): "torchtitan's override registry",
-    ("rrfp_async.integrations._timeouts", "_get_backend"): "torch's ProcessGroup",
     ("rrfp_async.integrations._timeouts", "_timeout"): "torch's backend options",
     ("rrfp_async.loop._virtual", "_loop"): "asyncio.Handle's",
 }
@@ -472,23 +471,7 @@ FOREIGN_PRIVATES: dict[tuple[str, str], str] = {
 #: today (issue 39): the branches recomposing the loop, the channel and the distributed
 #: stage remove them, and this list is emptied when they merge. Do not add to it: give the
 #: other package a public method or a constructor argument instead.
-PRIVATE_ACCESS_ALLOWED: dict[tuple[str, str], str] = {
-    # sim/ reads StageLoop's internals (the stall guard's frames, the step state, monitor).
-    ("rrfp_async.sim._guard", "_decide_and_run"): "loop.StageLoop's",
-    ("rrfp_async.sim._guard", "_execute"): "loop.StageLoop's",
-    ("rrfp_async.sim._guard", "_follow"): "loop.StageLoop's",
-    ("rrfp_async.sim._guard", "_monitor"): "loop.StageLoop's",
-    ("rrfp_async.sim._guard", "_st"): "loop.StageLoop's",
-    ("rrfp_async.sim._guard", "_wait"): "loop.StageLoop's",
-    ("rrfp_async.sim._sim_tp", "_st"): "loop.StageLoop's",
-    # The lab's benchmarks time the torch executor's task bodies and the drop-in's split.
-    ("rrfp_lab._peer_dropin", "_split"): "integrations.ScheduleReadinessFirst's",
-    ("rrfp_lab._split_measure", "_backward"): "distributed.TorchStageExecutor's",
-    ("rrfp_lab._split_measure", "_forward"): "distributed.TorchStageExecutor's",
-    ("rrfp_lab._split_measure", "_input_grad"): "distributed.TorchStageExecutor's",
-    ("rrfp_lab._split_measure", "_kept"): "distributed.TorchStageExecutor's",
-    ("rrfp_lab._split_measure", "_weight_grad"): "distributed.TorchStageExecutor's",
-}
+PRIVATE_ACCESS_ALLOWED: dict[tuple[str, str], str] = {}
 
 
 @functools.cache

@@ -340,6 +340,20 @@ class TorchStageExecutor:
             raise PlanError(f"rank {ctx.rank}: no module for virtual stage {task.stage}")
         return await self.worker.run_enqueued(self._run, task, data, ctx)
 
+    def task_handler(self, kind: str) -> TaskHandler:
+        """The function that runs tasks of ``kind`` (``"F"``, ``"B"``, ``"I"``, ``"W"``) as
+        ``handler(task, data, ctx)``, on the calling thread, with none of the executor's
+        per-task bookkeeping (random streams, emulated time, output hook): for measuring a
+        task body alone (the lab's split-backward measurement)."""
+        return self._handlers[kind]
+
+    def weight_recomputes(self, stage: int, mb: int) -> bool:
+        """Whether the ``W`` kept for microbatch ``mb`` of ``stage`` (after its ``I``) will
+        recompute the backward instead of replaying the kept graph (see ``_split_backward``);
+        False when nothing is kept for it."""
+        work = self._kept.get((stage, mb))
+        return work is not None and work.recompute is not None
+
     def set_output_hook(self, hook: OutputHook | None, /) -> None:
         """Called by a stage when it is built (``OutputHookExecutor``): ``hook`` gets each
         task's output on the compute thread as soon as it exists (None: outputs go back

@@ -330,6 +330,12 @@ class ReadinessFirstBase:
 
     # ------------------------------------------------------------------ lifecycle
 
+    @property
+    def split_backward(self) -> bool:
+        """Whether each backward runs as an input-gradient ``I`` and a weight-gradient ``W``
+        task (given, or as the hint splits it)."""
+        return self._split
+
     def close(self) -> None:
         """Close the runtime's stage (its channel and loop thread) and the compute thread
         now; idempotent. Optional, as with torch's schedules: a schedule that is not closed
