@@ -238,7 +238,7 @@ def test_a_peers_failure_is_passed_on_and_a_lost_peer_is_not_aborted() -> None:
     reporter.tell(2, peer)
     assert channel.aborts == [(2, "ValueError: x", 0)]
     assert channel.kinds == [FailureKind.OTHER]  # the peer's kind, passed on
-    reporter.tell(3, rr.PeerError("rank 1 lost rank 0 (global 2)"))
+    reporter.tell(3, rr.errors.PeerError("rank 1 lost rank 0 (global 2)"))
     assert len(channel.aborts) == 1  # the CLOSE tells a lost peer, not an ABORT
 
 
@@ -299,9 +299,9 @@ def test_the_blocking_face_runs_coroutines_on_a_thread_of_its_own() -> None:
     assert seen[-1] == "closed"
 
     async def refuse() -> None:
-        raise rr.ClosedError("no")
+        raise rr.errors.ClosedError("no")
 
-    with pytest.raises(rr.ClosedError, match="no"):
+    with pytest.raises(rr.errors.ClosedError, match="no"):
         BlockingFace.open(refuse)  # its thread is stopped, the error raised as it is
 
 
@@ -333,7 +333,7 @@ def test_the_stage_refuses_tp_options_said_twice() -> None:
             rr.ProcessLayout(pp=1, rank=0),
             sched,
             ex,
-            groups=rr.StageGroups(),
+            groups=rr.distributed.StageGroups(),
             tp=TPOptions(),
             verify_tp=True,
             deduce_tp=False,

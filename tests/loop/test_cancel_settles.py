@@ -176,7 +176,6 @@ def test_an_anyio_scope_does_not_make_the_wait_spin(monkeypatch: pytest.MonkeyPa
     # stage's wait for its running task would be re-entered once per loop iteration
     # (thousands of times in 0.3 s). A one-stage pipeline's stage runs in the scope's own
     # task here (as a DistributedStage's does), not in a child task.
-    from rrfp_async.loop import _task_runner
 
     calls = []
     real_wait = asyncio.wait
@@ -185,7 +184,7 @@ def test_an_anyio_scope_does_not_make_the_wait_spin(monkeypatch: pytest.MonkeyPa
         calls.append(1)
         return await real_wait(*args, **kw)
 
-    monkeypatch.setattr(_task_runner.asyncio, "wait", counting_wait)
+    monkeypatch.setattr(asyncio, "wait", counting_wait)  # the task runner's asyncio.wait
     torch.manual_seed(0)
     plan = rr.StepPlan(topology=rr.Topology(stages=1), microbatches=M)
     ex = rr.TorchStageExecutor({0: _Stage0()}, _loss, rank=0, input_fn=lambda mb: mb)

@@ -125,9 +125,9 @@ def test_a_delivered_input_readies_its_task_and_wakes_the_blocked_wait() -> None
     assert run_virtual(main()) is True
     assert pos in st.ready and st.inbox[pos] == "act" and st.arrived[pos]
     assert mon.calls == [("blocked", owner), ("unblocked", owner)] and not run.blocked
-    with pytest.raises(rr.ProtocolError, match="arrived twice"):
+    with pytest.raises(rr.errors.ProtocolError, match="arrived twice"):
         run.deliver(st, first, "again", 0)
-    with pytest.raises(rr.ProtocolError, match="expected rank 0"):
+    with pytest.raises(rr.errors.ProtocolError, match="expected rank 0"):
         run.deliver(st, Task.parse("1F1"), "act", 2)
 
 
@@ -150,7 +150,7 @@ def test_a_failure_ends_the_wait_and_stays_until_the_next_step() -> None:
 
 def test_a_broken_channel_fails_every_later_step() -> None:
     run = StepRun(0)
-    broken = rr.ChannelError("the channel broke")
+    broken = rr.errors.ChannelError("the channel broke")
     run.fail(broken)
     assert run.clear_failure() is broken and run.clear_failure() is broken
 
@@ -168,6 +168,11 @@ class _Executor:
 
 
 class _Endpoint:
+    """An ``Endpoint`` that records what it sends."""
+
+    rank = 0
+    inflight = 0
+
     def __init__(self) -> None:
         self.sent: list[tuple[int, int, Task, Any]] = []
 
