@@ -136,8 +136,8 @@ def test_stage_defaults_are_finite_and_bounded() -> None:
 
     s = stage()
     assert s.step_timeout == 30.0 and s.stage.step_timeout == 30.0
-    assert s.max_message_bytes == 256 << 20 and s.channel._max_bytes == 256 << 20
-    assert stage(step_timeout=None, max_message_bytes=1 << 10).channel._max_bytes == 1 << 10
+    assert s.max_message_bytes == 256 << 20 and s.channel.max_bytes == 256 << 20
+    assert stage(step_timeout=None, max_message_bytes=1 << 10).channel.max_bytes == 1 << 10
     with pytest.raises(rr.PlanError, match="max_message_bytes must be an int >= 1, got 0"):
         stage(max_message_bytes=0)
     with pytest.raises(rr.PlanError, match="step_timeout"):
