@@ -14,6 +14,7 @@ from ..channels import LatencyFn, LocalChannel
 from ..policies import Policy, StepSchedule
 from ._accumulate import GradStash, restore_grads, stash_grads
 from ._checks import check_step_timeout, resolve_step
+from ._coordinator import Coordinator
 from ._diagnostics import make_deadlock
 from ._executors import Executor, TiedExecutor
 from ._portal import SyncPortal
@@ -111,6 +112,11 @@ class LocalPipeline:
         observer: Optional observer of every stage's transitions.
         step_timeout: Watchdog per step, seconds on the loop clock (None: no watchdog).
         max_microbatches: The most microbatches a step may have (None: no limit).
+        coordinators: One TP coordinator per rank (``StageLoop(coordinator=)``): each stage
+            runs as the TP leader of its coordinator, without the sequence check (the
+            simulator's TP model: ``rrfp_async.sim``); None: no TP.
+        deduce_tp: With ``coordinators``, the followers deduce what they can
+            (``StageLoop(deduce_tp=)``).
 
     Raises:
         PlanError: ``schedule`` is not a ``StepSchedule``; a list of executors of the wrong
@@ -129,6 +135,8 @@ class LocalPipeline:
         observer: StageObserver | None = None,
         step_timeout: float | None = None,
         max_microbatches: int | None = None,
+        coordinators: Sequence[Coordinator] | None = None,
+        deduce_tp: bool = True,
     ) -> None:
         check_type("schedule", schedule, StepSchedule, "a StepSchedule")
         step_timeout = check_step_timeout(step_timeout)
@@ -152,6 +160,19 @@ class LocalPipeline:
             execs = [executors] * p  # type: ignore[list-item]
         self._executors = execs
         self.max_microbatches = max_microbatches
+        if coordinators is not None and len(coordinators) != p:
+            raise PlanError(f"coordinators: need one per rank ({p}), got {len(coordinators)}")
+        tp: list[dict[str, Any]] = [
+            {}
+            if coordinators is None
+            else {
+                "coordinator": coordinators[r],
+                "coordinate": True,
+                "verify_sequences": False,
+                "deduce_tp": deduce_tp,
+            }
+            for r in range(p)
+        ]
         self.stages = [
             StageLoop(
                 r,
@@ -163,6 +184,7 @@ class LocalPipeline:
                 observer=observer,
                 step_timeout=step_timeout,
                 max_microbatches=max_microbatches,
+                **tp[r],
             )
             for r in range(p)
         ]

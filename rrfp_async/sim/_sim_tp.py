@@ -269,13 +269,9 @@ def tp_executors(
     return [TPExecutor(inner, c, latency) for c in coords], coords
 
 
-def attach(stages: Sequence[Any], coords: Sequence[SimCoordinator], *, deduce: bool = True) -> None:
-    """Make each stage loop the TP leader of its coordinator (see the design note): the
-    real look-ahead and publish code then runs on the virtual clock. ``deduce``: the
-    followers deduce what they can (``StageLoop(deduce_tp=)``)."""
+def attach(stages: Sequence[Any], coords: Sequence[SimCoordinator]) -> None:
+    """Tell each coordinator the stage loop it leads (built with it as its ``coordinator``:
+    ``LocalPipeline(coordinators=)``, see the design note): the real look-ahead and publish
+    code then runs on the virtual clock."""
     for stage, coord in zip(stages, coords, strict=True):
         coord.stage = stage
-        stage.deduce_tp = deduce
-        stage.coordinator = coord
-        stage.coordinate = True
-        stage.verify_sequences = False

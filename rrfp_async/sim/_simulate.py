@@ -485,9 +485,11 @@ def simulate(
         policy=policy,
         latency=lambda step, task: realized.latency(task),
         observer=observer,
+        coordinators=coords,
+        deduce_tp=tp_deduce,
     )
     if coords is not None:
-        attach(pipe.stages, coords, deduce=tp_deduce)
+        attach(pipe.stages, coords)
     stats = run_virtual(
         pipe,
         mbs,
