@@ -59,10 +59,19 @@ __all__ = [
     "ProtocolError",
     "RRFPError",
     "SpawnError",
+    "StateNote",
     "StepTimeoutError",
     "TraceError",
     "exception_notes",
 ]
+
+
+class StateNote(str):
+    """A rank's state dump, added to a failed step's error as a note (``add_note`` takes a
+    ``str``; this subclass marks it): what a peer is told of the failure leaves it out by its
+    type (``isinstance(note, StateNote)``), never by reading its text."""
+
+    __slots__ = ()
 
 
 def exception_notes(exc: BaseException) -> tuple[object, ...]:

@@ -21,7 +21,14 @@ import collections
 from collections.abc import Callable, Iterable, Mapping
 from typing import Protocol
 
-from .._errors import ChannelError, PeerError, PeerStepError, StepTimeoutError, exception_notes
+from .._errors import (
+    ChannelError,
+    PeerError,
+    PeerStepError,
+    StateNote,
+    StepTimeoutError,
+    exception_notes,
+)
 from ..policies import StepSchedule
 from ._plan_check import failure_kind
 
@@ -174,8 +181,8 @@ class FailureReporter:
 
 def failure_cause(e: BaseException) -> str:
     """What a failed step's ABORT says of ``e``: its type and first line, and its notes
-    (``add_note``: the task, and the fix where one is known); not the state dump (``Stage``'s
-    "state of rank ..." note), which stays local. A cancel says where it came from."""
+    (``add_note``: the task, and the fix where one is known); not the state dump (the stage
+    loop's ``StateNote``), which stays local. A cancel says where it came from."""
     if isinstance(e, asyncio.CancelledError):
         cause = "the step was cancelled there (asyncio.CancelledError: a timeout or a cancel"
         cause += " scope of its caller)"
@@ -183,11 +190,7 @@ def failure_cause(e: BaseException) -> str:
     text = str(e).strip()
     first = text.splitlines()[0] if text else ""
     cause = f"{type(e).__name__}: {first}" if first else type(e).__name__
-    notes = [
-        str(n)
-        for n in exception_notes(e)
-        if str(n).strip() and not str(n).startswith("state of rank ")
-    ]
+    notes = [str(n) for n in exception_notes(e) if str(n).strip() and not isinstance(n, StateNote)]
     if notes:
         cause += " [" + "; ".join(notes) + "]"
     return cause

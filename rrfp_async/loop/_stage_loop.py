@@ -31,7 +31,7 @@ from typing import Any, Protocol
 
 from .._admission import AdmissionLedger
 from .._check import check_bool, check_int, check_type, describe
-from .._errors import DeadlockError, PlanError, ProtocolError, StepTimeoutError
+from .._errors import DeadlockError, PlanError, ProtocolError, StateNote, StepTimeoutError
 from .._tasks import StepPlan, Task
 from ..channels import Endpoint
 from ..policies import (
@@ -459,7 +459,7 @@ class StageLoop:
         attach_observer_error(self._run, exc)
         call_failed(self, exc, text)  # a hook that raises adds a note, never replaces exc
         if not isinstance(exc, DeadlockError):  # a deadlock carries every rank's grid
-            exc.add_note(f"state of rank {self.rank} when the step failed:\n{text}")
+            exc.add_note(StateNote(f"state of rank {self.rank} when the step failed:\n{text}"))
 
     # ------------------------------------------------------------------ the channel's sink
 

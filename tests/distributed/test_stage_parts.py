@@ -17,13 +17,13 @@ import pytest
 import torch
 
 import rrfp_async as rr
-from rrfp_async._errors import FailureKind
+from rrfp_async._errors import FailureKind, StateNote
 from rrfp_async.distributed import TPOptions
 from rrfp_async.distributed._control_group import ControlGroup
 from rrfp_async.distributed._digest import PlanDigest
 from rrfp_async.distributed._plan_check import STEP_DIFFERS, step_row
 from rrfp_async.distributed._stage_trace import StageTrace
-from rrfp_async.distributed._step_failure import FailureReporter
+from rrfp_async.distributed._step_failure import FailureReporter, failure_cause
 from rrfp_async.distributed._sync_face import BlockingFace
 from rrfp_async.distributed._tp_options import UNSET, tp_options
 
@@ -338,3 +338,15 @@ def test_the_stage_refuses_tp_options_said_twice() -> None:
             verify_tp=True,
             deduce_tp=False,
         )
+
+
+def test_the_cause_sent_to_peers_leaves_out_the_state_dump_by_its_type() -> None:
+    """A peer is told the error and its notes, not this rank's state dump: the dump is a
+    ``StateNote``, recognised by its type; a user's note that merely reads like one stays."""
+    e = RuntimeError("boom")
+    e.add_note("in task 1F0")
+    e.add_note(StateNote("state of rank 1 when the step failed:\nready: 1B0"))
+    e.add_note("state of rank 3 (a user's own note)")
+    assert failure_cause(e) == (
+        "RuntimeError: boom [in task 1F0; state of rank 3 (a user's own note)]"
+    )
