@@ -6,6 +6,8 @@ The hierarchy::
     ├── HintError (ValueError)      a hint (schedule order) is invalid for the step plan;
     │                               raised before the step starts
     ├── PlanError (ValueError)      a topology, step plan, workload or config is invalid
+    │   └── StepDiffersError        the ranks do not run the same step (the step check);
+    │                               peers are told with FailureKind.STEP_DIFFERS
     ├── PolicyError                 a policy plug-in misbehaved (raised, returned a task
     │                               that is not ready or not admitted, is no coroutine)
     ├── DeadlockError               a step cannot finish: nothing ready, nothing running,
@@ -60,6 +62,7 @@ __all__ = [
     "RRFPError",
     "SpawnError",
     "StateNote",
+    "StepDiffersError",
     "StepTimeoutError",
     "TraceError",
     "exception_notes",
@@ -99,6 +102,13 @@ class HintError(RRFPError, ValueError):
 
 class PlanError(RRFPError, ValueError):
     """A topology, step plan, workload, cost model or configuration value is invalid."""
+
+
+class StepDiffersError(PlanError):
+    """The step check's ``PlanError``: the ranks do not run the same step (another step
+    number, microbatch count, plan or ``train=``); the message names every rank's side. A
+    rank that fails a step with it tells the others with ``FailureKind.STEP_DIFFERS`` in the
+    ABORT's header, which is how they tell it from any other cause."""
 
 
 class PolicyError(RRFPError):

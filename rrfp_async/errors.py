@@ -4,7 +4,8 @@
 the top of ``rrfp_async/_errors.py`` beside the classes. The top level re-exports the ones a
 training loop catches (``RRFPError``, ``PlanError``, ``StepTimeoutError``,
 ``PeerStepError``, ``DeadlockError``); the rest are here. Every message says which rank,
-which step and which task, and what was waited for.
+which step and which task, and what was waited for. ``FailureKind`` is the code a failed
+step's ABORT carries (``PeerStepError.kind``).
 """
 
 from ._errors import (
@@ -13,6 +14,7 @@ from ._errors import (
     DeadlockError,
     DivergenceError,
     ExtraMissingError,
+    FailureKind,
     HintError,
     InterruptedStepError,
     NonFiniteError,
@@ -24,6 +26,7 @@ from ._errors import (
     ProtocolError,
     RRFPError,
     SpawnError,
+    StepDiffersError,
     StepTimeoutError,
     TraceError,
 )
@@ -34,6 +37,7 @@ __all__ = [
     "DeadlockError",
     "DivergenceError",
     "ExtraMissingError",
+    "FailureKind",
     "HintError",
     "InterruptedStepError",
     "NonFiniteError",
@@ -45,6 +49,7 @@ __all__ = [
     "ProtocolError",
     "RRFPError",
     "SpawnError",
+    "StepDiffersError",
     "StepTimeoutError",
     "TraceError",
 ]

@@ -13,7 +13,7 @@ import asyncio
 import hashlib
 from collections.abc import Sequence
 
-from .._errors import FailureKind, PeerStepError, PlanError
+from .._errors import FailureKind, PeerStepError, PlanError, StepDiffersError
 from ..policies import StepSchedule
 from ._digest import _ranks as ranks_have
 
@@ -94,13 +94,6 @@ def step_check_verdict(
         " schedule, train= and step number); a rank's data loader that ran out early or"
         " yields other batch counts is the usual cause"
     )
-
-
-class StepDiffersError(PlanError):
-    """The step check's ``PlanError``: the ranks do not run the same step. A rank that fails
-    a step with it tells the others with ``FailureKind.STEP_DIFFERS`` in the ABORT's header
-    (``FailureReporter``), which is how they tell it from any other cause
-    (``step_check_error``)."""
 
 
 def failure_kind(e: BaseException) -> FailureKind:
