@@ -459,7 +459,9 @@ def simulate(
             chunks and placement, split backward, ordered weights), hint and admission
             bounds. With it, ``chunks``, ``hint``, ``max_inflight``, ``memory_factor``,
             ``split_backward``, ``ordered_weights``, ``placement`` and a different
-            ``stages`` are refused (a ``PlanError`` naming them).
+            ``stages`` are refused (a ``PlanError`` naming them). Its hint runs as built
+            (planned with the ``durations`` given to ``StepSchedule.build``, not with the
+            workload's).
 
     Sizes: at most ``MAX_CELLS`` (65536) pairs ``stages x chunks x microbatches`` and
     ``MAX_CELLS_PER_RANK`` (4096) pairs ``chunks x microbatches``.
