@@ -107,5 +107,5 @@ def test_a_workload_object_is_refused_beside_other_microbatches() -> None:
         simulate(stages=2, microbatches=5, workload=wl)
     with pytest.raises(rr.PlanError, match=r"in the Workload or in microbatches=, not both"):
         simulate(stages=2, microbatches=list(wl.microbatches), workload=wl)
-    with pytest.raises(rr.PlanError, match=r"workload must be a workload name, a Workload"):
+    with pytest.raises(rr.PlanError, match=r"or None, got 3 \(int\); or a Workload"):
         simulate(stages=2, microbatches=4, workload=3)  # type: ignore[arg-type]

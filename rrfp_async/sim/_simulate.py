@@ -503,8 +503,11 @@ def simulate(
     m_given, given = (None, None) if microbatches is None else _check_microbatches(microbatches)
     if isinstance(workload, Workload):
         m_given = _workload_size(workload, m_given, None if given is None else given)
-    elif workload is not None:
-        check_type("workload", workload, str, "a workload name, a Workload or None")
+    elif workload is not None and not isinstance(workload, str):
+        raise PlanError(
+            f"workload must be a workload name or None, got {describe(workload)}; or a"
+            " Workload object (rrfp_async.sim.Workload, e.g. make_workload's)"
+        )
     if schedule is not None:
         plan = schedule.plan
         if m_given is not None and m_given != plan.microbatches:
