@@ -515,6 +515,7 @@ def simulate(
                 f"simulate: {m_given} microbatches but the schedule's plan has {plan.microbatches}"
             )
         m = plan.microbatches
+        _check_size(plan.topology, m)
     elif m_given is None:
         raise PlanError("simulate: give microbatches= (or a schedule= or a Workload object)")
     else:
@@ -528,13 +529,13 @@ def simulate(
             split_backward = isinstance(hint, str) and canonical_hint_name(hint) == "zb_h1"
         assert stages is not None  # (refused above)
         topo = Topology(stages=stages, chunks=_default(chunks), placement=_default(placement))
+        _check_size(topo, m)  # before the plan is built
         plan = StepPlan(
             topology=topo,
             microbatches=m,
             split_backward=split_backward or ordered_weights,
             ordered_weights=ordered_weights,
         )
-    _check_size(plan.topology, m)
     check_bool("record", record)
     jitter = check_jitter("jitter", jitter)
     latency_jitter = check_jitter("latency_jitter", latency_jitter)
