@@ -29,7 +29,7 @@ from ._spawn import free_port, report_progress, spawn
 from ._split import StageModule, StageSplit, from_pipe, from_stage_modules, split_model
 from ._stage_io import SharedSpec as SharedSpec
 from ._torch_executor import TorchStageExecutor
-from ._tp_options import TPOptions
+from ._tp_keywords import TPOptions
 
 __all__ = [
     "CausalLMSplit",

@@ -93,7 +93,7 @@ from ._stage_grads import TiedGradients, allreduce_dp, order_after_step
 from ._stage_trace import StageTrace
 from ._step_failure import FailureReporter
 from ._sync_face import BlockingFace
-from ._tp_options import UNSET, TPOptions, tp_options
+from ._tp_keywords import UNSET, TPOptions, tp_options
 
 __all__ = [
     "DEFAULT_MAX_MESSAGE_BYTES",

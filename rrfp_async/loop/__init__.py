@@ -13,7 +13,9 @@ and the lab, ``rrfp_lab``), not in ``__all__``:
 * ``deadlock_grid``: the deadlock picture of a set of stages (``_diagnostics``);
 * ``policy_awaits``: what the policy of each stage that is in its turn awaits
   (``_diagnostics``);
-* ``SyncPortal``: the synchronous face's event loop thread.
+* ``SyncPortal``: the synchronous face's event loop thread;
+* ``UNSET``, ``resolve_tp_options``: the flat TP keywords of an entry point, resolved
+  into one ``TPOptions`` (``_tp_options``).
 """
 
 from .._bridges import ComputeWorker, cuda_event_future, run_blocking, torch_future, work_future
@@ -48,6 +50,9 @@ from ._stage_loop import (
     StageObserver,
     StepStats,
 )
+from ._tp_options import UNSET as UNSET
+from ._tp_options import TPOptions
+from ._tp_options import resolve_tp_options as resolve_tp_options
 from ._virtual import (
     VirtualClockStall,
     VirtualEventLoop,
@@ -72,6 +77,7 @@ __all__ = [
     "StepFailedExecutor",
     "StepResultsExecutor",
     "StepStats",
+    "TPOptions",
     "TaskContext",
     "TiedExecutor",
     "VirtualClockStall",

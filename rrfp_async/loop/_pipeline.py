@@ -20,6 +20,7 @@ from ._executors import Executor, TiedExecutor
 from ._portal import SyncPortal
 from ._records import StepStats
 from ._stage_loop import StageLoop, StageObserver
+from ._tp_options import UNSET, TPOptions, resolve_tp_options
 
 __all__ = ["LocalPipeline", "unwrap_group"]
 
@@ -116,12 +117,17 @@ class LocalPipeline:
             runs as the TP leader of its coordinator, without the sequence check (the
             simulator's TP model: ``rrfp_async.sim``); None: no TP.
         deduce_tp: With ``coordinators``, the followers deduce what they can
-            (``StageLoop(deduce_tp=)``).
+            (``StageLoop(deduce_tp=)``; ``TPOptions.deduce``).
+        tp: The TP options as one value (``TPOptions``; give it or ``deduce_tp``, not
+            both). With ``coordinators`` the stages use its ``deduce`` only: as simulated
+            TP leaders they always coordinate, compare no sequences and have no channel to
+            fold a check into.
 
     Raises:
         PlanError: ``schedule`` is not a ``StepSchedule``; a list of executors of the wrong
             length; an executor without a usable ``execute(task, data, ctx)`` (the message
-            names its rank); ``latency`` not callable; ``step_timeout`` not None or > 0.
+            names its rank); ``latency`` not callable; ``step_timeout`` not None or > 0;
+            ``tp`` given with ``deduce_tp``.
         PolicyError: ``policy`` is neither a registered name nor a coroutine function.
     """
 
@@ -136,7 +142,8 @@ class LocalPipeline:
         step_timeout: float | None = None,
         max_microbatches: int | None = None,
         coordinators: Sequence[Coordinator] | None = None,
-        deduce_tp: bool = True,
+        deduce_tp: bool = UNSET,
+        tp: TPOptions | None = None,
     ) -> None:
         check_type("schedule", schedule, StepSchedule, "a StepSchedule")
         step_timeout = check_step_timeout(step_timeout)
@@ -160,17 +167,15 @@ class LocalPipeline:
             execs = [executors] * p  # type: ignore[list-item]
         self._executors = execs
         self.max_microbatches = max_microbatches
+        deduce = resolve_tp_options(
+            tp, "LocalPipeline", {"deduce_tp": "deduce"}, {"deduce_tp": deduce_tp}
+        ).deduce
         if coordinators is not None and len(coordinators) != p:
             raise PlanError(f"coordinators: need one per rank ({p}), got {len(coordinators)}")
-        tp: list[dict[str, Any]] = [
-            {}
-            if coordinators is None
-            else {
-                "coordinator": coordinators[r],
-                "coordinate": True,
-                "verify_sequences": False,
-                "deduce_tp": deduce_tp,
-            }
+        # Simulated TP leaders: they coordinate, compare no sequences (see ``tp`` above).
+        options = TPOptions(coordinate=True, verify=False, deduce=deduce)
+        tp_args: list[dict[str, Any]] = [
+            {} if coordinators is None else {"coordinator": coordinators[r], "tp": options}
             for r in range(p)
         ]
         self.stages = [
@@ -184,7 +189,7 @@ class LocalPipeline:
                 observer=observer,
                 step_timeout=step_timeout,
                 max_microbatches=max_microbatches,
-                **tp[r],
+                **tp_args[r],
             )
             for r in range(p)
         ]

@@ -30,7 +30,7 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import Any, Protocol
 
 from .._admission import AdmissionLedger
-from .._check import check_bool, check_int, check_type, describe
+from .._check import check_int, check_type, describe
 from .._errors import DeadlockError, PlanError, ProtocolError, StateNote, StepTimeoutError
 from .._tasks import StepPlan, Task
 from ..channels import Endpoint
@@ -61,6 +61,7 @@ from ._records import ExecutedTask, StepStats
 from ._state import NO_DATA, StepState
 from ._step_run import StepRun
 from ._task_runner import TaskRunner
+from ._tp_options import UNSET, TPOptions, stage_tp_options
 from ._view import StageView
 from ._virtual import VirtualClockLoop
 
@@ -151,19 +152,23 @@ class StageLoop:
         step_timeout: Seconds after which a step fails with ``StepTimeoutError`` (on the
             loop clock), or None for no watchdog.
         coordinator: The TP decision channel of this stage (None without TP).
-        coordinate: With a coordinator: followers run the leader's decisions. False lets
-            every TP rank decide alone (for measurement and tests only: their collectives
-            may then not match).
-        verify_sequences: With a coordinator: after each step, check that every TP rank
-            executed the same sequence (``DivergenceError`` otherwise).
+        tp: How the TP ranks work together, as one value (``TPOptions``; give it or the
+            flat keywords ``coordinate``, ``verify_sequences``, ``deduce_tp``, not both).
+            The stage uses ``coordinate``, ``verify`` and ``deduce``; ``fold_check`` has
+            no meaning here (the coordinator, built by its owner, folds the check or not).
+        coordinate: ``TPOptions.coordinate``: with a coordinator, followers run the
+            leader's decisions. False lets every TP rank decide alone (for measurement and
+            tests only: their collectives may then not match).
+        verify_sequences: ``TPOptions.verify``: with a coordinator, after each step, check
+            that every TP rank executed the same sequence (``DivergenceError`` otherwise).
         flight_recorder: How many recent events (message, start, end) to keep for the
             state dump of a failed step (0: none).
         max_microbatches: The most microbatches a step may have (None: no limit).
-        deduce_tp: TP follower under a policy that ``chooses_ready_head``: start a decision
-            it can deduce (the next hinted task, ready on this rank with local inputs only) without
-            waiting for the leader's row, and check the row when it arrives (see "Deduced
-            TP decisions" in ``loop/_follow.py``). False: wait for every row (for
-            measurement).
+        deduce_tp: ``TPOptions.deduce``: TP follower under a policy that
+            ``chooses_ready_head``: start a decision it can deduce (the next hinted task,
+            ready on this rank with local inputs only) without waiting for the leader's
+            row, and check the row when it arrives (see "Deduced TP decisions" in
+            ``loop/_follow.py``). False: wait for every row (for measurement).
         on_failure: Called as ``on_failure(step, exc)`` when a step fails while one of its
             tasks is still on the executor, before the stage waits for that task
             (``DistributedStage`` tells the other ranks there, so that they need not wait
@@ -180,8 +185,9 @@ class StageLoop:
         PlanError: ``rank`` is not an integer in the pipeline, ``schedule`` is not a
             ``StepSchedule``, ``executor`` has no usable ``execute(task, data, ctx)``,
             ``endpoint`` has no ``bind``/``send``, ``step_timeout`` is not None or a number
-            > 0, ``flight_recorder`` is not an integer >= 0, or ``coordinate``,
-            ``verify_sequences`` or ``deduce_tp`` is not a bool.
+            > 0, ``flight_recorder`` is not an integer >= 0, ``coordinate``,
+            ``verify_sequences`` or ``deduce_tp`` is not a bool, ``tp`` is no
+            ``TPOptions``, or ``tp`` is given with one of those flat keywords.
         PolicyError: ``policy`` is neither a registered name nor a coroutine function.
     """
 
@@ -197,12 +203,13 @@ class StageLoop:
         observer: StageObserver | None = None,
         step_timeout: float | None = None,
         coordinator: Coordinator | None = None,
-        coordinate: bool = True,
-        verify_sequences: bool = True,
+        coordinate: bool = UNSET,
+        verify_sequences: bool = UNSET,
         flight_recorder: int = 32,
         max_microbatches: int | None = None,
-        deduce_tp: bool = True,
+        deduce_tp: bool = UNSET,
         on_failure: Callable[[int, BaseException], None] | None = None,
+        tp: TPOptions | None = None,
     ) -> None:
         check_type("schedule", schedule, StepSchedule, "a StepSchedule")
         rank = check_int("rank", rank, minimum=0, maximum=schedule.plan.stages - 1)
@@ -215,9 +222,7 @@ class StageLoop:
                 )
         step_timeout = check_step_timeout(step_timeout)
         flight_recorder = check_int("flight_recorder", flight_recorder, minimum=0)
-        check_bool("coordinate", coordinate)
-        check_bool("verify_sequences", verify_sequences)
-        check_bool("deduce_tp", deduce_tp)
+        options = stage_tp_options(tp, rank, coordinate, verify_sequences, deduce_tp)
         self.rank = rank
         #: The schedule of the running (or last) step.
         self.schedule = schedule
@@ -232,9 +237,11 @@ class StageLoop:
         self.observer = observer
         self.step_timeout = step_timeout
         self.coordinator = coordinator
-        self.coordinate = coordinate
-        self.verify_sequences = verify_sequences
-        self.deduce_tp = deduce_tp
+        #: The TP options, as one value (given as ``tp`` or as the flat keywords).
+        self.tp = options
+        self.coordinate = options.coordinate
+        self.verify_sequences = options.verify
+        self.deduce_tp = options.deduce
         self._on_failure = on_failure  # (see the ``on_failure`` argument)
         #: The flight recorder: the recent events (message, start, end) a dump lists.
         self.recent: collections.deque[tuple[float, str, Task]] | None = (

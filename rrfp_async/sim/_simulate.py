@@ -41,8 +41,17 @@ from .._check import check_bool, check_int, check_real, check_type, describe
 from .._costs import CostModel, Durations, Microbatch, check_jitter
 from .._errors import PlanError
 from .._tasks import Placement, StepPlan, Topology
-from .._workloads import make_workload
-from ..loop import CostModelExecutor, ExecutedTask, LocalPipeline, StageObserver, StepStats
+from .._workloads import Workload, make_workload
+from ..loop import (
+    UNSET,
+    CostModelExecutor,
+    ExecutedTask,
+    LocalPipeline,
+    StageObserver,
+    StepStats,
+    TPOptions,
+    resolve_tp_options,
+)
 from ..observability import MultiObserver, TraceData, TraceRecorder, chrome_trace
 from ..policies import Hint, HintFn, Policy, StepSchedule, canonical_hint_name, check_durations
 from ._guard import run_virtual
@@ -288,24 +297,90 @@ def _pausing_collector(fn: _F) -> _F:
     return run  # type: ignore[return-value]
 
 
+class _Default:
+    """A keyword of ``simulate`` that a schedule replaces, left out: its default, shown as
+    the default's value (so that giving it with ``schedule`` is told apart)."""
+
+    def __init__(self, value: object) -> None:
+        self.value = value
+
+    def __repr__(self) -> str:
+        return repr(self.value)
+
+
+_CHUNKS: Any = _Default(1)
+_HINT: Any = _Default("breadth_first_weighted")
+_ORDERED_WEIGHTS: Any = _Default(False)
+_PLACEMENT: Any = _Default("interleaved")
+
+
+def _given(value: object) -> bool:
+    """Whether a keyword a schedule replaces was given (None: left out)."""
+    return value is not None and not isinstance(value, _Default)
+
+
+def _default(value: Any) -> Any:
+    return value.value if isinstance(value, _Default) else value
+
+
+def _from_schedule(schedule: object, stages: int | None, **replaced: object) -> StepSchedule:
+    """``schedule``, checked, and refused beside the keywords it replaces.
+
+    Raises:
+        PlanError: ``schedule`` is no ``StepSchedule``, or a keyword it replaces is given
+            too (``stages`` only where it differs; the message names them).
+    """
+    check_type("schedule", schedule, StepSchedule, "a StepSchedule (StepSchedule.build)")
+    assert isinstance(schedule, StepSchedule)
+    clash = [k for k, v in replaced.items() if _given(v)]
+    if stages is not None and stages != schedule.plan.stages:
+        clash.insert(0, "stages")
+    if clash:
+        names = ", ".join(f"{k}=" for k in clash)
+        raise PlanError(
+            f"simulate: schedule= gives the plan, the hint and the admission bounds; {names}"
+            " given too: leave them out (they are the schedule's), or leave out schedule="
+        )
+    return schedule
+
+
+def _workload_size(workload: object, m: int | None, given: list[Microbatch] | None) -> int:
+    """M of a step whose microbatches come from a ``Workload`` object.
+
+    Raises:
+        PlanError: ``microbatches`` is a sequence too, or a count that differs.
+    """
+    assert isinstance(workload, Workload)
+    n = len(workload.microbatches)
+    if given is not None:
+        raise PlanError(
+            "simulate: give the microbatches in the Workload or in microbatches=, not both"
+        )
+    if m is not None and m != n:
+        raise PlanError(
+            f"simulate: microbatches={m} but the workload {workload.name!r} has {n} microbatches"
+        )
+    return n
+
+
 @_pausing_collector
 def simulate(
     *,
-    stages: int,
-    microbatches: int | Sequence[Microbatch],
-    chunks: int = 1,
-    hint: str | HintFn | Hint = "breadth_first_weighted",
+    stages: int | None = None,
+    microbatches: int | Sequence[Microbatch] | None = None,
+    chunks: int = _CHUNKS,
+    hint: str | HintFn | Hint = _HINT,
     policy: str | Policy = "readiness_first",
     max_inflight: int | Sequence[int] | None = None,
     memory_factor: float | None = None,
     forward: Sequence[Sequence[float]] | None = None,
     backward: Sequence[Sequence[float]] | None = None,
-    workload: str | None = None,
+    workload: str | Workload | None = None,
     jitter: float = 0.0,
     seed: int | None = 0,
     split_backward: bool | None = None,
-    ordered_weights: bool = False,
-    placement: Placement = "interleaved",
+    ordered_weights: bool = _ORDERED_WEIGHTS,
+    placement: Placement = _PLACEMENT,
     cost_model: CostModel | None = None,
     latency: float = 0.0,
     latency_jitter: float = 0.0,
@@ -317,13 +392,22 @@ def simulate(
     tp: int = 1,
     tp_latency: float | None = None,
     tp_check: float | None = None,
-    tp_deduce: bool = True,
+    tp_deduce: bool = UNSET,
+    tp_options: TPOptions | None = None,
+    schedule: StepSchedule | None = None,
 ) -> SimResult:
     """Simulate one pipeline step on a virtual clock with the real stage-loop code.
 
+    The step is given by keywords (``stages``, ``microbatches``, ``chunks``, ``hint``, ...)
+    or by a ``schedule`` (``StepSchedule.build(plan, hint, ...)``) that carries the plan,
+    the hint and the admission bounds; the sizes and costs come from ``workload`` (a name
+    or a ``Workload`` object), ``forward`` / ``backward`` or ``cost_model`` either way.
+
     Args:
-        stages: Pipeline ranks P.
+        stages: Pipeline ranks P (required without ``schedule``; with it, the schedule's).
         microbatches: Number of microbatches M, or the microbatches themselves (with sizes).
+            Without it: the schedule's or the ``Workload`` object's count; required
+            otherwise.
         chunks: Model chunks per rank V.
         hint: Hint name (see ``rrfp_async.policies.HINTS``), a generator ``(plan,
             durations) -> {rank: [Task]}``, or a ready-made ``{rank: [Task]}``.
@@ -332,7 +416,8 @@ def simulate(
         memory_factor: Scale of the default admission bound.
         forward: Explicit forward seconds ``[virtual_stage][microbatch]`` (replay).
         backward: Explicit backward seconds (default 2x forward).
-        workload: ``"uniform"``, ``"text"`` or ``"multimodal"`` (default uniform).
+        workload: ``"uniform"``, ``"text"`` or ``"multimodal"`` (default uniform), or a
+            ``Workload`` object (its microbatches and cost model, e.g. ``make_workload``'s).
         jitter: Sigma of the mean-one lognormal compute noise of the realized durations,
             in ``[0, MAX_JITTER]`` (3; see ``rrfp_async._costs.MAX_JITTER`` for why).
         seed: Seed of the workload sizes and of the noise. None draws a fresh seed, which
@@ -365,7 +450,18 @@ def simulate(
         tp_deduce: The followers deduce the decisions they can and start those tasks
             without the latency (``StageLoop(deduce_tp=)``: under a policy that chooses the
             ready head, the next hinted task when its inputs are all local); False: every
-            task waits for its decision.
+            task waits for its decision. ``TPOptions.deduce``, as a flat keyword.
+        tp_options: The TP options as one value (``TPOptions``; give it or ``tp_deduce``,
+            not both). The simulation uses ``deduce`` only: its stages are TP leaders of a
+            simulated group, which always coordinate, compare no sequences and have no
+            channel to fold a check into (``tp_check`` models that check's time).
+        schedule: The step's schedule (``StepSchedule.build``): its plan (stages, M,
+            chunks and placement, split backward, ordered weights), hint and admission
+            bounds. With it, ``chunks``, ``hint``, ``max_inflight``, ``memory_factor``,
+            ``split_backward``, ``ordered_weights``, ``placement`` and a different
+            ``stages`` are refused (a ``PlanError`` naming them). Its hint runs as built
+            (planned with the ``durations`` given to ``StepSchedule.build``, not with the
+            workload's).
 
     Sizes: at most ``MAX_CELLS`` (65536) pairs ``stages x chunks x microbatches`` and
     ``MAX_CELLS_PER_RANK`` (4096) pairs ``chunks x microbatches``.
@@ -375,8 +471,9 @@ def simulate(
         the *realized* ones (declared x noise), identical for every policy given a seed.
 
     Raises:
-        PlanError: Invalid sizes, durations, workload, cost model or flag, or a step over
-            the size limits.
+        PlanError: Invalid sizes, durations, workload, cost model or flag, a step over the
+            size limits, ``schedule`` beside a keyword it replaces, or ``tp_options``
+            beside ``tp_deduce``.
         HintError: Invalid hint or bound.
         PolicyError: The policy is no coroutine, raised (``CancelledError`` included) or
             returned a task that is not ready.
@@ -386,14 +483,60 @@ def simulate(
     """
     t_wall = time.perf_counter()
     tp, tp_latency, tp_check = resolve_tp(tp, tp_latency, tp_check)
-    topo = Topology(stages=stages, chunks=chunks, placement=placement)
-    m, given = _check_microbatches(microbatches)
-    _check_size(topo, m)
-    if split_backward is not None:
-        check_bool("split_backward", split_backward)
-    check_bool("ordered_weights", ordered_weights)
+    deduce = resolve_tp_options(
+        tp_options, "simulate", {"tp_deduce": "deduce"}, {"tp_deduce": tp_deduce}, arg="tp_options"
+    ).deduce
+    if schedule is not None:
+        schedule = _from_schedule(
+            schedule,
+            stages,
+            chunks=chunks,
+            hint=hint,
+            max_inflight=max_inflight,
+            memory_factor=memory_factor,
+            split_backward=split_backward,
+            ordered_weights=ordered_weights,
+            placement=placement,
+        )
+    elif stages is None:
+        raise PlanError("simulate: give stages= (and microbatches=), or schedule=")
+    m_given, given = (None, None) if microbatches is None else _check_microbatches(microbatches)
+    if isinstance(workload, Workload):
+        m_given = _workload_size(workload, m_given, None if given is None else given)
+    elif workload is not None and not isinstance(workload, str):
+        raise PlanError(
+            f"workload must be a workload name or None, got {describe(workload)}; or a"
+            " Workload object (rrfp_async.sim.Workload, e.g. make_workload's)"
+        )
+    if schedule is not None:
+        plan = schedule.plan
+        if m_given is not None and m_given != plan.microbatches:
+            raise PlanError(
+                f"simulate: {m_given} microbatches but the schedule's plan has {plan.microbatches}"
+            )
+        m = plan.microbatches
+        _check_size(plan.topology, m)
+    elif m_given is None:
+        raise PlanError("simulate: give microbatches= (or a schedule= or a Workload object)")
+    else:
+        m = m_given
+        if split_backward is not None:
+            check_bool("split_backward", split_backward)
+        ordered_weights = _default(ordered_weights)
+        hint = _default(hint)
+        check_bool("ordered_weights", ordered_weights)
+        if split_backward is None:
+            split_backward = isinstance(hint, str) and canonical_hint_name(hint) == "zb_h1"
+        assert stages is not None  # (refused above)
+        topo = Topology(stages=stages, chunks=_default(chunks), placement=_default(placement))
+        _check_size(topo, m)  # before the plan is built
+        plan = StepPlan(
+            topology=topo,
+            microbatches=m,
+            split_backward=split_backward or ordered_weights,
+            ordered_weights=ordered_weights,
+        )
     check_bool("record", record)
-    check_bool("tp_deduce", tp_deduce)
     jitter = check_jitter("jitter", jitter)
     latency_jitter = check_jitter("latency_jitter", latency_jitter)
     latency = check_real("latency", latency, minimum=0.0)
@@ -411,16 +554,6 @@ def simulate(
             wall_limit = None
     if cost_model is not None:
         check_type("cost_model", cost_model, CostModel, "a CostModel or None")
-    if workload is not None:
-        check_type("workload", workload, str, "a workload name or None")
-    if split_backward is None:
-        split_backward = isinstance(hint, str) and canonical_hint_name(hint) == "zb_h1"
-    plan = StepPlan(
-        topology=topo,
-        microbatches=m,
-        split_backward=split_backward or ordered_weights,
-        ordered_weights=ordered_weights,
-    )
     mbs: Sequence[Microbatch]
     if forward is not None:
         if workload is not None or cost_model is not None:
@@ -436,7 +569,11 @@ def simulate(
     else:
         if backward is not None:
             raise PlanError("backward durations need forward durations too")
-        wl = make_workload(workload or "uniform", m, virtual_stages=topo.num_virtual, seed=seed)
+        wl = (
+            workload
+            if isinstance(workload, Workload)
+            else make_workload(workload or "uniform", m, virtual_stages=plan.num_virtual, seed=seed)
+        )
         mbs = wl.microbatches if given is None else given
         cost = cost_model or wl.cost
         base = cost.declared(plan, mbs)
@@ -472,9 +609,10 @@ def simulate(
     recorder = TraceRecorder() if record else None
     if recorder is not None:
         observer = MultiObserver(observer, recorder) if observer is not None else recorder
-    schedule = StepSchedule.build(
-        plan, hint, durations=declared, max_inflight=max_inflight, memory_factor=memory_factor
-    )
+    if schedule is None:
+        schedule = StepSchedule.build(
+            plan, hint, durations=declared, max_inflight=max_inflight, memory_factor=memory_factor
+        )
     executor = CostModelExecutor(realized)
     coords = None
     if tp_latency > 0:  # else nothing is installed: exactly the step without TP
@@ -486,7 +624,7 @@ def simulate(
         latency=lambda step, task: realized.latency(task),
         observer=observer,
         coordinators=coords,
-        deduce_tp=tp_deduce,
+        deduce_tp=deduce,
     )
     if coords is not None:
         attach(pipe.stages, coords)

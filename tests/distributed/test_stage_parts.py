@@ -25,7 +25,7 @@ from rrfp_async.distributed._plan_check import STEP_DIFFERS, step_row
 from rrfp_async.distributed._stage_trace import StageTrace
 from rrfp_async.distributed._step_failure import FailureReporter, failure_cause
 from rrfp_async.distributed._sync_face import BlockingFace
-from rrfp_async.distributed._tp_options import UNSET, tp_options
+from rrfp_async.distributed._tp_keywords import UNSET, tp_options
 
 pytestmark = pytest.mark.timeout(30)
 
