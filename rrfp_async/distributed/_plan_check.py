@@ -19,7 +19,6 @@ from ._digest import _ranks as ranks_have
 
 __all__ = [
     "STEP_DIFFERS",
-    "StepDiffersError",
     "failure_kind",
     "plan_key",
     "rows_all_changed_alike",

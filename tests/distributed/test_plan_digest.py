@@ -12,11 +12,10 @@ import pytest
 import torch
 
 import rrfp_async as rr
-from rrfp_async._errors import FailureKind
+from rrfp_async._errors import FailureKind, StepDiffersError
 from rrfp_async.distributed._digest import PlanDigest, adopt_default_seed, plan_disagreement
 from rrfp_async.distributed._plan_check import (
     STEP_DIFFERS,
-    StepDiffersError,
     failure_kind,
     step_check_error,
     step_check_verdict,
