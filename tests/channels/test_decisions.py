@@ -51,7 +51,10 @@ def _worker(rank: int, world: int) -> dict[str, Any]:
             await ch.end_step()
         else:
             out["step1"] = [str(await ch.receive(1, 0)), str(await ch.receive(1, 1))]
+        # Count before the leader may close: its CLOSE ends the follower's listener.
+        dist.barrier()
         out["listeners_open"] = _listeners()
+        dist.barrier()
         await close(ch)
         out["listeners_closed"] = _listeners()
         # 2. A second channel on the same group, after the first one closed.
