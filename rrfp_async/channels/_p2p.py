@@ -141,6 +141,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from .._bridges import run_blocking
 from .._errors import FailureKind, ProtocolError
 from .._pytree import tensor_leaves
 from .._streams import Device
@@ -505,7 +506,9 @@ class P2PChannel:
         # On an error, peers may never send their CLOSE: do not wait for them.
         timeout = 30.0 if exc_type is None else 0.5
         self._control.send_close(failed=exc_type is not None)
-        await asyncio.get_running_loop().run_in_executor(None, self.close, timeout)
+        # A thread of its own, not the loop's default executor: that one refuses work once
+        # the interpreter has begun to exit (a stage closed by an ``atexit`` hook).
+        await run_blocking(self.close, timeout, name="rrfp-close")
 
     def close(self, timeout: float = 30.0, *, failed: bool = False) -> None:
         """Send CLOSE to every outbound peer (after the messages already posted), and wait

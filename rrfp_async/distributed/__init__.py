@@ -14,7 +14,7 @@ Internal to the package family: imported here for ``integrations/`` and the lab
 * ``SharedSpec``: where one parameter lives on several stages (tied weights), as the
   drop-ins declare it;
 * ``close_quietly``: close a stage from a finalizer or teardown hook, a failure reported as
-  a ``ResourceWarning`` (the drop-ins' schedules release their stage with it).
+  a ``RuntimeWarning`` (the drop-ins' schedules release their stage with it).
 """
 
 from ._causal_lm import CausalLMSplit, split_causal_lm

@@ -74,6 +74,7 @@ from ..loop import (
     StepStats,
     resolve_step,
     restore_grads,
+    run_blocking,
 )
 from ..policies import Policy, StepSchedule
 from . import _lifetime as lifetime
@@ -395,9 +396,9 @@ class DistributedStage:
         try:
             if self.decisions is not None:
                 timeout = 5.0 if exc_type is None else 0.5
-                await asyncio.get_running_loop().run_in_executor(
-                    None, self.decisions.close, timeout
-                )
+                # A thread of its own, not the loop's default executor: that one refuses
+                # work once the interpreter has begun to exit (the ``atexit`` close).
+                await run_blocking(self.decisions.close, timeout, name="rrfp-close")
         finally:
             try:
                 await self.channel.__aexit__(exc_type, *exc)

@@ -28,8 +28,13 @@ whichever comes first:
   usable), so a program that imported ``destroy_process_group`` by name before rrfp_async
   and so bypasses the wrapper still exits cleanly.
 
-A close that fails here is reported as a ``ResourceWarning`` with the stage's name, never
-raised into the program's exit or its ``destroy_process_group`` call.
+A close that fails here is reported as a ``RuntimeWarning`` (shown by default) with the
+stage's name, never raised into the program's exit or its ``destroy_process_group`` call.
+
+The close itself must not need what the interpreter stops before ``atexit`` runs: a loop's
+default executor (``concurrent.futures`` refuses new work once ``threading``'s shutdown ran)
+is not used; the blocking waits of a close run on threads of their own
+(``_bridges.run_blocking``).
 """
 
 from __future__ import annotations
@@ -82,7 +87,7 @@ def open_stages() -> list[Closable]:
 
 
 def close_quietly(stage: Closable, why: str) -> None:
-    """``stage.close()``; a failure becomes a ``ResourceWarning`` naming ``why`` (the hook
+    """``stage.close()``; a failure becomes a ``RuntimeWarning`` naming ``why`` (the hook
     that closed it), never an exception into the caller's exit or teardown."""
     try:
         stage.close()
@@ -90,7 +95,7 @@ def close_quietly(stage: Closable, why: str) -> None:
         closed(stage)
         warnings.warn(
             f"rrfp_async: closing {stage!r} {why} failed: {type(e).__name__}: {e}",
-            ResourceWarning,
+            RuntimeWarning,
             stacklevel=2,
         )
 

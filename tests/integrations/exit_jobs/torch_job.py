@@ -37,6 +37,10 @@ from rrfp_async.pipelining import ScheduleInterleavedReadinessFirst, ScheduleRea
 
 MODE = sys.argv[1]
 D, BATCH, N_MB = 32, 16, 4
+# The schedule lives to the end of the program, as a user's module-level schedule does: its
+# stage is open at exit (at destroy_process_group, or at interpreter exit with no destroy),
+# so the exit hooks, not garbage collection, must close it.
+KEEP: list[object] = []
 
 
 class Decoder(nn.Module):
@@ -116,6 +120,7 @@ def main() -> None:
         stage = PipelineStage(part(Decoder(), rank, world), rank, world, torch.device("cpu"))
         schedule = ScheduleReadinessFirst(stage, N_MB, loss_fn=loss_fn)
         step()
+    KEEP.append(schedule)
     print(f"rank {rank} done {MODE}", flush=True)
     if MODE == "by_name":
         destroy_by_name()
