@@ -31,7 +31,8 @@ class StepStats:
         finished: Clock when the stage's last task finished.
         executed: Tasks in execution order with start/end times.
         peak_inflight: Most activations held at once.
-        max_inflight: The admission bound.
+        max_inflight: The admission bound (a count; with a byte budget, the count the hint
+            itself reaches).
         decisions: Number of dispatch decisions (= tasks).
         deviations: Decisions that ran a task other than the next hinted one.
         tp_deduced: On a TP follower, decisions it deduced instead of waiting for the
@@ -41,6 +42,10 @@ class StepStats:
             reports them (``TorchStageExecutor``); else None.
         outputs: On that rank, the last stage's outputs in microbatch order (detached),
             for forward-only steps and when the executor keeps them; else None.
+        peak_bytes: With a byte budget (``StepSchedule.build(activation_bytes=...)``), the
+            most activation bytes held at once, as the schedule's bytes count them; else
+            None.
+        budget_bytes: That budget; else None.
     """
 
     rank: int
@@ -57,6 +62,8 @@ class StepStats:
     tp_deduced: int = 0
     losses: tuple[float, ...] | None = None
     outputs: tuple[Any, ...] | None = None
+    peak_bytes: int | None = None
+    budget_bytes: int | None = None
 
     @property
     def busy(self) -> float:

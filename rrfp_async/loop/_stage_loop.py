@@ -37,6 +37,7 @@ from ..channels import Endpoint
 from ..policies import (
     Policy,
     PolicyBase,
+    RankProgram,
     ReadyView,
     StepSchedule,
     chooses_ready_head,
@@ -398,6 +399,14 @@ class StageLoop:
                 self._on_failure(step, e)
             await self._tasks.settle(computing, e)
 
+    def _ledger(self, prog: RankProgram) -> AdmissionLedger:
+        """The step's admission ledger: in bytes when the schedule has a byte budget."""
+        sched, r = self.schedule, self.rank
+        weights = sched.position_bytes(r)
+        if weights is None or sched.budgets is None:
+            return AdmissionLedger(prog.order, sched.bounds[r], prog.pos)
+        return AdmissionLedger(prog.order, sched.budgets[r], prog.pos, weights)
+
     def _begin(self, step: int, microbatches: Sequence[Any]) -> StepState:
         """Start step ``step``: its state, the inputs it has already, its observer."""
         prog = self.schedule.program(self.rank)
@@ -406,7 +415,7 @@ class StageLoop:
             step=step,
             plan=self.schedule.plan,
             prog=prog,
-            ledger=AdmissionLedger(prog.order, self.schedule.bounds[self.rank], prog.pos),
+            ledger=self._ledger(prog),
             microbatches=microbatches,
             ctx=TaskContext(self.rank, step, self.schedule.plan, microbatches),
             missing=list(prog.deps),
@@ -686,8 +695,10 @@ class StageLoop:
             started=st.t_start,
             finished=st.last_end,
             executed=tuple(st.executed),
-            peak_inflight=st.ledger.peak,
-            max_inflight=st.ledger.bound,
+            peak_inflight=st.ledger.peak_count,
+            max_inflight=self.schedule.bounds[self.rank],
+            peak_bytes=st.ledger.peak if st.ledger.bytes else None,
+            budget_bytes=st.ledger.bound if st.ledger.bytes else None,
             decisions=st.decisions,
             deviations=st.deviations,
             tp_deduced=st.deduced,

@@ -96,12 +96,15 @@ class StepState:
         """Why the admission ledger holds the ready forward at ``pos`` back, with the real
         count and bound (see ``_admission``'s design note)."""
         led = self.ledger
-        if led.inflight + 1 > led.bound:
-            return f"the admission bound is reached ({led.inflight}/{led.bound} in flight)"
+        unit = " bytes" if led.bytes else ""
+        held = f"{led.inflight}/{led.bound}{unit} in flight"
+        if not led.fits_next(pos):
+            size = f" {self.prog.order[pos]} needs {led.size_at(pos)}{unit}" if led.bytes else ""
+            return f"the admission bound is reached ({held}){size}"
         need = led.reserve_before(pos)
         return (
-            f"{led.inflight}/{led.bound} in flight and the tasks hinted before"
-            f" {self.prog.order[pos]} that have not started still need {need} more"
+            f"{held} and the tasks hinted before"
+            f" {self.prog.order[pos]} that have not started still need {need}{unit} more"
         )
 
     def waiting_for(self, limit: int | None = None) -> Iterator[str]:
@@ -184,10 +187,11 @@ class StepState:
         if not held:
             return self._inputs()
         led = self.ledger
-        if led.inflight + 1 > led.bound:
+        if not any(led.fits_next(p) for p in held):
+            unit = " bytes" if led.bytes else ""
             text = (
-                f"admission bound reached ({led.inflight}/{led.bound} in flight): it holds"
-                f" back ready {self._tasks(held)} until a backward frees an activation"
+                f"admission bound reached ({led.inflight}/{led.bound}{unit} in flight): it"
+                f" holds back ready {self._tasks(held)} until a backward frees an activation"
             )
         else:
             text = (

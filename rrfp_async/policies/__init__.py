@@ -20,6 +20,7 @@ Nothing here imports ``channels/``: deciding is independent of how messages move
 Internal to the package family: imported here for the packages above, not in ``__all__``:
 
 * ``check_durations``: a ``Durations``' shape against its plan (``_hints``);
+* ``reference_orders``: the fixed order a default byte budget is taken from (``_schedule``);
 * ``HINT_ALIASES``: the hint names' aliases (``_hints._ALIASES``; torchtitan's schedule
   names are built from them).
 """
@@ -63,6 +64,7 @@ from ._policy import (
     strict,
 )
 from ._schedule import RankProgram, StepSchedule
+from ._schedule import reference_orders as reference_orders
 from ._torch_hints import hint_from_torch
 from ._validate import Hint, validate_hint
 

@@ -33,15 +33,16 @@ except ``zb_h1`` (which defers it) and the list-scheduled ones (which place it b
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import TypeAlias
 
 from .._check import check_type, describe
 from .._costs import Durations
 from .._errors import HintError, PlanError, RRFPError
+from .._memory import ActivationBytes
 from .._tasks import StepPlan, Task
 from ._bounds import default_bounds, microbatches_per_round
-from ._listsched import list_schedule, list_schedule_keys
+from ._listsched import list_schedule_keys
 from ._validate import validate_hint
 
 __all__ = [
@@ -266,7 +267,11 @@ def _remaining_work(plan: StepPlan, durations: Durations) -> list[float]:
 
 
 def breadth_first_weighted(
-    plan: StepPlan, durations: Durations | None = None
+    plan: StepPlan,
+    durations: Durations | None = None,
+    *,
+    nbytes: ActivationBytes | None = None,
+    budgets: Sequence[int] | None = None,
 ) -> dict[int, list[Task]]:
     """ "BFW" read as *breadth-first weighted*: a cost-aware list schedule.
 
@@ -276,31 +281,45 @@ def breadth_first_weighted(
     of its microbatch). Forwards therefore go first while memory allows (breadth first),
     and among microbatches the heavier ones go first (weighted). Each rank's resulting
     order is the hint.
+
+    With ``nbytes`` (each forward's activation bytes) and ``budgets`` (each rank's byte
+    budget) memory is bytes: a forward starts only when its microbatch's bytes fit the
+    rank's budget (``_listsched``), so the hint never holds more bytes than the budget.
     """
     d = _declared(plan, durations)
     work = _remaining_work(plan, d)
     keys = [(-w, t[2], t[0]) for w, t in zip(work, plan.graph.tasks, strict=True)]
+    if nbytes is not None and budgets is not None:
+        return list_schedule_keys(plan, d, keys, budgets, nbytes)
     return list_schedule_keys(plan, d, keys, default_bounds(plan))
 
 
 _KIND_FIRST = {"B": 0, "I": 0, "F": 1, "W": 2}
 
 
-def backward_first(plan: StepPlan, durations: Durations | None = None) -> dict[int, list[Task]]:
+def backward_first(
+    plan: StepPlan,
+    durations: Durations | None = None,
+    *,
+    nbytes: ActivationBytes | None = None,
+    budgets: Sequence[int] | None = None,
+) -> dict[int, list[Task]]:
     """ "BF" read as *backward-first*: a cost-aware list schedule preferring backwards.
 
     Simulates the step on the declared durations; a free rank runs a ready backward
     (``B``/``I``) before a ready forward, a forward before a ``W``, the earlier microbatch
     first, the deeper virtual stage first, within the 1F1B admission bound. With equal costs and
-    V = 1 this reproduces 1F1B exactly; with unequal costs it adapts 1F1B to them.
+    V = 1 this reproduces 1F1B exactly; with unequal costs it adapts 1F1B to them. With
+    ``nbytes`` and ``budgets``, within byte budgets (see ``breadth_first_weighted``).
     """
     d = _declared(plan, durations)
-    return list_schedule(
-        plan,
-        d,
-        key=lambda t: (_KIND_FIRST[t.kind], t.mb, -t.stage if t.kind == "F" else t.stage),
-        bounds=default_bounds(plan),
-    )
+    keys = [
+        (_KIND_FIRST[t.kind], t.mb, -t.stage if t.kind == "F" else t.stage)
+        for t in plan.graph.tasks
+    ]
+    if nbytes is not None and budgets is not None:
+        return list_schedule_keys(plan, d, keys, budgets, nbytes)
+    return list_schedule_keys(plan, d, keys, default_bounds(plan))
 
 
 def backward_forward_warmup(
@@ -314,6 +333,10 @@ def backward_forward_warmup(
         return one_f_one_b(plan, durations)
     return interleaved_1f1b(plan, durations)
 
+
+BYTE_AWARE = frozenset({"breadth_first_weighted", "backward_first"})
+"""The built-in hints that are built under byte budgets when the step's activation bytes
+are known (``StepSchedule.build(activation_bytes=...)``); the others are fixed orders."""
 
 HINTS: dict[str, HintFn] = {
     "gpipe": gpipe,

@@ -10,6 +10,15 @@ forwards while their later-chunk forwards wait for a slot), so a microbatch's fi
 on a rank *reserves* a slot for each of its later chunks on that rank, and is admitted only
 if the slots it needs are all free. Every admitted microbatch can then always progress, so
 the schedule always completes, and its in-flight peak never exceeds the bound.
+
+Bytes: with ``nbytes`` (``ActivationBytes``) the bounds are byte budgets and the same rule
+holds in bytes: a microbatch's first forward on a rank is admitted only when the rank's
+held bytes, its reserved bytes and the microbatch's bytes on all of its chunks there fit
+the budget. The admission test then depends on the microbatch: the ready first-chunk
+forwards are scanned in priority order for the best one that fits (a smaller microbatch may
+start while a larger one waits for room). The resulting order, run strictly, never holds
+more than the budget (bytes are held from a forward's dispatch until its backward ends, in
+the order the hint records), so it is a valid hint for the byte ledger.
 """
 
 from __future__ import annotations
@@ -19,7 +28,8 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from .._costs import Durations
-from .._errors import HintError
+from .._errors import HintError, PlanError
+from .._memory import ActivationBytes, format_bytes
 from .._tasks import StepPlan, Task
 
 __all__ = ["list_schedule", "list_schedule_keys", "strict_sweep", "strict_timeline"]
@@ -47,17 +57,25 @@ def list_schedule(
 
 
 def list_schedule_keys(
-    plan: StepPlan, durations: Durations, keys: Sequence[Any], bounds: Sequence[int]
+    plan: StepPlan,
+    durations: Durations,
+    keys: Sequence[Any],
+    bounds: Sequence[int],
+    nbytes: ActivationBytes | None = None,
 ) -> dict[int, list[Task]]:
-    """``list_schedule`` with every task's key given by its number in ``plan.graph``.
+    """``list_schedule`` with every task's key given by its number in ``plan.graph``;
+    with ``nbytes``, ``bounds`` are each rank's byte budget.
 
     Raises:
         HintError: A bound is too small for the rank's chunks.
+        PlanError: With ``nbytes``: a microbatch's bytes on a rank exceed its budget.
     """
     p = plan.stages
     topo = plan.topology
     first_stage = [topo.stages_of(r)[0] for r in range(p)]
     chunks = [len(topo.stages_of(r)) for r in range(p)]
+    if nbytes is not None:
+        return _list_schedule_bytes(plan, durations, keys, bounds, nbytes, first_stage)
     for r in range(p):
         if bounds[r] < chunks[r]:
             raise HintError(
@@ -158,6 +176,146 @@ def list_schedule_keys(
             remaining -= 1
             if nf <= t < nb:
                 held[r] -= 1
+            for c in consumers[t]:
+                if rank_of[c] == r:
+                    n = missing[c] - 1
+                    missing[c] = n
+                    if n == 0:
+                        make_ready(c)
+                        touched.add(r)
+                else:
+                    seq += 1
+                    heappush(events, (now + (lat[c] if lat is not None else 0.0), seq, 1, c))
+    return {r: [tasks[t] for t in ts] for r, ts in order.items()}
+
+
+def _list_schedule_bytes(
+    plan: StepPlan,
+    durations: Durations,
+    keys: Sequence[Any],
+    budgets: Sequence[int],
+    nbytes: ActivationBytes,
+    first_stage: list[int],
+) -> dict[int, list[Task]]:
+    """``list_schedule_keys`` under byte budgets (see the module's design note)."""
+    nbytes.check_plan(plan)
+    p = plan.stages
+    topo = plan.topology
+    g = plan.graph
+    rank_of, consumers, tasks = g.rank, g.consumers, g.tasks
+    m = plan.microbatches
+    nf = g.num_forward
+    nb = nf + g.num_backward
+    rows = nbytes.rows()
+    w = [x for row in rows for x in row]  # forward number -> bytes
+    # need[r][mb]: the bytes a microbatch holds on rank r once all its chunks there ran.
+    need = [[sum(rows[v][i] for v in topo.stages_of(r)) for i in range(m)] for r in range(p)]
+    for r in range(p):
+        i = max(range(m), key=need[r].__getitem__)
+        if need[r][i] > budgets[r]:
+            raise PlanError(
+                f"rank {r}: microbatch {i} alone stashes {format_bytes(need[r][i])} of"
+                f" activations on its stages there, more than the rank's byte budget"
+                f" {format_bytes(budgets[r])}: raise memory_budget or split the microbatch"
+            )
+    dur, lat = durations.by_number(plan)
+    free: list[list[tuple[Any, int, int]]] = [[] for _ in range(p)]
+    gated: list[list[tuple[Any, int, int]]] = [[] for _ in range(p)]
+    heappush, heappop = heapq.heappush, heapq.heappop
+    arrival = 0
+
+    def make_ready(t: int) -> None:
+        nonlocal arrival
+        r = rank_of[t]
+        arrival += 1
+        heap = gated[r] if t < nf and t // m == first_stage[r] else free[r]
+        heappush(heap, (keys[t], arrival, t))
+
+    missing = [len(x) for x in g.producers]
+    for ids in g.by_rank:
+        for t in ids:
+            if not missing[t]:
+                make_ready(t)
+    held = [0] * p
+    reserved = [0] * p
+    busy = [False] * p
+    order: dict[int, list[int]] = {r: [] for r in range(p)}
+    events: list[tuple[float, int, int, int]] = []
+    seq = 0
+    now = 0.0
+    remaining = plan.num_tasks
+
+    def pick_gated(r: int) -> tuple[Any, int, int] | None:
+        """The best ready first-chunk forward of rank ``r`` that fits its budget now."""
+        gh = gated[r]
+        if not gh:
+            return None
+        room = budgets[r] - held[r] - reserved[r]
+        needs = need[r]
+        head = gh[0]
+        if needs[head[2] % m] <= room:
+            return head
+        for e in sorted(gh):
+            if needs[e[2] % m] <= room:
+                return e
+        return None
+
+    def dispatch(r: int) -> None:
+        nonlocal seq
+        fh = free[r]
+        ge = pick_gated(r)
+        if ge is not None and (not fh or ge < fh[0]):
+            gh = gated[r]
+            if ge is gh[0]:
+                heappop(gh)
+            else:
+                gh.remove(ge)
+                heapq.heapify(gh)
+            t = ge[2]
+        elif fh:
+            t = heappop(fh)[2]
+        else:
+            return
+        if t < nf:
+            held[r] += w[t]
+            if t // m == first_stage[r]:
+                reserved[r] += need[r][t % m] - w[t]
+            else:
+                reserved[r] -= w[t]  # a later chunk uses the room its first chunk reserved
+        busy[r] = True
+        order[r].append(t)
+        seq += 1
+        heappush(events, (now + dur[t], seq, 0, t))
+
+    touched = set(range(p))
+    while remaining:
+        for r in sorted(touched):
+            if not busy[r] and (free[r] or gated[r]):
+                dispatch(r)
+        touched.clear()
+        if not events:
+            raise HintError(  # pragma: no cover - the reservation rule makes this unreachable
+                "list scheduling under byte budgets stalled: "
+                + ", ".join(
+                    f"rank {r} ready {[tasks[e[2]] for e in free[r] + gated[r]]}" for r in range(p)
+                )
+            )
+        now = events[0][0]
+        while events and events[0][0] <= now:
+            _, _, what, t = heappop(events)
+            if what == 1:
+                n = missing[t] - 1
+                missing[t] = n
+                if n == 0:
+                    make_ready(t)
+                    touched.add(rank_of[t])
+                continue
+            r = rank_of[t]
+            busy[r] = False
+            touched.add(r)
+            remaining -= 1
+            if nf <= t < nb:
+                held[r] -= w[t - nf]
             for c in consumers[t]:
                 if rank_of[c] == r:
                     n = missing[c] - 1

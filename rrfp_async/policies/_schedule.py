@@ -5,16 +5,25 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 
+from .._admission import hint_peak
 from .._check import check_count, check_type, describe
 from .._costs import Durations
 from .._errors import HintError, PlanError
+from .._memory import (
+    ActivationBytes,
+    MemoryBudget,
+    check_budgets,
+    position_weights,
+    resolve_budgets,
+    weighted_peak,
+)
 from .._tasks import StepPlan, Task
-from ._bounds import resolve_bounds
-from ._hints import HintFn, canonical_hint_name, check_durations, make_hint
+from ._bounds import default_bound, resolve_bounds
+from ._hints import BYTE_AWARE, HINTS, HintFn, canonical_hint_name, check_durations, make_hint
 from ._listsched import strict_timeline
 from ._validate import Hint, validate_hint
 
-__all__ = ["RankProgram", "StepSchedule"]
+__all__ = ["RankProgram", "StepSchedule", "reference_orders"]
 
 
 @dataclass(frozen=True, eq=False)
@@ -105,8 +114,14 @@ class StepSchedule:
     Attributes:
         plan: The step plan.
         hint: Every rank's hint order.
-        bounds: Every rank's admission bound (most activations in flight).
+        bounds: Every rank's admission bound (most activations in flight); with a byte
+            budget, the count the hint itself reaches (for reports: bytes are the bound).
         hint_name: The hint's canonical name (or the generator's name).
+        activation_bytes: Each forward's activation bytes (None: memory is counted in
+            activations).
+        budgets: Every rank's byte budget (None without ``activation_bytes``).
+        reference_bytes: Every rank's peak bytes under the fixed order the default budget
+            is taken from (None without ``activation_bytes``).
     """
 
     plan: StepPlan
@@ -117,6 +132,11 @@ class StepSchedule:
     source: str | HintFn | None = field(default=None, repr=False)
     memory_factor: float | None = field(default=None, repr=False)
     max_inflight: int | tuple[int, ...] | None = field(default=None, repr=False)
+    activation_bytes: ActivationBytes | None = field(default=None, repr=False)
+    budgets: tuple[int, ...] | None = None
+    reference_bytes: tuple[int, ...] | None = field(default=None, repr=False)
+    memory_budget: MemoryBudget | None = field(default=None, repr=False)
+    _weights: dict[int, list[int]] = field(default_factory=dict, repr=False)
     _derived: dict[object, StepSchedule] = field(default_factory=dict, repr=False)
     _root: StepSchedule | None = field(default=None, repr=False)
     _programs: dict[int, RankProgram] = field(default_factory=dict, repr=False)
@@ -133,6 +153,8 @@ class StepSchedule:
         durations: Durations | None = None,
         max_inflight: int | Sequence[int] | None = None,
         memory_factor: float | None = None,
+        activation_bytes: ActivationBytes | None = None,
+        memory_budget: MemoryBudget | None = None,
     ) -> StepSchedule:
         """Generate (or take) a hint, resolve the bounds and validate everything.
 
@@ -141,16 +163,40 @@ class StepSchedule:
             hint: A hint name, a generator ``(plan, durations) -> {rank: [Task]}``, or a
                 ready-made ``{rank: [Task]}``.
             durations: Declared durations for cost-aware hints.
-            max_inflight: Admission bound, one for all ranks or one per rank.
-            memory_factor: Scale of the default admission bound.
+            max_inflight: Admission bound, one for all ranks or one per rank (counts
+                activations; with ``activation_bytes``, the bound is then a count too).
+            memory_factor: Scale of the default admission bound (a count).
+            activation_bytes: Each forward's activation bytes on its rank: memory is then
+                bytes, each rank's budget by default what the fixed order holds on these
+                bytes (1F1B's, or the hint's own when the hint is a fixed order), and the
+                cost-aware hints are built within it (see ``rrfp_async._memory``).
+            memory_budget: With ``activation_bytes``: a float scales the default byte
+                budget; an int (or ``"24GiB"``) is bytes; or one such value per rank.
 
         Raises:
             HintError: An invalid hint or bound, or a ``hint`` that is none of the three.
-            PlanError: ``plan`` is not a ``StepPlan``, or ``durations`` are not
-                ``Durations`` of the plan's shape.
+            PlanError: ``plan`` is not a ``StepPlan``, ``durations`` are not ``Durations``
+                of the plan's shape, ``memory_budget`` without ``activation_bytes`` or
+                with a count bound, or a byte budget the hint cannot run in.
         """
         check_type("plan", plan, StepPlan, "a StepPlan")
         check_durations(plan, durations)
+        if memory_budget is not None and activation_bytes is None:
+            raise PlanError(
+                "memory_budget is a byte budget: it needs each forward's activation bytes"
+                " (activation_bytes=ActivationBytes(...)); to bound the count of activations"
+                " instead, use max_inflight or memory_factor"
+            )
+        if activation_bytes is not None:
+            check_type("activation_bytes", activation_bytes, ActivationBytes, "ActivationBytes")
+            activation_bytes.check_plan(plan)
+            if max_inflight is None and memory_factor is None:
+                return cls._build_bytes(plan, hint, durations, activation_bytes, memory_budget)
+            if memory_budget is not None:
+                raise PlanError(
+                    "give memory_budget (bytes) or max_inflight / memory_factor (a count of"
+                    " activations), not both"
+                )
         if isinstance(hint, str):
             name = canonical_hint_name(hint)
             orders: Hint = make_hint(name, plan, durations)
@@ -182,7 +228,76 @@ class StepSchedule:
                 if max_inflight is None or isinstance(max_inflight, int)
                 else tuple(max_inflight)
             ),
+            activation_bytes=activation_bytes,
         )
+
+    @classmethod
+    def _build_bytes(
+        cls,
+        plan: StepPlan,
+        hint: str | HintFn | Hint,
+        durations: Durations | None,
+        nbytes: ActivationBytes,
+        memory_budget: MemoryBudget | None,
+    ) -> StepSchedule:
+        """``build`` with memory in bytes (see ``rrfp_async._memory``'s design note)."""
+        reference = reference_orders(plan)
+        ref = [weighted_peak(reference[r], nbytes) for r in range(plan.stages)]
+        name = canonical_hint_name(hint) if isinstance(hint, str) else None
+        if name is not None and name in BYTE_AWARE:
+            budgets = resolve_budgets(plan, ref, memory_budget)
+            gen = HINTS[name]
+            orders: Hint = gen(plan, durations, nbytes=nbytes, budgets=budgets)  # type: ignore[call-arg]
+            validate_hint(plan, orders)
+        else:
+            if name is not None:
+                orders = make_hint(name, plan, durations)
+            elif callable(hint):
+                name = getattr(hint, "__name__", "custom")
+                orders = make_hint(hint, plan, durations)
+            elif isinstance(hint, Mapping):
+                name = "custom"
+                validate_hint(plan, hint)
+                orders = hint
+            else:
+                raise HintError(
+                    "hint must be a hint name, a generator (plan, durations) -> {rank: [Task,"
+                    f" ...]}} or a {{rank: [Task, ...]}} mapping, got {describe(hint)}"
+                )
+            # A fixed order: the default budget is what it holds itself (or 1F1B, if more).
+            ref = [max(a, weighted_peak(orders[r], nbytes)) for r, a in enumerate(ref)]
+            budgets = resolve_budgets(plan, ref, memory_budget)
+        check_budgets(plan, orders, nbytes, budgets, ref, memory_budget)
+        counts = [max(default_bound(plan, r), hint_peak(orders[r])) for r in range(plan.stages)]
+        return cls(
+            plan=plan,
+            hint={r: tuple(orders[r]) for r in range(plan.stages)},
+            bounds=tuple(counts),
+            hint_name=name,
+            declared=durations,
+            source=hint if isinstance(hint, str) or callable(hint) else None,
+            activation_bytes=nbytes,
+            budgets=tuple(budgets),
+            reference_bytes=tuple(ref),
+            memory_budget=memory_budget,
+        )
+
+    def peak_bytes(self, rank: int) -> int | None:
+        """The most bytes ``rank``'s hint holds when run strictly (None without bytes)."""
+        if self.activation_bytes is None:
+            return None
+        return weighted_peak(self.hint[rank], self.activation_bytes)
+
+    def position_bytes(self, rank: int) -> list[int] | None:
+        """Each hint position's change of ``rank``'s in-flight bytes (a forward's bytes, the
+        freeing backward's negated), or None when memory is counted in activations."""
+        if self.budgets is None or self.activation_bytes is None:
+            return None
+        got = self._weights.get(rank)
+        if got is None:
+            got = position_weights(self.hint[rank], self.activation_bytes)
+            self._weights[rank] = got
+        return got
 
     def with_durations(self, durations: Durations) -> StepSchedule:
         """This schedule for a step with other declared durations (this step's sizes).
@@ -296,3 +411,15 @@ class StepSchedule:
                 self._plan[r] = (tuple(starts), tuple(gaps))
             out = self._plan[rank]
         return out
+
+
+def reference_orders(plan: StepPlan) -> dict[int, list[Task]]:
+    """The fixed order a byte budget is taken from by default: 1F1B, or interleaved 1F1B
+    with several chunks; where those do not apply (V-shape placement, a split backward,
+    a microbatch count the interleaved order does not take) the backward-first list
+    schedule on equal costs, which is 1F1B's rule (a ready backward first, within 1F1B's
+    count) on any plan."""
+    try:
+        return make_hint("backward_forward_warmup", plan)
+    except HintError:
+        return make_hint("backward_first", plan)

@@ -40,6 +40,7 @@ from typing import Any, TypeVar
 from .._check import check_bool, check_int, check_real, check_type, describe
 from .._costs import CostModel, Durations, Microbatch, check_jitter
 from .._errors import PlanError
+from .._memory import ActivationBytes, MemoryBudget, weighted_peak
 from .._tasks import Placement, StepPlan, Topology
 from .._workloads import Workload, make_workload
 from ..loop import (
@@ -53,7 +54,15 @@ from ..loop import (
     resolve_tp_options,
 )
 from ..observability import MultiObserver, TraceData, TraceRecorder, chrome_trace
-from ..policies import Hint, HintFn, Policy, StepSchedule, canonical_hint_name, check_durations
+from ..policies import (
+    Hint,
+    HintFn,
+    Policy,
+    StepSchedule,
+    canonical_hint_name,
+    check_durations,
+    reference_orders,
+)
 from ._guard import run_virtual
 from ._sim_tp import TPDecision, attach, resolve_tp, tp_executors
 
@@ -111,6 +120,13 @@ class SimResult:
         tp: The TP degree simulated (1: no TP coordination).
         tp_latency: Seconds each TP decision took to reach the followers (0: free).
         tp_check: Seconds the end-of-step TP check added (included in ``makespan``).
+        peak_bytes: Per rank, the most activation bytes held at once in the run (the
+            simulator's bytes: each microbatch's tokens on every virtual stage, or the
+            ``activation_bytes`` given).
+        reference_bytes: Per rank, what strict 1F1B (interleaved 1F1B with chunks) would
+            hold on the same microbatches: ``peak_bytes`` over it is the memory ratio.
+        budget_bytes: Per rank, the byte budget the run was admitted under (None when a
+            count bound, ``max_inflight`` / ``memory_factor``, was used).
         tp_decisions: Per rank, with ``tp_latency > 0``: each task's decision time and the
             time its TP group started it (``TPDecision``), in execution order.
     """
@@ -133,6 +149,18 @@ class SimResult:
     tp_latency: float = 0.0
     tp_check: float = 0.0
     tp_decisions: tuple[tuple[TPDecision, ...], ...] | None = field(default=None, repr=False)
+    peak_bytes: tuple[int, ...] = ()
+    reference_bytes: tuple[int, ...] = ()
+    budget_bytes: tuple[int, ...] | None = None
+
+    @property
+    def memory_ratio(self) -> float:
+        """The largest, over ranks, of ``peak_bytes / reference_bytes``: 1.0 or below is
+        "the same memory" as strict 1F1B on these microbatches."""
+        return max(
+            (p / r for p, r in zip(self.peak_bytes, self.reference_bytes, strict=True) if r),
+            default=1.0,
+        )
 
     def chrome_trace(self) -> dict[str, Any]:
         """The Chrome-trace / Perfetto JSON of this step (needs ``simulate(record=True)``).
@@ -395,6 +423,8 @@ def simulate(
     tp_deduce: bool = UNSET,
     tp_options: TPOptions | None = None,
     schedule: StepSchedule | None = None,
+    memory_budget: MemoryBudget | None = None,
+    activation_bytes: ActivationBytes | None = None,
 ) -> SimResult:
     """Simulate one pipeline step on a virtual clock with the real stage-loop code.
 
@@ -462,6 +492,14 @@ def simulate(
             ``stages`` are refused (a ``PlanError`` naming them). Its hint runs as built
             (planned with the ``durations`` given to ``StepSchedule.build``, not with the
             workload's).
+        memory_budget: Each rank's activation byte budget: a float scales the default
+            (what strict 1F1B holds on these microbatches, or the hint itself when it is a
+            fixed order), an int or ``"24GiB"`` is bytes (see ``rrfp_async._memory``).
+            Memory is bytes by default; ``max_inflight`` / ``memory_factor`` bound the
+            count of activations instead.
+        activation_bytes: Each forward's bytes (``ActivationBytes``); default: each
+            microbatch's tokens (image tokens included) on every virtual stage, i.e. one
+            unit per token (uniform microbatches: the count bound).
 
     Sizes: at most ``MAX_CELLS`` (65536) pairs ``stages x chunks x microbatches`` and
     ``MAX_CELLS_PER_RANK`` (4096) pairs ``chunks x microbatches``.
@@ -609,9 +647,30 @@ def simulate(
     recorder = TraceRecorder() if record else None
     if recorder is not None:
         observer = MultiObserver(observer, recorder) if observer is not None else recorder
+    if activation_bytes is None:
+        nbytes = (
+            schedule.activation_bytes
+            if schedule is not None and schedule.activation_bytes is not None
+            else ActivationBytes.from_sizes(plan, [mb.tokens for mb in mbs])
+        )
+    else:
+        check_type("activation_bytes", activation_bytes, ActivationBytes, "ActivationBytes")
+        nbytes = activation_bytes
     if schedule is None:
+        counted = max_inflight is not None or memory_factor is not None
         schedule = StepSchedule.build(
-            plan, hint, durations=declared, max_inflight=max_inflight, memory_factor=memory_factor
+            plan,
+            hint,
+            durations=declared,
+            max_inflight=max_inflight,
+            memory_factor=memory_factor,
+            activation_bytes=nbytes if not counted or memory_budget is not None else None,
+            memory_budget=memory_budget,
+        )
+    elif memory_budget is not None:
+        raise PlanError(
+            "simulate: memory_budget with schedule=: build the schedule with it"
+            " (StepSchedule.build(..., activation_bytes=, memory_budget=))"
         )
     executor = CostModelExecutor(realized)
     coords = None
@@ -663,6 +722,9 @@ def simulate(
         tp=tp,
         tp_latency=tp_latency,
         tp_check=tp_check,
+        peak_bytes=tuple(_held_peak(s.executed, nbytes) for s in stats),
+        reference_bytes=tuple(_reference_peaks(plan, nbytes)),
+        budget_bytes=schedule.budgets,
         tp_decisions=None
         if coords is None
         else tuple(
@@ -670,6 +732,29 @@ def simulate(
             for c in coords
         ),
     )
+
+
+def _held_peak(executed: Sequence[ExecutedTask], nbytes: ActivationBytes) -> int:
+    """The most bytes a rank held in a run: a forward's from its start, until the end of
+    the backward that frees them."""
+    events: list[tuple[float, int, int]] = []
+    for e in executed:
+        t = e.task
+        if t.kind == "F":
+            events.append((e.start, 1, nbytes.of(t.stage, t.mb)))
+        elif t.kind in ("B", "I"):
+            events.append((e.end, 0, -nbytes.of(t.stage, t.mb)))
+    held = peak = 0
+    for _, _, d in sorted(events):  # frees first at equal times
+        held += d
+        peak = max(peak, held)
+    return peak
+
+
+def _reference_peaks(plan: StepPlan, nbytes: ActivationBytes) -> list[int]:
+    """What strict 1F1B (interleaved 1F1B with chunks) holds on each rank on ``nbytes``."""
+    ref = reference_orders(plan)
+    return [weighted_peak(ref[r], nbytes) for r in range(plan.stages)]
 
 
 def compare(
