@@ -42,7 +42,7 @@ from .._errors import HintError, PlanError, RRFPError
 from .._memory import ActivationBytes
 from .._tasks import StepPlan, Task
 from ._bounds import default_bounds, microbatches_per_round
-from ._listsched import list_schedule_keys
+from ._listsched import list_schedule_keys, strict_timeline
 from ._validate import validate_hint
 
 __all__ = [
@@ -290,8 +290,20 @@ def breadth_first_weighted(
     work = _remaining_work(plan, d)
     keys = [(-w, t[2], t[0]) for w, t in zip(work, plan.graph.tasks, strict=True)]
     if nbytes is not None and budgets is not None:
-        return list_schedule_keys(plan, d, keys, budgets, nbytes)
+        # Under a byte budget the heaviest-first rule can hold the room a backward's chain
+        # needs; a second candidate runs ready backwards first (then forwards by remaining
+        # work), and the plan that ends sooner on the declared durations is the hint.
+        first = list_schedule_keys(plan, d, keys, budgets, nbytes)
+        kinds = [0 if t[1] in ("B", "I") else 1 for t in plan.graph.tasks]
+        keys2 = [(k, *key) for k, key in zip(kinds, keys, strict=True)]
+        second = list_schedule_keys(plan, d, keys2, budgets, nbytes)
+        return min((first, second), key=lambda h: _planned_makespan(plan, h, d))
     return list_schedule_keys(plan, d, keys, default_bounds(plan))
+
+
+def _planned_makespan(plan: StepPlan, hint: dict[int, list[Task]], d: Durations) -> float:
+    """When ``hint``, run strictly on the declared durations ``d``, ends."""
+    return max(end for _, end in strict_timeline(plan, hint, d).values())
 
 
 _KIND_FIRST = {"B": 0, "I": 0, "F": 1, "W": 2}
