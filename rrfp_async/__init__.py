@@ -6,7 +6,7 @@ level holds what a user writing a training loop, a policy or a simulation reache
 * the schedule IR: ``Task``, ``Kind``, ``Topology``, ``Placement``, ``StepPlan``,
   ``parse_tasks``, ``format_tasks``;
 * costs and workloads: ``Microbatch``, ``CostModel``, ``StageProfile``, ``Durations``,
-  ``make_workload``;
+  ``make_workload``; memory in bytes: ``ActivationBytes``;
 * deciding: ``StepSchedule``, ``Policy``, ``PolicyBase``, ``ReadyView``,
   ``register_policy``;
 * running a stage: ``StageLoop``, ``LocalPipeline``, ``run``, ``Executor``,
@@ -61,6 +61,7 @@ _EXPORTS: dict[str, str] = {
     "Microbatch": "._costs",
     "StageProfile": "._costs",
     "make_workload": "._workloads",
+    "ActivationBytes": "._memory",
     # deciding
     "Policy": ".policies",
     "PolicyBase": ".policies",
@@ -204,6 +205,7 @@ if TYPE_CHECKING:  # the same names for type checkers (``X as X``: an explicit r
     from ._costs import Durations as Durations
     from ._costs import Microbatch as Microbatch
     from ._costs import StageProfile as StageProfile
+    from ._memory import ActivationBytes as ActivationBytes
     from ._pytree import Args as Args
     from ._rng import task_rng as task_rng
     from ._rng import task_seed as task_seed

@@ -29,7 +29,15 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from rrfp_async import CostModel, Microbatch, PlanError, StageProfile, StepPlan, Topology
+from rrfp_async import (
+    ActivationBytes,
+    CostModel,
+    Microbatch,
+    PlanError,
+    StageProfile,
+    StepPlan,
+    Topology,
+)
 from rrfp_async.distributed import (
     DistributedStage,
     EmulatedCost,
@@ -151,7 +159,12 @@ class TrainConfig:
             policy alike and step s of two policies can be compared as a pair. False: one
             policy's steps after the other's.
         hint: Hint name.
-        memory_factor: Scale of the default admission bound.
+        memory_factor: Bound the count of activations instead of bytes: a scale of the
+            default count bound (1F1B's in-flight count).
+        memory_budget: The byte budget (without ``memory_factor``): a float scales what
+            strict 1F1B holds on each step's microbatches (the default, 1.0: the same
+            bytes), or bytes. Bytes are the declared activation model: each microbatch's
+            tokens (image tokens included) on every virtual stage.
         split_backward: Split backwards into I and W.
         ordered_weights: Run W in microbatch order (bitwise order-independent gradients).
         model: Model sizes.
@@ -186,6 +199,7 @@ class TrainConfig:
     interleave: bool = True
     hint: str = "breadth_first_weighted"
     memory_factor: float | None = None
+    memory_budget: float | int | str | None = None
     split_backward: bool = False
     ordered_weights: bool = False
     model: ImageTextConfig = field(default_factory=ImageTextConfig)
@@ -358,8 +372,16 @@ class _PolicyRun:
 
     def schedule_for(self, mbs: list[Microbatch]) -> StepSchedule:
         declared = (self.cfg.cost or image_text_cost()).declared(self.plan, mbs)
+        if self.cfg.memory_factor is not None:
+            return StepSchedule.build(
+                self.plan, self.cfg.hint, durations=declared, memory_factor=self.cfg.memory_factor
+            )
         return StepSchedule.build(
-            self.plan, self.cfg.hint, durations=declared, memory_factor=self.cfg.memory_factor
+            self.plan,
+            self.cfg.hint,
+            durations=declared,
+            activation_bytes=ActivationBytes.from_sizes(self.plan, [mb.tokens for mb in mbs]),
+            memory_budget=self.cfg.memory_budget,
         )
 
     async def step(self, s: int, mbs: list[Microbatch]) -> None:

@@ -196,6 +196,7 @@ def pipeline_step_times(
     policies: Sequence[str] = ("strict", "readiness_first"),
     hint: str = "breadth_first_weighted",
     memory_factor: float | None = None,
+    memory_budget: float | int | str | None = None,
     jitter: float = 0.3,
     tp: int = 1,
     seed: int = 0,
@@ -226,7 +227,9 @@ def pipeline_step_times(
         ``PairedRatio`` of the first policy's step ``i`` over this one's: its speedup over
         the first policy, step by step, ``same_order`` when neither deviated from the
         hint), ``deviations`` (total over the timed steps and all ranks),
-        ``peak_inflight`` (largest of any rank and timed step), ``compute_s`` and
+        ``peak_inflight`` (largest of any rank and timed step), ``memory_ratio`` (the
+        largest, over ranks and timed steps, of the peak activation bytes over what strict
+        1F1B holds on that step's microbatches; declared bytes: tokens), ``compute_s`` and
         ``emulated_s`` (all ranks, all steps) and ``trace`` (the traced step, merged).
     """
     twice = sorted({p for p in policies if list(policies).count(p) > 1})
@@ -250,6 +253,7 @@ def pipeline_step_times(
         policies=tuple(policies),
         hint=hint,
         memory_factor=memory_factor,
+        memory_budget=memory_budget,
         cost=image_text_cost(jitter=jitter),
         seed=seed,
         return_params=False,
@@ -280,6 +284,15 @@ def pipeline_step_times(
             "vs_first": paired_ratio(first[0], step, same_order=first[1] == deviations == 0),
             "deviations": deviations,
             "peak_inflight": max(s.peak_inflight for r in per_rank for s in r.stats),
+            "memory_ratio": max(
+                (
+                    s.peak_bytes / s.reference_bytes
+                    for r in per_rank
+                    for s in r.stats
+                    if s.peak_bytes is not None and s.reference_bytes
+                ),
+                default=None,
+            ),
             "compute_s": sum(r.compute_seconds for r in per_rank),
             "emulated_s": sum(r.emulated_seconds for r in per_rank),
             "trace": TraceData.merge(traces) if traces else None,

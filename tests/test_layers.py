@@ -37,6 +37,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
             "_costs",
             "_workloads",
             "_admission",
+            "_memory",
             "_bridges",
             "_rng",
             "_streams",

@@ -154,6 +154,8 @@ class PlanDigest:
         topo = plan.topology
         order = ";".join(f"{r}:" + " ".join(map(str, schedule.hint[r])) for r in range(plan.stages))
         bounds = "(" + ", ".join(map(str, schedule.bounds)) + ")"
+        if schedule.budgets is not None:  # a byte budget: every rank's bytes, too
+            bounds += " bytes (" + ", ".join(map(str, schedule.budgets)) + ")"
         world: dict[str, int | str] = {
             "pp": layout.pp,
             "tp": layout.tp,

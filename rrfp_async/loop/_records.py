@@ -46,6 +46,9 @@ class StepStats:
             most activation bytes held at once, as the schedule's bytes count them; else
             None.
         budget_bytes: That budget; else None.
+        reference_bytes: What the fixed order the default budget is taken from (1F1B,
+            or the hint itself when it is a fixed order) holds on this rank run strictly on
+            the same bytes; else None. ``peak_bytes / reference_bytes`` is the memory ratio.
     """
 
     rank: int
@@ -64,6 +67,7 @@ class StepStats:
     outputs: tuple[Any, ...] | None = None
     peak_bytes: int | None = None
     budget_bytes: int | None = None
+    reference_bytes: int | None = None
 
     @property
     def busy(self) -> float:

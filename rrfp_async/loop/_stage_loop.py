@@ -29,7 +29,6 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, Protocol
 
-from .._admission import AdmissionLedger
 from .._check import check_int, check_type, describe
 from .._errors import DeadlockError, PlanError, ProtocolError, StateNote, StepTimeoutError
 from .._tasks import StepPlan, Task
@@ -37,7 +36,6 @@ from ..channels import Endpoint
 from ..policies import (
     Policy,
     PolicyBase,
-    RankProgram,
     ReadyView,
     StepSchedule,
     chooses_ready_head,
@@ -399,14 +397,6 @@ class StageLoop:
                 self._on_failure(step, e)
             await self._tasks.settle(computing, e)
 
-    def _ledger(self, prog: RankProgram) -> AdmissionLedger:
-        """The step's admission ledger: in bytes when the schedule has a byte budget."""
-        sched, r = self.schedule, self.rank
-        weights = sched.position_bytes(r)
-        if weights is None or sched.budgets is None:
-            return AdmissionLedger(prog.order, sched.bounds[r], prog.pos)
-        return AdmissionLedger(prog.order, sched.budgets[r], prog.pos, weights)
-
     def _begin(self, step: int, microbatches: Sequence[Any]) -> StepState:
         """Start step ``step``: its state, the inputs it has already, its observer."""
         prog = self.schedule.program(self.rank)
@@ -415,7 +405,7 @@ class StageLoop:
             step=step,
             plan=self.schedule.plan,
             prog=prog,
-            ledger=self._ledger(prog),
+            ledger=self.schedule.ledger(self.rank),
             microbatches=microbatches,
             ctx=TaskContext(self.rank, step, self.schedule.plan, microbatches),
             missing=list(prog.deps),
@@ -699,6 +689,7 @@ class StageLoop:
             max_inflight=self.schedule.bounds[self.rank],
             peak_bytes=st.ledger.peak if st.ledger.bytes else None,
             budget_bytes=st.ledger.bound if st.ledger.bytes else None,
+            reference_bytes=self.schedule.reference_of(self.rank),
             decisions=st.decisions,
             deviations=st.deviations,
             tp_deduced=st.deduced,

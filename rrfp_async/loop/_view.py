@@ -86,11 +86,22 @@ class StageView:
 
     @property
     def inflight(self) -> int:
-        return self._st().ledger.inflight
+        return self._st().ledger.count
 
     @property
     def max_inflight(self) -> int:
-        return self._st().ledger.bound
+        st = self._st()
+        return st.ledger.bound if not st.ledger.bytes else self._s.schedule.bounds[self.rank]
+
+    @property
+    def inflight_bytes(self) -> int | None:
+        led = self._st().ledger
+        return led.inflight if led.bytes else None
+
+    @property
+    def budget_bytes(self) -> int | None:
+        led = self._st().ledger
+        return led.bound if led.bytes else None
 
     @property
     def remaining(self) -> int:

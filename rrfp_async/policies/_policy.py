@@ -88,11 +88,20 @@ class ReadyView(Protocol):
 
     @property
     def inflight(self) -> int:
-        """Activations currently stashed on this rank."""
+        """Activations currently stashed on this rank (a count)."""
 
     @property
     def max_inflight(self) -> int:
-        """The admission bound."""
+        """The admission bound as a count (with a byte budget, the count the hint itself
+        reaches; the budget is ``budget_bytes``)."""
+
+    @property
+    def inflight_bytes(self) -> int | None:
+        """Activation bytes stashed on this rank, with a byte budget; else None."""
+
+    @property
+    def budget_bytes(self) -> int | None:
+        """This rank's byte budget; None when memory is counted in activations."""
 
     @property
     def remaining(self) -> int:

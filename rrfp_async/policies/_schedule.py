@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 
-from .._admission import hint_peak
+from .._admission import AdmissionLedger, hint_peak
 from .._check import check_count, check_type, describe
 from .._costs import Durations
 from .._errors import HintError, PlanError
@@ -288,6 +288,19 @@ class StepSchedule:
             return None
         return weighted_peak(self.hint[rank], self.activation_bytes)
 
+    def ledger(self, rank: int) -> AdmissionLedger:
+        """A fresh admission ledger for a step of ``rank``: in bytes against its budget
+        when the schedule has one, else counting activations against its bound."""
+        prog = self.program(rank)
+        weights = self.position_bytes(rank)
+        if weights is None or self.budgets is None:
+            return AdmissionLedger(prog.order, self.bounds[rank], prog.pos)
+        return AdmissionLedger(prog.order, self.budgets[rank], prog.pos, weights)
+
+    def reference_of(self, rank: int) -> int | None:
+        """``reference_bytes[rank]`` (None without a byte budget)."""
+        return None if self.reference_bytes is None else self.reference_bytes[rank]
+
     def position_bytes(self, rank: int) -> list[int] | None:
         """Each hint position's change of ``rank``'s in-flight bytes (a forward's bytes, the
         freeing backward's negated), or None when memory is counted in activations."""
@@ -299,7 +312,9 @@ class StepSchedule:
             self._weights[rank] = got
         return got
 
-    def with_durations(self, durations: Durations) -> StepSchedule:
+    def with_durations(
+        self, durations: Durations | None, activation_bytes: ActivationBytes | None = None
+    ) -> StepSchedule:
         """This schedule for a step with other declared durations (this step's sizes).
 
         A generated hint is generated again from ``durations`` (a cost-aware hint then
@@ -308,9 +323,33 @@ class StepSchedule:
         so no rank has to send it (what it costs:
         BENCHMARKS.md#notes-from-the-runtimes-docstrings).
 
+        With a byte budget, ``activation_bytes`` are this step's bytes (default: this
+        schedule's): the budget is derived again from them the way this schedule's was
+        (``memory_budget``), and the hint is built within it.
+
         Raises:
             HintError: The regenerated hint does not fit the bounds.
+            PlanError: ``activation_bytes`` for a schedule without a byte budget, or a byte
+                budget the hint cannot run in.
         """
+        if self.budgets is not None or activation_bytes is not None:
+            if self.budgets is None:
+                raise PlanError(
+                    "activation_bytes for a schedule counted in activations: build it with"
+                    " StepSchedule.build(..., activation_bytes=) to bound bytes"
+                )
+            nbytes = activation_bytes if activation_bytes is not None else self.activation_bytes
+            src_b = self.hint if self.source is None else self.source
+            out_b = StepSchedule.build(
+                self.plan,
+                src_b,
+                durations=durations,
+                activation_bytes=nbytes,
+                memory_budget=self.memory_budget,
+            )
+            return replace(out_b, source=self.source, _derived={})
+        if durations is None:
+            return self
         src = self.hint if self.source is None else self.source
         out = StepSchedule.build(
             self.plan, src, durations=durations, max_inflight=list(self.bounds)
@@ -331,8 +370,10 @@ class StepSchedule:
         order); give ``run_step`` a ``schedule=`` built with this step's durations instead.
 
         Raises:
-            PlanError: ``n`` is not an integer >= 1, or the hint was given as a ready-made
-                ``{rank: [Task]}`` mapping (it cannot be regenerated for another size).
+            PlanError: ``n`` is not an integer >= 1, the hint was given as a ready-made
+                ``{rank: [Task]}`` mapping (it cannot be regenerated for another size), or
+                the schedule has a byte budget on microbatches of different sizes (the new
+                step's bytes are unknown here).
         """
         n = check_count("microbatches", n)
         if n == self.plan.microbatches:
@@ -349,6 +390,28 @@ class StepSchedule:
                     " cannot be regenerated: build the schedule from a hint name or generator,"
                     " or pass run_step(..., schedule=...) for that step"
                 )
+            nbytes = None
+            if self.budgets is not None and self.activation_bytes is not None:
+                rows = self.activation_bytes.rows()
+                if any(len(set(row)) > 1 for row in rows):
+                    raise PlanError(
+                        f"a step of {n} microbatches needs its own activation bytes (this"
+                        f" schedule's are for {self.plan.microbatches} microbatches of"
+                        " different sizes): pass run_step(..., schedule="
+                        "schedule.for_microbatches(n) built with StepSchedule.build(...,"
+                        " activation_bytes=) for that step)"
+                    )
+                nbytes = ActivationBytes([[row[0]] * n for row in rows])
+            if nbytes is not None:
+                got = StepSchedule.build(
+                    replace(self.plan, microbatches=n),
+                    self.source,
+                    activation_bytes=nbytes,
+                    memory_budget=self.memory_budget,
+                )
+                got = replace(got, hint_name=self.hint_name, _root=self)
+                self._derived[n] = got
+                return got
             got = StepSchedule.build(
                 replace(self.plan, microbatches=n),
                 self.source,

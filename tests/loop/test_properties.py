@@ -16,6 +16,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from rrfp_async import Placement, StepPlan, Topology, simulate
+from rrfp_async._memory import position_weights
 from rrfp_async._tasks import activation_delta
 from rrfp_async.errors import HintError
 from rrfp_async.policies import HINTS, make_hint, validate_hint
@@ -90,12 +91,20 @@ def test_step_invariants(cfg: dict[str, object]) -> None:
         # One task at a time on a stage.
         for a, b in itertools.pairwise(ex):
             assert b.start >= a.end - 1e-12
-        # In-flight activations (recomputed from the execution order) within the bound.
+        # In-flight activations (recomputed from the execution order) within the bound: a
+        # count, or with a byte budget (the simulator's default) bytes.
         c = peak = 0
         for t in tasks:
             c += activation_delta(t.kind)
             peak = max(peak, c)
-        assert peak == res.peak_inflight[r] <= res.max_inflight[r] == sched.bounds[r]
+        assert peak == res.peak_inflight[r] and res.max_inflight[r] == sched.bounds[r]
+        if sched.budgets is None:
+            assert peak <= sched.bounds[r]
+        else:
+            assert sched.activation_bytes is not None
+            weights = position_weights(tasks, sched.activation_bytes)
+            held = list(itertools.accumulate(weights))
+            assert max(0, *held) == res.stats[r].peak_bytes <= sched.budgets[r]
     # Never before a dependency has finished.
     for t, e in spans.items():
         for dep in plan.producers(t):
