@@ -122,7 +122,6 @@ class SimResult:
         }
 
 
-
 def held_peak(executed: Sequence[ExecutedTask], nbytes: ActivationBytes) -> int:
     """The most bytes a rank held in a run: a forward's from its start, until the end of
     the backward that frees them."""
@@ -144,5 +143,3 @@ def reference_peaks(plan: StepPlan, nbytes: ActivationBytes) -> list[int]:
     """What strict 1F1B (interleaved 1F1B with chunks) holds on each rank on ``nbytes``."""
     ref = reference_orders(plan)
     return [weighted_peak(ref[r], nbytes) for r in range(plan.stages)]
-
-
