@@ -21,6 +21,7 @@ from ._options import (
     latency_option,
     log_choice,
     log_options,
+    memory_budget_option,
     memory_factor_option,
     microbatches_option,
     png_option,
@@ -40,7 +41,14 @@ __all__ = ["simulate_cmd"]
 @chunks_option()
 @hint_option(f"Hint: {', '.join(sorted(HINTS))} (or an alias: bf, bfw, interleaved).")
 @policy_option("Policy to compare (repeatable). Default: strict and readiness_first.")
-@memory_factor_option(help_text="Scale of the default admission bound (1F1B's in-flight count).")
+@memory_budget_option(
+    help_text="Activation byte budget per rank: a factor of what strict 1F1B holds on these"
+    " microbatches (1.5), or bytes (24GiB). Default: 1.0, the same bytes (a microbatch's"
+    " tokens are its bytes)."
+)
+@memory_factor_option(
+    help_text="Bound the count of activations instead of bytes: a scale of 1F1B's in-flight count."
+)
 @click.option(
     "--workload",
     type=click.Choice(["uniform", "text", "multimodal"]),
@@ -72,6 +80,7 @@ def simulate_cmd(
     chunks: int,
     hint: str,
     policies: tuple[str, ...],
+    memory_budget: float | int | None,
     memory_factor: float | None,
     workload: str,
     jitter: float,
@@ -105,6 +114,7 @@ def simulate_cmd(
             hint=hint,
             policy=n,
             memory_factor=memory_factor,
+            memory_budget=memory_budget,
             workload=workload,
             jitter=jitter,
             latency=latency,
@@ -125,6 +135,7 @@ def simulate_cmd(
                 "chunks": chunks,
                 "hint": hint,
                 "memory_factor": memory_factor,
+                "memory_budget": memory_budget,
                 "workload": workload,
                 "jitter": jitter,
                 "latency": latency,
@@ -157,7 +168,17 @@ def simulate_cmd(
 def _comparison_table(results: dict[str, SimResult], base: str, title: str) -> Table:
     t = table(
         title,
-        ("policy", "makespan\ns", "bound\ns", "eff.", "speedup", "peak", "devs", "wall\ns"),
+        (
+            "policy",
+            "makespan\ns",
+            "bound\ns",
+            "eff.",
+            "speedup",
+            "peak",
+            "bytes vs\n1F1B",
+            "devs",
+            "wall\ns",
+        ),
         left={"policy"},
         whole={"policy"},
     )
@@ -170,13 +191,16 @@ def _comparison_table(results: dict[str, SimResult], base: str, title: str) -> T
             f"{r.efficiency:.3f}",
             f"{b / r.makespan:.3f}x",
             str(max(r.peak_inflight)),
+            f"{r.memory_ratio:.2f}x",
             str(sum(r.deviations)),
             f"{r.wall_time:.3f}",
         )
     t.caption = (
         f"speedup: vs {base}; bound: critical path / busiest rank lower bound; eff.: bound /"
         " makespan; peak: most"
-        " activations in flight on any rank; devs: decisions off the hint order"
+        " activations in flight on any rank; bytes vs 1F1B: the largest rank's peak"
+        " activation bytes over what strict 1F1B holds on the same microbatches; devs:"
+        " decisions off the hint order"
     )
     return t
 

@@ -30,6 +30,7 @@ __all__ = [
     "latency_option",
     "log_choice",
     "log_options",
+    "memory_budget_option",
     "memory_factor_option",
     "microbatches_option",
     "png_option",
@@ -210,6 +211,44 @@ def memory_factor_option(
     return click.option(
         "--memory-factor",
         type=kind,
+        default=default,
+        show_default=_shown(default),
+        help=help_text,
+    )
+
+
+class _MemoryBudget(click.ParamType):  # type: ignore[type-arg]  # (generic from click 8.2)
+    """A byte budget from the command line: a plain number is a factor of the default
+    (``1.5``), a number with a unit is bytes (``24GiB``, ``512MB``, ``1000000B``)."""
+
+    name = "FACTOR|SIZE"
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Any:
+        if not isinstance(value, str):
+            return value
+        try:
+            factor = float(value)
+        except ValueError:
+            from .._errors import PlanError
+            from .._memory import parse_memory_budget
+
+            try:
+                return parse_memory_budget(value, "--memory-budget")
+            except PlanError as e:
+                self.fail(str(e), param, ctx)
+        if not factor > 0 or factor == float("inf"):
+            self.fail(f"{value!r}: a factor must be a finite number > 0", param, ctx)
+        return factor
+
+
+def memory_budget_option(
+    default: float | None = None, help_text: str | None = None
+) -> Callable[[FC], FC]:
+    """``--memory-budget``: each rank's activation byte budget, a factor of what strict 1F1B
+    holds on the step's microbatches (a plain number) or bytes (a number with a unit)."""
+    return click.option(
+        "--memory-budget",
+        type=_MemoryBudget(),
         default=default,
         show_default=_shown(default),
         help=help_text,

@@ -29,6 +29,7 @@ import torch.distributed as dist
 
 from .._costs import Durations
 from .._errors import PlanError
+from .._memory import ActivationBytes, MemoryBudget
 from .._tasks import StepPlan
 from ..distributed import (
     DistributedStage,
@@ -144,6 +145,8 @@ class ReadinessFirstBase:
         step_timeout: StepTimeout,
         durations: Callable[[StepPlan, Sequence[Any]], Durations] | None,
         emulate: EmulatedCost | None,
+        activation_bytes: Callable[[StepPlan, Sequence[Any]], ActivationBytes] | None = None,
+        memory_budget: MemoryBudget | None = None,
         shared: SharedSpec | None,
         stage_kwargs: dict[str, Any],
     ) -> None:
@@ -188,6 +191,24 @@ class ReadinessFirstBase:
             shared=shared,
         )
         self._durations = durations
+        if memory_budget is not None and activation_bytes is None:
+            raise PlanError(
+                "memory_budget is a byte budget: it needs activation_bytes=(plan,"
+                " microbatches) -> rr.ActivationBytes, each forward's bytes from the step's"
+                " microbatches (or bound the count with memory_factor=)"
+            )
+        if activation_bytes is not None and memory_factor is not None:
+            raise PlanError(
+                "give activation_bytes (memory in bytes, with memory_budget=) or"
+                " memory_factor (a count of activations), not both"
+            )
+        if activation_bytes is not None and not callable(activation_bytes):
+            raise PlanError(
+                "activation_bytes must be a function (plan, microbatches) -> rr.ActivationBytes,"
+                f" got {type(activation_bytes).__name__}"
+            )
+        self._activation_bytes = activation_bytes
+        self._memory_budget = memory_budget
         self._rr: DistributedStage | None = None
         self._mode: str | None = None  # "sync" or "async", once opened
         self.last_stats: StepStats | None = None
@@ -385,7 +406,17 @@ class ReadinessFirstBase:
             split_backward=self._split,
             ordered_weights=self._split,
         )
-        schedule = StepSchedule.build(plan, self._hint, memory_factor=self._memory_factor)
+        if self._activation_bytes is not None:
+            # Bytes come with each step (``_schedule_for``); the base has a byte budget on
+            # uniform bytes, which every rank builds alike (the plan check compares it).
+            schedule = StepSchedule.build(
+                plan,
+                self._hint,
+                activation_bytes=ActivationBytes.uniform(plan),
+                memory_budget=self._memory_budget,
+            )
+        else:
+            schedule = StepSchedule.build(plan, self._hint, memory_factor=self._memory_factor)
         self._base = schedule
         return DistributedStage(
             layout,
@@ -399,8 +430,17 @@ class ReadinessFirstBase:
 
     def _schedule_for(self, chunks: Sequence[Chunk]) -> StepSchedule:
         sched = self._base.for_microbatches(len(chunks))
-        if self._durations is not None:
-            sched = sched.with_durations(self._durations(sched.plan, chunks))
+        durations = None if self._durations is None else self._durations(sched.plan, chunks)
+        if self._activation_bytes is not None:
+            nbytes = self._activation_bytes(sched.plan, chunks)
+            if not isinstance(nbytes, ActivationBytes):
+                raise PlanError(
+                    "activation_bytes(plan, microbatches) must return rr.ActivationBytes,"
+                    f" got {type(nbytes).__name__}"
+                )
+            return sched.with_durations(durations, activation_bytes=nbytes)
+        if durations is not None:
+            sched = sched.with_durations(durations)
         return sched
 
     def _sync(

@@ -72,6 +72,7 @@ from torch.distributed.pipelining.schedules import (
 
 from .._costs import Durations
 from .._errors import PlanError
+from .._memory import ActivationBytes, MemoryBudget
 from .._tasks import StepPlan
 from ..distributed import EmulatedCost, SharedSpec
 from ..policies import StepSchedule
@@ -119,6 +120,13 @@ class ScheduleReadinessFirst(ReadinessFirstBase, PipelineScheduleSingle):
             ``kwargs``, ``target``), so that a cost-aware hint (the default
             ``breadth_first_weighted``) orders the heavy microbatches first; every rank
             must compute the same. Without it the default hint is cost-blind (1F1B's order).
+        activation_bytes: ``(plan, microbatches) -> rr.ActivationBytes``: the activation
+            bytes each forward of a step stashes, from its microbatches (every rank must
+            compute the same): memory is then bounded in bytes, each rank's budget by
+            default what the hint's fixed order (1F1B for the cost-aware default) holds on
+            that step's microbatches, and the cost-aware hint is built within it.
+        memory_budget: With ``activation_bytes``: a float scales that default budget, an
+            int or ``"24GiB"`` is bytes per rank (see ``rrfp_async._memory``).
         emulate: Emulated GPU time for CPU benchmarks (``rr.EmulatedCost``).
         shared: Tied parameters (``rr.TorchStageExecutor``'s ``shared``), by stage index:
             for stages of torch's tracer, ``rr.from_pipe(pipe).shared`` (its
@@ -156,6 +164,8 @@ class ScheduleReadinessFirst(ReadinessFirstBase, PipelineScheduleSingle):
         split_backward: bool | None = None,
         step_timeout: StepTimeout = GROUP_TIMEOUT,
         durations: Callable[[StepPlan, Sequence[Any]], Durations] | None = None,
+        activation_bytes: Callable[[StepPlan, Sequence[Any]], ActivationBytes] | None = None,
+        memory_budget: MemoryBudget | None = None,
         emulate: EmulatedCost | None = None,
         shared: SharedSpec | None = None,
         **stage_kwargs: Any,
@@ -181,6 +191,8 @@ class ScheduleReadinessFirst(ReadinessFirstBase, PipelineScheduleSingle):
             split_backward=split_backward,
             step_timeout=step_timeout,
             durations=durations,
+            activation_bytes=activation_bytes,
+            memory_budget=memory_budget,
             emulate=emulate,
             shared=shared,
             stage_kwargs=stage_kwargs,
@@ -238,6 +250,8 @@ class ScheduleInterleavedReadinessFirst(ReadinessFirstBase, PipelineScheduleMult
         split_backward: bool | None = None,
         step_timeout: StepTimeout = GROUP_TIMEOUT,
         durations: Callable[[StepPlan, Sequence[Any]], Durations] | None = None,
+        activation_bytes: Callable[[StepPlan, Sequence[Any]], ActivationBytes] | None = None,
+        memory_budget: MemoryBudget | None = None,
         emulate: EmulatedCost | None = None,
         shared: SharedSpec | None = None,
         **stage_kwargs: Any,
@@ -276,6 +290,8 @@ class ScheduleInterleavedReadinessFirst(ReadinessFirstBase, PipelineScheduleMult
             split_backward=split_backward,
             step_timeout=step_timeout,
             durations=durations,
+            activation_bytes=activation_bytes,
+            memory_budget=memory_budget,
             emulate=emulate,
             shared=shared,
             stage_kwargs=stage_kwargs,
