@@ -152,7 +152,9 @@ class TrainConfig:
         steps: Optimizer steps per policy.
         warmup_steps: Extra steps run first and not timed (not in the returned params'
             history either: they are part of training).
-        policies: Policies to run, each from the same initial weights.
+        policies: Policies to run, each from the same initial weights; ``"policy@hint"``
+            runs that policy on another hint than ``hint`` (``"strict@1f1b"``: the fixed
+            order torch and Megatron run, as the peer's baseline).
         interleave: Run the policies' steps in turn (step s of every policy, in an order
             that rotates each step, then step s + 1; each policy has its own model copy,
             process groups and stage), so that drift of the machine's load hits every
@@ -332,7 +334,9 @@ class _PolicyRun:
     ) -> None:
         self.cfg = cfg
         self.layout = layout
-        self.policy = policy
+        self.policy = policy  # its label: "policy" or "policy@hint"
+        name, _, hint = policy.partition("@")
+        self.hint = hint or cfg.hint
         nv = cfg.pp * cfg.chunks
         self.plan = StepPlan(
             topology=Topology(stages=cfg.pp, chunks=cfg.chunks),
@@ -360,7 +364,7 @@ class _PolicyRun:
             self.schedule_for(first),
             self.executor,
             groups=groups,
-            policy=policy,
+            policy=name,
             coordinate_tp=cfg.coordinate_tp,
             verify_tp=cfg.verify_tp,
             step_timeout=cfg.step_timeout,
@@ -374,11 +378,11 @@ class _PolicyRun:
         declared = (self.cfg.cost or image_text_cost()).declared(self.plan, mbs)
         if self.cfg.memory_factor is not None:
             return StepSchedule.build(
-                self.plan, self.cfg.hint, durations=declared, memory_factor=self.cfg.memory_factor
+                self.plan, self.hint, durations=declared, memory_factor=self.cfg.memory_factor
             )
         return StepSchedule.build(
             self.plan,
-            self.cfg.hint,
+            self.hint,
             durations=declared,
             activation_bytes=ActivationBytes.from_sizes(self.plan, [mb.tokens for mb in mbs]),
             memory_budget=self.cfg.memory_budget,

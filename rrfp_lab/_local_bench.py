@@ -266,14 +266,15 @@ def pipeline_step_times(
     results = spawn(train_worker, stages * tp, cfg, timeout=timeout, on_progress=on_progress)
     wall = time.perf_counter() - t
     out: dict[str, Any] = {"config": cfg, "wall_s": wall, "policies": {}}
-    first: tuple[list[float], int] | None = None
+    first: tuple[list[float], int, str] | None = None
     for i, pol in enumerate(policies):
+        hint_of = pol.partition("@")[2] or hint
         per_rank = [r[i] for r in results]
         step = [max(r.step_times[s] for r in per_rank) for s in range(steps)]
         traces = [r.trace for r in per_rank if r.trace is not None]
         deviations = sum(s.deviations for r in per_rank for s in r.stats)
         if first is None:
-            first = (step, deviations)
+            first = (step, deviations, hint_of)
         out["policies"][pol] = {
             "step_s": step,
             "median_s": statistics.median(step),
@@ -281,7 +282,9 @@ def pipeline_step_times(
             # Step i of every policy ran the same microbatches and emulated noise: compare
             # them step by step. Both ran the hint's order in every step (no deviation):
             # the same order, so the ratio is noise.
-            "vs_first": paired_ratio(first[0], step, same_order=first[1] == deviations == 0),
+            "vs_first": paired_ratio(
+                first[0], step, same_order=first[1] == deviations == 0 and first[2] == hint_of
+            ),
             "deviations": deviations,
             "peak_inflight": max(s.peak_inflight for r in per_rank for s in r.stats),
             "memory_ratio": max(

@@ -6,7 +6,8 @@ are the lab's (``rrfp_lab``), which registers them as command plug-ins (see ``_m
 Internal to the package family: imported here for the lab's commands (``rrfp_lab.cli``),
 which share the runtime's options and output, not in ``__all__``: the options
 ``hint_option``, ``jitter_option``, ``json_option``, ``latency_option``, ``log_choice``,
-``log_options``, ``memory_factor_option``, ``microbatches_option``, ``policy_names``,
+``log_options``, ``memory_budget_option``, ``memory_factor_option``,
+``microbatches_option``, ``policy_names``,
 ``policy_option``, ``repeats_option``, ``seed_option``, ``stages_option``, ``steps_option``,
 ``tp_option``; the output ``CleanErrorsGroup``, ``console``, ``optional_png``,
 ``progress``, ``speedup_table``, ``table``.
@@ -20,6 +21,7 @@ from ._options import json_option as json_option
 from ._options import latency_option as latency_option
 from ._options import log_choice as log_choice
 from ._options import log_options as log_options
+from ._options import memory_budget_option as memory_budget_option
 from ._options import memory_factor_option as memory_factor_option
 from ._options import microbatches_option as microbatches_option
 from ._options import policy_names as policy_names

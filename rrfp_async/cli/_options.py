@@ -182,8 +182,12 @@ def policy_option(help_text: str) -> Callable[[FC], FC]:
     return click.option("--policy", "policies", multiple=True, help=help_text)
 
 
-def policy_names(given: tuple[str, ...], default: list[str]) -> list[str]:
+def policy_names(
+    given: tuple[str, ...], default: list[str], *, with_hint: bool = False
+) -> list[str]:
     """The policies to compare (``default`` when none given); unknown names are refused.
+    With ``with_hint``, ``policy@hint`` (``strict@1f1b``) names a policy run on another
+    hint (the demo).
 
     Raises:
         click.BadParameter: a name no policy is registered under (exit code 2).
@@ -191,7 +195,7 @@ def policy_names(given: tuple[str, ...], default: list[str]) -> list[str]:
     names = list(given) or default
     known = available_policies()
     for n in names:
-        if n not in known:
+        if (n.partition("@")[0] if with_hint else n) not in known:
             raise click.BadParameter(
                 f"unknown policy {n!r}; choose from {known}", param_hint="--policy"
             )

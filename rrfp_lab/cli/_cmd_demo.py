@@ -13,6 +13,7 @@ from rrfp_async.cli import (
     jitter_option,
     log_choice,
     log_options,
+    memory_budget_option,
     memory_factor_option,
     microbatches_option,
     optional_png,
@@ -36,8 +37,20 @@ __all__ = ["demo_cmd"]
 @steps_option(10, "Timed steps per policy (after one warm-up step; the verdict needs >= 6).")
 @tp_option()
 @hint_option()
-@policy_option("Policy to compare (repeatable). Default: strict, readiness_first, backfill.")
-@memory_factor_option(2.0, "Admission room over 1F1B's (strict never uses it).")
+@policy_option(
+    "Policy to compare (repeatable); POLICY@HINT runs it on another hint. Default:"
+    " strict@1f1b (the fixed order torch and Megatron run), strict (the hint in order),"
+    " readiness_first."
+)
+@memory_budget_option(
+    1.0,
+    "Activation byte budget per rank: a factor of what strict 1F1B holds on each step's"
+    " microbatches (1.0: the same bytes), or bytes (24GiB). A microbatch's tokens are its"
+    " declared bytes.",
+)
+@memory_factor_option(
+    None, "Bound the count of activations instead of bytes (a multiple of 1F1B's count)."
+)
 @jitter_option()
 @click.option(
     "--out",
@@ -56,7 +69,8 @@ def demo_cmd(
     tp: int,
     hint: str,
     policies: tuple[str, ...],
-    memory_factor: float,
+    memory_budget: float | int,
+    memory_factor: float | None,
     jitter: float,
     out_dir: str,
     seed: int,
@@ -74,15 +88,22 @@ def demo_cmd(
 
     from .. import pipeline_step_times
 
-    names = policy_names(policies, ["strict", "readiness_first", "backfill"])
+    names = policy_names(policies, ["strict@1f1b", "strict", "readiness_first"], with_hint=True)
     fmt, level = log_choice()
     warm = 1
     traced = warm + steps - 1
     con = console()
     con.print(
         f"[bold]rrfp-async demo[/bold]: {stages * tp} processes (PP={stages}, TP={tp}),"
-        f" {microbatches} microbatches/step, hint {hint}, admission x{memory_factor:g};"
-        " time = real CPU compute + EMULATED GPU time"
+        f" {microbatches} microbatches/step, hint {hint}, "
+        + (
+            f"admission x{memory_factor:g} of 1F1B's count of activations;"
+            if memory_factor is not None
+            else f"activation bytes within {memory_budget:g}x what strict 1F1B holds;"
+            if isinstance(memory_budget, float)
+            else f"activation bytes within {memory_budget} B per rank;"
+        )
+        + " time = real CPU compute + EMULATED GPU time"
     )
     # On stderr: a bar on a terminal, a line per step through a pipe (stdout: the tables).
     with progress(len(names) * (warm + steps)) as update:
@@ -100,6 +121,7 @@ def demo_cmd(
             policies=names,
             hint=hint,
             memory_factor=memory_factor,
+            memory_budget=None if memory_factor is not None else memory_budget,
             jitter=jitter,
             tp=tp,
             seed=seed,
@@ -118,6 +140,7 @@ def demo_cmd(
             "policy",
             f"deviations\n(total\nof {steps})",
             f"peak\nin-flight\n(max of {steps})",
+            f"peak bytes\nvs strict 1F1B\n(max of {steps})",
             f"bubble\n(step {traced})",
             f"deviations\n(step {traced})",
         ),
@@ -145,6 +168,7 @@ def demo_cmd(
             n,
             str(r["deviations"]),
             str(r["peak_inflight"]),
+            "-" if r["memory_ratio"] is None else f"{r['memory_ratio']:.2f}x",
             f"{one['bubble_ratio']:.1%}",
             str(one["deviations"]),
         )
