@@ -55,6 +55,7 @@ from .._rng import (
 from .._streams import Device, wait_ready
 from .._tasks import Task
 from ..loop import OutputHook, TaskContext
+from ._activation_meter import ActivationMeter, StorageKey, weight_storages
 from ._call_hints import call_hint
 from ._emulation import EmulatedCost
 from ._nonfinite import FiniteCheck, NonFinite, NonFiniteMode
@@ -191,12 +192,17 @@ class TorchStageExecutor:
             what to send on, in place of the built-in one (an adapter that keeps a peer's
             own compute, as the megatron drop-in does); the executor's dispatch, random
             streams, step bookkeeping and failure handling stay.
+        measure_activations: Measure the bytes each training forward keeps until its
+            backward (``activation_bytes``; see ``_activation_meter``): saved-tensor hooks
+            on a CPU worker, the CUDA allocator's bytes in use on a CUDA one. False: no
+            hooks, no cost; ``activation_bytes`` stays empty.
 
     Raises:
         PlanError: ``modules`` is no dict of stage indices (ints >= 0) to modules (a bare
             module or a list: the message says to pass ``{0: module}``), no modules, a
             ``shared`` place that names no parameter of this rank's modules, a bad
-            ``loss_scale``/``side_inputs``, or a ``seed`` that is no int.
+            ``loss_scale``/``side_inputs``, a ``seed`` that is no int, or a
+            ``measure_activations`` that is no bool.
 
     Attributes:
         losses: ``{microbatch: loss value}`` of the last step (on the last stage's rank),
@@ -233,6 +239,7 @@ class TorchStageExecutor:
         nonfinite: NonFiniteMode = "warn",
         check_tensors: bool = False,
         task_handlers: Mapping[str, TaskHandler] | None = None,
+        measure_activations: bool = True,
     ) -> None:
         _check_modules(modules)
         if loss_scale not in ("microbatch", "tokens", "sum"):
@@ -266,6 +273,18 @@ class TorchStageExecutor:
         self._output_hook: OutputHook | None = None
         self._finite = FiniteCheck(nonfinite, check_tensors, rank)
         self._ready_device = Device(self.worker.device or "cpu")
+        if not isinstance(measure_activations, bool):
+            raise PlanError(f"measure_activations must be a bool, got {measure_activations!r}")
+        # A CUDA worker's forwards allocate on its device: the allocator's count is cheaper
+        # than a Python call per saved tensor (and it sees what hooks cannot, module caches).
+        on_cuda = self._ready_device.is_cuda
+        self._meter = ActivationMeter(
+            mode="allocator" if on_cuda else "saved",
+            device=self._ready_device.device if on_cuda else None,
+            enabled=measure_activations,
+        )
+        self._activation_bytes: dict[tuple[int, int], int] = {}
+        self._weights: dict[int, frozenset[StorageKey]] = {}  # stage -> its weight storages
         self._failed_step: int | None = None
         self._losses: dict[int, float] = {}
         self._loss_t: dict[int, torch.Tensor] = {}  # CUDA losses, read on the host at the end
@@ -346,6 +365,15 @@ class TorchStageExecutor:
         per-task bookkeeping (random streams, emulated time, output hook): for measuring a
         task body alone (the lab's split-backward measurement)."""
         return self._handlers[kind]
+
+    def activation_bytes(self) -> dict[tuple[int, int], int]:
+        """The activation bytes of the last step's forwards on this rank: ``{(virtual stage,
+        microbatch): bytes}``, what each training forward kept until its backward (its saved
+        tensors, received input and outputs, each storage once, no weights; see
+        ``_activation_meter`` for what each mode counts). Reset when a step begins; empty
+        for a forward-only step, with ``measure_activations=False``, and for forwards run by
+        a ``task_handlers`` replacement."""
+        return dict(self._activation_bytes)
 
     def weight_recomputes(self, stage: int, mb: int) -> bool:
         """Whether the ``W`` kept for microbatch ``mb`` of ``stage`` (after its ``I``) will
@@ -435,6 +463,8 @@ class TorchStageExecutor:
         self._loss_t = {}
         self.outputs = {}
         self._param_lists = {}  # requires_grad may change between steps
+        self._activation_bytes = {}
+        self._weights = {}  # (a parameter may have been replaced)
         self._cuda_lists = {}  # and so may devices
         if self.rng_seed is not None:
             plan = ctx.plan
@@ -517,9 +547,31 @@ class TorchStageExecutor:
                 if self.loss_fn is not None:
                     self._loss(task, out, mb, ctx)
             return None
+        if not self._meter.enabled:
+            return self._train_forward(mod, x, kwargs, inputs, task, ctx)
+        key = (task.stage, task.mb)
+        # The loss is inside the measurement: what it saves (the log-softmax of the logits)
+        # is kept until the backward like any activation.
+        with self._meter.measure(exclude=self._weights_of(task.stage), keep=inputs) as m:
+            sent = self._train_forward(mod, x, kwargs, inputs, task, ctx)
+            m.hold(self._stash[key][1])
+        self._activation_bytes[key] = m.bytes
+        return sent
+
+    def _train_forward(
+        self,
+        mod: nn.Module,
+        x: Any,
+        kwargs: Mapping[str, Any],
+        inputs: list[torch.Tensor],
+        task: Task,
+        ctx: TaskContext,
+    ) -> Any:
+        """A training step's forward: stash what the backward needs, return what to send."""
+        mb = ctx.microbatches[task.mb]
         with torch.enable_grad():
             out = self._call(mod, x, kwargs, task, ctx)
-            if last:
+            if self._is_last(task, ctx):
                 if self.loss_fn is None:
                     raise PlanError(
                         f"rank {ctx.rank} step {ctx.step} {task}: a training step needs a"
@@ -535,6 +587,13 @@ class TorchStageExecutor:
         self._check_grad(task, ctx, outs, inputs, "output")
         self._stash[(task.stage, task.mb)] = (inputs, outs)
         return map_tensors(out, sendable)
+
+    def _weights_of(self, stage: int) -> frozenset[StorageKey]:
+        """The storages of the stage's parameters and buffers, listed once per step."""
+        got = self._weights.get(stage)
+        if got is None:
+            got = self._weights[stage] = weight_storages(self.modules[stage])
+        return got
 
     def _call(
         self,
