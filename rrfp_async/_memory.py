@@ -31,16 +31,32 @@ import math
 import re
 from collections.abc import Mapping, Sequence
 from numbers import Integral, Real
+from typing import Protocol
 
 from ._check import check_type, describe, is_sequence
 from ._errors import PlanError
 from ._tasks import StepPlan, Task
+
+
+class _Ran(Protocol):
+    """A task as it ran (``loop.ExecutedTask``): the task, its start and its end."""
+
+    @property
+    def task(self) -> Task: ...
+
+    @property
+    def start(self) -> float: ...
+
+    @property
+    def end(self) -> float: ...
+
 
 __all__ = [
     "ActivationBytes",
     "MemoryBudget",
     "check_budgets",
     "format_bytes",
+    "held_peak",
     "parse_memory_budget",
     "position_weights",
     "resolve_budgets",
@@ -346,3 +362,24 @@ def _check_fits(
                 f" (the fixed order holds {format_bytes(reference)}); raise memory_budget"
                 f" or choose a hint that holds fewer bytes{fix}"
             )
+
+
+def held_peak(executed: Sequence[_Ran], nbytes: Mapping[tuple[int, int], int]) -> int:
+    """The most bytes a rank held in a run: each forward's ``nbytes[(stage, mb)]`` from its
+    start until the end of the backward that frees them (``B``, or ``I`` when split); a
+    forward missing from ``nbytes`` counts 0. With measured bytes
+    (``TorchStageExecutor.activation_bytes()``) this is the rank's measured peak of
+    activation memory in the order it ran."""
+    events: list[tuple[float, int, int]] = []
+    for e in executed:
+        t = e.task
+        b = nbytes.get((t.stage, t.mb), 0)
+        if t.kind == "F":
+            events.append((e.start, 1, b))
+        elif t.kind in ("B", "I"):
+            events.append((e.end, 0, -b))
+    held = peak = 0
+    for _, _, d in sorted(events):  # frees first at equal times
+        held += d
+        peak = max(peak, held)
+    return peak

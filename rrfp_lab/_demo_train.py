@@ -41,6 +41,7 @@ from rrfp_async import (
 from rrfp_async.distributed import (
     DistributedStage,
     EmulatedCost,
+    LearnedBytes,
     ProcessLayout,
     TorchStageExecutor,
     build_groups,
@@ -189,6 +190,11 @@ class TrainConfig:
         log_format: Configure step-traced logs in every process ("json" / "console").
         log_level: Their level.
         progress: Rank 0 reports ``(policy, step)`` after each step (``report_progress``).
+        measure_activations: Measure each forward's activation bytes (saved-tensor hooks;
+            ``TrainResult.measured_peak_bytes``). Every policy pays the meter alike. With a
+            byte budget, the measured bytes are also learned (``LearnedBytes``: exchanged
+            after each step, fitted on every rank alike) and plan the steps once every
+            stage's fit is ready; until then, the declared bytes (tokens) do.
     """
 
     pp: int
@@ -213,6 +219,7 @@ class TrainConfig:
     coordinate_tp: bool = True
     verify_tp: bool = True
     step_timeout: float | None = 120.0
+    measure_activations: bool = False
     return_params: bool = True
     trace_steps: tuple[int, ...] = ()
     trace_dir: str | Path | None = None
@@ -303,6 +310,9 @@ class TrainResult:
         emulated_seconds: Emulated GPU seconds slept (all steps).
         trace: The recording of the traced steps (``TrainConfig.traced_steps``) on this
             process.
+        measured_peak_bytes: With ``TrainConfig.measure_activations``, each timed step's
+            most measured activation bytes held at once on this process (saved-tensor
+            hooks, in the order its tasks ran); else empty.
     """
 
     policy: str
@@ -317,6 +327,7 @@ class TrainResult:
     compute_seconds: float
     emulated_seconds: float
     trace: TraceData | None = None
+    measured_peak_bytes: list[int] = field(default_factory=list)
 
 
 class _PolicyRun:
@@ -337,6 +348,13 @@ class _PolicyRun:
         self.policy = policy  # its label: "policy" or "policy@hint"
         name, _, hint = policy.partition("@")
         self.hint = hint or cfg.hint
+        # Bytes learned from the run (every rank, after each step; with one replica only:
+        # replicas see other microbatches, and one group would mix their tables).
+        self.learner = (
+            LearnedBytes(dist.new_group(backend="gloo"))
+            if cfg.measure_activations and cfg.memory_factor is None and layout.dp == 1
+            else None
+        )
         nv = cfg.pp * cfg.chunks
         self.plan = StepPlan(
             topology=Topology(stages=cfg.pp, chunks=cfg.chunks),
@@ -355,7 +373,13 @@ class _PolicyRun:
             if cfg.cost is not None
             else None
         )
-        self.executor = TorchStageExecutor(self.modules, loss_fn, emulate=emulate, rank=layout.rank)
+        self.executor = TorchStageExecutor(
+            self.modules,
+            loss_fn,
+            emulate=emulate,
+            rank=layout.rank,
+            measure_activations=cfg.measure_activations,
+        )
         traced = cfg.traced_steps
         self.recorder = TraceRecorder(layout.pipeline_peers()) if traced else None
         logger = LogObserver(rank=layout.rank) if cfg.log_format is not None else None
@@ -372,6 +396,7 @@ class _PolicyRun:
         )
         self.times: list[float] = []
         self.stats: list[StepStats] = []
+        self.measured: list[int] = []
         self.losses: dict[int, dict[int, float]] = {}
 
     def schedule_for(self, mbs: list[Microbatch]) -> StepSchedule:
@@ -384,9 +409,17 @@ class _PolicyRun:
             self.plan,
             self.hint,
             durations=declared,
-            activation_bytes=ActivationBytes.from_sizes(self.plan, [mb.tokens for mb in mbs]),
+            activation_bytes=self.bytes_for(mbs),
             memory_budget=self.cfg.memory_budget,
         )
+
+    def bytes_for(self, mbs: list[Microbatch]) -> ActivationBytes:
+        """A step's activation bytes: learned from the run once every stage's fit is ready,
+        the declared model (a microbatch's tokens) until then."""
+        learned = None if self.learner is None else self.learner.predict(self.plan, mbs)
+        if learned is not None:
+            return learned
+        return ActivationBytes.from_sizes(self.plan, [mb.tokens for mb in mbs])
 
     async def step(self, s: int, mbs: list[Microbatch]) -> None:
         cfg = self.cfg
@@ -403,6 +436,10 @@ class _PolicyRun:
         if s >= cfg.warmup_steps:
             self.times.append(dt)
             self.stats.append(st)
+            if cfg.measure_activations:
+                self.measured.append(st.held_peak(self.executor.activation_bytes()))
+        if self.learner is not None:  # (a collective, after the step: off its clock)
+            self.learner.observe(self.plan, mbs, self.executor.activation_bytes())
         if cfg.progress and self.layout.rank == 0:
             report_progress((self.policy, s))
 
@@ -432,6 +469,7 @@ class _PolicyRun:
             compute_seconds=self.executor.compute_seconds,
             emulated_seconds=self.executor.emulated_seconds,
             trace=None if self.recorder is None else self.recorder.data,
+            measured_peak_bytes=self.measured,
         )
 
 

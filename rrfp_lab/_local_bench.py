@@ -205,6 +205,7 @@ def pipeline_step_times(
     on_progress: Callable[[Any], None] | None = None,
     log_format: LogFormat | None = None,
     log_level: str = "info",
+    measure_activations: bool = False,
 ) -> dict[str, Any]:
     """Step times of a real multi-process pipeline (gloo, 127.0.0.1), per policy, in one run.
 
@@ -219,6 +220,8 @@ def pipeline_step_times(
         on_progress: Called with ``(policy, step)`` after each step (from rank 0).
         log_format: Configure step-traced logs in the workers.
         log_level: Their level.
+        measure_activations: Measure each forward's activation bytes (saved-tensor hooks;
+            every policy pays the meter alike) and report ``measured_ratio``.
         (the others: see ``TrainConfig``)
 
     Returns:
@@ -229,7 +232,10 @@ def pipeline_step_times(
         hint), ``deviations`` (total over the timed steps and all ranks),
         ``peak_inflight`` (largest of any rank and timed step), ``memory_ratio`` (the
         largest, over ranks and timed steps, of the peak activation bytes over what strict
-        1F1B holds on that step's microbatches; declared bytes: tokens), ``compute_s`` and
+        1F1B holds on that step's microbatches; declared bytes: tokens), ``measured_ratio``
+        (with ``measure_activations``: the largest, over ranks and timed steps, of the
+        measured peak activation bytes over the first policy's on the same rank and step),
+        ``compute_s`` and
         ``emulated_s`` (all ranks, all steps) and ``trace`` (the traced step, merged).
     """
     twice = sorted({p for p in policies if list(policies).count(p) > 1})
@@ -261,12 +267,14 @@ def pipeline_step_times(
         progress=on_progress is not None,
         log_format=log_format,
         log_level=log_level,
+        measure_activations=measure_activations,
     )
     t = time.perf_counter()
     results = spawn(train_worker, stages * tp, cfg, timeout=timeout, on_progress=on_progress)
     wall = time.perf_counter() - t
     out: dict[str, Any] = {"config": cfg, "wall_s": wall, "policies": {}}
     first: tuple[list[float], int, str] | None = None
+    base_bytes = [r[0].measured_peak_bytes for r in results]
     for i, pol in enumerate(policies):
         hint_of = pol.partition("@")[2] or hint
         per_rank = [r[i] for r in results]
@@ -293,6 +301,15 @@ def pipeline_step_times(
                     for r in per_rank
                     for s in r.stats
                     if s.peak_bytes is not None and s.reference_bytes
+                ),
+                default=None,
+            ),
+            "measured_ratio": max(
+                (
+                    mine / theirs
+                    for r, base in zip(per_rank, base_bytes, strict=True)
+                    for mine, theirs in zip(r.measured_peak_bytes, base, strict=True)
+                    if theirs
                 ),
                 default=None,
             ),

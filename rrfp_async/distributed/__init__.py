@@ -2,7 +2,9 @@
 :class:`~rrfp_async.loop.StageLoop` on gloo/NCCL channels) and its TP options
 (:class:`TPOptions`), the torch stage executor, the local process spawner, the model
 splitter (``split_model``: stage modules and the parameters they share;
-``split_causal_lm``: a Hugging Face causal LM in one call). The example model's training
+``split_causal_lm``: a Hugging Face causal LM in one call), and activation bytes learned
+from the run (``LearnedBytes``, on an ``ActivationModel`` of a microbatch's
+``features_of``). The example model's training
 harness (``TrainConfig``, ``train_worker``) is lab, not runtime: it lives in the lab beside
 the runtime, ``rrfp_lab``.
 
@@ -17,12 +19,14 @@ Internal to the package family: imported here for ``integrations/`` and the lab
   a ``RuntimeWarning`` (the drop-ins' schedules release their stage with it).
 """
 
+from .._activation_model import ActivationModel, features_of
 from ._causal_lm import CausalLMSplit, split_causal_lm
 from ._causal_lm_stage import CausalLMStage
 from ._dist_stage import DEFAULT_STEP_TIMEOUT as DEFAULT_STEP_TIMEOUT
 from ._dist_stage import DistributedStage
 from ._emulation import EmulatedCost
 from ._layout import ProcessLayout, StageGroups, build_groups, pipeline_neighbors
+from ._learned_bytes import LearnedBytes
 from ._lifetime import close_quietly as close_quietly
 from ._nonfinite import NonFinite
 from ._spawn import free_port, report_progress, spawn
@@ -32,10 +36,12 @@ from ._torch_executor import TorchStageExecutor
 from ._tp_keywords import TPOptions
 
 __all__ = [
+    "ActivationModel",
     "CausalLMSplit",
     "CausalLMStage",
     "DistributedStage",
     "EmulatedCost",
+    "LearnedBytes",
     "NonFinite",
     "ProcessLayout",
     "StageGroups",
@@ -44,6 +50,7 @@ __all__ = [
     "TPOptions",
     "TorchStageExecutor",
     "build_groups",
+    "features_of",
     "free_port",
     "from_pipe",
     "from_stage_modules",

@@ -194,8 +194,10 @@ class TorchStageExecutor:
             streams, step bookkeeping and failure handling stay.
         measure_activations: Measure the bytes each training forward keeps until its
             backward (``activation_bytes``; see ``_activation_meter``): saved-tensor hooks
-            on a CPU worker, the CUDA allocator's bytes in use on a CUDA one. False: no
-            hooks, no cost; ``activation_bytes`` stays empty.
+            on a CPU worker, the CUDA allocator's bytes in use on a CUDA one. Off by
+            default: the hooks cost tens of microseconds per forward (a large share of a
+            tiny model's forward; ``scripts/activation_meter_cost.py`` measures it), and
+            ``activation_bytes`` then stays empty.
 
     Raises:
         PlanError: ``modules`` is no dict of stage indices (ints >= 0) to modules (a bare
@@ -239,7 +241,7 @@ class TorchStageExecutor:
         nonfinite: NonFiniteMode = "warn",
         check_tensors: bool = False,
         task_handlers: Mapping[str, TaskHandler] | None = None,
-        measure_activations: bool = True,
+        measure_activations: bool = False,
     ) -> None:
         _check_modules(modules)
         if loss_scale not in ("microbatch", "tokens", "sum"):

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
+from .._memory import held_peak
 from .._tasks import Task
 
 __all__ = ["ExecutedTask", "StepStats"]
@@ -68,6 +70,13 @@ class StepStats:
     peak_bytes: int | None = None
     budget_bytes: int | None = None
     reference_bytes: int | None = None
+
+    def held_peak(self, nbytes: Mapping[tuple[int, int], int]) -> int:
+        """The most of ``nbytes`` (``{(virtual stage, microbatch): bytes}``, e.g. the measured
+        ``TorchStageExecutor.activation_bytes()``) this stage held at once in this step, in
+        the order it ran: a forward's bytes from its start to the end of the backward that
+        frees them."""
+        return held_peak(self.executed, nbytes)
 
     @property
     def busy(self) -> float:

@@ -8,6 +8,7 @@ from typing import Any
 
 from .._errors import PlanError
 from .._memory import ActivationBytes, weighted_peak
+from .._memory import held_peak as memory_held_peak
 from .._tasks import StepPlan
 from ..loop import ExecutedTask, StepStats
 from ..observability import TraceData, chrome_trace
@@ -123,20 +124,10 @@ class SimResult:
 
 
 def held_peak(executed: Sequence[ExecutedTask], nbytes: ActivationBytes) -> int:
-    """The most bytes a rank held in a run: a forward's from its start, until the end of
-    the backward that frees them."""
-    events: list[tuple[float, int, int]] = []
-    for e in executed:
-        t = e.task
-        if t.kind == "F":
-            events.append((e.start, 1, nbytes.of(t.stage, t.mb)))
-        elif t.kind in ("B", "I"):
-            events.append((e.end, 0, -nbytes.of(t.stage, t.mb)))
-    held = peak = 0
-    for _, _, d in sorted(events):  # frees first at equal times
-        held += d
-        peak = max(peak, held)
-    return peak
+    """The most bytes a rank held in a run (``_memory.held_peak`` on ``nbytes``)."""
+    rows = nbytes.rows()
+    sizes = {(v, i): x for v, row in enumerate(rows) for i, x in enumerate(row)}
+    return memory_held_peak(executed, sizes)
 
 
 def reference_peaks(plan: StepPlan, nbytes: ActivationBytes) -> list[int]:

@@ -129,6 +129,7 @@ def demo_cmd(
             on_progress=on_progress,
             log_format=fmt,
             log_level=level,
+            measure_activations=True,
         )
     out = Path(out_dir)
     base = names[0]
@@ -140,7 +141,8 @@ def demo_cmd(
             "policy",
             f"deviations\n(total\nof {steps})",
             f"peak\nin-flight\n(max of {steps})",
-            f"peak bytes\nvs strict 1F1B\n(max of {steps})",
+            f"peak bytes\nvs strict 1F1B\n(planned,\nmax of {steps})",
+            f"peak bytes\nvs {base}\n(measured,\nmax of {steps})",
             f"bubble\n(step {traced})",
             f"deviations\n(step {traced})",
         ),
@@ -169,6 +171,7 @@ def demo_cmd(
             str(r["deviations"]),
             str(r["peak_inflight"]),
             "-" if r["memory_ratio"] is None else f"{r['memory_ratio']:.2f}x",
+            "-" if r["measured_ratio"] is None else f"{r['measured_ratio']:.2f}x",
             f"{one['bubble_ratio']:.1%}",
             str(one["deviations"]),
         )
