@@ -254,7 +254,13 @@ def test_executor_on_a_cuda_worker_measures_with_the_allocator() -> None:
     cfg = ImageTextConfig(n_layers=2)
     mods = {v: m.cuda() for v, m in build_stage_modules(cfg, 2, [0, 1]).items()}
     execs = [
-        rr.TorchStageExecutor({v: mods[v]}, loss_fn, rank=v, worker=rr.loop.ComputeWorker("cuda"))
+        rr.TorchStageExecutor(
+            {v: mods[v]},
+            loss_fn,
+            rank=v,
+            worker=rr.loop.ComputeWorker("cuda"),
+            measure_activations=True,
+        )
         for v in range(2)
     ]
     assert all(e._meter.mode == "allocator" for e in execs)

@@ -259,7 +259,10 @@ def _image_text_mb(i: int, k: int, text: int, cfg: ImageTextConfig) -> rr.Microb
 def test_predicts_held_out_sizes_of_the_image_text_model() -> None:
     cfg, stages, m = ImageTextConfig(n_layers=4), 2, 4
     mods = build_stage_modules(cfg, stages, list(range(stages)))
-    execs = [rr.TorchStageExecutor({v: mods[v]}, loss_fn, rank=v) for v in range(stages)]
+    execs = [
+        rr.TorchStageExecutor({v: mods[v]}, loss_fn, rank=v, measure_activations=True)
+        for v in range(stages)
+    ]
     plan = rr.StepPlan(topology=rr.Topology(stages=stages), microbatches=m)
     pipe = rr.LocalPipeline(rr.StepSchedule.build(plan, "1f1b"), execs, policy="strict")
     seen = [[(0, 8), (1, 20), (2, 12), (0, 40)], [(3, 30), (4, 48), (1, 8), (2, 44)]]
@@ -306,7 +309,7 @@ def test_predicts_held_out_lengths_of_a_tiny_llama(attention: str) -> None:
     lm = tf.LlamaForCausalLM(cfg).train()
     lm.loss_type = "ForCausalLM"
     split = rr.split_causal_lm(lm, 2)
-    execs = [split.executor([v], rank=v) for v in range(2)]
+    execs = [split.executor([v], rank=v, measure_activations=True) for v in range(2)]
     plan = rr.StepPlan(topology=rr.Topology(stages=2), microbatches=4)
     pipe = rr.LocalPipeline(rr.StepSchedule.build(plan, "1f1b"), execs, policy="strict")
 

@@ -54,15 +54,18 @@ def test_the_readme_example_shows_readiness_first_ahead_of_the_fixed_order(
 ) -> None:
     out = _run(
         "README.md",
-        "print('CLAIM', runs['readiness_first'].makespan < runs['strict'].makespan)",
+        "print('CLAIM', runs['readiness_first'].makespan < runs['strict_1f1b'].makespan,"
+        " max(r.memory_ratio for r in runs.values()) <= 1.0)",
         tmp_path,
         first=1,
     )
     rows = {line.split()[0]: line for line in out if "makespan" in line}
-    assert set(rows) == {"strict", "readiness_first"}, out
-    for line in rows.values():  # what the block prints: makespan, efficiency, peak in flight
-        assert re.search(r"makespan \d+\.\d{3} s  efficiency 0\.\d\d  peak in flight \d+", line)
-    assert out[-1] == "CLAIM True", out
+    assert set(rows) == {"strict_1f1b", "readiness_first"}, out
+    for line in rows.values():  # what the block prints: makespan, efficiency, bytes
+        assert re.search(
+            r"makespan \d+\.\d{3} s  efficiency 0\.\d\d  activation bytes 1\.00x 1F1B's", line
+        )
+    assert out[-1] == "CLAIM True True", out
 
 
 def test_the_policy_page_example_registers_and_compares_its_policy(tmp_path: Path) -> None:
@@ -91,3 +94,16 @@ def test_the_simulation_page_examples_run_and_give_what_they_say(tmp_path: Path)
         tmp_path,
     )
     assert out[-1] == "CLAIM True ['backfill', 'readiness_first', 'strict'] True True True", out
+
+
+def test_the_memory_page_examples_run_and_give_what_they_say(tmp_path: Path) -> None:
+    out = _run(
+        "docs/memory.md",
+        # The default runs within strict 1F1B's bytes; 1.5x holds more but within 1.5x; the
+        # schedule of one's own bytes holds no more than its budgets.
+        "print('CLAIM', base.memory_ratio == 1.0, same.memory_ratio <= 1.0,"
+        " 1.0 < more.memory_ratio <= 1.5,"
+        " all(schedule.peak_bytes(r) <= b for r, b in enumerate(schedule.budgets)))",
+        tmp_path,
+    )
+    assert out[-1] == "CLAIM True True True True", out

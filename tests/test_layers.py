@@ -38,6 +38,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
             "_workloads",
             "_admission",
             "_memory",
+            "_activation_model",
             "_bridges",
             "_rng",
             "_streams",
@@ -466,6 +467,7 @@ FOREIGN_PRIVATES: dict[tuple[str, str], str] = {
     ("rrfp_async.integrations._torchtitan", "_REGISTRY"): "torchtitan's override registry",
     ("rrfp_async.integrations._timeouts", "_timeout"): "torch's backend options",
     ("rrfp_async.loop._virtual", "_loop"): "asyncio.Handle's",
+    ("rrfp_async.distributed._activation_meter", "_version"): "torch.Tensor's version counter",
 }
 
 #: ``(module, attribute) -> whose`` for the cross-package private accesses that exist on main

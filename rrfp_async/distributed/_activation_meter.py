@@ -73,6 +73,7 @@ from .._errors import PlanError
 
 __all__ = [
     "ActivationMeter",
+    "ForwardBytes",
     "Measurement",
     "MeterMode",
     "StorageKey",
@@ -279,3 +280,50 @@ class ActivationMeter:
         m._packed.clear()  # (the pack hook may outlive the block in the graph)
         m._held.clear()
         self.seconds += time.perf_counter() - t0
+
+
+class ForwardBytes:
+    """A stage executor's record of the bytes each training forward of a step kept: a
+    meter for the executor's device, the step's ``{(virtual stage, microbatch): bytes}`` and
+    each stage's weight storages (listed once per step; a parameter may be replaced between
+    steps).
+
+    Args:
+        device: The executor's device (``_streams.Device``): a CUDA one is measured by its
+            allocator (cheaper than a Python call per saved tensor, and it sees module
+            caches), any other by saved-tensor hooks.
+        enabled: False: nothing is measured, ``bytes`` stays empty.
+    """
+
+    def __init__(self, device: Any, *, enabled: bool) -> None:
+        on_cuda = bool(device.is_cuda)
+        self.meter = ActivationMeter(
+            mode="allocator" if on_cuda else "saved",
+            device=device.device if on_cuda else None,
+            enabled=enabled,
+        )
+        self.bytes: dict[tuple[int, int], int] = {}
+        self._weights: dict[int, frozenset[StorageKey]] = {}
+
+    @property
+    def enabled(self) -> bool:
+        """Whether forwards are measured."""
+        return self.meter.enabled
+
+    def reset(self) -> None:
+        """A step begins: forget the last one's bytes and weights."""
+        self.bytes = {}
+        self._weights = {}
+
+    @contextmanager
+    def forward(
+        self, stage: int, mb: int, module: nn.Module, inputs: Iterable[torch.Tensor]
+    ) -> Iterator[Measurement]:
+        """Measure the forward of microbatch ``mb`` on virtual stage ``stage`` run inside
+        the block (``hold`` what the backward keeps besides the saved tensors)."""
+        weights = self._weights.get(stage)
+        if weights is None:
+            weights = self._weights[stage] = weight_storages(module)
+        with self.meter.measure(exclude=weights, keep=inputs) as m:
+            yield m
+        self.bytes[(stage, mb)] = m.bytes

@@ -55,7 +55,7 @@ from .._rng import (
 from .._streams import Device, wait_ready
 from .._tasks import Task
 from ..loop import OutputHook, TaskContext
-from ._activation_meter import ActivationMeter, StorageKey, weight_storages
+from ._activation_meter import ForwardBytes
 from ._call_hints import call_hint
 from ._emulation import EmulatedCost
 from ._nonfinite import FiniteCheck, NonFinite, NonFiniteMode
@@ -277,16 +277,7 @@ class TorchStageExecutor:
         self._ready_device = Device(self.worker.device or "cpu")
         if not isinstance(measure_activations, bool):
             raise PlanError(f"measure_activations must be a bool, got {measure_activations!r}")
-        # A CUDA worker's forwards allocate on its device: the allocator's count is cheaper
-        # than a Python call per saved tensor (and it sees what hooks cannot, module caches).
-        on_cuda = self._ready_device.is_cuda
-        self._meter = ActivationMeter(
-            mode="allocator" if on_cuda else "saved",
-            device=self._ready_device.device if on_cuda else None,
-            enabled=measure_activations,
-        )
-        self._activation_bytes: dict[tuple[int, int], int] = {}
-        self._weights: dict[int, frozenset[StorageKey]] = {}  # stage -> its weight storages
+        self._meter = ForwardBytes(self._ready_device, enabled=measure_activations)
         self._failed_step: int | None = None
         self._losses: dict[int, float] = {}
         self._loss_t: dict[int, torch.Tensor] = {}  # CUDA losses, read on the host at the end
@@ -375,7 +366,7 @@ class TorchStageExecutor:
         ``_activation_meter`` for what each mode counts). Reset when a step begins; empty
         for a forward-only step, with ``measure_activations=False``, and for forwards run by
         a ``task_handlers`` replacement."""
-        return dict(self._activation_bytes)
+        return dict(self._meter.bytes)
 
     def weight_recomputes(self, stage: int, mb: int) -> bool:
         """Whether the ``W`` kept for microbatch ``mb`` of ``stage`` (after its ``I``) will
@@ -465,8 +456,7 @@ class TorchStageExecutor:
         self._loss_t = {}
         self.outputs = {}
         self._param_lists = {}  # requires_grad may change between steps
-        self._activation_bytes = {}
-        self._weights = {}  # (a parameter may have been replaced)
+        self._meter.reset()
         self._cuda_lists = {}  # and so may devices
         if self.rng_seed is not None:
             plan = ctx.plan
@@ -551,13 +541,11 @@ class TorchStageExecutor:
             return None
         if not self._meter.enabled:
             return self._train_forward(mod, x, kwargs, inputs, task, ctx)
-        key = (task.stage, task.mb)
         # The loss is inside the measurement: what it saves (the log-softmax of the logits)
         # is kept until the backward like any activation.
-        with self._meter.measure(exclude=self._weights_of(task.stage), keep=inputs) as m:
+        with self._meter.forward(task.stage, task.mb, mod, inputs) as m:
             sent = self._train_forward(mod, x, kwargs, inputs, task, ctx)
-            m.hold(self._stash[key][1])
-        self._activation_bytes[key] = m.bytes
+            m.hold(self._stash[(task.stage, task.mb)][1])
         return sent
 
     def _train_forward(
@@ -589,13 +577,6 @@ class TorchStageExecutor:
         self._check_grad(task, ctx, outs, inputs, "output")
         self._stash[(task.stage, task.mb)] = (inputs, outs)
         return map_tensors(out, sendable)
-
-    def _weights_of(self, stage: int) -> frozenset[StorageKey]:
-        """The storages of the stage's parameters and buffers, listed once per step."""
-        got = self._weights.get(stage)
-        if got is None:
-            got = self._weights[stage] = weight_storages(self.modules[stage])
-        return got
 
     def _call(
         self,
