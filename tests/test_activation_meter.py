@@ -263,7 +263,7 @@ def test_executor_on_a_cuda_worker_measures_with_the_allocator() -> None:
         )
         for v in range(2)
     ]
-    assert all(e._meter.mode == "allocator" for e in execs)
+    assert all(e._meter.meter.mode == "allocator" for e in execs)
     m = 4
     plan = rr.StepPlan(topology=rr.Topology(stages=2), microbatches=m)
     pipe = rr.LocalPipeline(rr.StepSchedule.build(plan, "1f1b"), execs, policy="strict")

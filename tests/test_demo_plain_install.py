@@ -142,7 +142,7 @@ def test_demo_at_three_steps_says_too_few_steps_to_judge(
     plain_demo: subprocess.CompletedProcess[str],
 ) -> None:
     assert plain_demo.returncode == 0, plain_demo.stderr[-3000:]
-    verdicts = {}  # the timing table's rows: 6 cells, before the behaviour table's
+    verdicts: dict[str, str] = {}  # the timing table's rows (6 cells), before the behaviour's
     for line in plain_demo.stdout.splitlines():
         cells = [c.strip() for c in line.strip().strip("│").split("│")]
         if len(cells) == 6 and cells[0] in ("strict@1f1b", "strict", "readiness_first"):
