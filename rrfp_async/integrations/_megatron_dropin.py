@@ -55,6 +55,7 @@ from typing import Any
 
 from .._costs import Durations
 from .._errors import PlanError
+from .._memory import ActivationBytes, MemoryBudget
 from .._tasks import StepPlan
 from ._megatron_call_checks import WHO
 from ._megatron_forward_backward import MegatronForwardBackward
@@ -77,6 +78,8 @@ def get_forward_backward_func(
     memory_factor: float | None = None,
     step_timeout: StepTimeout = GROUP_TIMEOUT,
     durations: Callable[[StepPlan], Durations] | None = None,
+    activation_bytes: Callable[[StepPlan], ActivationBytes] | None = None,
+    memory_budget: MemoryBudget | None = None,
     **stage_kwargs: Any,
 ) -> Any:
     """The readiness-first forward-backward function, picked as megatron's own factory
@@ -107,6 +110,12 @@ def get_forward_backward_func(
             ``hint`` (``"breadth_first_weighted"``) orders the step's heavy microbatches
             first. Every rank must return the same (megatron's middle stages read no data:
             share the sizes). Without it a cost-aware hint is cost-blind.
+        activation_bytes: ``plan -> rr.ActivationBytes``, called at every training call:
+            each forward's activation bytes for this step (every rank must return the
+            same): memory is then bounded in bytes, by default what megatron's order holds
+            on this step's microbatches (docs/memory.md).
+        memory_budget: With ``activation_bytes``: a float scales that default, an int or
+            ``"24GiB"`` is bytes per rank.
         **stage_kwargs: Further ``rr.DistributedStage`` keywords (``observer``, ...).
 
     Returns:
@@ -163,6 +172,8 @@ def get_forward_backward_func(
         memory_factor,
         step_timeout,
         _key(durations),
+        _key(activation_bytes),
+        _key(memory_budget),
         tuple(sorted((k, _key(v)) for k, v in stage_kwargs.items())),
     )
     fb = _CACHE.get(key)
@@ -176,6 +187,8 @@ def get_forward_backward_func(
             memory_factor=memory_factor,
             step_timeout=step_timeout,
             durations=durations,
+            activation_bytes=activation_bytes,
+            memory_budget=memory_budget,
             **stage_kwargs,
         )
     return fb

@@ -23,6 +23,7 @@ import torch.distributed as dist
 
 from .._costs import Durations
 from .._errors import PlanError
+from .._memory import ActivationBytes, MemoryBudget
 from .._tasks import StepPlan, Task, Topology
 from ..distributed import DistributedStage, build_groups
 from ..loop import StepStats
@@ -84,10 +85,12 @@ class MegatronForwardBackward:
         "_rr",
         "_schedules",
         "_signature",
+        "activation_bytes",
         "durations",
         "hint",
         "interleaved",
         "last_stats",
+        "memory_budget",
         "memory_factor",
         "peer",
         "policy",
@@ -114,8 +117,23 @@ class MegatronForwardBackward:
         memory_factor: float | None = None,
         step_timeout: StepTimeout = GROUP_TIMEOUT,
         durations: Callable[[StepPlan], Durations] | None = None,
+        activation_bytes: Callable[[StepPlan], ActivationBytes] | None = None,
+        memory_budget: MemoryBudget | None = None,
         **stage_kwargs: Any,
     ) -> None:
+        if memory_budget is not None and activation_bytes is None:
+            raise PlanError(
+                "memory_budget is a byte budget: it needs activation_bytes=plan ->"
+                " rr.ActivationBytes, each forward's bytes for the step (or bound the count"
+                " with memory_factor=)"
+            )
+        if activation_bytes is not None and memory_factor is not None:
+            raise PlanError(
+                "give activation_bytes (memory in bytes, with memory_budget=) or"
+                " memory_factor (a count of activations), not both"
+            )
+        self.activation_bytes = activation_bytes
+        self.memory_budget = memory_budget
         self.peer = peer()
         self.interleaved = interleaved
         self.pp_size = pp_size
@@ -201,8 +219,15 @@ class MegatronForwardBackward:
         group = vp_group_size(config, pp, m, interleaved=self.interleaved)
         topology = Topology(stages=pp, chunks=len(models))
         schedule = self._schedule(topology, m, group, forward_only)
-        if self.durations is not None and not forward_only:
-            schedule = schedule.with_durations(self.durations(schedule.plan))
+        if not forward_only and (self.durations is not None or self.activation_bytes is not None):
+            plan = schedule.plan
+            durations = None if self.durations is None else self.durations(plan)
+            if self.activation_bytes is not None:
+                schedule = schedule.with_durations(
+                    durations, activation_bytes=self.activation_bytes(plan)
+                )
+            elif durations is not None:
+                schedule = schedule.with_durations(durations)
         stage = self._open(groups, models, self._schedule(topology, m, group, False))
         executor = self._executor
         assert executor is not None
@@ -308,9 +333,17 @@ class MegatronForwardBackward:
         return megatron
 
     def _build(self, plan: StepPlan, group: int) -> StepSchedule:
-        return StepSchedule.build(
-            plan, self._hint_source(plan.topology, group), memory_factor=self.memory_factor
-        )
+        source = self._hint_source(plan.topology, group)
+        if self.activation_bytes is not None:
+            # Bytes come with each call; the base's budget is on uniform bytes (every rank
+            # builds it alike: the plan check compares it).
+            return StepSchedule.build(
+                plan,
+                source,
+                activation_bytes=ActivationBytes.uniform(plan),
+                memory_budget=self.memory_budget,
+            )
+        return StepSchedule.build(plan, source, memory_factor=self.memory_factor)
 
     def _schedule(self, topo: Topology, m: int, group: int, forward_only: bool) -> StepSchedule:
         """This step's schedule: megatron's order for ``m`` microbatches (or the user's

@@ -57,6 +57,8 @@ class Case:
         grad_sync: Set ``config.grad_sync_func`` (and, with vp, ``param_sync_func``).
         own_groups: Bridge style with groups of its own (``HyperCommGrid``) and
             ``parallel_state`` not initialised: nothing may come from it.
+        nbytes: The default run bounds activation bytes (``activation_bytes=`` from the
+            microbatches' sequence lengths, ``memory_budget=1.0``): its budget must hold.
     """
 
     name: str
@@ -70,6 +72,7 @@ class Case:
     group: int | None = None
     grad_sync: bool = False
     own_groups: bool = False
+    nbytes: bool = False
 
 
 def seq_len(m: int, variable: bool) -> int:
@@ -348,6 +351,13 @@ def _factory(which: str, mod: Any, rr_fb: Any, case: Case, pgc: Any, pp: int) ->
         ours = {"policy": "strict", "step_timeout": 60}
     elif which == "default":
         ours = {"step_timeout": 60}
+        if case.nbytes:
+            import rrfp_async as rr
+
+            ours["activation_bytes"] = lambda plan: rr.ActivationBytes.from_sizes(
+                plan, [seq_len(i, case.variable) for i in range(plan.microbatches)], 4096
+            )
+            ours["memory_budget"] = 1.0
     if case.style == "readme":
         return get(**ours)
     if case.style == "training":
@@ -459,6 +469,9 @@ def _run_case(case: Case, pp: int, pp_rank: int, pgc: Any, rr_fb: Any, mod: Any)
             "param_syncs": list(hooks.param_syncs),
             "order": list(rec.order),
             "deviations": None if which == "megatron" else fb.last_stats.deviations,
+            "bytes": None
+            if which == "megatron"
+            else (fb.last_stats.peak_bytes, fb.last_stats.budget_bytes),
         }
         if which != "megatron":
             fb.close()
@@ -543,6 +556,9 @@ def check(res: list[dict[str, Any]], case: Case, pp: int) -> None:
             assert sorted(mine["order"]) == sorted(want["order"]), where
             if which == "strict":
                 assert mine["order"] == want["order"], where  # Megatron's order, task for task
+            if case.nbytes and which == "default":
+                peak, budget = mine["bytes"]
+                assert budget is not None and 0 < peak <= budget, (*where, peak, budget)
             if case.grad_sync:
                 # grad_sync_func runs right after a chunk's last backward (megatron's waits
                 # P - 1 - r backwards more): only the calls themselves are compared.

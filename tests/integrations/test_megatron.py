@@ -36,6 +36,7 @@ PP2 = [
     Case("forward_only-variable_len", variable=True, forward_only=True),
     Case("training-gpt-forward_only", style="training", arch="gpt", forward_only=True),
     Case("grad_sync_func", kind="tokens", grad_sync=True),
+    Case("bytes-per_token-variable_len", kind="tokens", variable=True, nbytes=True),
     Case("bridge-own_groups", style="bridge", own_groups=True, kind="tokens", variable=True),
     Case("vpp2-loss_mean-fixed_len", vp=2),
     Case(
@@ -56,6 +57,7 @@ PP2 = [
     ),
     Case("vpp2-bridge-mpu_groups", style="bridge", vp=2),
     Case("vpp2-group_size_3", vp=2, group=3, kind="tokens"),
+    Case("vpp2-bytes-variable_len", vp=2, variable=True, nbytes=True),
     Case(
         "vpp2-bridge-own_groups-grad_sync",
         style="bridge",
