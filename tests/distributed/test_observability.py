@@ -94,7 +94,9 @@ def test_a_hung_rank_is_stopped_by_the_watchdog() -> None:
     f = ei.value.failures
     assert "StepTimeoutError" in f[0]
     assert "after 5.0 s" in f[0] and "ready:" in f[0]
-    assert "PeerError" in f[1] or "StepTimeoutError" in f[1]
+    # The peer fails with a peer's error (PeerError, or its PeerStepError when rank 0's
+    # report of its failed step arrives first) or with its own watchdog.
+    assert any(k in f[1] for k in ("PeerError", "PeerStepError", "StepTimeoutError")), f[1]
 
 
 def test_demo_command_small(tmp_path: Path) -> None:
@@ -104,13 +106,13 @@ def test_demo_command_small(tmp_path: Path) -> None:
         env={"COLUMNS": "80"},
     )
     assert res.exit_code == 0, res.output
-    for word in ("strict", "readiness_first", "backfill", "speedup", "bubble", "EMULATED"):
+    for word in ("strict@1f1b", "readiness_first", "speedup", "bubble", "EMULATED", "bytes"):
         assert word in res.output
     # 80 columns, piped: nothing wider, no name cut short, each column says what it is over.
     lines = res.output.splitlines()
     assert max(len(line) for line in lines) <= 80, res.output
     assert "…" not in res.output
-    for p in ("strict", "readiness_first", "backfill"):
+    for p in ("strict@1f1b", "strict", "readiness_first"):
         assert any(line.startswith(f"│ {p} ") for line in lines), (p, res.output)
     for label in ("(median", "of 1)", "(total", "(max of 1)", "(step 1)", "traced step"):
         assert label in res.output, label
