@@ -39,6 +39,7 @@ __all__ = [
     "backfill",
     "chooses_ready_head",
     "get_policy",
+    "greedy",
     "lateness_aware",
     "policy_name",
     "readiness_first",
@@ -165,9 +166,10 @@ class ReadyHeadPolicy(Protocol):
     when that task is ready: a TP leader then publishes such a choice one task ahead, and a
     TP follower starts it without waiting for the leader's row (``deduce_tp``). Without the
     attribute (or with a false one) neither happens. Read when a step starts. The built-in
-    policies (``strict``, ``readiness_first``, ``lateness_aware``, ``backfill``) declare it
-    True; :class:`PolicyBase` declares it False. A ``functools.partial`` of a policy does
-    not carry it (declare it on the partial if it holds).
+    policies (``strict``, ``readiness_first``, ``greedy``, ``lateness_aware``,
+    ``backfill``) declare it True; :class:`PolicyBase` declares it False. A
+    ``functools.partial`` of a policy does not carry it (declare it on the partial if it
+    holds).
     """
 
     chooses_ready_head: bool
@@ -215,19 +217,36 @@ async def strict(view: ReadyView, /) -> Task:
 
 
 async def readiness_first(view: ReadyView, /) -> Task:
-    """The RRFP rule: dispatch the highest-ranked ready task within the admission bound.
+    """The RRFP rule: dispatch the highest-ranked ready task within the admission bound,
+    with the backwards kept in their hinted order.
 
     ``view.ready`` holds exactly the tasks whose inputs are present and that the admission
-    bound admits, best hint rank first, so the rule is ``view.ready[0]``; it never waits.
-    The hint only ranks tasks: when the hinted task is ready it runs (it ranks first); when
-    its input is late, the best-ranked ready task runs instead, and the hinted one runs as
-    soon as it is ready and the rank is free. Since only admitted tasks are candidates,
-    memory never exceeds the fixed order's (at the default bound) and the step cannot
-    deadlock. Unlike ``lateness_aware`` it also fills the hint's *planned* bubbles, which
-    can help (ZB-H1's deferred weight gradients, a later microbatch whose input is early)
-    or, rarely, hurt (the task run out of order delays the hinted one when it arrives).
-    Registered also as ``greedy``.
+    bound admits, best hint rank first. When the hinted task (the first not yet started) is
+    ready it runs; when its input is late, the best-ranked ready *forward* or ``W`` runs
+    instead, and the hinted one runs as soon as it is ready and the rank is free. A
+    backward (``B``, or ``I`` when split) runs only as the hinted task: one run ahead of
+    its turn holds the rank when the hinted task's input arrives, and the hinted task is
+    then late by a whole backward — on the backward chain that frees memory and feeds rank
+    0, so the whole pipeline waits. The rule that also runs backwards out of order
+    (``greedy``) loses to the same hint run strictly on some steps; this one does not
+    (BENCHMARKS.md, "Readiness-first against its own hint"). Since only admitted tasks are
+    candidates, memory never exceeds the budget and the step cannot deadlock. Registered
+    also as ``rf``.
     """
+    while True:
+        head = view.next_hinted
+        if view.is_ready(head):
+            return head
+        for t in view.ready:
+            if t.kind == "F" or t.kind == "W":
+                return t
+        await view.wait_for_change()
+
+
+async def greedy(view: ReadyView, /) -> Task:
+    """The highest-ranked ready task, whatever its kind (``view.ready[0]``; never waits):
+    the RRFP preprint's rule read literally. It also runs a backward ahead of its hinted
+    turn, which can delay the hinted one (see ``readiness_first``)."""
     return view.ready[0]
 
 
@@ -280,12 +299,13 @@ async def backfill(view: ReadyView, /) -> Task:
 
 # Each of these runs the next hinted task whenever it is ready, whatever else is: a TP leader
 # may then publish that choice ahead (see the stage loop's TP look-ahead).
-for _p in (strict, readiness_first, lateness_aware, backfill):
+for _p in (strict, readiness_first, greedy, lateness_aware, backfill):
     _p.chooses_ready_head = True  # type: ignore[attr-defined]
 
 _REGISTRY: dict[str, Policy] = {
     "strict": strict,
     "readiness_first": readiness_first,
+    "greedy": greedy,
     "lateness_aware": lateness_aware,
     "backfill": backfill,
 }
@@ -293,7 +313,6 @@ _ALIASES = {
     "fixed": "strict",
     "rf": "readiness_first",
     "readiness": "readiness_first",
-    "greedy": "readiness_first",
     "late": "lateness_aware",
 }
 _entry_points_loaded = False

@@ -97,14 +97,30 @@ def test_strict_waits_for_a_delayed_input() -> None:
     assert stats[1].deviations == 0
 
 
-def test_readiness_first_runs_a_later_ready_task_and_ends_sooner() -> None:
-    # The seed's rule: F1's input is late, F2's is there: run F2 (and its backward) first.
+def test_greedy_runs_a_later_ready_task_and_its_backward_and_ends_sooner() -> None:
+    # The preprint's rule read literally: F1's input is late, F2's is there: run F2 and its
+    # backward first.
+    strict = _delayed_f1("strict")
+    greedy = _delayed_f1("greedy")
+    order = [e.task for e in greedy[1].executed]
+    assert order.index(Task(1, "F", 2)) < order.index(Task(1, "F", 1))
+    assert order.index(Task(1, "B", 2)) < order.index(Task(1, "B", 1))
+    assert greedy[1].deviations > 0
+    assert _end(greedy) < _end(strict) - 1.0
+    assert max(x.peak_inflight for x in greedy) <= max(x.max_inflight for x in greedy)
+
+
+def test_readiness_first_runs_later_forwards_but_backwards_in_the_hints_order() -> None:
+    # F1's input is late: F2 and F3 run ahead of it, but B2 waits for B1 (the hint's order
+    # of the backwards); the step never ends later than strict's.
     strict = _delayed_f1("strict")
     rf = _delayed_f1("readiness_first")
     order = [e.task for e in rf[1].executed]
     assert order.index(Task(1, "F", 2)) < order.index(Task(1, "F", 1))
+    backwards = [t for t in order if t.kind == "B"]
+    assert backwards == sorted(backwards, key=lambda t: t.mb)
     assert rf[1].deviations > 0
-    assert _end(rf) < _end(strict) - 1.0
+    assert _end(rf) <= _end(strict)
     assert max(x.peak_inflight for x in rf) <= max(x.max_inflight for x in rf)
 
 
@@ -116,8 +132,8 @@ def test_lateness_aware_waits_until_late_then_skips() -> None:
     assert order.index(Task(1, "F", 2)) < order.index(Task(1, "F", 1))
     assert _end(la) < _end(strict) - 1.0
     # It waited for the hinted task until its planned start had passed: never earlier than
-    # the seed's rule, which skips at once.
-    assert _end(la) >= _end(rf) - 1e-9
+    # the preprint's rule, which skips at once.
+    assert _end(la) >= _end(_delayed_f1("greedy")) - 1e-9
 
 
 def test_readiness_first_fills_planned_bubbles_that_lateness_aware_keeps() -> None:
