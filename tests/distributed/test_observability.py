@@ -117,12 +117,12 @@ def test_demo_command_small(tmp_path: Path) -> None:
     for label in ("(median", "of 1)", "(total", "(max of 1)", "(step 1)", "traced step"):
         assert label in res.output, label
     # One timed step has no spread and cannot be judged: no verdict is claimed.
-    rows = [line for line in lines if line.startswith(("│ readiness_first ", "│ backfill "))]
+    rows = [line for line in lines if line.startswith(("│ strict ", "│ readiness_first "))]
     assert len(rows) == 4 and all("no spread" in r or "too few" in r for r in rows[:2])
     assert sum("too few" in r for r in rows) == 2, res.output
     assert not any("within noise" in r for r in rows), res.output
     assert (tmp_path / "timeline.png").exists()
-    for p in ("strict", "readiness_first", "backfill"):
+    for p in ("strict@1f1b", "strict", "readiness_first"):
         tr = rr.observability.load_trace(tmp_path / f"trace_{p}.json")
         assert validate_chrome_trace(tr) == []
 
