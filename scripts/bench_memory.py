@@ -13,6 +13,8 @@ time, not a GPU: durations come from the workload's declared cost model plus see
 * ``default``: ``simulate()`` with no memory argument: the cost-aware hint built within
   1F1B's bytes, run readiness-first under that byte budget.
 * ``same hint strict``: that hint run strictly (what readiness-first adds over its own hint).
+* ``greedy``: that hint under ``greedy`` (the highest-ranked ready task, backwards out of
+  order too; ``readiness_first`` keeps the backwards in the hint's order).
 * ``1f1b + bytes``: the 1F1B hint run readiness-first under the byte ledger.
 * ``budget 1.25x / 1.5x``: ``memory_budget=1.25`` / ``1.5`` (speed bought with memory).
 * ``count bound``: ``memory_factor=1`` (the count of activations: the old "same memory").
@@ -29,6 +31,7 @@ from rrfp_async.sim import simulate
 CONFIGS: dict[str, dict[str, Any]] = {
     "default": {},
     "same hint strict": {"policy": "strict"},
+    "greedy": {"policy": "greedy"},
     "1f1b + bytes": {"hint": "1f1b"},
     "budget 1.25x": {"memory_budget": 1.25},
     "budget 1.5x": {"memory_budget": 1.5},
@@ -67,7 +70,15 @@ def main() -> None:
                 f"{k}: {statistics.median(v):.3f}x ({min(v):.3f}) mem {mem[k]:.2f}"
                 for k, v in speed.items()
             )
-            print(f"P={p} M={m} {wl}: {cells}", flush=True)
+            ref = speed["same hint strict"]
+            own = [a / b for a, b in zip(speed["default"], ref, strict=True)]
+            greedy = [a / b for a, b in zip(speed["greedy"], ref, strict=True)]
+            print(
+                f"P={p} M={m} {wl}: {cells}  | vs its own hint run strictly: readiness_first"
+                f" {statistics.median(own):.3f}x ({min(own):.3f}), greedy"
+                f" {statistics.median(greedy):.3f}x ({min(greedy):.3f})",
+                flush=True,
+            )
 
 
 if __name__ == "__main__":
