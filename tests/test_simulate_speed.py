@@ -47,7 +47,7 @@ def digest(r: rr.sim.SimResult) -> tuple[str, str]:
 def outcome(config: dict[str, Any]) -> list[str]:
     if config.get("policy", "readiness_first") in ("readiness_first", "rf", "readiness"):
         # Recorded under the rule that also ran backwards out of order: ``greedy`` since
-        # readiness-first keeps the backwards in the hint's order (tests/test_policy_rules.py).
+        # readiness-first keeps the backwards in the hint's order (tests/loop/test_stage.py).
         config = {**config, "policy": "greedy"}
     if config.get("max_inflight") is None and config.get("memory_factor") is None:
         # Recorded when memory was a count of activations; it is bytes by default since
