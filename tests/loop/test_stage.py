@@ -127,7 +127,6 @@ def test_readiness_first_runs_later_forwards_but_backwards_in_the_hints_order() 
 def test_lateness_aware_waits_until_late_then_skips() -> None:
     strict = _delayed_f1("strict")
     la = _delayed_f1("lateness_aware")
-    rf = _delayed_f1("readiness_first")
     order = [e.task for e in la[1].executed]
     assert order.index(Task(1, "F", 2)) < order.index(Task(1, "F", 1))
     assert _end(la) < _end(strict) - 1.0
