@@ -21,12 +21,13 @@ from __future__ import annotations
 import asyncio
 import threading
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from .._check import is_sequence
 from .._costs import Durations
 from .._errors import PlanError
 from .._memory import ActivationBytes, MemoryBudget
@@ -34,6 +35,7 @@ from .._tasks import StepPlan
 from ..distributed import (
     DistributedStage,
     EmulatedCost,
+    LearnedBytes,
     SharedSpec,
     TorchStageExecutor,
     build_groups,
@@ -119,6 +121,12 @@ def _on_a_loop_thread() -> bool:
     return True
 
 
+def _given(features: object) -> Mapping[str, float]:
+    """A microbatch's features as ``sizes=`` gave them (``LearnedBytes``' reader)."""
+    assert isinstance(features, Mapping)
+    return features
+
+
 class ReadinessFirstBase:
     """The implementation both schedule classes share: a mixin placed before torch's
     ``PipelineScheduleSingle`` / ``PipelineScheduleMulti`` (whose constructors run first and
@@ -147,6 +155,7 @@ class ReadinessFirstBase:
         emulate: EmulatedCost | None,
         activation_bytes: Callable[[StepPlan, Sequence[Any]], ActivationBytes] | None = None,
         memory_budget: MemoryBudget | None = None,
+        sizes: Callable[[StepPlan, Sequence[Any]], Sequence[Mapping[str, float]]] | None = None,
         shared: SharedSpec | None,
         stage_kwargs: dict[str, Any],
     ) -> None:
@@ -189,8 +198,30 @@ class ReadinessFirstBase:
             rank=dist.get_rank(),
             emulate=emulate,
             shared=shared,
+            measure_activations=sizes is not None,
         )
         self._durations = durations
+        if sizes is not None:
+            if not callable(sizes):
+                raise PlanError(
+                    "sizes must be a function (plan, microbatches) -> one {feature: value}"
+                    f" mapping per microbatch, got {type(sizes).__name__}"
+                )
+            if activation_bytes is not None or memory_factor is not None:
+                raise PlanError(
+                    "sizes= learns each forward's activation bytes from the run: give it, or"
+                    " activation_bytes= (the bytes yourself), or memory_factor= (a count of"
+                    " activations), one of them"
+                )
+            if size != dist.get_world_size():
+                raise PlanError(
+                    f"sizes= learns the bytes across the pipeline's ranks, and this pipeline"
+                    f" has {size} of the job's {dist.get_world_size()} ranks (data parallel"
+                    " replicas): pass activation_bytes= instead"
+                )
+        self._sizes = sizes
+        self._learner: LearnedBytes | None = None
+        self._step_sizes: list[dict[str, float]] | None = None
         if memory_budget is not None and activation_bytes is None:
             raise PlanError(
                 "memory_budget is a byte budget: it needs activation_bytes=(plan,"
@@ -347,6 +378,7 @@ class ReadinessFirstBase:
             self._mode = "async"
         self._refuse("async")
         stats = await self._rr.run_step(chunks, schedule=self._schedule_for(chunks), train=train)
+        self._learn(stats, train)
         return self._finish(stats, chunks, losses, return_outputs, train, merge=True)
 
     # ------------------------------------------------------------------ lifecycle
@@ -406,7 +438,9 @@ class ReadinessFirstBase:
             split_backward=self._split,
             ordered_weights=self._split,
         )
-        if self._activation_bytes is not None:
+        if self._sizes is not None:  # (every rank, at its first step: a collective)
+            self._learner = LearnedBytes(dist.new_group(backend="gloo"), features=_given)
+        if self._activation_bytes is not None or self._sizes is not None:
             # Bytes come with each step (``_schedule_for``); the base has a byte budget on
             # uniform bytes, which every rank builds alike (the plan check compares it).
             schedule = StepSchedule.build(
@@ -428,9 +462,43 @@ class ReadinessFirstBase:
             **self._stage_kwargs,
         )
 
+    def _learned(self, sched: StepSchedule, chunks: Sequence[Chunk]) -> ActivationBytes:
+        """This step's bytes with ``sizes=``: predicted once every stage is fitted, uniform
+        (the count bound: the fixed order's) until then."""
+        assert self._sizes is not None and self._learner is not None
+        got = self._sizes(sched.plan, chunks)
+        if not is_sequence(got) or len(got) != len(chunks):
+            raise PlanError(
+                f"sizes(plan, microbatches) must return one mapping per microbatch"
+                f" ({len(chunks)}), got {type(got).__name__}"
+            )
+        self._step_sizes = [dict(f) for f in got]
+        predicted = self._learner.predict(sched.plan, self._step_sizes)
+        return predicted if predicted is not None else ActivationBytes.uniform(sched.plan)
+
+    def _learn(self, stats: StepStats, train: bool) -> None:
+        """After a training step with ``sizes=``: exchange and fit the bytes it measured
+        (a collective on every rank, after the step)."""
+        if self._learner is None or not train or self._step_sizes is None:
+            return
+        plan = StepPlan(
+            topology=self._topology,
+            microbatches=len(self._step_sizes),
+            split_backward=self._split,
+            ordered_weights=self._split,
+        )
+        self._learner.observe(plan, self._step_sizes, self._executor.activation_bytes())
+
+    @property
+    def learned_bytes(self) -> LearnedBytes | None:
+        """With ``sizes=``: the bytes learned from the run (its ``model`` and ``error``)."""
+        return self._learner
+
     def _schedule_for(self, chunks: Sequence[Chunk]) -> StepSchedule:
         sched = self._base.for_microbatches(len(chunks))
         durations = None if self._durations is None else self._durations(sched.plan, chunks)
+        if self._sizes is not None:
+            return sched.with_durations(durations, activation_bytes=self._learned(sched, chunks))
         if self._activation_bytes is not None:
             nbytes = self._activation_bytes(sched.plan, chunks)
             if not isinstance(nbytes, ActivationBytes):
@@ -468,6 +536,7 @@ class ReadinessFirstBase:
             self._mode = "sync"
         self._refuse("sync")
         stats = self._rr.run_step_sync(chunks, schedule=self._schedule_for(chunks), train=train)
+        self._learn(stats, train)
         return self._finish(stats, chunks, losses, return_outputs, train, merge=merge)
 
     def _finish(

@@ -60,7 +60,7 @@ order would be silently ignored): give it as ``hint=``.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -125,8 +125,15 @@ class ScheduleReadinessFirst(ReadinessFirstBase, PipelineScheduleSingle):
             compute the same): memory is then bounded in bytes, each rank's budget by
             default what the hint's fixed order (1F1B for the cost-aware default) holds on
             that step's microbatches, and the cost-aware hint is built within it.
-        memory_budget: With ``activation_bytes``: a float scales that default budget, an
-            int or ``"24GiB"`` is bytes per rank (see ``rrfp_async._memory``).
+        memory_budget: With ``activation_bytes`` or ``sizes``: a float scales that default
+            budget, an int or ``"24GiB"`` is bytes per rank (see ``rrfp_async._memory``).
+        sizes: ``(plan, microbatches) -> [{feature: value}, ...]``: each microbatch's size
+            (``{"tokens": ...}``, plus ``"patches"``, ``"images"`` or features of your own;
+            every rank must return the same): the schedule then *learns* each forward's
+            activation bytes from the run (measured after each step on every rank,
+            exchanged, fitted per stage: ``rr.distributed.LearnedBytes``) and bounds memory
+            in bytes once every stage is fitted (the first steps run the count bound). One
+            pipeline replica only (no data parallelism).
         emulate: Emulated GPU time for CPU benchmarks (``rr.EmulatedCost``).
         shared: Tied parameters (``rr.TorchStageExecutor``'s ``shared``), by stage index:
             for stages of torch's tracer, ``rr.from_pipe(pipe).shared`` (its
@@ -166,6 +173,7 @@ class ScheduleReadinessFirst(ReadinessFirstBase, PipelineScheduleSingle):
         durations: Callable[[StepPlan, Sequence[Any]], Durations] | None = None,
         activation_bytes: Callable[[StepPlan, Sequence[Any]], ActivationBytes] | None = None,
         memory_budget: MemoryBudget | None = None,
+        sizes: Callable[[StepPlan, Sequence[Any]], Sequence[Mapping[str, float]]] | None = None,
         emulate: EmulatedCost | None = None,
         shared: SharedSpec | None = None,
         **stage_kwargs: Any,
@@ -193,6 +201,7 @@ class ScheduleReadinessFirst(ReadinessFirstBase, PipelineScheduleSingle):
             durations=durations,
             activation_bytes=activation_bytes,
             memory_budget=memory_budget,
+            sizes=sizes,
             emulate=emulate,
             shared=shared,
             stage_kwargs=stage_kwargs,
@@ -252,6 +261,7 @@ class ScheduleInterleavedReadinessFirst(ReadinessFirstBase, PipelineScheduleMult
         durations: Callable[[StepPlan, Sequence[Any]], Durations] | None = None,
         activation_bytes: Callable[[StepPlan, Sequence[Any]], ActivationBytes] | None = None,
         memory_budget: MemoryBudget | None = None,
+        sizes: Callable[[StepPlan, Sequence[Any]], Sequence[Mapping[str, float]]] | None = None,
         emulate: EmulatedCost | None = None,
         shared: SharedSpec | None = None,
         **stage_kwargs: Any,
@@ -292,6 +302,7 @@ class ScheduleInterleavedReadinessFirst(ReadinessFirstBase, PipelineScheduleMult
             durations=durations,
             activation_bytes=activation_bytes,
             memory_budget=memory_budget,
+            sizes=sizes,
             emulate=emulate,
             shared=shared,
             stage_kwargs=stage_kwargs,
