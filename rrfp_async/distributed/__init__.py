@@ -26,7 +26,7 @@ from ._dist_stage import DEFAULT_STEP_TIMEOUT as DEFAULT_STEP_TIMEOUT
 from ._dist_stage import DistributedStage
 from ._emulation import EmulatedCost
 from ._layout import ProcessLayout, StageGroups, build_groups, pipeline_neighbors
-from ._learned_bytes import LearnedBytes
+from ._learned_bytes import LearnedBytes, LearnedDurations
 from ._lifetime import close_quietly as close_quietly
 from ._nonfinite import NonFinite
 from ._spawn import free_port, report_progress, spawn
@@ -42,6 +42,7 @@ __all__ = [
     "DistributedStage",
     "EmulatedCost",
     "LearnedBytes",
+    "LearnedDurations",
     "NonFinite",
     "ProcessLayout",
     "StageGroups",

@@ -19,22 +19,57 @@ the same bytes for every stage. ``LearnedBytes`` makes that so:
 
 What stays the caller's: the microbatches' features must be known on every rank (the
 microbatches' metadata, ``rr.Microbatch`` sizes, as the lab's loader gives each rank).
+
+``LearnedDurations`` does the same for the tasks' seconds (what each forward and backward
+took on its rank, ``StepStats.executed``), so that a cost-aware hint needs no declared cost
+model: one all-gather of ``[2][V][M]`` microseconds after a step, two fits per stage
+(forward; backward, ``I`` + ``W`` when split). Measured times are noisy (host load, the
+device's own jitter): the fit is a least-squares average, and its ``error`` says how far
+the last predictions were off.
+
+Both rely on every rank computing the same fit from the same table: the same numpy on the
+same input gives the same floats, and the predictions are rounded (whole bytes, whole
+microseconds) before they plan anything. Ranks on different numeric libraries could still
+disagree on a value at a rounding boundary; the plan digest compares only the base plan.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
 
 from .._activation_model import ActivationModel, features_of
 from .._check import check_type
+from .._costs import Durations
 from .._memory import ActivationBytes
-from .._tasks import StepPlan
+from .._tasks import StepPlan, Task
 
-__all__ = ["LearnedBytes"]
+__all__ = ["LearnedBytes", "LearnedDurations"]
+
+
+class _Ran(Protocol):
+    """A task as it ran (``loop.ExecutedTask``)."""
+
+    @property
+    def task(self) -> Task: ...
+
+    @property
+    def start(self) -> float: ...
+
+    @property
+    def end(self) -> float: ...
+
+
+def _gathered(group: Any, table: torch.Tensor) -> list[Any]:
+    """Every rank's ``table`` (-1 where it measured nothing) merged: the largest value of
+    each cell (one all-gather on ``group``), as nested lists."""
+    parts = [torch.empty_like(table) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(parts, table, group=group)
+    merged: list[Any] = torch.stack(parts).amax(dim=0).tolist()
+    return merged
 
 
 class LearnedBytes:
@@ -73,10 +108,7 @@ class LearnedBytes:
         table = torch.full((nv, m), -1, dtype=torch.int64)
         for (v, i), b in measured.items():
             table[v, i] = int(b)
-        size = dist.get_world_size(self.group)
-        parts = [torch.empty_like(table) for _ in range(size)]
-        dist.all_gather(parts, table, group=self.group)
-        merged = torch.stack(parts).amax(dim=0).tolist()
+        merged = _gathered(self.group, table)
         feats = [dict(self._features(mb)) for mb in microbatches]
         for v in range(nv):
             for i in range(m):
@@ -102,5 +134,78 @@ class LearnedBytes:
         """The largest relative error of the recent predictions over the stages (NaN
         before any)."""
         errs = [self.model.error(v) for v in range(plan.num_virtual)]
+        known = [e for e in errs if e == e]
+        return max(known) if known else float("nan")
+
+
+class LearnedDurations:
+    """Per-stage forward and backward seconds fitted to the task times every rank measured.
+
+    Args:
+        group: The process group of one pipeline replica's ranks; None: the default group.
+        features: A microbatch's size features (default ``features_of``).
+    """
+
+    def __init__(
+        self,
+        group: Any = None,
+        features: Callable[[object], Mapping[str, float]] = features_of,
+    ) -> None:
+        self.group = group
+        self.forward = ActivationModel()
+        self.backward = ActivationModel()
+        self._features = features
+        self.steps = 0
+
+    def observe(
+        self, plan: StepPlan, microbatches: Sequence[object], executed: Sequence[_Ran]
+    ) -> None:
+        """Exchange the times of this rank's tasks of a step (``StepStats.executed``) with
+        the group's ranks and fit every stage on all of them (a collective, as
+        ``LearnedBytes.observe``)."""
+        nv, m = plan.num_virtual, plan.microbatches
+        table = torch.full((2, nv, m), -1, dtype=torch.int64)
+        for e in executed:
+            t = e.task
+            us = max(0, round((e.end - e.start) * 1e6))
+            if t.kind == "F":
+                table[0, t.stage, t.mb] = us
+            else:  # B, or I + W when the backward is split
+                cur = int(table[1, t.stage, t.mb])
+                table[1, t.stage, t.mb] = us if cur < 0 else cur + us
+        merged = _gathered(self.group, table)
+        feats = [dict(self._features(mb)) for mb in microbatches]
+        for kind, model in ((0, self.forward), (1, self.backward)):
+            for v in range(nv):
+                for i in range(m):
+                    if merged[kind][v][i] >= 0:
+                        model.observe(v, feats[i], merged[kind][v][i])
+        self.steps += 1
+
+    def ready(self, plan: StepPlan) -> bool:
+        """Whether every virtual stage of ``plan`` has both fits."""
+        return all(
+            self.forward.ready(v) and self.backward.ready(v) for v in range(plan.num_virtual)
+        )
+
+    def predict(self, plan: StepPlan, microbatches: Sequence[object]) -> Durations | None:
+        """The predicted durations of a step of ``microbatches`` (None until ``ready``):
+        whole microseconds, so that every rank plans with the same numbers."""
+        if not self.ready(plan):
+            return None
+        feats = [dict(self._features(mb)) for mb in microbatches]
+        nv = plan.num_virtual
+        fw = [[round(self.forward.predict(v, f)) * 1e-6 for f in feats] for v in range(nv)]
+        bw = [[round(self.backward.predict(v, f)) * 1e-6 for f in feats] for v in range(nv)]
+        return Durations.from_arrays(plan, fw, bw)
+
+    def error(self, plan: StepPlan) -> float:
+        """The largest relative error of the recent predictions (forward and backward, every
+        stage; NaN before any)."""
+        errs = [
+            model.error(v)
+            for model in (self.forward, self.backward)
+            for v in range(plan.num_virtual)
+        ]
         known = [e for e in errs if e == e]
         return max(known) if known else float("nan")

@@ -36,6 +36,7 @@ from ..distributed import (
     DistributedStage,
     EmulatedCost,
     LearnedBytes,
+    LearnedDurations,
     SharedSpec,
     TorchStageExecutor,
     build_groups,
@@ -221,6 +222,7 @@ class ReadinessFirstBase:
                 )
         self._sizes = sizes
         self._learner: LearnedBytes | None = None
+        self._costs: LearnedDurations | None = None
         self._step_sizes: list[dict[str, float]] | None = None
         if memory_budget is not None and activation_bytes is None:
             raise PlanError(
@@ -439,7 +441,10 @@ class ReadinessFirstBase:
             ordered_weights=self._split,
         )
         if self._sizes is not None:  # (every rank, at its first step: a collective)
-            self._learner = LearnedBytes(dist.new_group(backend="gloo"), features=_given)
+            group = dist.new_group(backend="gloo")
+            self._learner = LearnedBytes(group, features=_given)
+            if self._durations is None:  # the costs are learned too, unless declared
+                self._costs = LearnedDurations(group, features=_given)
         if self._activation_bytes is not None or self._sizes is not None:
             # Bytes come with each step (``_schedule_for``); the base has a byte budget on
             # uniform bytes, which every rank builds alike (the plan check compares it).
@@ -488,17 +493,27 @@ class ReadinessFirstBase:
             ordered_weights=self._split,
         )
         self._learner.observe(plan, self._step_sizes, self._executor.activation_bytes())
+        if self._costs is not None:
+            self._costs.observe(plan, self._step_sizes, stats.executed)
 
     @property
     def learned_bytes(self) -> LearnedBytes | None:
         """With ``sizes=``: the bytes learned from the run (its ``model`` and ``error``)."""
         return self._learner
 
+    @property
+    def learned_durations(self) -> LearnedDurations | None:
+        """With ``sizes=`` and no ``durations=``: the task times learned from the run."""
+        return self._costs
+
     def _schedule_for(self, chunks: Sequence[Chunk]) -> StepSchedule:
         sched = self._base.for_microbatches(len(chunks))
         durations = None if self._durations is None else self._durations(sched.plan, chunks)
         if self._sizes is not None:
-            return sched.with_durations(durations, activation_bytes=self._learned(sched, chunks))
+            nbytes = self._learned(sched, chunks)
+            if durations is None and self._costs is not None:
+                durations = self._costs.predict(sched.plan, self._step_sizes or [])
+            return sched.with_durations(durations, activation_bytes=nbytes)
         if self._activation_bytes is not None:
             nbytes = self._activation_bytes(sched.plan, chunks)
             if not isinstance(nbytes, ActivationBytes):

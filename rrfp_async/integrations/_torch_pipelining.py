@@ -132,7 +132,9 @@ class ScheduleReadinessFirst(ReadinessFirstBase, PipelineScheduleSingle):
             every rank must return the same): the schedule then *learns* each forward's
             activation bytes from the run (measured after each step on every rank,
             exchanged, fitted per stage: ``rr.distributed.LearnedBytes``) and bounds memory
-            in bytes once every stage is fitted (the first steps run the count bound). One
+            in bytes once every stage is fitted (the first steps run the count bound);
+            without ``durations=`` it learns the tasks' times the same way
+            (``LearnedDurations``), so the cost-aware hint follows the step's sizes. One
             pipeline replica only (no data parallelism).
         emulate: Emulated GPU time for CPU benchmarks (``rr.EmulatedCost``).
         shared: Tied parameters (``rr.TorchStageExecutor``'s ``shared``), by stage index:

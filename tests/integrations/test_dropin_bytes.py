@@ -166,8 +166,10 @@ def sizes_worker(rank: int, world: int) -> dict[str, Any]:
         for p in m[rank].parameters():
             p.grad = None
     learned = schedule.learned_bytes
-    assert learned is not None
+    costs = schedule.learned_durations
+    assert learned is not None and costs is not None
     out["error"] = learned.error(schedule._base.plan)
+    out["costs_ready"] = costs.ready(schedule._base.plan)
     schedule.close()
     return out
 
@@ -186,6 +188,8 @@ def test_sizes_learn_the_bytes_and_then_a_step_holds_its_measured_budget() -> No
             assert s["measured_peak"] <= s["budget"], (r, s)
             assert s["planned_peak"] == s["measured_peak"], (r, s)
         assert res[r]["error"] < 1e-6, res[r]["error"]
+        # No durations= given: the tasks' times were learned too (the cost-aware hint).
+        assert res[r]["costs_ready"]
     # Every rank planned alike: the same budgets' key (the fitted predictions agree).
     assert [s["budget"] is not None for s in res[0]["steps"]] == [
         s["budget"] is not None for s in res[1]["steps"]
