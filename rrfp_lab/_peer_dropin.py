@@ -69,15 +69,26 @@ def _dropin_run(
         per = [[cfg.us_per_token * 1e-6 / n_chunks * t for t in st.tokens]]
         return Durations.from_arrays(plan, per * plan.num_virtual)
 
+    def sizes(plan: StepPlan, chunks: Sequence[Any]) -> list[dict[str, float]]:
+        # This step's real lengths (every rank reads them off the step table).
+        return [{"tokens": float(t)} for t in steps[len(done)].tokens]
+
     common: dict[str, Any] = {
         "loss_fn": peer_loss,
-        "hint": getattr(tpp, torch_name) if torch_name else hint,
         "policy": pol,
-        "memory_factor": mf,
         "step_timeout": 120,
-        "durations": declared,
         "emulate": TableCost(steps=tuple(steps), chunks=n_chunks),
     }
+    if hint == "sizes":
+        # The one-line switch given only the step's sizes: bytes measured and learned, the
+        # tasks' times learned, the default hint within mf x 1F1B's measured bytes.
+        common.update(sizes=sizes, memory_budget=float(mf))
+    else:
+        common.update(
+            hint=getattr(tpp, torch_name) if torch_name else hint,
+            memory_factor=mf,
+            durations=declared,
+        )
     sched: Any = (
         ScheduleInterleavedReadinessFirst(stages, cfg.microbatches, **common)
         if n_chunks > 1

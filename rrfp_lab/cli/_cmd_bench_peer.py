@@ -61,7 +61,9 @@ __all__ = ["bench_peer"]
     help="Hint of the drop-in rows (torch's PipelineStage stepped by"
     " rr.pipelining.ScheduleReadinessFirst; repeatable): an rrfp_async hint, or torch:<schedule>"
     " (torch:Interleaved1F1B, torch:ZBVZeroBubble, torch:DualPipeV) for torch's order on its"
-    " own placement, also paired with that torch schedule. Default: breadth_first_weighted.",
+    " own placement, also paired with that torch schedule; or sizes (the default hint given"
+    " only each step's sizes: bytes and task times learned from the run, --memory-factor as a"
+    " byte budget over 1F1B's measured bytes). Default: breadth_first_weighted.",
 )
 @click.option(
     "--workload",
