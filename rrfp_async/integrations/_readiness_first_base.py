@@ -224,11 +224,12 @@ class ReadinessFirstBase:
         self._learner: LearnedBytes | None = None
         self._costs: LearnedDurations | None = None
         self._step_sizes: list[dict[str, float]] | None = None
-        if memory_budget is not None and activation_bytes is None:
+        if memory_budget is not None and activation_bytes is None and sizes is None:
             raise PlanError(
-                "memory_budget is a byte budget: it needs activation_bytes=(plan,"
-                " microbatches) -> rr.ActivationBytes, each forward's bytes from the step's"
-                " microbatches (or bound the count with memory_factor=)"
+                "memory_budget is a byte budget: it needs the step's bytes, sizes=(plan,"
+                " microbatches) -> [{'tokens': ...}, ...] (learned from the run) or"
+                " activation_bytes=(plan, microbatches) -> rr.ActivationBytes (or bound the"
+                " count with memory_factor=)"
             )
         if activation_bytes is not None and memory_factor is not None:
             raise PlanError(

@@ -125,7 +125,7 @@ STEPS = [
 ]
 
 
-def sizes_worker(rank: int, world: int) -> dict[str, Any]:
+def sizes_worker(rank: int, world: int, budget: float | None) -> dict[str, Any]:
     """Four steps of new lengths with ``sizes=``: the bytes are measured, learned and then
     bound the steps; what each step really held (measured) against its budget."""
     from torch.distributed.pipelining import PipelineStage
@@ -141,6 +141,7 @@ def sizes_worker(rank: int, world: int) -> dict[str, Any]:
         M,
         loss_fn=F.mse_loss,
         sizes=lambda plan, mbs: [{"tokens": float(n)} for n in lengths],
+        memory_budget=budget,
     )
     g = torch.Generator().manual_seed(7)
     out: dict[str, Any] = {"steps": []}
@@ -174,15 +175,18 @@ def sizes_worker(rank: int, world: int) -> dict[str, Any]:
     return out
 
 
-def test_sizes_learn_the_bytes_and_then_a_step_holds_its_measured_budget() -> None:
-    res = pooled_spawn(sizes_worker, 2, timeout=200)
+@pytest.mark.parametrize("budget", [None, 1.5], ids=["same-bytes", "1.5x"])
+def test_sizes_learn_the_bytes_and_then_a_step_holds_its_measured_budget(
+    budget: float | None,
+) -> None:
+    res = pooled_spawn(sizes_worker, 2, budget, timeout=200)
     for r in range(2):
         steps = res[r]["steps"]
         # The first step runs before anything was measured: uniform bytes, i.e. the count
         # bound (1F1B's: 2 on rank 0, 1 on rank 1). Its six distinct lengths identify every
         # stage's fit, so from the second step the plan's bytes are the measured ones and
         # each step's measured peak stays within its byte budget (1F1B's measured bytes).
-        assert steps[0]["budget"] == 2 - r, steps[0]
+        assert steps[0]["budget"] == int((budget or 1.0) * (2 - r)), steps[0]
         for s in steps[1:]:
             assert s["budget"] is not None and s["budget"] > 1000, s  # bytes, not a count
             assert s["measured_peak"] <= s["budget"], (r, s)
