@@ -195,9 +195,9 @@ class TorchStageExecutor:
         measure_activations: Measure the bytes each training forward keeps until its
             backward (``activation_bytes``; see ``_activation_meter``): saved-tensor hooks
             on a CPU worker, the CUDA allocator's bytes in use on a CUDA one. Off by
-            default: the hooks cost tens of microseconds per forward (a large share of a
-            tiny model's forward; ``scripts/activation_meter_cost.py`` measures it), and
-            ``activation_bytes`` then stays empty.
+            default: the hooks cost a Python call per saved tensor, a large share of a tiny
+            model's forward (``scripts/activation_meter_cost.py`` measures it; figures in
+            docs/memory.md), and ``activation_bytes`` then stays empty.
 
     Raises:
         PlanError: ``modules`` is no dict of stage indices (ints >= 0) to modules (a bare
