@@ -130,7 +130,10 @@ def main() -> None:
             model_state_dict=state[f"stage{rank}"]["model"],
             optim_state_dict=state[f"stage{rank}"]["optim"],
         )
-        print(f"rank {rank} attempt {attempt}: resumed after step {start - 1}", flush=True)
+        # One write per line (print writes the text and the newline apart): the ranks share
+        # torchrun's stdout, and two lines must not interleave.
+        line = f"rank {rank} attempt {attempt}: resumed after step {start - 1}\n"
+        print(line, end="", flush=True)
 
     def loss_fn(out: torch.Tensor, mb: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         return F.mse_loss(out, mb[1])
