@@ -307,7 +307,17 @@ def resolve_budgets(
             out.append(reference[r])
             continue
         x = parse_memory_budget(v, f"memory_budget[{r}]" if per_rank else "memory_budget")
-        out.append(math.floor(x * reference[r] + 1e-9) if isinstance(x, float) else x)
+        if isinstance(x, float):
+            scaled = x * reference[r] + 1e-9
+            if not math.isfinite(scaled):
+                raise PlanError(
+                    f"memory_budget={v!r} x rank {r}'s default budget"
+                    f" ({format_bytes(reference[r])}) overflows a float: give a smaller factor,"
+                    " or bytes"
+                )
+            out.append(math.floor(scaled))
+        else:
+            out.append(x)
     return out
 
 

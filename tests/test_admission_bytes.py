@@ -229,6 +229,7 @@ def test_memory_budget_scales_or_sets_bytes() -> None:
         ("12 parsecs", "is no size"),
         (True, "got True"),
         ([1.0], "one value per rank (2)"),
+        (1e308, "overflows a float"),
     ],
 )
 def test_bad_budgets_are_refused_with_what_is_valid(value: object, words: str) -> None:
