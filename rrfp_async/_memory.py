@@ -38,7 +38,7 @@ from ._errors import PlanError
 from ._tasks import StepPlan, Task
 
 
-class _Ran(Protocol):
+class RanTask(Protocol):
     """A task as it ran (``loop.ExecutedTask``): the task, its start and its end."""
 
     @property
@@ -54,6 +54,7 @@ class _Ran(Protocol):
 __all__ = [
     "ActivationBytes",
     "MemoryBudget",
+    "RanTask",
     "check_budgets",
     "format_bytes",
     "held_peak",
@@ -374,7 +375,7 @@ def _check_fits(
             )
 
 
-def held_peak(executed: Sequence[_Ran], nbytes: Mapping[tuple[int, int], int]) -> int:
+def held_peak(executed: Sequence[RanTask], nbytes: Mapping[tuple[int, int], int]) -> int:
     """The most bytes a rank held in a run: each forward's ``nbytes[(stage, mb)]`` from its
     start until the end of the backward that frees them (``B``, or ``I`` when split); a
     forward missing from ``nbytes`` counts 0. With measured bytes

@@ -36,7 +36,7 @@ disagree on a value at a rounding boundary; the plan digest compares only the ba
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -44,23 +44,10 @@ import torch.distributed as dist
 from .._activation_model import ActivationModel, features_of
 from .._check import check_type
 from .._costs import Durations
-from .._memory import ActivationBytes
-from .._tasks import StepPlan, Task
+from .._memory import ActivationBytes, RanTask
+from .._tasks import StepPlan
 
 __all__ = ["LearnedBytes", "LearnedDurations"]
-
-
-class _Ran(Protocol):
-    """A task as it ran (``loop.ExecutedTask``)."""
-
-    @property
-    def task(self) -> Task: ...
-
-    @property
-    def start(self) -> float: ...
-
-    @property
-    def end(self) -> float: ...
 
 
 def _gathered(group: Any, table: torch.Tensor) -> list[Any]:
@@ -158,7 +145,7 @@ class LearnedDurations:
         self.steps = 0
 
     def observe(
-        self, plan: StepPlan, microbatches: Sequence[object], executed: Sequence[_Ran]
+        self, plan: StepPlan, microbatches: Sequence[object], executed: Sequence[RanTask]
     ) -> None:
         """Exchange the times of this rank's tasks of a step (``StepStats.executed``) with
         the group's ranks and fit every stage on all of them (a collective, as

@@ -197,21 +197,7 @@ class StepSchedule:
                     "give memory_budget (bytes) or max_inflight / memory_factor (a count of"
                     " activations), not both"
                 )
-        if isinstance(hint, str):
-            name = canonical_hint_name(hint)
-            orders: Hint = make_hint(name, plan, durations)
-        elif callable(hint):
-            name = getattr(hint, "__name__", "custom")
-            orders = make_hint(hint, plan, durations)
-        elif isinstance(hint, Mapping):
-            name = "custom"
-            validate_hint(plan, hint)
-            orders = hint
-        else:
-            raise HintError(
-                "hint must be a hint name, a generator (plan, durations) -> {rank: [Task, ...]}"
-                f" or a {{rank: [Task, ...]}} mapping, got {describe(hint)}"
-            )
+        name, orders = _resolve_hint(plan, hint, durations)
         bounds = resolve_bounds(
             plan, orders, max_inflight=max_inflight, memory_factor=memory_factor
         )
@@ -250,20 +236,7 @@ class StepSchedule:
             orders: Hint = gen(plan, durations, nbytes=nbytes, budgets=budgets)  # type: ignore[call-arg]
             validate_hint(plan, orders)
         else:
-            if name is not None:
-                orders = make_hint(name, plan, durations)
-            elif callable(hint):
-                name = getattr(hint, "__name__", "custom")
-                orders = make_hint(hint, plan, durations)
-            elif isinstance(hint, Mapping):
-                name = "custom"
-                validate_hint(plan, hint)
-                orders = hint
-            else:
-                raise HintError(
-                    "hint must be a hint name, a generator (plan, durations) -> {rank: [Task,"
-                    f" ...]}} or a {{rank: [Task, ...]}} mapping, got {describe(hint)}"
-                )
+            name, orders = _resolve_hint(plan, hint, durations)
             # A fixed order: the default budget is what it holds itself (or 1F1B, if more).
             ref = [max(a, weighted_peak(orders[r], nbytes)) for r, a in enumerate(ref)]
             budgets = resolve_budgets(plan, ref, memory_budget)
@@ -474,6 +447,29 @@ class StepSchedule:
                 self._plan[r] = (tuple(starts), tuple(gaps))
             out = self._plan[rank]
         return out
+
+
+def _resolve_hint(
+    plan: StepPlan, hint: str | HintFn | Hint, durations: Durations | None
+) -> tuple[str, Hint]:
+    """``hint``'s canonical name and its validated orders (a name, a generator or a
+    ready-made mapping).
+
+    Raises:
+        HintError: An invalid hint, or a ``hint`` that is none of the three.
+    """
+    if isinstance(hint, str):
+        name = canonical_hint_name(hint)
+        return name, make_hint(name, plan, durations)
+    if callable(hint):
+        return getattr(hint, "__name__", "custom"), make_hint(hint, plan, durations)
+    if isinstance(hint, Mapping):
+        validate_hint(plan, hint)
+        return "custom", hint
+    raise HintError(
+        "hint must be a hint name, a generator (plan, durations) -> {rank: [Task, ...]}"
+        f" or a {{rank: [Task, ...]}} mapping, got {describe(hint)}"
+    )
 
 
 def reference_orders(plan: StepPlan) -> dict[int, list[Task]]:
