@@ -88,6 +88,11 @@ def matrix(pp: int) -> list[Case]:
         ]
     if pp == 2:  # a group size other than megatron's default (PP), honoured
         out.append(Case("pp2-vpp2-readme-group_size_3", vp=2, m=6, group=3, kind="tokens"))
+        # A byte budget (activation_bytes=, memory_budget=) on megatron's 1F1B and interleaved.
+        out.append(
+            Case("pp2-bytes-per_token-variable_len", kind="tokens", variable=True, nbytes=True)
+        )
+        out.append(Case("pp2-vpp2-bytes-variable_len", vp=2, m=6, variable=True, nbytes=True))
     return out
 
 

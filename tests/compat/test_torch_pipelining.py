@@ -6,6 +6,10 @@ standard); there, torch 2.14's own pre-split ``step(arg_mbs=, ...)`` is the refe
 
 from __future__ import annotations
 
+from tests.integrations.test_dropin_bytes import (  # noqa: F401
+    test_a_byte_budget_holds_and_training_is_unchanged,
+    test_sizes_learn_the_bytes_and_then_a_step_holds_its_measured_budget,
+)
 from tests.integrations.test_torch_call_styles import (  # noqa: F401
     test_inputs_torch_refuses_are_refused_alike,
     test_the_classes_are_torchs_kinds,
