@@ -310,6 +310,10 @@ class ForwardBytes:
         """Whether forwards are measured."""
         return self.meter.enabled
 
+    def enable(self, on: bool) -> None:
+        """Measure the forwards from the next one on (``on``), or stop."""
+        self.meter.enabled = on
+
     def reset(self) -> None:
         """A step begins: forget the last one's bytes and weights."""
         self.bytes = {}

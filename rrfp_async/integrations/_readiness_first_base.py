@@ -21,13 +21,12 @@ from __future__ import annotations
 import asyncio
 import threading
 import weakref
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from .._check import is_sequence
 from .._costs import Durations
 from .._errors import PlanError
 from .._memory import ActivationBytes, MemoryBudget
@@ -46,6 +45,7 @@ from ..loop import StepStats
 from ..policies import StepSchedule
 from ._timeouts import StepTimeout, resolve_step_timeout
 from ._torch_fsdp import check_finalize, refuse_fsdp_split
+from ._torch_learning import SizesFn, StepLearning
 from ._torch_schedule_hint import hint_source
 from ._torch_stages import layout_of_group, stage_topology
 from ._torch_step_inputs import (
@@ -122,12 +122,6 @@ def _on_a_loop_thread() -> bool:
     return True
 
 
-def _given(features: object) -> Mapping[str, float]:
-    """A microbatch's features as ``sizes=`` gave them (``LearnedBytes``' reader)."""
-    assert isinstance(features, Mapping)
-    return features
-
-
 class ReadinessFirstBase:
     """The implementation both schedule classes share: a mixin placed before torch's
     ``PipelineScheduleSingle`` / ``PipelineScheduleMulti`` (whose constructors run first and
@@ -156,7 +150,7 @@ class ReadinessFirstBase:
         emulate: EmulatedCost | None,
         activation_bytes: Callable[[StepPlan, Sequence[Any]], ActivationBytes] | None = None,
         memory_budget: MemoryBudget | None = None,
-        sizes: Callable[[StepPlan, Sequence[Any]], Sequence[Mapping[str, float]]] | None = None,
+        sizes: SizesFn | bool | None = None,
         shared: SharedSpec | None,
         stage_kwargs: dict[str, Any],
     ) -> None:
@@ -168,6 +162,7 @@ class ReadinessFirstBase:
         self._topology = stage_topology(stages)
         placement = self._topology.placement
         self._stages = sorted(stages, key=lambda s: s.stage_index)
+        hint_named = hint is not None or self._default_hint is not None
         hint = self._default_hint if hint is None else hint
         self._hint, torch_split = hint_source(hint, placement, self._topology, self._n_microbatches)
         if split_backward is None:
@@ -199,15 +194,15 @@ class ReadinessFirstBase:
             rank=dist.get_rank(),
             emulate=emulate,
             shared=shared,
-            measure_activations=sizes is not None,
         )
         self._durations = durations
-        if sizes is not None:
-            if not callable(sizes):
-                raise PlanError(
-                    "sizes must be a function (plan, microbatches) -> one {feature: value}"
-                    f" mapping per microbatch, got {type(sizes).__name__}"
-                )
+        if sizes is True or (sizes is not None and sizes is not False and not callable(sizes)):
+            raise PlanError(
+                "sizes must be a function (plan, microbatches) -> one {feature: value}"
+                " mapping per microbatch, or False (no learning; None, the default, reads"
+                f" the sizes off the microbatches), got {sizes!r}"
+            )
+        if callable(sizes):
             if activation_bytes is not None or memory_factor is not None:
                 raise PlanError(
                     "sizes= learns each forward's activation bytes from the run: give it, or"
@@ -220,14 +215,23 @@ class ReadinessFirstBase:
                     f" has {size} of the job's {dist.get_world_size()} ranks (data parallel"
                     " replicas): pass activation_bytes= instead"
                 )
-        self._sizes = sizes
-        self._learner: LearnedBytes | None = None
-        self._costs: LearnedDurations | None = None
-        self._step_sizes: list[dict[str, float]] | None = None
-        if memory_budget is not None and activation_bytes is None and sizes is None:
+        # With no argument, learn from the microbatches themselves (``_torch_learning``)
+        # where nothing else was chosen: see its design note for when.
+        auto = (
+            sizes is None
+            and activation_bytes is None
+            and memory_factor is None
+            and (memory_budget is not None or (not hint_named and policy != "strict"))
+            and self._loss_fn is not None
+            and size == dist.get_world_size()
+        )
+        self._sizes: SizesFn | None = sizes if callable(sizes) else None
+        self._learns = auto or callable(sizes)
+        self._learning: StepLearning | None = None
+        if memory_budget is not None and activation_bytes is None and not self._learns:
             raise PlanError(
-                "memory_budget is a byte budget: it needs the step's bytes, sizes=(plan,"
-                " microbatches) -> [{'tokens': ...}, ...] (learned from the run) or"
+                "memory_budget is a byte budget: it needs the step's bytes, learned from the"
+                " run (one pipeline replica with a loss_fn, unless sizes=False), or"
                 " activation_bytes=(plan, microbatches) -> rr.ActivationBytes (or bound the"
                 " count with memory_factor=)"
             )
@@ -441,11 +445,16 @@ class ReadinessFirstBase:
             split_backward=self._split,
             ordered_weights=self._split,
         )
-        if self._sizes is not None:  # (every rank, at its first step: a collective)
-            group = dist.new_group(backend="gloo")
-            self._learner = LearnedBytes(group, features=_given)
-            if self._durations is None:  # the costs are learned too, unless declared
-                self._costs = LearnedDurations(group, features=_given)
+        if self._learns:
+            self._learning = StepLearning(
+                self._sizes,
+                self._executor,
+                plan=plan,
+                hint=self._hint,
+                memory_budget=self._memory_budget,
+                learn_costs=self._durations is None,
+                source=0 if self._group is None else dist.get_global_rank(self._group, 0),
+            )
         if self._activation_bytes is not None or self._sizes is not None:
             # Bytes come with each step (``_schedule_for``); the base has a byte budget on
             # uniform bytes, which every rank builds alike (the plan check compares it).
@@ -468,53 +477,28 @@ class ReadinessFirstBase:
             **self._stage_kwargs,
         )
 
-    def _learned(self, sched: StepSchedule, chunks: Sequence[Chunk]) -> ActivationBytes:
-        """This step's bytes with ``sizes=``: predicted once every stage is fitted, uniform
-        (the count bound: the fixed order's) until then."""
-        assert self._sizes is not None and self._learner is not None
-        got = self._sizes(sched.plan, chunks)
-        if not is_sequence(got) or len(got) != len(chunks):
-            raise PlanError(
-                f"sizes(plan, microbatches) must return one mapping per microbatch"
-                f" ({len(chunks)}), got {type(got).__name__}"
-            )
-        self._step_sizes = [dict(f) for f in got]
-        predicted = self._learner.predict(sched.plan, self._step_sizes)
-        return predicted if predicted is not None else ActivationBytes.uniform(sched.plan)
-
     def _learn(self, stats: StepStats, train: bool) -> None:
-        """After a training step with ``sizes=``: exchange and fit the bytes it measured
-        (a collective on every rank, after the step)."""
-        if self._learner is None or not train or self._step_sizes is None:
-            return
-        plan = StepPlan(
-            topology=self._topology,
-            microbatches=len(self._step_sizes),
-            split_backward=self._split,
-            ordered_weights=self._split,
-        )
-        self._learner.observe(plan, self._step_sizes, self._executor.activation_bytes())
-        if self._costs is not None:
-            self._costs.observe(plan, self._step_sizes, stats.executed)
+        """After a step: what the schedule learns from it (a collective on every rank)."""
+        if self._learning is not None:
+            self._learning.observe(stats, train)
 
     @property
     def learned_bytes(self) -> LearnedBytes | None:
-        """With ``sizes=``: the bytes learned from the run (its ``model`` and ``error``)."""
-        return self._learner
+        """The activation bytes learned from the run (its ``model`` and ``error``), where
+        the schedule learns (by default, or with ``sizes=``), after its first step."""
+        return None if self._learning is None else self._learning.learned_bytes
 
     @property
     def learned_durations(self) -> LearnedDurations | None:
-        """With ``sizes=`` and no ``durations=``: the task times learned from the run."""
-        return self._costs
+        """The task times learned from the run where the schedule learns and no
+        ``durations=`` were given, after its first step."""
+        return None if self._learning is None else self._learning.learned_durations
 
     def _schedule_for(self, chunks: Sequence[Chunk]) -> StepSchedule:
         sched = self._base.for_microbatches(len(chunks))
         durations = None if self._durations is None else self._durations(sched.plan, chunks)
-        if self._sizes is not None:
-            nbytes = self._learned(sched, chunks)
-            if durations is None and self._costs is not None:
-                durations = self._costs.predict(sched.plan, self._step_sizes or [])
-            return sched.with_durations(durations, activation_bytes=nbytes)
+        if self._learning is not None:
+            return self._learning.schedule(chunks, durations)
         if self._activation_bytes is not None:
             nbytes = self._activation_bytes(sched.plan, chunks)
             if not isinstance(nbytes, ActivationBytes):

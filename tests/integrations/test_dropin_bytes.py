@@ -50,7 +50,7 @@ def worker(rank: int, world: int, budget: Any) -> dict[str, Any]:
     stage = PipelineStage(m[rank], rank, world, torch.device("cpu"))
     out: dict[str, Any] = {}
     try:  # a byte budget without the bytes is refused at construction, naming the fix
-        ScheduleReadinessFirst(stage, M, loss_fn=F.mse_loss, memory_budget=1.5)
+        ScheduleReadinessFirst(stage, M, loss_fn=F.mse_loss, memory_budget=1.5, sizes=False)
     except rr.PlanError as e:
         out["refused"] = str(e)
     xs, ys = batch()
@@ -125,9 +125,10 @@ STEPS = [
 ]
 
 
-def sizes_worker(rank: int, world: int, budget: float | None) -> dict[str, Any]:
-    """Four steps of new lengths with ``sizes=``: the bytes are measured, learned and then
-    bound the steps; what each step really held (measured) against its budget."""
+def sizes_worker(rank: int, world: int, budget: float | None, given: bool = True) -> dict[str, Any]:
+    """Four steps of new lengths with ``sizes=`` (``given``) or with no argument (the sizes
+    read off the microbatches): the bytes are measured, learned and then bound the steps;
+    what each step really held (measured) against its budget."""
     from torch.distributed.pipelining import PipelineStage
 
     from rrfp_async.pipelining import ScheduleReadinessFirst
@@ -136,13 +137,10 @@ def sizes_worker(rank: int, world: int, budget: float | None) -> dict[str, Any]:
     m = model(world)
     stage = PipelineStage(m[rank], rank, world, torch.device("cpu"))
     lengths: list[int] = []
-    schedule = ScheduleReadinessFirst(
-        stage,
-        M,
-        loss_fn=F.mse_loss,
-        sizes=lambda plan, mbs: [{"tokens": float(n)} for n in lengths],
-        memory_budget=budget,
+    learn: dict[str, Any] = (
+        {"sizes": lambda plan, mbs: [{"tokens": float(n)} for n in lengths]} if given else {}
     )
+    schedule = ScheduleReadinessFirst(stage, M, loss_fn=F.mse_loss, memory_budget=budget, **learn)
     g = torch.Generator().manual_seed(7)
     out: dict[str, Any] = {"steps": []}
     for step in STEPS:
@@ -156,6 +154,7 @@ def sizes_worker(rank: int, world: int, budget: float | None) -> dict[str, Any]:
         st = schedule.last_stats
         assert st is not None
         measured = schedule._executor.activation_bytes()
+        out.setdefault("grads", []).append([p.grad.clone() for p in m[rank].parameters()])
         out["steps"].append(
             {
                 "budget": st.budget_bytes,
@@ -175,11 +174,12 @@ def sizes_worker(rank: int, world: int, budget: float | None) -> dict[str, Any]:
     return out
 
 
+@pytest.mark.parametrize("given", [True, False], ids=["sizes=", "no-argument"])
 @pytest.mark.parametrize("budget", [None, 1.5], ids=["same-bytes", "1.5x"])
 def test_sizes_learn_the_bytes_and_then_a_step_holds_its_measured_budget(
-    budget: float | None,
+    budget: float | None, given: bool
 ) -> None:
-    res = pooled_spawn(sizes_worker, 2, budget, timeout=200)
+    res = pooled_spawn(sizes_worker, 2, budget, given, timeout=200)
     for r in range(2):
         steps = res[r]["steps"]
         # The first step runs before anything was measured: uniform bytes, i.e. the count
@@ -194,7 +194,62 @@ def test_sizes_learn_the_bytes_and_then_a_step_holds_its_measured_budget(
         assert res[r]["error"] < 1e-6, res[r]["error"]
         # No durations= given: the tasks' times were learned too (the cost-aware hint).
         assert res[r]["costs_ready"]
+    # Training is unchanged: each step's gradients are plain autograd's (up to the order in
+    # which the microbatches' contributions were summed).
+    m = model(2)
+    g = torch.Generator().manual_seed(7)
+    for k, step in enumerate(STEPS):
+        m.zero_grad(set_to_none=True)
+        xs = [torch.randn(1, n, D, generator=g) for n in step]
+        ys = [torch.randn_like(x) for x in xs]
+        for x, y in zip(xs, ys, strict=True):
+            F.mse_loss(m(x), y).backward()
+        for r in range(2):
+            for a, p in zip(res[r]["grads"][k], m[r].parameters(), strict=True):
+                assert p.grad is not None
+                torch.testing.assert_close(a, p.grad / M, rtol=0, atol=1e-6)
     # Every rank planned alike: the same budgets' key (the fitted predictions agree).
     assert [s["budget"] is not None for s in res[0]["steps"]] == [
         s["budget"] is not None for s in res[1]["steps"]
     ]
+
+
+def plain_worker(rank: int, world: int, mode: str) -> dict[str, Any]:
+    """Two steps where the schedule learns nothing: microbatches of one size (torch's own
+    chunking of a batch), or ``policy="strict"`` (torch's fixed order, bit for bit)."""
+    from torch.distributed.pipelining import PipelineStage
+
+    from rrfp_async.pipelining import ScheduleReadinessFirst
+
+    torch.set_num_threads(1)
+    m = model(world)
+    stage = PipelineStage(m[rank], rank, world, torch.device("cpu"))
+    kw: dict[str, Any] = {"policy": "strict"} if mode == "strict" else {}
+    schedule = ScheduleReadinessFirst(stage, M, loss_fn=F.mse_loss, **kw)
+    g = torch.Generator().manual_seed(5)
+    out: dict[str, Any] = {"budgets": [], "measured": []}
+    for step in STEPS[:2]:
+        lengths = [8] * M if mode == "uniform" else step
+        xs = [torch.randn(1, n, D, generator=g) for n in lengths]
+        schedule.step_microbatches(
+            arg_mbs=[(x,) for x in xs] if rank == 0 else None,
+            target_mbs=[torch.randn_like(x) for x in xs] if rank == world - 1 else None,
+        )
+        st = schedule.last_stats
+        assert st is not None
+        out["budgets"].append(st.budget_bytes)
+        out["measured"].append(len(schedule._executor.activation_bytes()))
+    out["learned"] = schedule.learned_bytes is not None
+    schedule.close()
+    return out
+
+
+@pytest.mark.parametrize("mode", ["uniform", "strict"])
+def test_without_varying_sizes_or_under_strict_nothing_is_learned(mode: str) -> None:
+    res = pooled_spawn(plain_worker, 2, mode, timeout=200)
+    for r in range(2):
+        # The fixed order's count bound, nothing measured (no hook on any forward).
+        assert res[r]["budgets"] == [None, None], res[r]
+        assert res[r]["measured"] == [0, 0], res[r]
+    # Uniform steps still open the learning (a varying step may come); strict never does.
+    assert res[0]["learned"] is (mode == "uniform")

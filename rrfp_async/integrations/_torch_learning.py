@@ -1,0 +1,223 @@
+"""What the torch drop-in learns from the run: each step's sizes, then its forwards'
+activation bytes and its tasks' times (``StepLearning``).
+
+Design note
+-----------
+The cost-aware hint within a byte budget needs, before each step, every microbatch's
+activation bytes and task times on every stage, alike on every rank (the ranks must plan the
+same hint). The user's program gives torch's schedule none of that; it gives the step's
+microbatches, and only to some ranks: torch's rule is positional inputs to the first stage,
+targets to the last, keyword inputs to every stage.
+
+* **Sizes.** With ``sizes=`` the user names each microbatch's features on every rank. With
+  no argument (the default, *auto*), the rank that holds stage 0 reads them off the
+  microbatches it was given (``chunk_sizes``: the tokens of the first ``SLOTS`` tensors
+  among its positional, then keyword inputs; an integer tensor counts its elements, a
+  floating one its rows along the last dimension), and one broadcast of an ``M x (SLOTS +
+  1)`` float64 tensor on the learning group gives them to every rank before the step (a
+  column says whether any size was read). A step whose microbatches are all the same size
+  (torch's own chunking of one batch) is planned as the fixed order plans it: nothing is
+  measured and nothing exchanged (its one size teaches the fits nothing a varying step does
+  not).
+* **Bytes and times.** A step with varying sizes is measured on every rank (the executor's
+  saved-tensor meter, ``measure_activations``); after it, ``LearnedBytes`` and
+  ``LearnedDurations`` exchange the measured tables on the learning group and fit every
+  stage alike on every rank. Once every stage's fit is ready, a step is planned with the
+  predicted bytes (its budget by default what the fixed order holds on those bytes) and, when
+  no ``durations=`` were declared, the predicted times (so the default hint orders heavy
+  microbatches first); before that, with the count bound and the declared durations (the
+  first steps).
+* **When it is on.** Auto learning needs the sizes of one pipeline on all its ranks, so one
+  pipeline replica (no data parallelism: pass ``activation_bytes=`` there), a ``loss_fn``
+  (training steps), and no other choice of memory (``activation_bytes=``,
+  ``memory_factor=``) or of order (a ``hint=``; ``policy="strict"`` without a hint keeps
+  torch's fixed order, bit for bit). ``sizes=False`` switches it off.
+
+Costs on the step's path: the broadcast (one small gloo collective before each varying
+step), the meter's hooks on each forward of a measured step, the two all-gathers after it,
+and the plan's build; ``scripts/learning_cost.py`` measures them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import replace
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.utils._pytree import tree_leaves
+
+from .._check import is_sequence
+from .._costs import Durations
+from .._errors import PlanError
+from .._memory import ActivationBytes, MemoryBudget
+from .._tasks import StepPlan
+from ..distributed import LearnedBytes, LearnedDurations, TorchStageExecutor
+from ..loop import StepStats
+from ..policies import StepSchedule
+from ._torch_step_inputs import Chunk
+
+__all__ = ["SLOTS", "SizesFn", "StepLearning", "chunk_sizes"]
+
+SizesFn = Callable[[StepPlan, Sequence[Any]], Sequence[Mapping[str, float]]]
+
+SLOTS = 4
+"""Tensor inputs of a microbatch whose sizes auto learning reads (the first ones)."""
+_NAMES = ("tokens", *(f"input{i}" for i in range(1, SLOTS)))
+
+
+def _tokens(t: torch.Tensor) -> float:
+    """Tokens of a tensor: every element of an integer tensor (token ids), every row along
+    the last dimension of a floating one (``[batch, seq, hidden]`` -> ``batch * seq``)."""
+    if t.dtype.is_floating_point or t.dtype.is_complex:
+        return float(t.numel() // t.shape[-1]) if t.dim() and t.shape[-1] else 0.0
+    return float(t.numel())
+
+
+def chunk_sizes(chunk: Chunk) -> list[float]:
+    """The sizes auto learning reads off one microbatch: the tokens of its first ``SLOTS``
+    tensors, positional inputs first, then keyword inputs by name (0 where there are fewer)."""
+    leaves = [
+        *tree_leaves(list(chunk.args)),
+        *tree_leaves([chunk.kwargs[k] for k in sorted(chunk.kwargs)]),
+    ]
+    sizes = [_tokens(x) for x in leaves if isinstance(x, torch.Tensor)][:SLOTS]
+    return sizes + [0.0] * (SLOTS - len(sizes))
+
+
+def _given(features: object) -> Mapping[str, float]:
+    """A microbatch's features as this step's sizes gave them (the learners' reader)."""
+    assert isinstance(features, Mapping)
+    return features
+
+
+class StepLearning:
+    """Each step's sizes, and the bytes and times learned from the run (see the design note).
+
+    Args:
+        sizes: The user's ``sizes=`` function, or None for auto learning (the sizes read on
+            the rank of stage 0 and broadcast).
+        executor: The schedule's executor (it measures the bytes).
+        plan: The schedule's base plan (``n_microbatches``).
+        hint: The hint source (a name, or what ``hint_source`` made of torch's schedule).
+        memory_budget: The user's ``memory_budget`` (None: the fixed order's bytes).
+        learn_costs: Learn the tasks' times too (no ``durations=`` declared).
+        source: With auto learning, the global rank that holds stage 0.
+    """
+
+    def __init__(
+        self,
+        sizes: SizesFn | None,
+        executor: TorchStageExecutor,
+        *,
+        plan: StepPlan,
+        hint: Any,
+        memory_budget: MemoryBudget | None,
+        learn_costs: bool,
+        source: int,
+    ) -> None:
+        self._fn = sizes
+        self._executor = executor
+        self._plan = plan
+        self._budget = memory_budget
+        self._learn_costs = learn_costs
+        self._source = source
+        # The fixed order's schedule (steps of one size, and the first steps when the budget
+        # is in absolute bytes) and the byte-budgeted one (steps of varying sizes).
+        factor = memory_budget if isinstance(memory_budget, float) else None
+        self._count_base = StepSchedule.build(plan, hint, memory_factor=factor)
+        self._byte_base = StepSchedule.build(
+            plan, hint, activation_bytes=ActivationBytes.uniform(plan), memory_budget=memory_budget
+        )
+        self._group: Any = None
+        self._bytes: LearnedBytes | None = None
+        self._costs: LearnedDurations | None = None
+        self._sizes: list[dict[str, float]] | None = None  # this step's, when it learns
+
+    @property
+    def auto(self) -> bool:
+        """Whether the sizes are read off the microbatches (no ``sizes=``)."""
+        return self._fn is None
+
+    @property
+    def learned_bytes(self) -> LearnedBytes | None:
+        """The bytes learned so far (None before the first step)."""
+        return self._bytes
+
+    @property
+    def learned_durations(self) -> LearnedDurations | None:
+        """The task times learned so far (None before the first step, or with declared
+        ``durations=``)."""
+        return self._costs
+
+    def open(self) -> None:
+        """At the first step, on every rank (a collective): the learning group."""
+        if self._group is not None:
+            return
+        self._group = dist.new_group(backend="gloo")
+        self._bytes = LearnedBytes(self._group, features=_given)
+        if self._learn_costs:
+            self._costs = LearnedDurations(self._group, features=_given)
+
+    def _read(self, plan: StepPlan, chunks: Sequence[Chunk]) -> list[dict[str, float]] | None:
+        """This step's sizes on every rank (None: no size could be read)."""
+        if self._fn is not None:
+            got = self._fn(plan, chunks)
+            if not is_sequence(got) or len(got) != len(chunks):
+                raise PlanError(
+                    f"sizes(plan, microbatches) must return one mapping per microbatch"
+                    f" ({len(chunks)}), got {type(got).__name__}"
+                )
+            return [dict(f) for f in got]
+        m = len(chunks)
+        table = torch.zeros((m, SLOTS + 1), dtype=torch.float64)
+        if dist.get_rank() == self._source:
+            rows = [chunk_sizes(c) for c in chunks]
+            if any(any(r) for r in rows):
+                table[:, 0] = 1.0
+                table[:, 1:] = torch.tensor(rows, dtype=torch.float64)
+        dist.broadcast(table, src=self._source, group=self._group)
+        if not bool(table[:, 0].all()):
+            return None
+        return [dict(zip(_NAMES, row[1:], strict=True)) for row in table.tolist()]
+
+    def schedule(self, chunks: Sequence[Chunk], durations: Durations | None) -> StepSchedule:
+        """The schedule of a step of ``chunks`` (on every rank; the first call is a
+        collective): planned with the learned bytes and times once they are fitted."""
+        self.open()
+        m = len(chunks)
+        count = self._count_base.for_microbatches(m)
+        sizes = self._read(count.plan, chunks)
+        if sizes is None or (self.auto and self._budget is None and _uniform(sizes)):
+            self._sizes = None
+            self._executor.measure_activations(False)
+            return count if durations is None else count.with_durations(durations)
+        assert self._bytes is not None
+        self._sizes = sizes
+        self._executor.measure_activations(True)
+        if durations is None and self._costs is not None:
+            durations = self._costs.predict(count.plan, sizes)
+        predicted = self._bytes.predict(count.plan, sizes)
+        if predicted is None and not isinstance(self._budget, (float, type(None))):
+            # Not fitted yet, and a budget in bytes: the fixed order's memory until it is.
+            return count if durations is None else count.with_durations(durations)
+        nbytes = predicted if predicted is not None else ActivationBytes.uniform(count.plan)
+        return self._byte_base.for_microbatches(m).with_durations(
+            durations, activation_bytes=nbytes
+        )
+
+    def observe(self, stats: StepStats, train: bool) -> None:
+        """After a step: exchange and fit what it measured (a collective on every rank,
+        after the step), when the step was one to learn from."""
+        sizes, self._sizes = self._sizes, None
+        if sizes is None or not train or self._bytes is None:
+            return
+        plan = replace(self._plan, microbatches=len(sizes))
+        self._bytes.observe(plan, sizes, self._executor.activation_bytes())
+        if self._costs is not None:
+            self._costs.observe(plan, sizes, stats.executed)
+
+
+def _uniform(sizes: Sequence[Mapping[str, float]]) -> bool:
+    return all(s == sizes[0] for s in sizes)
