@@ -35,7 +35,7 @@ from __future__ import annotations
 import math
 import sys
 from collections import deque
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from numbers import Real
 from typing import Any
@@ -125,6 +125,22 @@ class _StageFit:
             return None
         pred = float(xs @ self.coef)
         return pred if math.isfinite(pred) and pred >= 0 else None
+
+    def fit_many(self, rows: list[tuple[float, ...]]) -> list[float | None]:
+        """``fit_of`` of each row, in one pass (a step's microbatches)."""
+        if self.dirty:
+            self.refit()
+        if not self.is_ready or not rows:
+            return [None] * len(rows)
+        xs = np.asarray(rows, dtype=np.float64) / self.scale
+        norms = np.linalg.norm(xs, axis=1)
+        offs = np.linalg.norm(xs - (xs @ self.span.T) @ self.span, axis=1)
+        preds = xs @ self.coef
+        out: list[float | None] = []
+        for norm, off, pred in zip(norms.tolist(), offs.tolist(), preds.tolist(), strict=True):
+            covered = not (norm > 0 and off > _SPAN_RTOL * norm)
+            out.append(pred if covered and math.isfinite(pred) and pred >= 0 else None)
+        return out
 
     def fallback(self, tokens: float | None) -> float:
         if tokens and self.max_per_token is not None:
@@ -273,27 +289,49 @@ class ActivationModel:
                 >= 0 (the message names the stage, the feature and the value), features other
                 than those of the stage's first observation, an extra feature that fails.
         """
+        self.observe_many(stage, [(features, measured_bytes)])
+
+    def observe_many(
+        self, stage: int, observations: Sequence[tuple[Mapping[str, float], float]]
+    ) -> None:
+        """Add several measured forwards of ``stage`` at once (a step's): as ``observe``
+        each, but each compared (``error``) with the fit of the observations made before
+        this call, and the fit recomputed once (not once per observation).
+
+        Raises:
+            PlanError: As ``observe``; nothing is added then.
+        """
         stage = self._stage(stage)
-        feats = self._features(stage, features)
-        y = _real(f"ActivationModel stage {stage}: measured_bytes", measured_bytes)
+        checked = [
+            (
+                self._features(stage, f),
+                _real(f"ActivationModel stage {stage}: measured_bytes", y),
+            )
+            for f, y in observations
+        ]
+        if not checked:
+            return
         fit = self._stages.get(stage)
         if fit is None:
-            fit = self._stages[stage] = self._new_fit(feats)
-        row = self._row(stage, fit, feats)
+            fit = self._stages[stage] = self._new_fit(checked[0][0])
+        rows = [self._row(stage, fit, feats) for feats, _ in checked]
         if fit.count:
-            if fit.dirty:
-                fit.refit()
+            fits = fit.fit_many(rows)
             if fit.is_ready:
-                pred = self._predict_row(fit, row, feats.get(_TOKENS))
-                fit.errors.append(abs(pred - y) / max(y, 1.0))
-        fit.rows.append((row, y))
-        fit.count += 1
+                for (feats, y), got in zip(checked, fits, strict=True):
+                    pred = got if got is not None else fit.fallback(feats.get(_TOKENS))
+                    fit.errors.append(abs(pred - y) / max(y, 1.0))
+        for row, (feats, y) in zip(rows, checked, strict=True):
+            fit.rows.append((row, y))
+            fit.count += 1
+            fit.max_bytes = max(fit.max_bytes, y)
+            tokens = feats.get(_TOKENS)
+            if tokens:
+                per = y / tokens
+                fit.max_per_token = (
+                    per if fit.max_per_token is None else max(fit.max_per_token, per)
+                )
         fit.dirty = True
-        fit.max_bytes = max(fit.max_bytes, y)
-        tokens = feats.get(_TOKENS)
-        if tokens:
-            per = y / tokens
-            fit.max_per_token = per if fit.max_per_token is None else max(fit.max_per_token, per)
 
     @staticmethod
     def _predict_row(fit: _StageFit, row: tuple[float, ...], tokens: float | None) -> float:
@@ -315,10 +353,22 @@ class ActivationModel:
             PlanError: A bad stage or feature (as ``observe``), or nothing observed on the
                 stage yet.
         """
+        return self.predict_many(stage, [features])[0]
+
+    def predict_many(self, stage: int, features: Sequence[Mapping[str, float]]) -> list[float]:
+        """``predict`` of each of ``features`` (a step's microbatches), in one pass.
+
+        Raises:
+            PlanError: As ``predict``.
+        """
         stage = self._stage(stage)
         fit = self._fit(stage)
-        feats = self._features(stage, features)
-        return self._predict_row(fit, self._row(stage, fit, feats), feats.get(_TOKENS))
+        feats = [self._features(stage, f) for f in features]
+        got = fit.fit_many([self._row(stage, fit, f) for f in feats])
+        return [
+            g if g is not None else fit.fallback(f.get(_TOKENS))
+            for f, g in zip(feats, got, strict=True)
+        ]
 
     def covers(self, stage: int, features: Mapping[str, float]) -> bool:
         """Whether ``predict(stage, features)`` is the fit's (not the fallback's): the stage

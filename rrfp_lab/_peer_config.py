@@ -89,7 +89,8 @@ class PeerConfig:
             are also compared with that torch schedule, step by step
             (``speedup_vs_same_torch``). ``sizes``: the default hint given only the step's
             sizes (``sizes=``: the activation bytes and the tasks' times learned from the
-            run), its memory factors a byte budget over 1F1B's measured bytes.
+            run), its memory factors a byte budget over 1F1B's measured bytes; ``default``:
+            the same with no argument (the sizes read off the microbatches).
         workload: ``"multimodal"``: each microbatch its own length (0-4 images and 8-48 text
             tokens, variable-length work); ``"uniform"``: every microbatch of a step the
             step's mean length (the same total work, no variation).

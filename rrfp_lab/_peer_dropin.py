@@ -79,7 +79,12 @@ def _dropin_run(
         "step_timeout": 120,
         "emulate": TableCost(steps=tuple(steps), chunks=n_chunks),
     }
-    if hint == "sizes":
+    if hint == "default":
+        # The one-line switch, no argument: the sizes are read off the microbatches, the
+        # bytes and the tasks' times learned from the run, the default hint within 1F1B's
+        # measured bytes (mf x them when mf is not 1).
+        common.update(memory_budget=None if mf == 1 else float(mf))
+    elif hint == "sizes":
         # The one-line switch given only the step's sizes: bytes measured and learned, the
         # tasks' times learned, the default hint within mf x 1F1B's measured bytes.
         common.update(sizes=sizes, memory_budget=float(mf))

@@ -98,9 +98,9 @@ class LearnedBytes:
         merged = _gathered(self.group, table)
         feats = [dict(self._features(mb)) for mb in microbatches]
         for v in range(nv):
-            for i in range(m):
-                if merged[v][i] >= 0:
-                    self.model.observe(v, feats[i], merged[v][i])
+            self.model.observe_many(
+                v, [(feats[i], merged[v][i]) for i in range(m) if merged[v][i] >= 0]
+            )
         self.steps += 1
 
     def ready(self, plan: StepPlan) -> bool:
@@ -113,9 +113,7 @@ class LearnedBytes:
         if not self.ready(plan):
             return None
         feats = [dict(self._features(mb)) for mb in microbatches]
-        return ActivationBytes(
-            [[self.model.predict(v, f) for f in feats] for v in range(plan.num_virtual)]
-        )
+        return ActivationBytes([self.model.predict_many(v, feats) for v in range(plan.num_virtual)])
 
     def error(self, plan: StepPlan) -> float:
         """The largest relative error of the recent predictions over the stages (NaN
@@ -164,9 +162,8 @@ class LearnedDurations:
         feats = [dict(self._features(mb)) for mb in microbatches]
         for kind, model in ((0, self.forward), (1, self.backward)):
             for v in range(nv):
-                for i in range(m):
-                    if merged[kind][v][i] >= 0:
-                        model.observe(v, feats[i], merged[kind][v][i])
+                row = merged[kind][v]
+                model.observe_many(v, [(feats[i], row[i]) for i in range(m) if row[i] >= 0])
         self.steps += 1
 
     def ready(self, plan: StepPlan) -> bool:
@@ -182,8 +179,8 @@ class LearnedDurations:
             return None
         feats = [dict(self._features(mb)) for mb in microbatches]
         nv = plan.num_virtual
-        fw = [[round(self.forward.predict(v, f)) * 1e-6 for f in feats] for v in range(nv)]
-        bw = [[round(self.backward.predict(v, f)) * 1e-6 for f in feats] for v in range(nv)]
+        fw = [[round(x) * 1e-6 for x in self.forward.predict_many(v, feats)] for v in range(nv)]
+        bw = [[round(x) * 1e-6 for x in self.backward.predict_many(v, feats)] for v in range(nv)]
         return Durations.from_arrays(plan, fw, bw)
 
     def error(self, plan: StepPlan) -> float:

@@ -15,27 +15,32 @@ targets to the last, keyword inputs to every stage.
   among its positional, then keyword inputs; an integer tensor counts its elements, a
   floating one its rows along the last dimension), and one broadcast of an ``M x (SLOTS +
   1)`` float64 tensor on the learning group gives them to every rank before the step (a
-  column says whether any size was read). A step whose microbatches are all the same size
-  (torch's own chunking of one batch) is planned as the fixed order plans it: nothing is
-  measured and nothing exchanged (its one size teaches the fits nothing a varying step does
-  not).
+  column says whether any size was read). Without ``memory_budget=``, a step whose
+  microbatches are all the same size (torch's own chunking of one batch) is planned as the
+  fixed order plans it: nothing is measured and nothing exchanged (its one size teaches the
+  fits nothing a varying step does not).
 * **Bytes and times.** A step with varying sizes is measured on every rank (the executor's
   saved-tensor meter, ``measure_activations``); after it, ``LearnedBytes`` and
   ``LearnedDurations`` exchange the measured tables on the learning group and fit every
-  stage alike on every rank. Once every stage's fit is ready, a step is planned with the
-  predicted bytes (its budget by default what the fixed order holds on those bytes) and, when
-  no ``durations=`` were declared, the predicted times (so the default hint orders heavy
+  stage alike on every rank. Once every fit is ready, one varying step in ``LEARN_EVERY``
+  is measured and learned from (the others pay neither the meter nor the exchange); the
+  choice depends only on what every rank knows alike (the step count, the fits' readiness).
+  Once every stage's fit is ready, a step is planned with the predicted bytes (its
+  budget by default what the fixed order holds on those bytes) and, when no
+  ``durations=`` were declared, the predicted times (so the default hint orders heavy
   microbatches first); before that, with the count bound and the declared durations (the
   first steps).
 * **When it is on.** Auto learning needs the sizes of one pipeline on all its ranks, so one
   pipeline replica (no data parallelism: pass ``activation_bytes=`` there), a ``loss_fn``
   (training steps), and no other choice of memory (``activation_bytes=``,
   ``memory_factor=``) or of order (a ``hint=``; ``policy="strict"`` without a hint keeps
-  torch's fixed order, bit for bit). ``sizes=False`` switches it off.
+  torch's fixed order, bit for bit) unless a ``memory_budget=`` asks for bytes.
+  ``sizes=False`` switches it off.
 
-Costs on the step's path: the broadcast (one small gloo collective before each varying
-step), the meter's hooks on each forward of a measured step, the two all-gathers after it,
-and the plan's build; ``scripts/learning_cost.py`` measures them.
+Costs on the step's path: the broadcast (one small gloo collective before each step), the
+prediction and the plan's build, and on the steps it learns from the meter's hooks on
+each forward and the two all-gathers after the step; ``scripts/learning_cost.py`` measures
+them.
 """
 
 from __future__ import annotations
@@ -65,6 +70,8 @@ SizesFn = Callable[[StepPlan, Sequence[Any]], Sequence[Mapping[str, float]]]
 SLOTS = 4
 """Tensor inputs of a microbatch whose sizes auto learning reads (the first ones)."""
 _NAMES = ("tokens", *(f"input{i}" for i in range(1, SLOTS)))
+LEARN_EVERY = 8
+"""Once every fit is ready, one varying step in this many is measured and learned from."""
 
 
 def _tokens(t: torch.Tensor) -> float:
@@ -134,6 +141,7 @@ class StepLearning:
         self._bytes: LearnedBytes | None = None
         self._costs: LearnedDurations | None = None
         self._sizes: list[dict[str, float]] | None = None  # this step's, when it learns
+        self._varying = 0  # steps of varying sizes so far
 
     @property
     def auto(self) -> bool:
@@ -194,8 +202,10 @@ class StepLearning:
             self._executor.measure_activations(False)
             return count if durations is None else count.with_durations(durations)
         assert self._bytes is not None
-        self._sizes = sizes
-        self._executor.measure_activations(True)
+        learn = self._varying % LEARN_EVERY == 0 or not self._fitted(count.plan)
+        self._varying += 1
+        self._sizes = sizes if learn else None
+        self._executor.measure_activations(learn)
         if durations is None and self._costs is not None:
             durations = self._costs.predict(count.plan, sizes)
         predicted = self._bytes.predict(count.plan, sizes)
@@ -206,6 +216,11 @@ class StepLearning:
         return self._byte_base.for_microbatches(m).with_durations(
             durations, activation_bytes=nbytes
         )
+
+    def _fitted(self, plan: StepPlan) -> bool:
+        """Whether every fit is ready (the same answer on every rank: the same data)."""
+        assert self._bytes is not None
+        return self._bytes.ready(plan) and (self._costs is None or self._costs.ready(plan))
 
     def observe(self, stats: StepStats, train: bool) -> None:
         """After a step: exchange and fit what it measured (a collective on every rank,

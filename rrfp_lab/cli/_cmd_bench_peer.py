@@ -61,9 +61,10 @@ __all__ = ["bench_peer"]
     help="Hint of the drop-in rows (torch's PipelineStage stepped by"
     " rr.pipelining.ScheduleReadinessFirst; repeatable): an rrfp_async hint, or torch:<schedule>"
     " (torch:Interleaved1F1B, torch:ZBVZeroBubble, torch:DualPipeV) for torch's order on its"
-    " own placement, also paired with that torch schedule; or sizes (the default hint given"
-    " only each step's sizes: bytes and task times learned from the run, --memory-factor as a"
-    " byte budget over 1F1B's measured bytes). Default: breadth_first_weighted.",
+    " own placement, also paired with that torch schedule; or default (the drop-in with no"
+    " argument: sizes read off the microbatches, bytes and task times learned from the run,"
+    " --memory-factor as a byte budget over 1F1B's measured bytes); or sizes (the same, given"
+    " each step's sizes by sizes=). Default: breadth_first_weighted.",
 )
 @click.option(
     "--workload",

@@ -129,6 +129,18 @@ def sizes_worker(rank: int, world: int, budget: float | None, given: bool = True
     """Four steps of new lengths with ``sizes=`` (``given``) or with no argument (the sizes
     read off the microbatches): the bytes are measured, learned and then bound the steps;
     what each step really held (measured) against its budget."""
+    from rrfp_async.integrations import _torch_learning
+
+    # Every step measured (by default one in LEARN_EVERY once fitted), so that each step's
+    # measured peak can be checked against its budget; restored (the process is pooled).
+    every, _torch_learning.LEARN_EVERY = _torch_learning.LEARN_EVERY, 1
+    try:
+        return _sizes_steps(rank, world, budget, given)
+    finally:
+        _torch_learning.LEARN_EVERY = every
+
+
+def _sizes_steps(rank: int, world: int, budget: float | None, given: bool) -> dict[str, Any]:
     from torch.distributed.pipelining import PipelineStage
 
     from rrfp_async.pipelining import ScheduleReadinessFirst
@@ -228,7 +240,7 @@ def plain_worker(rank: int, world: int, mode: str) -> dict[str, Any]:
     schedule = ScheduleReadinessFirst(stage, M, loss_fn=F.mse_loss, **kw)
     g = torch.Generator().manual_seed(5)
     out: dict[str, Any] = {"budgets": [], "measured": []}
-    for step in STEPS[:2]:
+    for step in STEPS if mode == "varying" else STEPS[:2]:
         lengths = [8] * M if mode == "uniform" else step
         xs = [torch.randn(1, n, D, generator=g) for n in lengths]
         schedule.step_microbatches(
@@ -253,3 +265,15 @@ def test_without_varying_sizes_or_under_strict_nothing_is_learned(mode: str) -> 
         assert res[r]["measured"] == [0, 0], res[r]
     # Uniform steps still open the learning (a varying step may come); strict never does.
     assert res[0]["learned"] is (mode == "uniform")
+
+
+def test_once_fitted_only_one_step_in_learn_every_is_measured() -> None:
+    from rrfp_async.integrations._torch_learning import LEARN_EVERY
+
+    assert len(STEPS) < LEARN_EVERY
+    res = pooled_spawn(plain_worker, 2, "varying", timeout=200)
+    for r in range(2):
+        # The first step identifies every fit (six lengths); the next three are planned in
+        # bytes from the fits, with no meter on their forwards.
+        assert res[r]["measured"] == [M, 0, 0, 0], res[r]
+        assert all(b is not None and b > 1000 for b in res[r]["budgets"][1:]), res[r]
