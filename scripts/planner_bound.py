@@ -151,13 +151,15 @@ def main() -> None:
     ap.add_argument("--workload", default="multimodal")
     ap.add_argument("--seeds", type=int, default=10)
     ap.add_argument("--jitter", type=float, default=0.3)
-    ap.add_argument("--iters", type=int, default=3000)
+    ap.add_argument("--iters", type=int, default=3000, help="moves per start, declared search")
+    ap.add_argument("--oracle-iters", type=int, help="moves per start, oracle (default: --iters)")
     a = ap.parse_args()
     p = a.stages
+    oracle_iters = a.oracle_iters or a.iters
     m = a.microbatches or 4 * p
     print(
         f"P={p} M={m} {a.workload}, jitter {a.jitter}, budget = strict 1F1B's bytes per rank;"
-        f" simulated; speedup over strict 1F1B; search: {a.iters} moves from each of 2 starts"
+        f" simulated; speedup over strict 1F1B; search: {a.iters} moves from each of 2 starts, oracle {oracle_iters}"
     )
     cols: dict[str, list[float]] = {
         k: [] for k in ("default", "search rf", "search strict", "oracle", "no-memory LB")
@@ -196,7 +198,9 @@ def main() -> None:
             strict_makespan(plan, ref_o, realized.by_number(plan)[0]), base.makespan
         )
         found = as_hint(g, anneal_keys(plan, starts, declared, nbytes, budgets, a.iters, rng)[0])
-        oracle = as_hint(g, anneal_keys(plan, starts, realized, nbytes, budgets, a.iters, rng)[0])
+        oracle = as_hint(
+            g, anneal_keys(plan, starts, realized, nbytes, budgets, oracle_iters, rng)[0]
+        )
         budget_kw = {"memory_budget": budgets}
         s_rf = simulate(seed=seed, hint=found, **budget_kw, **kw)  # type: ignore[arg-type]
         s_st = simulate(seed=seed, hint=found, policy="strict", **budget_kw, **kw)  # type: ignore[arg-type]
