@@ -159,7 +159,8 @@ def main() -> None:
     m = a.microbatches or 4 * p
     print(
         f"P={p} M={m} {a.workload}, jitter {a.jitter}, budget = strict 1F1B's bytes per rank;"
-        f" simulated; speedup over strict 1F1B; search: {a.iters} moves from each of 2 starts, oracle {oracle_iters}"
+        f" simulated; speedup over strict 1F1B; search: {a.iters} moves from each of 2"
+        f" starts, oracle {oracle_iters}"
     )
     cols: dict[str, list[float]] = {
         k: [] for k in ("default", "search rf", "search strict", "oracle", "no-memory LB")
