@@ -7,32 +7,68 @@ BENCHMARKS.md, "Speed at equal bytes"), too much to pay between two steps. The s
 step N+1 are known before step N ends (the data loader prefetches its batch), so the plan
 for N+1 can be built while step N runs and be ready when it ends.
 
-``PlanAhead`` owns one worker thread. ``submit`` hands it ``schedule.with_durations(...)``
-and returns at once with a ``concurrent.futures.Future``; ``result()`` on it after step N
-is the schedule for N+1 (or the ``PlanError`` / ``HintError`` the build raised), exactly what
-the inline call returns. One thread, so builds finish in the order they were submitted.
+``PlanAhead`` owns one worker. ``submit`` hands it ``schedule.with_durations(...)`` and
+returns at once with a ``concurrent.futures.Future``; ``result()`` on it after step N is the
+schedule for N+1 (or the ``PlanError`` / ``HintError`` the build raised), equal to what the
+inline call returns. One worker, so builds finish in the order they were submitted.
 
-What it costs: the build still runs on the host, in Python. It takes the interpreter's lock
-only while the step's thread does not need it, but when both want it, the step's thread
-waits up to ``sys.getswitchinterval()`` (5 ms by default) for its turn: a step whose host
-is busy every moment (a CPU run of small stages) gains nothing. A step that waits on the
-device (CUDA events, gloo waits in their threads: the lock is free while they wait) has the
-room to hide it.
+The worker is a process by default (``worker="process"``, started with ``spawn``): a build
+in a thread would hold the interpreter's lock for tens of milliseconds in slices, and the
+step's loop would wake late (by ``sys.getswitchinterval()``, 5 ms, or more on a busy host:
+measured in ``scripts/planner_cost.py``). The process keeps the schedules it built, so a
+step derived from the previous result sends only its durations and bytes; what comes back
+is the pickled schedule (about 1 ms to unpickle at 16 x 64, on the pool's result thread).
+``worker="thread"`` avoids the process (its start, about a second, and the pickling: a hint
+generator given as a function must then be importable by name) at the cost of that lateness.
 """
 
 from __future__ import annotations
 
+import itertools
+import multiprocessing
 import threading
-from concurrent.futures import Future, ThreadPoolExecutor
+import weakref
+from collections.abc import Callable
+from concurrent.futures import Executor, Future, ProcessPoolExecutor, ThreadPoolExecutor
 from types import TracebackType
+from typing import Literal
 
-from .._check import check_type
+from .._check import check_type, describe
 from .._costs import Durations
 from .._errors import PlanError
 from .._memory import ActivationBytes
 from ._schedule import StepSchedule
 
 __all__ = ["PlanAhead"]
+
+
+class _Evicted(LookupError):
+    """The worker no longer holds the schedule a submit derives from."""
+
+
+# In the worker process: the schedules it built or was sent, by the key the parent gave
+# them (the last few: a loop derives each step from the previous one).
+_KEPT: dict[int, StepSchedule] = {}
+_KEEP = 4
+
+
+def _derive(
+    key: int,
+    schedule: StepSchedule | None,
+    durations: Durations | None,
+    nbytes: ActivationBytes | None,
+    new_key: int,
+) -> StepSchedule:
+    """Worker side: ``with_durations`` on the schedule sent now or kept under ``key``."""
+    base = schedule if schedule is not None else _KEPT.get(key)
+    if base is None:  # evicted: the parent sends it again (``PlanAhead._relay``)
+        raise _Evicted(key)
+    out = base.with_durations(durations, nbytes)
+    _KEPT[key] = base
+    _KEPT[new_key] = out
+    while len(_KEPT) > _KEEP:
+        del _KEPT[next(iter(_KEPT))]
+    return out
 
 
 class PlanAhead:
@@ -51,10 +87,32 @@ class PlanAhead:
     done: the worker thread ends after the builds already submitted.
     """
 
-    def __init__(self) -> None:
-        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rrfp-plan-ahead")
+    def __init__(self, *, worker: Literal["process", "thread"] = "process") -> None:
+        """Args:
+            worker: ``"process"`` (the default: the build does not share the interpreter's
+                lock with the step) or ``"thread"``.
+
+        Raises:
+            PlanError: Another ``worker``.
+        """
+        if worker not in ("process", "thread"):
+            raise PlanError(
+                f"PlanAhead(worker=) must be 'process' or 'thread', got {describe(worker)}"
+            )
+        self._pool: Executor
+        if worker == "process":
+            self._pool = ProcessPoolExecutor(
+                max_workers=1, mp_context=multiprocessing.get_context("spawn")
+            )
+        else:
+            self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rrfp-plan-ahead")
+        self.worker = worker
         self._lock = threading.Lock()
         self._closed = False
+        # Which schedules the worker process holds (those it built, or was sent): the key
+        # it knows each by. Weak: a schedule the loop dropped is forgotten here too.
+        self._keys: weakref.WeakKeyDictionary[StepSchedule, int] = weakref.WeakKeyDictionary()
+        self._next = itertools.count(1)
 
     def submit(
         self,
@@ -81,7 +139,50 @@ class PlanAhead:
         with self._lock:
             if self._closed:
                 raise PlanError("PlanAhead is closed: submit the next step's plan before close()")
-            return self._pool.submit(schedule.with_durations, durations, activation_bytes)
+            if self.worker == "thread":
+                return self._pool.submit(schedule.with_durations, durations, activation_bytes)
+            key = self._keys.get(schedule)
+            sent = None
+            if key is None:  # the worker has not seen it: send it once
+                key = next(self._next)
+                sent = schedule
+                self._keys[schedule] = key
+            new_key = next(self._next)
+            args = (key, sent, durations, activation_bytes, new_key)
+            inner = self._pool.submit(_derive, *args)
+        out: Future[StepSchedule] = Future()
+        inner.add_done_callback(self._relay(out, schedule, args))
+        return out
+
+    def _relay(
+        self,
+        out: Future[StepSchedule],
+        schedule: StepSchedule,
+        args: tuple[int, StepSchedule | None, Durations | None, ActivationBytes | None, int],
+    ) -> Callable[[Future[StepSchedule]], None]:
+        """Hand the worker's result to ``out``, remembering that the worker holds it (or
+        send the schedule again if the worker had let it go)."""
+        key, _, durations, nbytes, new_key = args
+
+        def done(inner: Future[StepSchedule]) -> None:
+            exc = inner.exception()
+            if isinstance(exc, _Evicted):
+                try:
+                    again = self._pool.submit(_derive, key, schedule, durations, nbytes, new_key)
+                except RuntimeError as e:  # closed meanwhile
+                    out.set_exception(e)
+                    return
+                again.add_done_callback(done)
+                return
+            if exc is not None:
+                out.set_exception(exc)
+                return
+            result = inner.result()
+            with self._lock:
+                self._keys[result] = new_key
+            out.set_result(result)
+
+        return done
 
     def close(self) -> None:
         """Stop taking builds; wait for those already submitted. Idempotent."""

@@ -19,32 +19,45 @@ def _step(seed: int, stages: int = 4, m: int = 16) -> tuple[rr.Durations, rr.Act
     return wl.cost.declared(plan, wl.microbatches), nbytes
 
 
-def test_the_schedule_built_ahead_is_the_inline_one() -> None:
+WORKERS = ["process", "thread"]
+
+
+@pytest.mark.parametrize("worker", WORKERS)
+def test_the_schedule_built_ahead_is_the_inline_one(worker: str) -> None:
     plan = rr.StepPlan(topology=rr.Topology(stages=4), microbatches=16)
     d0, b0 = _step(0)
     first = rr.StepSchedule.build(plan, "bfw", durations=d0, activation_bytes=b0)
-    with PlanAhead() as ahead:
-        pending = [ahead.submit(first, *_step(seed)) for seed in (1, 2, 3)]
-        got = [f.result(timeout=30) for f in pending]
-    for seed, s in zip((1, 2, 3), got, strict=True):
-        want = first.with_durations(*_step(seed))
-        assert s.hint == want.hint
-        assert s.budgets == want.budgets
+    seeds = range(1, 9)
+    with PlanAhead(worker=worker) as ahead:  # type: ignore[arg-type]
+        # Each step from the previous step's result (the worker keeps those), then a few
+        # from the first again (the process worker let it go by then and gets it again).
+        chain, sched = [], first
+        for seed in seeds:
+            sched = ahead.submit(sched, *_step(seed)).result(timeout=60)
+            chain.append(sched)
+        again = [ahead.submit(first, *_step(seed)).result(timeout=60) for seed in seeds]
+    prev = first
+    for seed, s, t in zip(seeds, chain, again, strict=True):
+        want = prev.with_durations(*_step(seed))
+        assert s.hint == want.hint == t.hint
+        assert s.budgets == want.budgets == t.budgets
         assert s.hint != first.hint  # not vacuous: each step got its own plan
+        prev = want
 
 
-def test_a_count_schedule_ahead_too() -> None:
+@pytest.mark.parametrize("worker", WORKERS)
+def test_a_count_schedule_ahead_too(worker: str) -> None:
     plan = rr.StepPlan(topology=rr.Topology(stages=4), microbatches=16)
     d0, _ = _step(0)
     first = rr.StepSchedule.build(plan, "bfw", durations=d0)
     d1, _ = _step(1)
-    with PlanAhead() as ahead:
-        got = ahead.submit(first, d1).result(timeout=30)
+    with PlanAhead(worker=worker) as ahead:  # type: ignore[arg-type]
+        got = ahead.submit(first, d1).result(timeout=60)
     assert got.hint == first.with_durations(d1).hint
     assert got.bounds == first.bounds
 
 
-def test_it_builds_on_another_thread_while_the_caller_goes_on() -> None:
+def test_a_thread_worker_builds_while_the_caller_goes_on() -> None:
     plan = rr.StepPlan(topology=rr.Topology(stages=4), microbatches=16)
     d0, b0 = _step(0)
     first = rr.StepSchedule.build(plan, "bfw", durations=d0, activation_bytes=b0)
@@ -62,7 +75,7 @@ def test_it_builds_on_another_thread_while_the_caller_goes_on() -> None:
         return orig(durations, nbytes)
 
     object.__setattr__(first, "with_durations", slow)
-    with PlanAhead() as ahead:
+    with PlanAhead(worker="thread") as ahead:
         pending = ahead.submit(first, d1, b1)
         assert not pending.done()  # submit returned while the build waits
         gate.set()
@@ -71,7 +84,8 @@ def test_it_builds_on_another_thread_while_the_caller_goes_on() -> None:
     assert seen[0] != threading.current_thread().name
 
 
-def test_a_build_error_comes_from_result_and_a_closed_planner_refuses() -> None:
+@pytest.mark.parametrize("worker", WORKERS)
+def test_a_build_error_comes_from_result_and_a_closed_planner_refuses(worker: str) -> None:
     plan = rr.StepPlan(topology=rr.Topology(stages=4), microbatches=16)
     d0, b0 = _step(0)
     tight = rr.StepSchedule.build(
@@ -79,12 +93,14 @@ def test_a_build_error_comes_from_result_and_a_closed_planner_refuses() -> None:
     )
     d1, b1 = _step(1)
     big = rr.ActivationBytes.from_sizes(plan, [10 * x for x in b1.rows()[0]])
-    ahead = PlanAhead()
+    ahead = PlanAhead(worker=worker)  # type: ignore[arg-type]
     with pytest.raises(rr.PlanError, match="budget"):
-        ahead.submit(tight, d1, big).result(timeout=30)
+        ahead.submit(tight, d1, big).result(timeout=60)
     ahead.close()
     ahead.close()
     with pytest.raises(rr.PlanError, match="closed"):
         ahead.submit(tight, d1, b1)
     with pytest.raises(rr.PlanError, match="StepSchedule"):
-        PlanAhead().submit("bfw", d1)  # type: ignore[arg-type]
+        PlanAhead(worker="thread").submit("bfw", d1)  # type: ignore[arg-type]
+    with pytest.raises(rr.PlanError, match="'process' or 'thread'"):
+        PlanAhead(worker="fork")  # type: ignore[arg-type]
