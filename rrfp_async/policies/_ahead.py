@@ -2,8 +2,8 @@
 
 A cost-aware hint is built from the step's own sizes (``StepSchedule.with_durations``). At
 P = 16 x M = 64 that is a pure-Python list schedule of 2048 tasks (two, under a byte budget,
-plus the checks): tens of milliseconds on a CPU core (``scripts/planner_cost.py``;
-BENCHMARKS.md, "Speed at equal bytes"), too much to pay between two steps. The sizes of
+plus the checks): more than a step can pay between two steps (``scripts/planner_cost.py``;
+BENCHMARKS.md, "Speed at equal bytes"). The sizes of
 step N+1 are known before step N ends (the data loader prefetches its batch), so the plan
 for N+1 can be built while step N runs and be ready when it ends.
 
@@ -14,12 +14,12 @@ inline call returns. One worker, so builds finish in the order they were submitt
 
 The worker is a process by default (``worker="process"``, started with ``spawn``): a build
 in a thread would hold the interpreter's lock for tens of milliseconds in slices, and the
-step's loop would wake late (by ``sys.getswitchinterval()``, 5 ms, or more on a busy host:
-measured in ``scripts/planner_cost.py``). The process keeps the schedules it built, so a
+step's loop would wake late (by up to ``sys.getswitchinterval()``, or more on a busy host;
+``scripts/planner_cost.py`` measures it). The process keeps the schedules it built, so a
 step derived from the previous result sends only its durations and bytes; what comes back
-is the pickled schedule (about 1 ms to unpickle at 16 x 64, on the pool's result thread).
-``worker="thread"`` avoids the process (its start, about a second, and the pickling: a hint
-generator given as a function must then be importable by name) at the cost of that lateness.
+is the pickled schedule, unpickled on the pool's result thread. ``worker="thread"`` avoids
+the process (its start, and the pickling: a hint generator given as a function must be
+importable by name to cross it) at the cost of that lateness.
 """
 
 from __future__ import annotations
