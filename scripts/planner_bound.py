@@ -6,8 +6,11 @@
 For each seed, the same step (sizes and realized noise fixed by the seed, jitter 0.3) as
 ``simulate(stages=P, microbatches=M, workload=..., seed=seed)``; each rank's byte budget is
 what strict 1F1B holds on that step's microbatches (the default, never exceeded). Columns,
-speedup over strict 1F1B on the realized durations:
+speedup over strict 1F1B:
 
+* ``planned: default`` and ``search``: on the declared durations (what the planner sees),
+  the default hint's and the search's orders run strictly, over strict 1F1B's;
+* then on the realized durations (the simulator, seeded noise):
 * ``default``: ``simulate()`` with no memory argument (the planner's hint, readiness-first).
 * ``search``: simulated annealing over the per-rank task *orders* themselves (not priority
   keys: a move takes one task of one rank to another place in that rank's order), started
@@ -152,10 +155,12 @@ def main() -> None:
     ap.add_argument("--seeds", type=int, default=10)
     ap.add_argument("--jitter", type=float, default=0.3)
     ap.add_argument("--iters", type=int, default=3000, help="moves per start, declared search")
-    ap.add_argument("--oracle-iters", type=int, help="moves per start, oracle (default: --iters)")
+    ap.add_argument(
+        "--oracle-iters", type=int, help="moves per start, oracle (default: --iters; 0: none)"
+    )
     a = ap.parse_args()
     p = a.stages
-    oracle_iters = a.oracle_iters or a.iters
+    oracle_iters = a.iters if a.oracle_iters is None else a.oracle_iters
     m = a.microbatches or 4 * p
     print(
         f"P={p} M={m} {a.workload}, jitter {a.jitter}, budget = strict 1F1B's bytes per rank;"
@@ -163,7 +168,16 @@ def main() -> None:
         f" starts, oracle {oracle_iters}"
     )
     cols: dict[str, list[float]] = {
-        k: [] for k in ("default", "search rf", "search strict", "oracle", "no-memory LB")
+        k: []
+        for k in (
+            "planned: default",
+            "search",
+            "default",
+            "search rf",
+            "search strict",
+            "oracle",
+            "no-memory LB",
+        )
     }
     plan = StepPlan(topology=Topology(stages=p), microbatches=m)
     g = plan.graph
@@ -198,10 +212,16 @@ def main() -> None:
         assert math.isclose(
             strict_makespan(plan, ref_o, realized.by_number(plan)[0]), base.makespan
         )
-        found = as_hint(g, anneal_keys(plan, starts, declared, nbytes, budgets, a.iters, rng)[0])
-        oracle = as_hint(
-            g, anneal_keys(plan, starts, realized, nbytes, budgets, oracle_iters, rng)[0]
-        )
+        found_o = anneal_keys(plan, starts, declared, nbytes, budgets, a.iters, rng)[0]
+        found = as_hint(g, found_o)
+        d_dur = declared.by_number(plan)[0]
+        planned_1f1b = strict_makespan(plan, ref_o, d_dur)
+        dflt_o = [[g.index[t] for t in dflt.schedule.hint[r]] for r in range(p)]
+        oracle = found
+        if oracle_iters:
+            oracle = as_hint(
+                g, anneal_keys(plan, starts, realized, nbytes, budgets, oracle_iters, rng)[0]
+            )
         budget_kw = {"memory_budget": budgets}
         s_rf = simulate(seed=seed, hint=found, **budget_kw, **kw)  # type: ignore[arg-type]
         s_st = simulate(seed=seed, hint=found, policy="strict", **budget_kw, **kw)  # type: ignore[arg-type]
@@ -209,10 +229,12 @@ def main() -> None:
         for res in (s_rf, s_st, o_st):
             assert max(res.memory_ratio, 0) <= 1.0 + 1e-9, res.memory_ratio
         row = {
+            "planned: default": planned_1f1b / strict_makespan(plan, dflt_o, d_dur),
+            "search": planned_1f1b / strict_makespan(plan, found_o, d_dur),
             "default": base.makespan / dflt.makespan,
             "search rf": base.makespan / s_rf.makespan,
             "search strict": base.makespan / s_st.makespan,
-            "oracle": base.makespan / o_st.makespan,
+            "oracle": base.makespan / o_st.makespan if oracle_iters else math.nan,
             "no-memory LB": base.makespan / base.lower_bound,
         }
         for k, v in row.items():
