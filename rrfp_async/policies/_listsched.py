@@ -43,15 +43,15 @@ How: a list schedule per candidate key set, and the candidate that ends sooner.
    tasks), and each rank's start order is the hint; the candidate whose orders, run
    strictly (``strict_timeline``), end first is the step's hint.
 
-Why not more: a stronger search over the same information gains almost nothing.
-``scripts/planner_bound.py`` anneals over the list schedule's keys (thousands of
-schedules per step, seconds) on the declared durations: its plans, run in the simulator
-with the seeded noise, are as fast as these two candidates (median within 1 %); the same
-search given the *realized* durations, a clairvoyant planner, gains more but stays well
-short of 1.3x strict 1F1B at P = 8 x M = 32 multimodal (BENCHMARKS.md, "Speed at equal
-bytes"). What stops a faster step at the same bytes is the budget and the noise the plan
-cannot see, not the search. Planning cost: see ``_ahead`` (``PlanAhead`` builds the next
-step's hint while this one runs).
+Why not more: a far stronger search over the same information gains little.
+``scripts/planner_bound.py`` anneals over the list schedule's keys (thousands to tens of
+thousands of schedules per step, minutes) on the declared durations: its plans, run in the
+simulator with the seeded noise, beat these two candidates by a few percent, most of their
+planned gain lost to the noise; the same search given the *realized* durations, a
+clairvoyant planner, gains more but still stays short of 1.3x strict 1F1B at P = 8 x M = 32
+multimodal (BENCHMARKS.md, "Speed at equal bytes"). What stops a faster step at the same
+bytes is the budget and the noise the plan cannot see, not the search. Planning cost: see
+``_ahead`` (``PlanAhead`` builds the next step's hint while this one runs).
 """
 
 from __future__ import annotations
