@@ -9,6 +9,8 @@ One concept per module, bottom first:
 * ``_hints``: the hint generators and their registry (``HINTS``, ``make_hint``);
 * ``_torch_hints``: any ``torch.distributed.pipelining`` schedule as a hint;
 * ``_schedule``: ``StepSchedule``, a validated plan + hint + bounds, and each rank's program;
+* ``_ahead``: ``PlanAhead``, the next step's schedule built on a worker thread while this
+  step runs;
 * ``_policy``: the ``Policy`` protocol, the ``ReadyView`` it reads, the built-in policies
   and their registry.
 
@@ -26,6 +28,7 @@ Internal to the package family: imported here for the packages above, not in ``_
 """
 
 from .._admission import AdmissionLedger, hint_peak
+from ._ahead import PlanAhead
 from ._bounds import default_bound, resolve_bounds
 from ._hints import (
     _ALIASES,
@@ -79,6 +82,7 @@ __all__ = [
     "Hint",
     "HintFn",
     "NamedPolicy",
+    "PlanAhead",
     "Policy",
     "PolicyBase",
     "RankProgram",

@@ -19,6 +19,39 @@ forwards are scanned in priority order for the best one that fits (a smaller mic
 start while a larger one waits for room). The resulting order, run strictly, never holds
 more than the budget (bytes are held from a forward's dispatch until its backward ends, in
 the order the hint records), so it is a valid hint for the byte ledger.
+
+The planner of a step within a byte budget (design note)
+--------------------------------------------------------
+
+What the default hint under a byte budget (``breadth_first_weighted`` with ``nbytes=`` and
+``budgets=``, what ``simulate`` and the drop-ins with bytes build every step) optimises:
+the step's makespan, *as planned*: each rank's order run strictly on the declared
+durations of the step's own microbatches, subject to every rank holding at most its budget
+(by default the peak bytes strict 1F1B holds on these microbatches) at every point of its
+order. Nothing else: not the realized durations (unknown), not the bytes below the budget.
+
+How: a list schedule per candidate key set, and the candidate that ends sooner.
+
+1. ``key``: the most declared work left on the task's microbatch first (its own time, every
+   later forward, every backward): forwards while memory admits them, heavier microbatches
+   first, a backward as soon as its chain is the longest left.
+2. The same keys behind one more: a ready backward first. Under a tight budget the first
+   rule can fill a rank with forwards while the backward that would free room waits; this
+   one is 1F1B's rule with the microbatches weighted.
+3. Each is simulated on the declared durations (this module: events in a heap, each rank's
+   ready tasks in two heaps, admission by reservation as above: ``O(T log T)`` for ``T``
+   tasks), and each rank's start order is the hint; the candidate whose orders, run
+   strictly (``strict_timeline``), end first is the step's hint.
+
+Why not more: a far stronger search over the same information gains little.
+``scripts/planner_bound.py`` anneals over the list schedule's keys (thousands to tens of
+thousands of schedules per step, minutes) on the declared durations: its plans, run in the
+simulator with the seeded noise, beat these two candidates by a few percent, most of their
+planned gain lost to the noise; the same search given the *realized* durations, a
+clairvoyant planner, gains more but still stays short of 1.3x strict 1F1B at P = 8 x M = 32
+multimodal (BENCHMARKS.md, "Speed at equal bytes"). What stops a faster step at the same
+bytes is the budget and the noise the plan cannot see, not the search. Planning cost: see
+``_ahead`` (``PlanAhead`` builds the next step's hint while this one runs).
 """
 
 from __future__ import annotations
