@@ -2,12 +2,13 @@
 variable-length microbatches on gloo processes (a stack of ``Linear(64, 64) + tanh``, 16
 microbatches of 8-256 rows, new lengths every step), one schedule with no argument (it reads
 the sizes, measures, exchanges, learns and plans in bytes) and one with ``sizes=False`` (the
-fixed order's count bound, nothing learned), stepped in alternation; the parts of the
+fixed order's count bound, nothing learned), stepped in alternation (which one first
+alternating too); the parts of the
 learning timed inside the run: ``schedule`` (the sizes' broadcast and the step's plan) and
 ``observe`` (the two all-gathers and the fits), medians over the timed steps. Real CPU
 compute, no emulated time.
 
-    python scripts/learning_cost.py [--world 4] [--steps 20] [--budget 1.5]
+    python scripts/learning_cost.py [--world 4] [--steps 20] [--budget 1.5] [--uniform]
 """
 
 from __future__ import annotations
@@ -40,7 +41,9 @@ def _timed(cls: Any, name: str, sink: dict[str, list[float]]) -> None:
     setattr(cls, name, wrapper)
 
 
-def worker(rank: int, world: int, steps: int, budget: float | None) -> dict[str, Any]:
+def worker(
+    rank: int, world: int, steps: int, budget: float | None, uniform: bool
+) -> dict[str, Any]:
     from torch.distributed.pipelining import PipelineStage
 
     from rrfp_async.pipelining import ScheduleReadinessFirst
@@ -67,8 +70,13 @@ def worker(rank: int, world: int, steps: int, budget: float | None) -> dict[str,
     times: dict[str, list[float]] = {k: [] for k in scheds}
     for s in range(steps + 3):
         lengths = torch.randint(8, 257, (M,), generator=g).tolist()
+        if uniform:  # the same work, one size: only the sizes' broadcast is left
+            lengths = [sum(lengths) // M] * M
         xs = [torch.randn(1, n, D, generator=g) for n in lengths]
-        for k, sched in scheds.items():
+        # Which one runs first alternates step by step (the second of a pair runs slower
+        # here: its first forward waits on the previous one's tail).
+        for k in sorted(scheds, reverse=s % 2 == 1):
+            sched = scheds[k]
             torch.distributed.barrier()
             t0 = time.perf_counter()
             sched.step_microbatches(
@@ -83,7 +91,7 @@ def worker(rank: int, world: int, steps: int, budget: float | None) -> dict[str,
         "step_learn": statistics.median(times["learn"]),
         "step_fixed": statistics.median(times["fixed"]),
         "schedule": statistics.median(parts["schedule"][3:]),
-        "observe": statistics.median(parts["observe"][3:]),
+        "observe": statistics.median(parts.get("observe", [0.0] * 4)[3:]),
         "fitted": learned is not None and learned.ready(scheds["learn"]._base.plan),
     }
     for sched in scheds.values():
@@ -96,9 +104,11 @@ def main() -> None:
     ap.add_argument("--world", type=int, default=4)
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--budget", type=float, default=None, help="memory_budget of the learning one")
+    ap.add_argument("--uniform", action="store_true", help="every microbatch of a step one size")
     a = ap.parse_args()
-    res = rr.spawn(worker, a.world, a.steps, a.budget, timeout=900)
-    print(f"{a.world} gloo processes, {M} microbatches of 8-256 rows, {a.steps} timed steps")
+    res = rr.spawn(worker, a.world, a.steps, a.budget, a.uniform, timeout=900)
+    rows = "one size a step" if a.uniform else "8-256 rows"
+    print(f"{a.world} gloo processes, {M} microbatches ({rows}), {a.steps} timed steps")
     print("rank  step learning  step fixed  ratio  schedule(ms)  observe(ms)  fitted")
     for r, o in enumerate(res):
         print(

@@ -18,7 +18,8 @@ targets to the last, keyword inputs to every stage.
   column says whether any size was read). Without ``memory_budget=``, a step whose
   microbatches are all the same size (torch's own chunking of one batch) is planned as the
   fixed order plans it: nothing is measured and nothing exchanged (its one size teaches the
-  fits nothing a varying step does not).
+  fits nothing a varying step does not); after ``UNIFORM_START`` such steps from the start
+  no more sizes are read (no broadcast: a job of fixed shapes pays nothing from then on).
 * **Bytes and times.** A step with varying sizes is measured on every rank (the executor's
   saved-tensor meter, ``measure_activations``); after it, ``LearnedBytes`` and
   ``LearnedDurations`` exchange the measured tables on the learning group and fit every
@@ -72,6 +73,8 @@ SLOTS = 4
 _NAMES = ("tokens", *(f"input{i}" for i in range(1, SLOTS)))
 LEARN_EVERY = 8
 """Once every fit is ready, one varying step in this many is measured and learned from."""
+UNIFORM_START = 2
+"""Auto learning stops reading sizes after this many first steps of one size each."""
 
 
 def _tokens(t: torch.Tensor) -> float:
@@ -142,6 +145,8 @@ class StepLearning:
         self._costs: LearnedDurations | None = None
         self._sizes: list[dict[str, float]] | None = None  # this step's, when it learns
         self._varying = 0  # steps of varying sizes so far
+        self._steps = 0  # steps planned so far
+        self._reading = True  # auto: whether the sizes are still read (broadcast) each step
 
     @property
     def auto(self) -> bool:
@@ -196,8 +201,13 @@ class StepLearning:
         self.open()
         m = len(chunks)
         count = self._count_base.for_microbatches(m)
-        sizes = self._read(count.plan, chunks)
+        sizes = self._read(count.plan, chunks) if self._reading else None
+        self._steps += 1
         if sizes is None or (self.auto and self._budget is None and _uniform(sizes)):
+            if self.auto and self._budget is None and self._varying == 0:
+                # Steps of one size from the start (torch's chunking of one batch): stop
+                # reading sizes, the same choice on every rank (the same broadcasts seen).
+                self._reading = self._steps < UNIFORM_START
             self._sizes = None
             self._executor.measure_activations(False)
             return count if durations is None else count.with_durations(durations)
