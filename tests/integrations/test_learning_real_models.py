@@ -182,18 +182,58 @@ def reference_grads(kind: str, steps: int) -> list[dict[str, torch.Tensor]]:
     return out
 
 
+def _plain_fit_error(res: list[dict[str, Any]]) -> float:
+    """The largest out-of-sample error of a fit of the image-text run's measured bytes on
+    the sizes as auto learning reads them, without the products of two sizes."""
+    from rrfp_async.distributed import ActivationModel
+    from rrfp_async.integrations._torch_learning import _NAMES, chunk_sizes
+    from rrfp_async.integrations._torch_step_inputs import Chunk
+
+    model = ActivationModel()
+    for k in range(len(IT_STEPS)):
+        sizes = [
+            dict(zip(_NAMES, chunk_sizes(Chunk((mb,), {}, None, None)), strict=True))
+            for mb in it_batch(k)
+        ]
+        for r in range(2):
+            measured = res[r]["steps"][k]["measured"]
+            model.observe_many(r, [(sizes[i], measured[(r, i)]) for i in range(M)])
+    return max(model.error(r) for r in range(2))
+
+
 @pytest.mark.parametrize("kind", ["hf", "image_text"])
 def test_a_real_model_holds_its_measured_budget(kind: str) -> None:
     res = pooled_spawn(worker, 2, kind, timeout=280)
     for r in range(2):
-        print(kind, r, res[r]["columns"])
-        for s in res[r]["steps"]:
-            print(
-                kind,
-                r,
-                s["budget"],
-                s["planned_peak"],
-                s["measured_peak"],
-                s["error"],
-                sorted(s["measured"].items()),
-            )
+        steps = res[r]["steps"]
+        # The first step runs before anything was measured: 1F1B's count bound (2 forwards
+        # held on rank 0, 1 on rank 1). Its six sizes identify every stage's fit, so from
+        # the second step on each step is planned in bytes, and what it really held stays
+        # within them. On CPU the saved-tensor bytes are exact and a polynomial of degree 2
+        # in the sizes: the predictions are the measurements (errors ~1e-14).
+        assert steps[0]["budget"] == 2 - r, steps[0]
+        for s in steps[1:]:
+            assert s["budget"] is not None and s["budget"] > 1000, s  # bytes, not a count
+            assert s["measured_peak"] <= s["budget"], (kind, r, s)
+            assert s["planned_peak"] == s["measured_peak"], (kind, r, s)
+            assert s["error"] < 1e-9, (kind, r, s["error"])
+        print(
+            f"{kind} rank {r}: error {steps[-1]['error']:.1e}; measured peak / budget"
+            f" {[(s['measured_peak'], s['budget']) for s in steps[1:]]}"
+        )
+    if kind == "image_text":
+        # Not vacuous: this model's bytes are no polynomial of degree 2 in the first size read
+        # (the images' rows) alone, nor are they once the text's tokens are added as a plain
+        # column: its attention's square is of their sum. The same measurements, fitted
+        # without the products of the sizes, are far off (11% here; the run
+        # planned with such a fit went over its budget).
+        plain = _plain_fit_error(res)
+        assert plain > 0.05, plain
+    # Training is unchanged: each step's gradients are plain autograd's on the whole model
+    # (the stages hold the model's modules under its names).
+    want = reference_grads(kind, len(res[0]["steps"]))
+    for k, ref in enumerate(want):
+        got = {**res[0]["grads"][k], **res[1]["grads"][k]}
+        assert got.keys() == ref.keys(), sorted(set(got) ^ set(ref))
+        for n, g in got.items():
+            torch.testing.assert_close(g, ref[n], rtol=0, atol=1e-6, msg=f"step {k} {n}")
