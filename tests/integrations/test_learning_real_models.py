@@ -128,6 +128,8 @@ def _steps(rank: int, world: int, kind: str) -> dict[str, Any]:
             args = [(mb["input_ids"],) for mb in mbs]
             targets = [mb["labels"] for mb in mbs]
         else:
+            # Stage 0 takes the data dict as its one positional input: as keywords it would
+            # reach every stage (torch's rule), and stage 1 takes the hidden state alone.
             args = [(mb,) for mb in mbs]
             targets = [mb["text"] for mb in mbs]
         schedule.step_microbatches(
@@ -152,9 +154,6 @@ def _steps(rank: int, world: int, kind: str) -> dict[str, Any]:
             }
         )
         module.zero_grad(set_to_none=True)
-    learned = schedule.learned_bytes
-    assert learned is not None
-    out["columns"] = learned.model.columns(rank)
     schedule.close()
     return out
 
