@@ -15,7 +15,13 @@ targets to the last, keyword inputs to every stage.
   among its positional, then keyword inputs; an integer tensor counts its elements, a
   floating one its rows along the last dimension), and one broadcast of an ``M x (SLOTS +
   1)`` float64 tensor on the learning group gives them to every rank before the step (a
-  column says whether any size was read). Without ``memory_budget=``, a step whose
+  column says whether any size was read). The bytes are fitted as a full polynomial of
+  degree 2 in the sizes read (``_PRODUCTS``: every product of two, not only the first
+  size's square): which size is the model's sequence length is not known, and where a
+  model concatenates its inputs into one sequence (image patches, then text) its length is
+  a sum of them, and its attention's square term holds their cross product. Sizes never
+  read are 0, their columns all zero, so they need no more steps to fit (a one-input model
+  fits ``1, tokens, tokens**2`` as before). Without ``memory_budget=``, a step whose
   microbatches are all the same size (torch's own chunking of one batch) is planned as the
   fixed order plans it: nothing is measured and nothing exchanged (its one size teaches the
   fits nothing a varying step does not); after ``UNIFORM_START`` such steps from the start
@@ -54,6 +60,7 @@ import torch
 import torch.distributed as dist
 from torch.utils._pytree import tree_leaves
 
+from .._activation_model import ActivationModel, FeatureFn
 from .._check import is_sequence
 from .._costs import Durations
 from .._errors import PlanError
@@ -75,6 +82,20 @@ LEARN_EVERY = 8
 """Once every fit is ready, one varying step in this many is measured and learned from."""
 UNIFORM_START = 2
 """Auto learning stops reading sizes after this many first steps of one size each."""
+
+
+def _product(a: str, b: str) -> FeatureFn:
+    return lambda f: f[a] * f[b]
+
+
+# The fit's columns beyond ``1``, each size and ``tokens**2`` (its own): every other product
+# of two sizes read (the design note says why).
+_PRODUCTS: dict[str, FeatureFn] = {
+    (f"{a}**2" if a == b else f"{a}*{b}"): _product(a, b)
+    for i, a in enumerate(_NAMES)
+    for b in _NAMES[i:]
+    if (a, b) != ("tokens", "tokens")
+}
 
 
 def _tokens(t: torch.Tensor) -> float:
@@ -169,7 +190,8 @@ class StepLearning:
         if self._group is not None:
             return
         self._group = dist.new_group(backend="gloo")
-        self._bytes = LearnedBytes(self._group, features=_given)
+        model = ActivationModel(extra_features=_PRODUCTS if self.auto else None)
+        self._bytes = LearnedBytes(self._group, model, features=_given)
         if self._learn_costs:
             self._costs = LearnedDurations(self._group, features=_given)
 
