@@ -41,7 +41,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .._activation_model import ActivationModel, features_of
+from .._activation_model import ActivationModel, FeatureFn, features_of
 from .._check import check_type
 from .._costs import Durations
 from .._memory import ActivationBytes, RanTask
@@ -129,16 +129,18 @@ class LearnedDurations:
     Args:
         group: The process group of one pipeline replica's ranks; None: the default group.
         features: A microbatch's size features (default ``features_of``).
+        extra_features: Extra columns of both fits (``ActivationModel``'s).
     """
 
     def __init__(
         self,
         group: Any = None,
         features: Callable[[object], Mapping[str, float]] = features_of,
+        extra_features: Mapping[str, FeatureFn] | None = None,
     ) -> None:
         self.group = group
-        self.forward = ActivationModel()
-        self.backward = ActivationModel()
+        self.forward = ActivationModel(extra_features=extra_features)
+        self.backward = ActivationModel(extra_features=extra_features)
         self._features = features
         self.steps = 0
 

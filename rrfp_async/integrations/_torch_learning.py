@@ -190,10 +190,12 @@ class StepLearning:
         if self._group is not None:
             return
         self._group = dist.new_group(backend="gloo")
-        model = ActivationModel(extra_features=_PRODUCTS if self.auto else None)
-        self._bytes = LearnedBytes(self._group, model, features=_given)
-        if self._learn_costs:
-            self._costs = LearnedDurations(self._group, features=_given)
+        extra = _PRODUCTS if self.auto else None
+        self._bytes = LearnedBytes(
+            self._group, ActivationModel(extra_features=extra), features=_given
+        )
+        if self._learn_costs:  # (attention's time is quadratic in the length too)
+            self._costs = LearnedDurations(self._group, features=_given, extra_features=extra)
 
     def _read(self, plan: StepPlan, chunks: Sequence[Chunk]) -> list[dict[str, float]] | None:
         """This step's sizes on every rank (None: no size could be read)."""
