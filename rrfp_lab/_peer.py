@@ -66,7 +66,14 @@ from ._peer_config import (
 )
 from ._peer_rr import rr_runs
 from ._peer_sim import SIMULATED, peer_simulated
-from ._peer_stage import META, PeerStage, TableCost, fill_table, module_host_time
+from ._peer_stage import (
+    META,
+    PeerStage,
+    TableCost,
+    fill_table,
+    module_host_time,
+    replay_peak,
+)
 from ._peer_torch import torch_runs
 
 __all__ = [
@@ -118,6 +125,8 @@ def peer_worker(rank: int, world: int, cfg: PeerConfig) -> dict[str, Any]:
                     fill_table(steps, run.chunks)
                     current = run.chunks
                 run.times.append(run.fn(s))
+            if cfg.meter:
+                _replay_real(runs)
             if rank == 0:
                 from rrfp_async.distributed import report_progress
 
@@ -131,8 +140,11 @@ def peer_worker(rank: int, world: int, cfg: PeerConfig) -> dict[str, Any]:
         for c, p, sp in {(r.chunks, r.placement, r.split) for r in runs}
     }
     times, peaks = slowest(runs, total)
+    nbytes, real = gather_bytes(runs, total)
     # Losses live on the rank of the last virtual stage; every rank reports its own.
     return {
+        "bytes": nbytes,
+        "real_bytes": real,
         "one_way_s": one_way,
         "keys": [r.key for r in runs],
         "chunks": [r.chunks for r in runs],
@@ -152,6 +164,70 @@ def slowest(runs: Sequence[WorkerRun], total: int) -> tuple[list[list[float]], l
     peaks = torch.tensor([r.peak for r in runs], dtype=torch.int64)
     dist.all_reduce(peaks, op=dist.ReduceOp.MAX)
     return local.view(len(runs), total).tolist(), peaks.tolist()
+
+
+def _replay_real(runs: Sequence[WorkerRun]) -> None:
+    """After a step: each torch run's order (``LiveBytes.order``) on the real lengths' bytes,
+    those an rrfp_async run of the same chunks and placement measured in this step (its
+    ``step_bytes``); NaN when no such run measured them."""
+    ref: dict[tuple[int, str], dict[tuple[int, int], int]] = {}
+    for r in runs:
+        if r.key[0] != "torch" and r.step_bytes:
+            ref.setdefault((r.chunks, r.placement), r.step_bytes)
+    for r in runs:
+        if r.key[0] == "torch" and r.fn is not None:
+            nb = ref.get((r.chunks, r.placement))
+            r.real_bytes.append(float(replay_peak(r.order, nb)) if nb and r.order else math.nan)
+
+
+def gather_bytes(
+    runs: Sequence[WorkerRun], total: int
+) -> tuple[list[list[list[int]]], list[list[list[float]]]]:
+    """Every rank's measured peak bytes and torch's real-length replays, per run and step,
+    as ``[rank][run][step]`` (collective over the world; a step not measured counts 0 bytes,
+    a replay not made NaN)."""
+    world = dist.get_world_size()
+    mine = torch.zeros(len(runs), total, dtype=torch.int64)
+    real = torch.full((len(runs), total), math.nan, dtype=torch.float64)
+    for i, r in enumerate(runs):
+        mine[i, : len(r.peak_bytes)] = torch.tensor(r.peak_bytes, dtype=torch.int64)
+        real[i, : len(r.real_bytes)] = torch.tensor(r.real_bytes, dtype=torch.float64)
+    got = [torch.zeros_like(mine) for _ in range(world)]
+    dist.all_gather(got, mine)
+    got_real = [torch.zeros_like(real) for _ in range(world)]
+    dist.all_gather(got_real, real)
+    return [g.tolist() for g in got], [g.tolist() for g in got_real]
+
+
+def _bytes_fields(r0: dict[str, Any], i: int, base: int, w: int, meter: bool) -> dict[str, Any]:
+    """Row ``i``'s ``PeerRun`` bytes fields from every rank's measurements (timed steps
+    only), against row ``base`` (torch 1F1B; -1: not run)."""
+    if not meter:
+        return {}
+
+    def per_rank(key: str, row: int) -> list[float]:
+        return [max(per_run[row][w:], default=math.nan) for per_run in r0[key]]
+
+    mine = per_rank("bytes", i)
+    if not any(mine):  # a run that did not run
+        return {}
+    out: dict[str, Any] = {
+        "peak_bytes": int(max(mine)),
+        "peak_bytes_per_rank": tuple(int(b) for b in mine),
+    }
+    real = per_rank("real_bytes", i)
+    if all(math.isfinite(b) for b in real):
+        out.update(real_bytes=int(max(real)), real_bytes_per_rank=tuple(int(b) for b in real))
+    if base >= 0 and any(per_rank("bytes", base)):
+        ref = per_rank("bytes", base)
+        out["bytes_vs_torch_1f1b"] = max(mine) / max(ref)
+        out["bytes_vs_torch_1f1b_per_rank"] = tuple(
+            a / b if b else math.nan for a, b in zip(mine, ref, strict=True)
+        )
+        ref_real = per_rank("real_bytes", base)
+        if all(math.isfinite(b) for b in ref_real):
+            out["bytes_vs_torch_1f1b_real"] = max(mine) / max(ref_real)
+    return out
 
 
 def _raw_one_way(cfg: PeerConfig, rank: int, steps: Sequence[Step], reps: int = 20) -> float:
@@ -257,6 +333,7 @@ def peer_benchmark(
                 peak_inflight=int(r0["peaks"][i]),
                 steps_s=steps_s if ok else (),
                 note=note,
+                **(_bytes_fields(r0, i, bi, w, cfg.meter) if ok else {}),
             )
         )
     steps = make_steps(cfg)

@@ -44,7 +44,11 @@ def rr_runs(
         plan = step_plan(cfg, chunks, placement, split)
         mods = make_modules(cfg, rank, chunks, placement, False, weight_sleep=False)
         executor = TorchStageExecutor(
-            mods, peer_loss, rank=rank, emulate=TableCost(steps=tuple(steps), chunks=chunks)
+            mods,
+            peer_loss,
+            rank=rank,
+            emulate=TableCost(steps=tuple(steps), chunks=chunks),
+            measure_activations=cfg.meter,
         )
         closers.append(executor.close)
         for mf in cfg.memory_factors:
@@ -86,6 +90,9 @@ def rr_runs(
 
                     t, stats = loop.run_until_complete(go())
                     run.peak = max(run.peak, stats.peak_inflight)
+                    if cfg.meter:
+                        run.step_bytes = executor.activation_bytes()
+                        run.peak_bytes.append(stats.held_peak(run.step_bytes))
                     if executor.losses:
                         run.losses.append(sum(executor.losses.values()) / cfg.microbatches)
                     for m in mods.values():

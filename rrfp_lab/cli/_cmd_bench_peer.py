@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 from typing import Any
 
 import click
@@ -80,6 +81,13 @@ __all__ = ["bench_peer"]
     repeatable=True,
 )
 @click.option(
+    "--meter/--no-meter",
+    default=True,
+    show_default=True,
+    help="Measure every row's activation bytes on every step (the saved-tensor meter, on"
+    " for all rows alike); --no-meter: no bytes, and no meter's cost in any row's time.",
+)
+@click.option(
     "--simulated",
     is_flag=True,
     help="Instead: the same steps in the simulator (virtual time, no host cost), with a"
@@ -109,6 +117,7 @@ def bench_peer(
     workload: str,
     policies: tuple[str, ...],
     memory_factors: tuple[float, ...],
+    meter: bool,
     simulated: bool,
     latency: float,
     host_time: bool,
@@ -146,6 +155,7 @@ def bench_peer(
                 workload=workload,
                 policies=tuple(policy_names(policies, list(base.policies))),
                 memory_factors=memory_factors or base.memory_factors,
+                meter=meter,
             )
             for us in (scales or (2.0, 8.0))
         ]
@@ -195,7 +205,8 @@ def bench_peer(
                 f"step s\n(median\nof {cfg.steps})",
                 "vs torch\n1F1B\n(median,\nmin–max)",
                 "effic.",
-                "peak",
+                "peak\nbytes\n(max of\nranks)",
+                "bytes\nvs torch\n1F1B",
                 "note",
             ),
             left={"configuration", "note"},
@@ -234,7 +245,7 @@ def bench_peer(
                 f"{r['step_s']:.4f}",
                 vs,
                 f"{r['efficiency']:.2f}",
-                str(r["peak_inflight"]),
+                *_bytes_cells(r),
                 "; ".join(
                     x
                     for x in (
@@ -256,9 +267,35 @@ def bench_peer(
             " PipelineStage stepped by rr.pipelining.ScheduleReadinessFirst, 'x native' = its"
             " step time paired with the rrfp_async row of the same hint, policy and memory;"
             " drop-in torch:<schedule> = torch's order as the hint on its placement, 'x torch's"
-            " own' = that torch schedule's step i / the row's step i, median"
+            " own' = that torch schedule's step i / the row's step i, median; "
+            + (
+                "peak bytes: the most activation bytes a rank held in a timed step, measured"
+                " on every step of every row by the saved-tensor meter (its cost in every"
+                " row's time alike), torch's on its padded inputs; 'real': torch's order"
+                " replayed on the real lengths' bytes; bytes vs torch 1F1B: the row's peak /"
+                " torch Schedule1F1B's, 'real' / that order's on the real lengths"
+                if cfg.meter
+                else "no bytes measured (--no-meter)"
+            )
         )
         con.print(t)
+
+
+def _bytes_cells(r: dict[str, Any]) -> tuple[str, str]:
+    """The row's peak bytes and its ratio to torch 1F1B's, each with its 'real' line (torch's
+    order on the real lengths) where there is one; a dash where nothing was measured."""
+    from rrfp_async._memory import format_bytes
+
+    if r.get("peak_bytes") is None:
+        return "–", "–"
+    peak = format_bytes(r["peak_bytes"]).replace(" ", "\u00a0")
+    if r.get("real_bytes") is not None:
+        peak += f"\n{format_bytes(r['real_bytes'])} real".replace(" ", "\u00a0", 1)
+    ratio, real = r.get("bytes_vs_torch_1f1b", math.nan), r.get("bytes_vs_torch_1f1b_real")
+    cell = f"{ratio:.2f}x" if math.isfinite(ratio) else "–"
+    if real is not None and math.isfinite(real):
+        cell += f"\n{real:.2f}x real"
+    return peak, cell
 
 
 def _peer_host_time(cfgs: list[Any], as_json: bool) -> None:
