@@ -126,7 +126,7 @@ def peer_worker(rank: int, world: int, cfg: PeerConfig) -> dict[str, Any]:
                     current = run.chunks
                 run.times.append(run.fn(s))
             if cfg.meter:
-                _replay_real(runs)
+                _replay_real(runs, cfg.stages)
             if rank == 0:
                 from rrfp_async.distributed import report_progress
 
@@ -166,18 +166,29 @@ def slowest(runs: Sequence[WorkerRun], total: int) -> tuple[list[list[float]], l
     return local.view(len(runs), total).tolist(), peaks.tolist()
 
 
-def _replay_real(runs: Sequence[WorkerRun]) -> None:
+def _replay_real(runs: Sequence[WorkerRun], stages: int) -> None:
     """After a step: each torch run's order (``LiveBytes.order``) on the real lengths' bytes,
-    those an rrfp_async run of the same chunks and placement measured in this step (its
-    ``step_bytes``); NaN when no such run measured them."""
+    those an rrfp_async run measured in this step (its ``step_bytes``): one of the same chunks
+    and placement, else a single-chunk one, each virtual stage taking the bytes of the stage
+    at its position (first, a middle one, last: the modules are alike, so only the position
+    changes what a forward keeps); NaN when no rrfp_async run measured them."""
     ref: dict[tuple[int, str], dict[tuple[int, int], int]] = {}
     for r in runs:
         if r.key[0] != "torch" and r.step_bytes:
             ref.setdefault((r.chunks, r.placement), r.step_bytes)
+    single = ref.get((1, "interleaved"))
     for r in runs:
-        if r.key[0] == "torch" and r.fn is not None:
-            nb = ref.get((r.chunks, r.placement))
-            r.real_bytes.append(float(replay_peak(r.order, nb)) if nb and r.order else math.nan)
+        if r.key[0] != "torch" or r.fn is None:
+            continue
+        nb = ref.get((r.chunks, r.placement))
+        if nb is None and single is not None:
+            last = stages * r.chunks - 1
+            nb = {
+                (v, mb): single.get((0 if v == 0 else stages - 1 if v == last else 1, mb), 0)
+                for v in range(last + 1)
+                for mb in {m for _, m in single}
+            }
+        r.real_bytes.append(float(replay_peak(r.order, nb)) if nb and r.order else math.nan)
 
 
 def gather_bytes(
@@ -201,12 +212,17 @@ def gather_bytes(
 
 def _bytes_fields(r0: dict[str, Any], i: int, base: int, w: int, meter: bool) -> dict[str, Any]:
     """Row ``i``'s ``PeerRun`` bytes fields from every rank's measurements (timed steps
-    only), against row ``base`` (torch 1F1B; -1: not run)."""
+    only), against row ``base`` (torch 1F1B; -1: not run).
+
+    A row of ``c`` model chunks per rank counts ``1/c`` of what its modules measured: each of
+    its virtual stages is the same ``PeerStage`` as a one-chunk row's, standing for ``1/c``
+    of the rank's model (its emulated time is ``1/c``), so its bytes are that share's too."""
     if not meter:
         return {}
 
     def per_rank(key: str, row: int) -> list[float]:
-        return [max(per_run[row][w:], default=math.nan) for per_run in r0[key]]
+        share = r0["chunks"][row]
+        return [max(per_run[row][w:], default=math.nan) / share for per_run in r0[key]]
 
     mine = per_rank("bytes", i)
     if not any(mine):  # a run that did not run
@@ -214,6 +230,9 @@ def _bytes_fields(r0: dict[str, Any], i: int, base: int, w: int, meter: bool) ->
     out: dict[str, Any] = {
         "peak_bytes": int(max(mine)),
         "peak_bytes_per_rank": tuple(int(b) for b in mine),
+        "measured_peak_bytes_per_rank": tuple(
+            max(per_run[i][w:]) for per_run in r0["bytes"]
+        ),
     }
     real = per_rank("real_bytes", i)
     if all(math.isfinite(b) for b in real):
@@ -225,8 +244,10 @@ def _bytes_fields(r0: dict[str, Any], i: int, base: int, w: int, meter: bool) ->
             a / b if b else math.nan for a, b in zip(mine, ref, strict=True)
         )
         ref_real = per_rank("real_bytes", base)
-        if all(math.isfinite(b) for b in ref_real):
-            out["bytes_vs_torch_1f1b_real"] = max(mine) / max(ref_real)
+        # torch's own rows on the real lengths too (their order replayed), ours as they ran.
+        ours = real if r0["keys"][i][0] == "torch" else mine
+        if all(math.isfinite(b) for b in ref_real + ours):
+            out["bytes_vs_torch_1f1b_real"] = max(ours) / max(ref_real)
     return out
 
 

@@ -156,9 +156,13 @@ class PeerRun:
     largest of them; ``bytes_vs_torch_1f1b`` is ``peak_bytes`` / torch ``Schedule1F1B``'s
     (per rank: ``bytes_vs_torch_1f1b_per_rank``). torch holds its padded inputs;
     ``real_bytes`` (torch rows) is what the row's own order holds on the real lengths (its
-    recorded order replayed on an rrfp_async row's measured bytes of the same step and
-    placement), and ``bytes_vs_torch_1f1b_real`` = ``peak_bytes`` / torch 1F1B's
-    ``real_bytes``.
+    recorded order replayed on an rrfp_async row's measured bytes of the same step: of the
+    same placement, else of one chunk by stage position), and ``bytes_vs_torch_1f1b_real``
+    the row's bytes on the real lengths (a torch row's ``real_bytes``, an rrfp_async row's
+    ``peak_bytes``) / torch 1F1B's ``real_bytes``. A row of ``c`` model chunks per rank
+    counts ``1/c`` of what its modules measured (``measured_peak_bytes_per_rank``): each
+    virtual stage is the one-chunk row's module, standing for ``1/c`` of the rank's model
+    (its emulated time is ``1/c``).
     """
 
     system: str
@@ -177,6 +181,7 @@ class PeerRun:
     peak_bytes_per_rank: tuple[int, ...] = ()
     bytes_vs_torch_1f1b: float = math.nan
     bytes_vs_torch_1f1b_per_rank: tuple[float, ...] = ()
+    measured_peak_bytes_per_rank: tuple[int, ...] = ()
     real_bytes: int | None = None
     real_bytes_per_rank: tuple[int, ...] = ()
     bytes_vs_torch_1f1b_real: float = math.nan
@@ -198,6 +203,7 @@ class PeerRun:
             "peak_bytes_per_rank": list(self.peak_bytes_per_rank),
             "bytes_vs_torch_1f1b": self.bytes_vs_torch_1f1b,
             "bytes_vs_torch_1f1b_per_rank": list(self.bytes_vs_torch_1f1b_per_rank),
+            "measured_peak_bytes_per_rank": list(self.measured_peak_bytes_per_rank),
             "real_bytes": self.real_bytes,
             "real_bytes_per_rank": list(self.real_bytes_per_rank),
             "bytes_vs_torch_1f1b_real": self.bytes_vs_torch_1f1b_real,

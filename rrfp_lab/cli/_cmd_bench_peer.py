@@ -273,7 +273,9 @@ def bench_peer(
                 " on every step of every row by the saved-tensor meter (its cost in every"
                 " row's time alike), torch's on its padded inputs; 'real': torch's order"
                 " replayed on the real lengths' bytes; bytes vs torch 1F1B: the row's peak /"
-                " torch Schedule1F1B's, 'real' / that order's on the real lengths"
+                " torch Schedule1F1B's; 'real': on the real lengths (torch's rows their order"
+                " replayed) / torch 1F1B's order on them; a row of 2 chunks per rank counts half"
+                " of what its modules measured (each stands for half the rank's model)"
                 if cfg.meter
                 else "no bytes measured (--no-meter)"
             )
