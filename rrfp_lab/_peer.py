@@ -230,9 +230,7 @@ def _bytes_fields(r0: dict[str, Any], i: int, base: int, w: int, meter: bool) ->
     out: dict[str, Any] = {
         "peak_bytes": int(max(mine)),
         "peak_bytes_per_rank": tuple(int(b) for b in mine),
-        "measured_peak_bytes_per_rank": tuple(
-            max(per_run[i][w:]) for per_run in r0["bytes"]
-        ),
+        "measured_peak_bytes_per_rank": tuple(max(per_run[i][w:]) for per_run in r0["bytes"]),
     }
     real = per_rank("real_bytes", i)
     if all(math.isfinite(b) for b in real):
