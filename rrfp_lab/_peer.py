@@ -125,8 +125,6 @@ def peer_worker(rank: int, world: int, cfg: PeerConfig) -> dict[str, Any]:
                     fill_table(steps, run.chunks)
                     current = run.chunks
                 run.times.append(run.fn(s))
-            if cfg.meter:
-                _replay_real(runs, cfg.stages)
             if rank == 0:
                 from rrfp_async.distributed import report_progress
 
@@ -140,14 +138,15 @@ def peer_worker(rank: int, world: int, cfg: PeerConfig) -> dict[str, Any]:
         for c, p, sp in {(r.chunks, r.placement, r.split) for r in runs}
     }
     times, peaks = slowest(runs, total)
-    nbytes, real = gather_bytes(runs, total)
     # Losses live on the rank of the last virtual stage; every rank reports its own.
     return {
-        "bytes": nbytes,
-        "real_bytes": real,
+        "bytes": [r.peak_bytes for r in runs],
+        "step_bytes": [r.step_bytes for r in runs],
+        "orders": [r.orders for r in runs],
         "one_way_s": one_way,
         "keys": [r.key for r in runs],
         "chunks": [r.chunks for r in runs],
+        "placements": [r.placement for r in runs],
         "errors": [r.error for r in runs],
         "times": times,
         "peaks": peaks,
@@ -166,51 +165,57 @@ def slowest(runs: Sequence[WorkerRun], total: int) -> tuple[list[list[float]], l
     return local.view(len(runs), total).tolist(), peaks.tolist()
 
 
-def _replay_real(runs: Sequence[WorkerRun], stages: int) -> None:
-    """After a step: each torch run's order (``LiveBytes.order``) on the real lengths' bytes,
-    those an rrfp_async run measured in this step (its ``step_bytes``): one of the same chunks
-    and placement, else a single-chunk one, each virtual stage taking the bytes of the stage
-    at its position (first, a middle one, last: the modules are alike, so only the position
-    changes what a forward keeps); NaN when no rrfp_async run measured them."""
-    ref: dict[tuple[int, str], dict[tuple[int, int], int]] = {}
-    for r in runs:
-        if r.key[0] != "torch" and r.step_bytes:
-            ref.setdefault((r.chunks, r.placement), r.step_bytes)
-    single = ref.get((1, "interleaved"))
-    for r in runs:
-        if r.key[0] != "torch" or r.fn is None:
+def real_bytes(cfg: PeerConfig, res: Sequence[dict[str, Any]]) -> list[list[list[float]]]:
+    """Each torch run's order (``LiveBytes.order``, step by step, on every rank) replayed on
+    the real lengths' bytes, those an rrfp_async run measured in the same step (on every
+    rank): one of the same chunks and placement, else a one-chunk one, each virtual stage
+    taking the bytes of the stage at its position (the first, a middle one, the last: the
+    modules are alike, only the position changes what a forward keeps). ``[rank][run][step]``,
+    NaN where no such run measured them (and for the runs that are not torch's)."""
+    r0 = res[0]
+    keys = [tuple(k) for k in r0["keys"]]
+    place = {k: (c, p) for k, c, p in zip(keys, r0["chunks"], r0["placements"], strict=True)}
+    n = len(r0["times"][0]) if r0["times"] else 0
+
+    def measured(j: int, s: int) -> dict[tuple[int, int], int]:
+        return {(v, mb): b for r in res for v, mb, b in r["step_bytes"][j][s]}
+
+    out = [[[math.nan] * n for _ in keys] for _ in res]
+    for i, key in enumerate(keys):
+        if key[0] != "torch" or not r0["orders"][i]:
             continue
-        nb = ref.get((r.chunks, r.placement))
-        if nb is None and single is not None:
-            last = stages * r.chunks - 1
-            nb = {
-                (v, mb): single.get((0 if v == 0 else stages - 1 if v == last else 1, mb), 0)
-                for v in range(last + 1)
-                for mb in {m for _, m in single}
-            }
-        r.real_bytes.append(float(replay_peak(r.order, nb)) if nb and r.order else math.nan)
+        same = next(
+            (j for j, k in enumerate(keys) if k[0] != "torch" and place[k] == place[key]), None
+        )
+        single = next(
+            (j for j, k in enumerate(keys) if k[0] != "torch" and place[k] == (1, "interleaved")),
+            None,
+        )
+        ref = same if same is not None else single
+        if ref is None or not r0["step_bytes"][ref]:
+            continue
+        last = cfg.stages * place[key][0] - 1
+        for s in range(n):
+            nb = measured(ref, s)
+            if ref != same:
+                nb = {
+                    (v, mb): nb.get((0 if v == 0 else cfg.stages - 1 if v == last else 1, mb), 0)
+                    for v in range(last + 1)
+                    for mb in range(cfg.microbatches)
+                }
+            for rank, r in enumerate(res):
+                out[rank][i][s] = float(replay_peak(r["orders"][i][s], nb))
+    return out
 
 
-def gather_bytes(
-    runs: Sequence[WorkerRun], total: int
-) -> tuple[list[list[list[int]]], list[list[list[float]]]]:
-    """Every rank's measured peak bytes and torch's real-length replays, per run and step,
-    as ``[rank][run][step]`` (collective over the world; a step not measured counts 0 bytes,
-    a replay not made NaN)."""
-    world = dist.get_world_size()
-    mine = torch.zeros(len(runs), total, dtype=torch.int64)
-    real = torch.full((len(runs), total), math.nan, dtype=torch.float64)
-    for i, r in enumerate(runs):
-        mine[i, : len(r.peak_bytes)] = torch.tensor(r.peak_bytes, dtype=torch.int64)
-        real[i, : len(r.real_bytes)] = torch.tensor(r.real_bytes, dtype=torch.float64)
-    got = [torch.zeros_like(mine) for _ in range(world)]
-    dist.all_gather(got, mine)
-    got_real = [torch.zeros_like(real) for _ in range(world)]
-    dist.all_gather(got_real, real)
-    return [g.tolist() for g in got], [g.tolist() for g in got_real]
-
-
-def _bytes_fields(r0: dict[str, Any], i: int, base: int, w: int, meter: bool) -> dict[str, Any]:
+def _bytes_fields(
+    res: Sequence[dict[str, Any]],
+    real: list[list[list[float]]],
+    i: int,
+    base: int,
+    w: int,
+    meter: bool,
+) -> dict[str, Any]:
     """Row ``i``'s ``PeerRun`` bytes fields from every rank's measurements (timed steps
     only), against row ``base`` (torch 1F1B; -1: not run).
 
@@ -219,22 +224,23 @@ def _bytes_fields(r0: dict[str, Any], i: int, base: int, w: int, meter: bool) ->
     of the rank's model (its emulated time is ``1/c``), so its bytes are that share's too."""
     if not meter:
         return {}
+    per = {"bytes": [r["bytes"] for r in res], "real_bytes": real}
 
     def per_rank(key: str, row: int) -> list[float]:
-        share = r0["chunks"][row]
-        return [max(per_run[row][w:], default=math.nan) / share for per_run in r0[key]]
+        share = res[0]["chunks"][row]
+        return [max(by_run[row][w:], default=math.nan) / share for by_run in per[key]]
 
     mine = per_rank("bytes", i)
-    if not any(mine):  # a run that did not run
+    if not all(math.isfinite(b) and b > 0 for b in mine):  # a run that did not run
         return {}
     out: dict[str, Any] = {
         "peak_bytes": int(max(mine)),
         "peak_bytes_per_rank": tuple(int(b) for b in mine),
-        "measured_peak_bytes_per_rank": tuple(max(per_run[i][w:]) for per_run in r0["bytes"]),
+        "measured_peak_bytes_per_rank": tuple(max(r["bytes"][i][w:]) for r in res),
     }
-    real = per_rank("real_bytes", i)
-    if all(math.isfinite(b) for b in real):
-        out.update(real_bytes=int(max(real)), real_bytes_per_rank=tuple(int(b) for b in real))
+    on_real = per_rank("real_bytes", i)
+    if all(math.isfinite(b) for b in on_real):
+        out.update(real_bytes=int(max(on_real)), real_bytes_per_rank=tuple(int(b) for b in on_real))
     if base >= 0 and any(per_rank("bytes", base)):
         ref = per_rank("bytes", base)
         out["bytes_vs_torch_1f1b"] = max(mine) / max(ref)
@@ -243,7 +249,7 @@ def _bytes_fields(r0: dict[str, Any], i: int, base: int, w: int, meter: bool) ->
         )
         ref_real = per_rank("real_bytes", base)
         # torch's own rows on the real lengths too (their order replayed), ours as they ran.
-        ours = real if r0["keys"][i][0] == "torch" else mine
+        ours = on_real if res[0]["keys"][i][0] == "torch" else mine
         if all(math.isfinite(b) for b in ref_real + ours):
             out["bytes_vs_torch_1f1b_real"] = max(ours) / max(ref_real)
     return out
@@ -282,6 +288,7 @@ def peer_benchmark(
     res = spawn(peer_worker, cfg.stages, cfg, timeout=cfg.timeout, on_progress=on_progress)
     r0 = res[0]
     w = cfg.warmup_steps
+    real = real_bytes(cfg, res) if cfg.meter else []
     keys = [tuple(k) for k in r0["keys"]]
     med = {k: statistics.median(r0["times"][i][w:]) for i, k in enumerate(keys)}
     # Every step has its own microbatches: compare configurations step by step (paired),
@@ -352,7 +359,7 @@ def peer_benchmark(
                 peak_inflight=int(r0["peaks"][i]),
                 steps_s=steps_s if ok else (),
                 note=note,
-                **(_bytes_fields(r0, i, bi, w, cfg.meter) if ok else {}),
+                **(_bytes_fields(res, real, i, bi, w, cfg.meter) if ok else {}),
             )
         )
     steps = make_steps(cfg)

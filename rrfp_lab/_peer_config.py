@@ -269,11 +269,9 @@ class WorkerRun:
     peak: int = 0
     times: list[float] = field(default_factory=list)
     losses: list[float] = field(default_factory=list)
-    # This rank's measured peak activation bytes per step (empty without the meter), and
-    # for a torch run its order on the real lengths' bytes (``replay_peak``).
+    # This rank's measured peak activation bytes per step (empty without the meter); each
+    # step's measured ``(virtual stage, microbatch, bytes)`` (an rrfp_async run: the real
+    # lengths) and, for a torch run, each step's order (``LiveBytes.order``).
     peak_bytes: list[int] = field(default_factory=list)
-    real_bytes: list[float] = field(default_factory=list)
-    # The last step's measured ``{(virtual stage, microbatch): bytes}`` (an rrfp_async run:
-    # the real lengths) and, for a torch run, the order it held them in (``LiveBytes.order``).
-    step_bytes: dict[tuple[int, int], int] = field(default_factory=dict)
-    order: list[tuple[int, int, int]] = field(default_factory=list)
+    step_bytes: list[list[tuple[int, int, int]]] = field(default_factory=list)
+    orders: list[list[tuple[int, int, int]]] = field(default_factory=list)

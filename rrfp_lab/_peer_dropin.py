@@ -131,8 +131,9 @@ def _dropin_run(
         assert stats is not None
         run.peak = max(run.peak, stats.peak_inflight)
         if cfg.meter:
-            run.step_bytes = executor.activation_bytes()
-            run.peak_bytes.append(stats.held_peak(run.step_bytes))
+            nbytes = executor.activation_bytes()
+            run.peak_bytes.append(stats.held_peak(nbytes))
+            run.step_bytes.append([(v, mb, b) for (v, mb), b in sorted(nbytes.items())])
         for m in mods.values():
             m.zero_grad(set_to_none=True)
         return t

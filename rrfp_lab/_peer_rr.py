@@ -91,8 +91,9 @@ def rr_runs(
                     t, stats = loop.run_until_complete(go())
                     run.peak = max(run.peak, stats.peak_inflight)
                     if cfg.meter:
-                        run.step_bytes = executor.activation_bytes()
-                        run.peak_bytes.append(stats.held_peak(run.step_bytes))
+                        nbytes = executor.activation_bytes()
+                        run.peak_bytes.append(stats.held_peak(nbytes))
+                        run.step_bytes.append([(v, mb, b) for (v, mb), b in sorted(nbytes.items())])
                     if executor.losses:
                         run.losses.append(sum(executor.losses.values()) / cfg.microbatches)
                     for m in mods.values():

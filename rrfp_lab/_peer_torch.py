@@ -105,7 +105,7 @@ def torch_runs(cfg: PeerConfig, rank: int, steps: Sequence[Step]) -> list[Worker
                 if live is not None:
                     live.end()
                     run.peak_bytes.append(live.peak)
-                    run.order = live.order
+                    run.orders.append(live.order)
                 for m in mods.values():
                     m.zero_grad(set_to_none=True)
                 return t
