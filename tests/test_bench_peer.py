@@ -134,11 +134,12 @@ def test_torch_rows_meter_counts_what_the_executors_meter_counts() -> None:
     import torch
 
     import rrfp_async as rr
-    from rrfp_lab._peer_stage import LiveBytes, make_inputs, make_modules, peer_loss, replay_peak
+    from rrfp_lab._peer import PeerStage
+    from rrfp_lab._peer_stage import LiveBytes, make_inputs, peer_loss, replay_peak
 
     cfg = PeerConfig(stages=3, microbatches=3)
     tokens = [40, 100, 7]
-    mods = make_modules(cfg, 0, 3, "interleaved", False, weight_sleep=False)
+    mods = {v: PeerStage(cfg.hidden, v, weight_sleep=False) for v in range(3)}
     execs = [
         rr.TorchStageExecutor({v: mods[v]}, peer_loss, rank=v, measure_activations=True)
         for v in range(3)
