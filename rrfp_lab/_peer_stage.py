@@ -171,7 +171,7 @@ class LiveBytes:
         self._events.append((1, *key, n))
         self._held += n
         self.peak = max(self.peak, self._held)
-        out.register_hook(lambda _g: self._release(key))
+        out.register_hook(lambda _g: self._release(key))  # type: ignore[no-untyped-call]
         return out
 
     def _release(self, key: tuple[int, int]) -> None:
@@ -191,20 +191,19 @@ class LiveBytes:
                 key = (e[1], e[2])
                 if e[0] < 0:
                     pending.pop(key, None)
-                elif key in pending:
-                    events[pending[key]] = None  # superseded before any backward came
-                    pending[key] = i
                 else:
+                    if key in pending:  # superseded before any backward came
+                        events[pending[key]] = None
                     pending[key] = i
             for i in pending.values():
                 events[i] = None
+        kept = [e for e in events if e is not None]
         held = peak = 0
-        for e in events:
-            if e is not None:
-                held += e[0] * e[3]
-                peak = max(peak, held)
+        for sign, _, _, n in kept:
+            held += sign * n
+            peak = max(peak, held)
         self.peak = peak
-        self.order = [(e[0], e[1], e[2]) for e in events if e is not None]
+        self.order = [(sign, v, mb) for sign, v, mb, _ in kept]
         self._held = 0
 
 
