@@ -66,7 +66,14 @@ from ._peer_config import (
 )
 from ._peer_rr import rr_runs
 from ._peer_sim import SIMULATED, peer_simulated
-from ._peer_stage import META, PeerStage, TableCost, fill_table, module_host_time
+from ._peer_stage import (
+    META,
+    PeerStage,
+    TableCost,
+    fill_table,
+    module_host_time,
+    replay_peak,
+)
 from ._peer_torch import torch_runs
 
 __all__ = [
@@ -133,9 +140,13 @@ def peer_worker(rank: int, world: int, cfg: PeerConfig) -> dict[str, Any]:
     times, peaks = slowest(runs, total)
     # Losses live on the rank of the last virtual stage; every rank reports its own.
     return {
+        "bytes": [r.peak_bytes for r in runs],
+        "step_bytes": [r.step_bytes for r in runs],
+        "orders": [r.orders for r in runs],
         "one_way_s": one_way,
         "keys": [r.key for r in runs],
         "chunks": [r.chunks for r in runs],
+        "placements": [r.placement for r in runs],
         "errors": [r.error for r in runs],
         "times": times,
         "peaks": peaks,
@@ -152,6 +163,96 @@ def slowest(runs: Sequence[WorkerRun], total: int) -> tuple[list[list[float]], l
     peaks = torch.tensor([r.peak for r in runs], dtype=torch.int64)
     dist.all_reduce(peaks, op=dist.ReduceOp.MAX)
     return local.view(len(runs), total).tolist(), peaks.tolist()
+
+
+def real_bytes(cfg: PeerConfig, res: Sequence[dict[str, Any]]) -> list[list[list[float]]]:
+    """Each torch run's order (``LiveBytes.order``, step by step, on every rank) replayed on
+    the real lengths' bytes, those an rrfp_async run measured in the same step (on every
+    rank): one of the same chunks and placement, else a one-chunk one, each virtual stage
+    taking the bytes of the stage at its position (the first, a middle one, the last: the
+    modules are alike, only the position changes what a forward keeps). ``[rank][run][step]``,
+    NaN where no such run measured them (and for the runs that are not torch's)."""
+    r0 = res[0]
+    keys = [tuple(k) for k in r0["keys"]]
+    place = {k: (c, p) for k, c, p in zip(keys, r0["chunks"], r0["placements"], strict=True)}
+    n = len(r0["times"][0]) if r0["times"] else 0
+
+    def measured(j: int, s: int) -> dict[tuple[int, int], int]:
+        return {(v, mb): b for r in res for v, mb, b in r["step_bytes"][j][s]}
+
+    out = [[[math.nan] * n for _ in keys] for _ in res]
+    for i, key in enumerate(keys):
+        if key[0] != "torch" or not r0["orders"][i]:
+            continue
+        same = next(
+            (j for j, k in enumerate(keys) if k[0] != "torch" and place[k] == place[key]), None
+        )
+        single = next(
+            (j for j, k in enumerate(keys) if k[0] != "torch" and place[k] == (1, "interleaved")),
+            None,
+        )
+        ref = same if same is not None else single
+        if ref is None or not r0["step_bytes"][ref]:
+            continue
+        last = cfg.stages * place[key][0] - 1
+        for s in range(n):
+            nb = measured(ref, s)
+            if ref != same:
+                nb = {
+                    (v, mb): nb.get((0 if v == 0 else cfg.stages - 1 if v == last else 1, mb), 0)
+                    for v in range(last + 1)
+                    for mb in range(cfg.microbatches)
+                }
+            for rank, r in enumerate(res):
+                out[rank][i][s] = float(replay_peak(r["orders"][i][s], nb))
+    return out
+
+
+def _bytes_fields(
+    res: Sequence[dict[str, Any]],
+    real: list[list[list[float]]],
+    i: int,
+    base: int,
+    w: int,
+    meter: bool,
+) -> dict[str, Any]:
+    """Row ``i``'s ``PeerRun`` bytes fields from every rank's measurements (timed steps
+    only), against row ``base`` (torch 1F1B; -1: not run).
+
+    A row of ``c`` model chunks per rank counts ``1/c`` of what its modules measured: each of
+    its virtual stages is the same ``PeerStage`` as a one-chunk row's, standing for ``1/c``
+    of the rank's model (its emulated time is ``1/c``), so its bytes are that share's too."""
+    if not meter:
+        return {}
+    per = {"bytes": [r["bytes"] for r in res], "real_bytes": real}
+
+    def per_rank(key: str, row: int) -> list[float]:
+        share = res[0]["chunks"][row]
+        return [max(by_run[row][w:], default=math.nan) / share for by_run in per[key]]
+
+    mine = per_rank("bytes", i)
+    if not all(math.isfinite(b) and b > 0 for b in mine):  # a run that did not run
+        return {}
+    out: dict[str, Any] = {
+        "peak_bytes": int(max(mine)),
+        "peak_bytes_per_rank": tuple(int(b) for b in mine),
+        "measured_peak_bytes_per_rank": tuple(max(r["bytes"][i][w:]) for r in res),
+    }
+    on_real = per_rank("real_bytes", i)
+    if all(math.isfinite(b) for b in on_real):
+        out.update(real_bytes=int(max(on_real)), real_bytes_per_rank=tuple(int(b) for b in on_real))
+    if base >= 0 and any(per_rank("bytes", base)):
+        ref = per_rank("bytes", base)
+        out["bytes_vs_torch_1f1b"] = max(mine) / max(ref)
+        out["bytes_vs_torch_1f1b_per_rank"] = tuple(
+            a / b if b else math.nan for a, b in zip(mine, ref, strict=True)
+        )
+        ref_real = per_rank("real_bytes", base)
+        # torch's own rows on the real lengths too (their order replayed), ours as they ran.
+        ours = on_real if res[0]["keys"][i][0] == "torch" else mine
+        if all(math.isfinite(b) for b in ref_real + ours):
+            out["bytes_vs_torch_1f1b_real"] = max(ours) / max(ref_real)
+    return out
 
 
 def _raw_one_way(cfg: PeerConfig, rank: int, steps: Sequence[Step], reps: int = 20) -> float:
@@ -187,6 +288,7 @@ def peer_benchmark(
     res = spawn(peer_worker, cfg.stages, cfg, timeout=cfg.timeout, on_progress=on_progress)
     r0 = res[0]
     w = cfg.warmup_steps
+    real = real_bytes(cfg, res) if cfg.meter else []
     keys = [tuple(k) for k in r0["keys"]]
     med = {k: statistics.median(r0["times"][i][w:]) for i, k in enumerate(keys)}
     # Every step has its own microbatches: compare configurations step by step (paired),
@@ -257,6 +359,7 @@ def peer_benchmark(
                 peak_inflight=int(r0["peaks"][i]),
                 steps_s=steps_s if ok else (),
                 note=note,
+                **(_bytes_fields(res, real, i, bi, w, cfg.meter) if ok else {}),
             )
         )
     steps = make_steps(cfg)

@@ -96,6 +96,9 @@ class PeerConfig:
             step's mean length (the same total work, no variation).
         memory_factors: Admission bounds as multiples of 1F1B's.
         timeout: Seconds for the whole run.
+        meter: Measure every row's activation bytes on every step (the saved-tensor meter,
+            on for all rows alike: its hooks cost every forward a Python call per saved
+            tensor); False: no bytes are reported.
     """
 
     stages: int = 4
@@ -125,6 +128,7 @@ class PeerConfig:
     memory_factors: tuple[float, ...] = (1.0, 2.0)
     timeout: float = 1200.0
     workload: str = "multimodal"
+    meter: bool = True
 
     def __post_init__(self) -> None:
         if self.stages < 2 or self.microbatches < 1 or self.steps < 1 or self.warmup_steps < 0:
@@ -145,7 +149,21 @@ class PeerConfig:
 
 @dataclass(frozen=True, kw_only=True)
 class PeerRun:
-    """One configuration's result (the fields of ``--json``'s runs)."""
+    """One configuration's result (the fields of ``--json``'s runs).
+
+    The bytes (``PeerConfig.meter``; None and NaN without it) are measured activation bytes:
+    ``peak_bytes_per_rank`` is each rank's most held in any timed step, ``peak_bytes`` the
+    largest of them; ``bytes_vs_torch_1f1b`` is ``peak_bytes`` / torch ``Schedule1F1B``'s
+    (per rank: ``bytes_vs_torch_1f1b_per_rank``). torch holds its padded inputs;
+    ``real_bytes`` (torch rows) is what the row's own order holds on the real lengths (its
+    recorded order replayed on an rrfp_async row's measured bytes of the same step: of the
+    same placement, else of one chunk by stage position), and ``bytes_vs_torch_1f1b_real``
+    the row's bytes on the real lengths (a torch row's ``real_bytes``, an rrfp_async row's
+    ``peak_bytes``) / torch 1F1B's ``real_bytes``. A row of ``c`` model chunks per rank
+    counts ``1/c`` of what its modules measured (``measured_peak_bytes_per_rank``): each
+    virtual stage is the one-chunk row's module, standing for ``1/c`` of the rank's model
+    (its emulated time is ``1/c``).
+    """
 
     system: str
     schedule: str | None
@@ -159,6 +177,14 @@ class PeerRun:
     peak_inflight: int
     steps_s: tuple[float, ...] = field(default=())
     note: str = ""
+    peak_bytes: int | None = None
+    peak_bytes_per_rank: tuple[int, ...] = ()
+    bytes_vs_torch_1f1b: float = math.nan
+    bytes_vs_torch_1f1b_per_rank: tuple[float, ...] = ()
+    measured_peak_bytes_per_rank: tuple[int, ...] = ()
+    real_bytes: int | None = None
+    real_bytes_per_rank: tuple[int, ...] = ()
+    bytes_vs_torch_1f1b_real: float = math.nan
 
     def to_dict(self) -> dict[str, Any]:
         """The JSON row."""
@@ -173,6 +199,14 @@ class PeerRun:
             "speedup_vs_same_torch": self.speedup_vs_same_torch,
             "efficiency": self.efficiency,
             "peak_inflight": self.peak_inflight,
+            "peak_bytes": self.peak_bytes,
+            "peak_bytes_per_rank": list(self.peak_bytes_per_rank),
+            "bytes_vs_torch_1f1b": self.bytes_vs_torch_1f1b,
+            "bytes_vs_torch_1f1b_per_rank": list(self.bytes_vs_torch_1f1b_per_rank),
+            "measured_peak_bytes_per_rank": list(self.measured_peak_bytes_per_rank),
+            "real_bytes": self.real_bytes,
+            "real_bytes_per_rank": list(self.real_bytes_per_rank),
+            "bytes_vs_torch_1f1b_real": self.bytes_vs_torch_1f1b_real,
             "steps_s": list(self.steps_s),
             "note": self.note,
         }
@@ -235,3 +269,9 @@ class WorkerRun:
     peak: int = 0
     times: list[float] = field(default_factory=list)
     losses: list[float] = field(default_factory=list)
+    # This rank's measured peak activation bytes per step (empty without the meter); each
+    # step's measured ``(virtual stage, microbatch, bytes)`` (an rrfp_async run: the real
+    # lengths) and, for a torch run, each step's order (``LiveBytes.order``).
+    peak_bytes: list[int] = field(default_factory=list)
+    step_bytes: list[list[tuple[int, int, int]]] = field(default_factory=list)
+    orders: list[list[tuple[int, int, int]]] = field(default_factory=list)

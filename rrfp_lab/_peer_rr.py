@@ -44,7 +44,11 @@ def rr_runs(
         plan = step_plan(cfg, chunks, placement, split)
         mods = make_modules(cfg, rank, chunks, placement, False, weight_sleep=False)
         executor = TorchStageExecutor(
-            mods, peer_loss, rank=rank, emulate=TableCost(steps=tuple(steps), chunks=chunks)
+            mods,
+            peer_loss,
+            rank=rank,
+            emulate=TableCost(steps=tuple(steps), chunks=chunks),
+            measure_activations=cfg.meter,
         )
         closers.append(executor.close)
         for mf in cfg.memory_factors:
@@ -86,6 +90,10 @@ def rr_runs(
 
                     t, stats = loop.run_until_complete(go())
                     run.peak = max(run.peak, stats.peak_inflight)
+                    if cfg.meter:
+                        nbytes = executor.activation_bytes()
+                        run.peak_bytes.append(stats.held_peak(nbytes))
+                        run.step_bytes.append([(v, mb, b) for (v, mb), b in sorted(nbytes.items())])
                     if executor.losses:
                         run.losses.append(sum(executor.losses.values()) / cfg.microbatches)
                     for m in mods.values():

@@ -1,13 +1,14 @@
 """The stage module both systems run (``PeerStage``: ``Linear`` + emulated GPU time), its
 inputs and loss, the duration table it reads, the executor-side weight-gradient cost
-(``TableCost``) and the module's own host time (see the design note in ``_peer``).
+(``TableCost``), the activation meter of torch's runs (``LiveBytes``) and the module's own
+host time (see the design note in ``_peer``).
 """
 
 from __future__ import annotations
 
 import statistics
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -16,12 +17,18 @@ from torch import nn
 
 from rrfp_async import CostModel, Durations, StepPlan, Topology
 from rrfp_async.distributed import EmulatedCost
+from rrfp_async.distributed._activation_meter import (
+    ActivationMeter,
+    StorageKey,
+    weight_storages,
+)
 
 from ._peer_config import PeerConfig, Step, make_steps
 
 __all__ = [
     "META",
     "TABLE",
+    "LiveBytes",
     "PeerStage",
     "TableCost",
     "fill_table",
@@ -29,6 +36,7 @@ __all__ = [
     "make_modules",
     "module_host_time",
     "peer_loss",
+    "replay_peak",
 ]
 
 META = 3  # trailing columns: real tokens, microbatch index, step
@@ -71,8 +79,23 @@ class PeerStage(nn.Module):
         self.vstage = vstage
         self.padded_cost = padded_cost
         self.weight_sleep = weight_sleep
+        self.live: LiveBytes | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        live = self.live
+        # torch's shape inference runs the module on placeholder data (0 tokens), with
+        # gradients on and no backward to come: not a microbatch's forward, not measured.
+        if (
+            live is not None
+            and torch.is_grad_enabled()
+            and x.device.type != "meta"
+            and x[0, 0, -META] > 0
+        ):
+            return live.forward(self, x)
+        return self.compute(x)
+
+    def compute(self, x: torch.Tensor) -> torch.Tensor:
+        """The forward itself (``forward`` measures it first when a ``LiveBytes`` is on)."""
         feats, meta = x[..., :-META], x[..., -META:].detach()
         tokens, mb, step = (int(v) for v in meta[0, 0].tolist())
         key = (step, self.vstage, mb)
@@ -85,6 +108,116 @@ class PeerStage(nn.Module):
         h = torch.nn.functional.linear(feats, weight, self.lin.bias)
         h = _Sleep.apply(torch.tanh(h), f, i)  # type: ignore[no-untyped-call]
         return torch.cat([h, meta], dim=-1)
+
+
+class LiveBytes:
+    """The activation meter of a torch run, on one rank, inside its ``PeerStage`` modules:
+    each training forward's bytes measured as the executor's meter measures an rrfp_async
+    task's (``TorchStageExecutor(measure_activations=True)``: the same saved-tensor
+    ``ActivationMeter``, the module's weights excluded, the received input kept, the output
+    held), added when the forward ends and taken off when its microbatch's backward reaches
+    the output (a tensor hook on it: the full backward, or the input-gradient pass of a
+    split one; torch runs the first stage's whole split backward in its weight pass). On one
+    thread, with no task between, that is the executor's ``held_peak`` (a forward's bytes
+    from its start to the end of the backward that frees them).
+
+    The first stage's input is torch's view of the whole padded batch (torch splits it);
+    the executor's is the microbatch's own tensor. So here its storage is excluded and the
+    microbatch's own elements count instead, what an rrfp_async row counts for its input.
+
+    Attributes:
+        peak: The most held in the step (final once ``end`` ran).
+        bytes: ``{(virtual stage, microbatch): bytes}`` of the step's forwards.
+        order: ``(+1 or -1, virtual stage, microbatch)`` in the order the forwards ended and
+            the backwards began (final once ``end`` ran): replayed on other bytes by
+            ``replay_peak``.
+    """
+
+    def __init__(self) -> None:
+        self.meter = ActivationMeter()
+        self.peak = 0
+        self.bytes: dict[tuple[int, int], int] = {}
+        self.order: list[tuple[int, int, int]] = []
+        self._held = 0
+        self._events: list[tuple[int, int, int, int]] = []  # (sign, stage, mb, bytes)
+        self._open: dict[tuple[int, int], int] = {}
+        self._weights: dict[int, frozenset[StorageKey]] = {}
+
+    def begin(self) -> None:
+        """A step begins: nothing held."""
+        self._held = self.peak = 0
+        self.bytes = {}
+        self.order = []
+        self._events = []
+        self._open = {}
+
+    def forward(self, mod: PeerStage, x: torch.Tensor) -> torch.Tensor:
+        """``mod``'s forward of ``x``, measured."""
+        weights = self._weights.get(mod.vstage)
+        if weights is None:
+            weights = self._weights[mod.vstage] = weight_storages(mod)
+        own = 0
+        keep = [x]
+        if not x.requires_grad:  # the first stage's data: a view of torch's batch
+            s = x.untyped_storage()
+            weights, keep = weights | {(s.device, s.data_ptr())}, []
+            own = x.numel() * x.element_size()
+        with self.meter.measure(exclude=weights, keep=keep) as m:
+            out = mod.compute(x)
+            m.hold([out])
+        key = (mod.vstage, int(x[0, 0, -META + 1]))
+        n = m.bytes + own
+        self.bytes[key] = self._open[key] = n
+        self._events.append((1, *key, n))
+        self._held += n
+        self.peak = max(self.peak, self._held)
+        out.register_hook(lambda _g: self._release(key))  # type: ignore[no-untyped-call]
+        return out
+
+    def _release(self, key: tuple[int, int]) -> None:
+        n = self._open.pop(key, None)
+        if n is not None:  # once: a split backward's weight pass does not come back here
+            self._held -= n
+            self._events.append((-1, *key, n))
+
+    def end(self) -> None:
+        """The step ended: drop the forwards no backward followed. torch's shape inference
+        (its first step) runs the first stage's module on its first microbatch with
+        gradients on and never runs its backward: it is no training forward."""
+        events: list[tuple[int, int, int, int] | None] = list(self._events)
+        if self._held:
+            pending: dict[tuple[int, int], int] = {}
+            for i, e in enumerate(self._events):
+                key = (e[1], e[2])
+                if e[0] < 0:
+                    pending.pop(key, None)
+                else:
+                    if key in pending:  # superseded before any backward came
+                        events[pending[key]] = None
+                    pending[key] = i
+            for i in pending.values():
+                events[i] = None
+        kept = [e for e in events if e is not None]
+        held = peak = 0
+        for sign, _, _, n in kept:
+            held += sign * n
+            peak = max(peak, held)
+        self.peak = peak
+        self.order = [(sign, v, mb) for sign, v, mb, _ in kept]
+        self._held = 0
+
+
+def replay_peak(
+    order: Sequence[tuple[int, int, int]], nbytes: Mapping[tuple[int, int], int]
+) -> int:
+    """The most bytes ``order`` (``LiveBytes.order``) holds with each forward's bytes
+    ``nbytes[(virtual stage, microbatch)]``: the same order on other microbatches (torch's
+    order on the real lengths). A forward missing from ``nbytes`` counts 0."""
+    held = peak = 0
+    for sign, v, mb in order:
+        held += sign * nbytes.get((v, mb), 0)
+        peak = max(peak, held)
+    return peak
 
 
 def peer_loss(out: torch.Tensor, _target: Any) -> torch.Tensor:

@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 
 from ._peer_config import TORCH_SCHEDULES, PeerConfig, Step, WorkerRun
-from ._peer_stage import PeerStage, make_inputs, make_modules, peer_loss
+from ._peer_stage import LiveBytes, PeerStage, make_inputs, make_modules, peer_loss
 
 __all__ = ["torch_runs"]
 
@@ -45,7 +45,8 @@ def torch_runs(cfg: PeerConfig, rank: int, steps: Sequence[Step]) -> list[Worker
     """This rank's torch runs: one per schedule of ``cfg.torch_schedules`` (a second one
     charged at the padded length for ``cfg.padded_cost``), each timing ``sched.step`` on the
     step's microbatches padded to the longest of the run. A schedule torch refuses to build
-    is a run without a function, carrying the error."""
+    is a run without a function, carrying the error. With ``cfg.meter`` its modules measure
+    each step's activation bytes as they run (``LiveBytes``)."""
     import torch.distributed.pipelining as tpp
 
     pad = max(max(st.tokens) for st in steps)
@@ -54,6 +55,9 @@ def torch_runs(cfg: PeerConfig, rank: int, steps: Sequence[Step]) -> list[Worker
         chunks, placement = TORCH_SCHEDULES[name]
         for padded in (False, True) if name in cfg.padded_cost else (False,):
             mods = make_modules(cfg, rank, chunks, placement, padded)
+            live = LiveBytes() if cfg.meter else None
+            for mod in mods.values():
+                mod.live = live
             tstages = [
                 tpp.PipelineStage(mod, v, cfg.stages * chunks, torch.device("cpu"))
                 for v, mod in sorted(mods.items())
@@ -82,16 +86,26 @@ def torch_runs(cfg: PeerConfig, rank: int, steps: Sequence[Step]) -> list[Worker
             )
 
             def run_torch(
-                s: int, sched: Any = sched, mods: dict[int, PeerStage] = mods, run: WorkerRun = run
+                s: int,
+                sched: Any = sched,
+                mods: dict[int, PeerStage] = mods,
+                run: WorkerRun = run,
+                live: LiveBytes | None = live,
             ) -> float:
                 batch = torch.cat(make_inputs(cfg, s, steps[s].tokens, pad), dim=0)
                 out: list[torch.Tensor] = []
+                if live is not None:
+                    live.begin()
                 args = (batch,) if 0 in mods else ()
                 if cfg.stages * len(mods) - 1 in mods:  # the last virtual stage is here
                     t, _ = _timed(lambda: sched.step(*args, target=batch, losses=out))
                     run.losses.append(sum(float(x.detach()) for x in out) / cfg.microbatches)
                 else:
                     t, _ = _timed(lambda: sched.step(*args))
+                if live is not None:
+                    live.end()
+                    run.peak_bytes.append(live.peak)
+                    run.orders.append(live.order)
                 for m in mods.values():
                     m.zero_grad(set_to_none=True)
                 return t

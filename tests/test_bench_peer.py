@@ -123,3 +123,64 @@ def test_dropin_rows_run_torchs_v_shape_order_and_pair_with_it() -> None:
     assert not math.isnan(row["speedup_vs_same_torch"]) and row["speedup_vs_same_torch"] > 0
     assert math.isnan(by[("rrfp_async", "1f1b")]["speedup_vs_same_torch"])
     assert out["loss_max_diff"] < 1e-5 and out["losses_checked"] == len(out["runs"])
+
+
+def test_torch_rows_meter_counts_what_the_executors_meter_counts() -> None:
+    """torch's rows are metered inside their modules (``LiveBytes``), rrfp_async's by the
+    executor: on the same microbatches the two count the same bytes per forward (the last
+    stage's executor also holds the 4-byte loss), a first-stage input that is a view of
+    torch's padded batch counts as its own tensor, and a forward no backward follows (torch's
+    shape inference) is dropped."""
+    import torch
+
+    import rrfp_async as rr
+    from rrfp_lab._peer import PeerStage
+    from rrfp_lab._peer_stage import LiveBytes, make_inputs, peer_loss, replay_peak
+
+    cfg = PeerConfig(stages=3, microbatches=3)
+    tokens = [40, 100, 7]
+    mods = {v: PeerStage(cfg.hidden, v, weight_sleep=False) for v in range(3)}
+    execs = [
+        rr.TorchStageExecutor({v: mods[v]}, peer_loss, rank=v, measure_activations=True)
+        for v in range(3)
+    ]
+    plan = rr.StepPlan(topology=rr.Topology(stages=3), microbatches=3)
+    pipe = rr.LocalPipeline(rr.StepSchedule.build(plan, "gpipe"), execs, policy="strict")
+    try:
+        stats = rr.run(pipe.run_step(make_inputs(cfg, 0, tokens, None)))
+        theirs = [e.activation_bytes() for e in execs]
+    finally:
+        for e in execs:
+            e.close()
+    for chunks in (make_inputs(cfg, 0, tokens, None), None):
+        if chunks is None:  # torch's way: views of one padded batch, the real rows first
+            batch = torch.cat(make_inputs(cfg, 0, tokens, max(tokens)), dim=0)
+            chunks = list(torch.tensor_split(batch, 3, dim=0))
+        lives = [LiveBytes() for _ in range(3)]
+        for v, live in enumerate(lives):
+            mods[v].live = live
+            live.begin()
+        mods[0](chunks[0][:, :1].clone())  # shape inference: no backward follows
+        outs = []
+        for x in chunks:
+            h = x
+            for v in range(3):
+                h = mods[v](h if v == 0 else h.detach().requires_grad_())
+                outs.append(h)
+        for o in reversed(outs):  # every forward's backward, the last stage's first
+            o.backward(torch.ones_like(o))
+        for live in lives:
+            live.end()
+        if chunks[0].shape[1] == tokens[0]:  # the real lengths: the executor's figures
+            for v in range(3):
+                loss = 4 if v == 2 else 0
+                assert {k: b + loss for k, b in lives[v].bytes.items()} == theirs[v], v
+                # GPipe's order: every forward held at once, as the executor's held_peak
+                assert lives[v].peak + 3 * loss == stats[v].held_peak(theirs[v])
+                assert replay_peak(lives[v].order, theirs[v]) == stats[v].held_peak(theirs[v])
+        else:  # padded: every microbatch the longest's bytes
+            assert len(set(lives[1].bytes.values())) == 1
+            assert lives[0].bytes[(0, 1)] == theirs[0][(0, 1)]  # the longest: as its own
+        assert [len(live.order) for live in lives] == [6, 6, 6]
+    for m in mods.values():
+        m.live = None

@@ -323,6 +323,11 @@ def _fake_peer(seen: list[Any]) -> Any:
                 peak_inflight=2,
                 steps_s=steps,
                 note=note,
+                # Measured bytes: torch's on padded inputs, its order on the real lengths.
+                peak_bytes=5 << 20 if torch_row else 4 << 20,
+                bytes_vs_torch_1f1b=1.0 if torch_row else 0.8,
+                real_bytes=4 << 20 if torch_row else None,
+                bytes_vs_torch_1f1b_real=1.0,
             ).to_dict()
 
         return {
@@ -380,6 +385,9 @@ def test_bench_peer_shows_progress_on_stderr_and_takes_torch_short_names(
     assert sum("readiness_first" in line for line in lines) == 2, res.stdout
     assert "0.91–1.11" in res.stdout and "1.67–2.00" in res.stdout, res.stdout
     assert res.stdout.count("within noise") == 1, res.stdout
+    # The bytes columns: the peak (torch's on the real lengths too) and its ratio to 1F1B's.
+    assert "5.00" in res.stdout and "(4.00)" in res.stdout, res.stdout
+    assert "0.80x" in res.stdout and "(1.00x)" in res.stdout, res.stdout
     # --json: no progress at all, JSON on stdout.
     seen.clear()
     res = CliRunner().invoke(main, [*args, "--json"])

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 from typing import Any
 
 import click
@@ -80,6 +81,13 @@ __all__ = ["bench_peer"]
     repeatable=True,
 )
 @click.option(
+    "--meter/--no-meter",
+    default=True,
+    show_default=True,
+    help="Measure every row's activation bytes on every step (the saved-tensor meter, on"
+    " for all rows alike); --no-meter: no bytes, and no meter's cost in any row's time.",
+)
+@click.option(
     "--simulated",
     is_flag=True,
     help="Instead: the same steps in the simulator (virtual time, no host cost), with a"
@@ -109,6 +117,7 @@ def bench_peer(
     workload: str,
     policies: tuple[str, ...],
     memory_factors: tuple[float, ...],
+    meter: bool,
     simulated: bool,
     latency: float,
     host_time: bool,
@@ -146,6 +155,7 @@ def bench_peer(
                 workload=workload,
                 policies=tuple(policy_names(policies, list(base.policies))),
                 memory_factors=memory_factors or base.memory_factors,
+                meter=meter,
             )
             for us in (scales or (2.0, 8.0))
         ]
@@ -195,7 +205,8 @@ def bench_peer(
                 f"step s\n(median\nof {cfg.steps})",
                 "vs torch\n1F1B\n(median,\nmin–max)",
                 "effic.",
-                "peak",
+                "peak\nMiB",
+                "bytes\nvs\n1F1B",
                 "note",
             ),
             left={"configuration", "note"},
@@ -208,6 +219,7 @@ def bench_peer(
             ),
             None,
         )
+        cells: list[tuple[str, ...]] = []
         # Fastest first; a NaN speedup (a run that did not finish) sorts as 0.
         for r in sorted(
             res["runs"],
@@ -225,28 +237,31 @@ def bench_peer(
                 vs += f"\n{paired.spread}" + (f"\n{paired.verdict}" if paired.within_noise else "")
             name = (r["schedule"] or r["hint"]).replace("breadth_first_weighted", "bfw")
             memory = f"{r['memory_factor']:g}x" if r["memory_factor"] else ""
-            t.add_row(
-                " ".join(
-                    x
-                    for x in (r["system"], name.removeprefix("Schedule"), r["policy"], memory)
-                    if x
-                ),
-                f"{r['step_s']:.4f}",
-                vs,
-                f"{r['efficiency']:.2f}",
-                str(r["peak_inflight"]),
-                "; ".join(
-                    x
-                    for x in (
-                        r["note"],
-                        f"{r['speedup_vs_same_torch']:.2f}x torch's own"
-                        if r.get("speedup_vs_same_torch") == r.get("speedup_vs_same_torch")
-                        and r.get("speedup_vs_same_torch") is not None
-                        else "",
-                    )
-                    if x
-                ),
+            cells.append(
+                (
+                    " ".join(
+                        x
+                        for x in (r["system"], name.removeprefix("Schedule"), r["policy"], memory)
+                        if x
+                    ),
+                    f"{r['step_s']:.4f}",
+                    vs,
+                    f"{r['efficiency']:.2f}",
+                    *_bytes_cells(r),
+                    "; ".join(
+                        x
+                        for x in (
+                            r["note"],
+                            f"{r['speedup_vs_same_torch']:.2f}x torch's own"
+                            if r.get("speedup_vs_same_torch") == r.get("speedup_vs_same_torch")
+                            and r.get("speedup_vs_same_torch") is not None
+                            else "",
+                        )
+                        if x
+                    ),
+                )
             )
+        _fit_numbers(t, cells, con.width)
         t.caption = (
             f"configuration: system, torch schedule or rrfp_async hint, policy, admission bound"
             f" (x 1F1B's); vs torch 1F1B: median and min–max of torch Schedule1F1B's step i /"
@@ -256,9 +271,56 @@ def bench_peer(
             " PipelineStage stepped by rr.pipelining.ScheduleReadinessFirst, 'x native' = its"
             " step time paired with the rrfp_async row of the same hint, policy and memory;"
             " drop-in torch:<schedule> = torch's order as the hint on its placement, 'x torch's"
-            " own' = that torch schedule's step i / the row's step i, median"
+            " own' = that torch schedule's step i / the row's step i, median; "
+            + (
+                "peak MiB: the most activation bytes any rank held in a timed step, measured"
+                " on every step of every row by the saved-tensor meter (its cost in every"
+                " row's time alike), torch's on its padded inputs; bytes vs 1F1B: the row's"
+                " peak / torch Schedule1F1B's; (in parentheses) on the real lengths: torch's"
+                " order replayed on them, / torch 1F1B's order on them; a row of 2 chunks per"
+                " rank counts half of what its modules measured (each stands for half the"
+                " rank's model)"
+                if cfg.meter
+                else "no bytes measured (--no-meter)"
+            )
         )
         con.print(t)
+
+
+def _fit_numbers(t: Any, cells: list[tuple[str, ...]], width: int) -> None:
+    """Add the rows, the numbers' columns as wide as their figures (a long verdict below a
+    ratio wraps); at ``width`` columns the configuration keeps a policy's name whole
+    (readiness_first) and the note narrows first."""
+    for i in range(1, len(t.columns) - 1):
+        # A figure, its spread, a short verdict ("within noise") on one line; longer wrap.
+        lines = [ln for c in cells for ln in c[i].splitlines() if len(ln) <= 12]
+        words = [w for h in str(t.columns[i].header).splitlines() for w in h.split()]
+        t.columns[i].width = max(map(len, lines + words))
+    fixed = sum(c.width for c in t.columns[1:-1]) + 3 * len(t.columns) + 1
+    room = width - fixed
+    natural = [max(len(c[i]) for c in cells) for i in (0, -1)] if cells else [0, 0]
+    if sum(natural) > room:  # rich would narrow both alike; the configuration first here
+        words = [w for c in cells for w in c[-1].split()] or ["note"]
+        note = max(max(map(len, words)), room - natural[0])
+        t.columns[0].width = max(len("readiness_first"), room - note)
+        t.columns[-1].width = max(1, room - t.columns[0].width)
+    for c in cells:
+        t.add_row(*c)
+
+
+def _bytes_cells(r: dict[str, Any]) -> tuple[str, str]:
+    """The row's peak bytes (MiB) and its ratio to torch 1F1B's, each with its figure on the
+    real lengths in parentheses where there is one; a dash where nothing was measured."""
+    if r.get("peak_bytes") is None:
+        return "–", "–"
+    peak = f"{r['peak_bytes'] / 2**20:.2f}"
+    if r.get("real_bytes") is not None:
+        peak += f"\n({r['real_bytes'] / 2**20:.2f})"
+    ratio, real = r.get("bytes_vs_torch_1f1b", math.nan), r.get("bytes_vs_torch_1f1b_real")
+    cell = f"{ratio:.2f}x" if math.isfinite(ratio) else "–"
+    if real is not None and math.isfinite(real):
+        cell += f"\n({real:.2f}x)"
+    return peak, cell
 
 
 def _peer_host_time(cfgs: list[Any], as_json: bool) -> None:
