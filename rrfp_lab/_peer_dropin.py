@@ -78,6 +78,8 @@ def _dropin_run(
         "policy": pol,
         "step_timeout": 120,
         "emulate": TableCost(steps=tuple(steps), chunks=n_chunks),
+        # Every step measured, as every row's (the drop-in learns from the same steps).
+        "measure_activations": cfg.meter,
     }
     if hint == "default":
         # The one-line switch, no argument: the sizes are read off the microbatches, the
@@ -102,13 +104,6 @@ def _dropin_run(
     run = WorkerRun(
         ("drop-in", hint, pol, mf), n_chunks, placement, None, split=sched.split_backward
     )
-    executor = sched._executor
-    if cfg.meter:
-        # Every step measured, as every row's: the schedule switches its executor's meter on
-        # only for the steps it learns from, so its switch is held on here (what it learns
-        # from is unchanged: it reads the bytes of those steps only).
-        executor.measure_activations(True)
-        executor.measure_activations = lambda _on: None
 
     def run_dropin(s: int) -> float:
         assert s == len(done), "the drop-in's step numbers follow the benchmark's"
@@ -131,7 +126,7 @@ def _dropin_run(
         assert stats is not None
         run.peak = max(run.peak, stats.peak_inflight)
         if cfg.meter:
-            nbytes = executor.activation_bytes()
+            nbytes = sched.activation_bytes()
             run.peak_bytes.append(stats.held_peak(nbytes))
             run.step_bytes.append([(v, mb, b) for (v, mb), b in sorted(nbytes.items())])
         for m in mods.values():

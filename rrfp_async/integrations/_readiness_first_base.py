@@ -151,6 +151,7 @@ class ReadinessFirstBase:
         activation_bytes: Callable[[StepPlan, Sequence[Any]], ActivationBytes] | None = None,
         memory_budget: MemoryBudget | None = None,
         sizes: SizesFn | bool | None = None,
+        measure_activations: bool = False,
         shared: SharedSpec | None,
         stage_kwargs: dict[str, Any],
     ) -> None:
@@ -194,7 +195,9 @@ class ReadinessFirstBase:
             rank=dist.get_rank(),
             emulate=emulate,
             shared=shared,
+            measure_activations=measure_activations,
         )
+        self._measure_all = measure_activations
         self._durations = durations
         if sizes is True or (sizes is not None and sizes is not False and not callable(sizes)):
             raise PlanError(
@@ -453,6 +456,7 @@ class ReadinessFirstBase:
                 hint=self._hint,
                 memory_budget=self._memory_budget,
                 learn_costs=self._durations is None,
+                measure_all=self._measure_all,
                 source=0 if self._group is None else dist.get_global_rank(self._group, 0),
             )
         if self._activation_bytes is not None or self._sizes is not None:
@@ -481,6 +485,13 @@ class ReadinessFirstBase:
         """After a step: what the schedule learns from it (a collective on every rank)."""
         if self._learning is not None:
             self._learning.observe(stats, train)
+
+    def activation_bytes(self) -> dict[tuple[int, int], int]:
+        """The activation bytes of the last training step's forwards on this rank,
+        ``{(virtual stage, microbatch): bytes}``, as measured (``TorchStageExecutor``'s):
+        every step with ``measure_activations=True``, else the steps it learned from (empty
+        for the others)."""
+        return self._executor.activation_bytes()
 
     @property
     def learned_bytes(self) -> LearnedBytes | None:

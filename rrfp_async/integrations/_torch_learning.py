@@ -135,6 +135,8 @@ class StepLearning:
         memory_budget: The user's ``memory_budget`` (None: the fixed order's bytes).
         learn_costs: Learn the tasks' times too (no ``durations=`` declared).
         source: With auto learning, the global rank that holds stage 0.
+        measure_all: Keep the meter on for every step (the user asked for every step's
+            bytes), not only for the steps learned from.
     """
 
     def __init__(
@@ -147,7 +149,9 @@ class StepLearning:
         memory_budget: MemoryBudget | None,
         learn_costs: bool,
         source: int,
+        measure_all: bool = False,
     ) -> None:
+        self._measure_all = measure_all
         self._fn = sizes
         self._executor = executor
         self._plan = plan
@@ -233,13 +237,13 @@ class StepLearning:
                 # reading sizes, the same choice on every rank (the same broadcasts seen).
                 self._reading = self._steps < UNIFORM_START
             self._sizes = None
-            self._executor.measure_activations(False)
+            self._executor.measure_activations(self._measure_all)
             return count if durations is None else count.with_durations(durations)
         assert self._bytes is not None
         learn = self._varying % LEARN_EVERY == 0 or not self._fitted(count.plan)
         self._varying += 1
         self._sizes = sizes if learn else None
-        self._executor.measure_activations(learn)
+        self._executor.measure_activations(learn or self._measure_all)
         if durations is None and self._costs is not None:
             durations = self._costs.predict(count.plan, sizes)
         predicted = self._bytes.predict(count.plan, sizes)

@@ -127,15 +127,18 @@ class ScheduleReadinessFirst(ReadinessFirstBase, PipelineScheduleSingle):
             that step's microbatches, and the cost-aware hint is built within it.
         memory_budget: With ``activation_bytes`` or ``sizes``: a float scales that default
             budget, an int or ``"24GiB"`` is bytes per rank (see ``rrfp_async._memory``).
-        sizes: ``(plan, microbatches) -> [{feature: value}, ...]``: each microbatch's size
+        sizes: Where the bytes and the task times come from when no ``activation_bytes=``
+            (``durations=``) are given. None (default): learned from the run where the
+            step's microbatches differ in size, their sizes read off the first stage's
+            tensor inputs and sent to every rank (docs/memory.md, "The torch drop-in";
+            off with a ``hint=``, ``policy="strict"``, ``memory_factor=`` or data
+            parallelism, unless a ``memory_budget=`` asks for bytes). A function ``(plan,
+            microbatches) -> [{feature: value}, ...]``: each microbatch's size features
             (``{"tokens": ...}``, plus ``"patches"``, ``"images"`` or features of your own;
-            every rank must return the same): the schedule then *learns* each forward's
-            activation bytes from the run (measured after each step on every rank,
-            exchanged, fitted per stage: ``rr.distributed.LearnedBytes``) and bounds memory
-            in bytes once every stage is fitted (the first steps run the count bound);
-            without ``durations=`` it learns the tasks' times the same way
-            (``LearnedDurations``), so the cost-aware hint follows the step's sizes. One
-            pipeline replica only (no data parallelism).
+            every rank must return the same), learned from the same way. False: nothing
+            learned (torch's fixed order and its count bound). One pipeline replica only.
+        measure_activations: Measure every training forward's activation bytes
+            (``activation_bytes()``; by default only the steps it learns from are).
         emulate: Emulated GPU time for CPU benchmarks (``rr.EmulatedCost``).
         shared: Tied parameters (``rr.TorchStageExecutor``'s ``shared``), by stage index:
             for stages of torch's tracer, ``rr.from_pipe(pipe).shared`` (its
@@ -175,7 +178,10 @@ class ScheduleReadinessFirst(ReadinessFirstBase, PipelineScheduleSingle):
         durations: Callable[[StepPlan, Sequence[Any]], Durations] | None = None,
         activation_bytes: Callable[[StepPlan, Sequence[Any]], ActivationBytes] | None = None,
         memory_budget: MemoryBudget | None = None,
-        sizes: Callable[[StepPlan, Sequence[Any]], Sequence[Mapping[str, float]]] | None = None,
+        sizes: Callable[[StepPlan, Sequence[Any]], Sequence[Mapping[str, float]]]
+        | bool
+        | None = None,
+        measure_activations: bool = False,
         emulate: EmulatedCost | None = None,
         shared: SharedSpec | None = None,
         **stage_kwargs: Any,
@@ -204,6 +210,7 @@ class ScheduleReadinessFirst(ReadinessFirstBase, PipelineScheduleSingle):
             activation_bytes=activation_bytes,
             memory_budget=memory_budget,
             sizes=sizes,
+            measure_activations=measure_activations,
             emulate=emulate,
             shared=shared,
             stage_kwargs=stage_kwargs,
@@ -263,7 +270,10 @@ class ScheduleInterleavedReadinessFirst(ReadinessFirstBase, PipelineScheduleMult
         durations: Callable[[StepPlan, Sequence[Any]], Durations] | None = None,
         activation_bytes: Callable[[StepPlan, Sequence[Any]], ActivationBytes] | None = None,
         memory_budget: MemoryBudget | None = None,
-        sizes: Callable[[StepPlan, Sequence[Any]], Sequence[Mapping[str, float]]] | None = None,
+        sizes: Callable[[StepPlan, Sequence[Any]], Sequence[Mapping[str, float]]]
+        | bool
+        | None = None,
+        measure_activations: bool = False,
         emulate: EmulatedCost | None = None,
         shared: SharedSpec | None = None,
         **stage_kwargs: Any,
@@ -305,6 +315,7 @@ class ScheduleInterleavedReadinessFirst(ReadinessFirstBase, PipelineScheduleMult
             activation_bytes=activation_bytes,
             memory_budget=memory_budget,
             sizes=sizes,
+            measure_activations=measure_activations,
             emulate=emulate,
             shared=shared,
             stage_kwargs=stage_kwargs,

@@ -165,7 +165,7 @@ def _sizes_steps(rank: int, world: int, budget: float | None, given: bool) -> di
         )
         st = schedule.last_stats
         assert st is not None
-        measured = schedule._executor.activation_bytes()
+        measured = schedule.activation_bytes()
         out.setdefault("grads", []).append([p.grad.clone() for p in m[rank].parameters()])
         out["steps"].append(
             {
@@ -237,10 +237,12 @@ def plain_worker(rank: int, world: int, mode: str) -> dict[str, Any]:
     m = model(world)
     stage = PipelineStage(m[rank], rank, world, torch.device("cpu"))
     kw: dict[str, Any] = {"policy": "strict"} if mode == "strict" else {}
+    if mode == "measure-all":
+        kw["measure_activations"] = True
     schedule = ScheduleReadinessFirst(stage, M, loss_fn=F.mse_loss, **kw)
     g = torch.Generator().manual_seed(5)
     out: dict[str, Any] = {"budgets": [], "measured": []}
-    for step in STEPS if mode == "varying" else STEPS[:2]:
+    for step in STEPS if mode in ("varying", "measure-all") else STEPS[:2]:
         lengths = [8] * M if mode == "uniform" else step
         xs = [torch.randn(1, n, D, generator=g) for n in lengths]
         schedule.step_microbatches(
@@ -250,7 +252,7 @@ def plain_worker(rank: int, world: int, mode: str) -> dict[str, Any]:
         st = schedule.last_stats
         assert st is not None
         out["budgets"].append(st.budget_bytes)
-        out["measured"].append(len(schedule._executor.activation_bytes()))
+        out["measured"].append(len(schedule.activation_bytes()))
     out["learned"] = schedule.learned_bytes is not None
     schedule.close()
     return out
@@ -267,13 +269,16 @@ def test_without_varying_sizes_or_under_strict_nothing_is_learned(mode: str) -> 
     assert res[0]["learned"] is (mode == "uniform")
 
 
-def test_once_fitted_only_one_step_in_learn_every_is_measured() -> None:
+@pytest.mark.parametrize("mode", ["varying", "measure-all"])
+def test_once_fitted_only_one_step_in_learn_every_is_measured(mode: str) -> None:
     from rrfp_async.integrations._torch_learning import LEARN_EVERY
 
     assert len(STEPS) < LEARN_EVERY
-    res = pooled_spawn(plain_worker, 2, "varying", timeout=200)
+    res = pooled_spawn(plain_worker, 2, mode, timeout=200)
     for r in range(2):
         # The first step identifies every fit (six lengths); the next three are planned in
-        # bytes from the fits, with no meter on their forwards.
-        assert res[r]["measured"] == [M, 0, 0, 0], res[r]
+        # bytes from the fits, with no meter on their forwards, unless every step's bytes
+        # were asked for (measure_activations=True).
+        want = [M] * 4 if mode == "measure-all" else [M, 0, 0, 0]
+        assert res[r]["measured"] == want, res[r]
         assert all(b is not None and b > 1000 for b in res[r]["budgets"][1:]), res[r]

@@ -138,7 +138,7 @@ def _steps(rank: int, world: int, kind: str) -> dict[str, Any]:
         )
         st = schedule.last_stats
         assert st is not None
-        measured = schedule._executor.activation_bytes()
+        measured = schedule.activation_bytes()
         learned = schedule.learned_bytes
         assert learned is not None
         out["grads"].append(
