@@ -26,9 +26,9 @@ The lean path (what a message costs is what a step loses):
   every one on NCCL) is copied at ``send`` when it is the caller's own buffer: a send reads
   its buffer until its work is waited for, and a stage may overwrite its output buffer in
   its next forward (invariant 10; paid once per size on gloo, BENCHMARKS.md#channel-costs).
-  The inline payload is a view of the receive buffer (no copy) unless it uses less than half
-  of it (then it is copied out, so a stashed activation
-  does not pin a large buffer).
+  The inline payload is copied out of the receive buffer (one ``memmove``; the buffer is
+  reused), so a stashed activation holds its own bytes, not the edge's capacity: a view
+  would pin up to twice the payload, more than a byte budget predicts from the sizes.
 * **Small messages leave from the caller; large ones from the edge's sender thread.**
   ``send`` packs the message where it is called (the loop, or the stage's compute thread
   the moment the output exists; the header and an inline payload are ``memmove``d into one

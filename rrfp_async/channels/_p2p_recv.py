@@ -184,7 +184,7 @@ class Receiver:
         """Per-edge I/O: this edge's own thread blocks in its receive."""
         self._dev.bind_thread()
         rx = self._rx[src]
-        raw: torch.Tensor | None = None  # reused while nothing kept a view of it
+        raw: torch.Tensor | None = None  # reused (payloads are copied out of it)
         while True:
             if raw is None or raw.numel() < rx.cap:
                 raw = self._host_buffer(rx.cap)
@@ -193,10 +193,7 @@ class Receiver:
                 raw, src, lambda: f"waiting for message seq {rx.expect} on {rx.edge} ({rx.last()})"
             ):
                 return
-            more, kept = self._on_message(rx, raw)
-            if kept:
-                raw = None
-            if not more:
+            if not self._on_message(rx, raw):
                 return
 
     def _io_thread(self) -> None:
@@ -236,10 +233,7 @@ class Receiver:
                         ),
                     )
                     return
-                more, kept = self._on_message(rx, raw)
-                if kept:
-                    raw = None
-                if not more:
+                if not self._on_message(rx, raw):
                     if rx.closed:  # its CLOSE: the edge is done
                         rx.open = False
                         io.end(rx.src)
@@ -266,23 +260,23 @@ class Receiver:
             assert self._io is not None
             self._io.lost(src)  # nothing more comes from it: the I/O thread need not wait
 
-    def _on_message(self, rx: Inbound, raw: torch.Tensor) -> tuple[bool, bool]:
+    def _on_message(self, rx: Inbound, raw: torch.Tensor) -> bool:
         """A message from ``rx.src`` is in ``raw`` (its I/O thread): check it, receive the
         rest (a payload sent on its own, an ABORT's text, a device payload's structure) and
         hand it to the loop (a device payload: to the issue thread).
 
         Returns:
-            (more, kept): ``more`` False when nothing more may be received on the edge (its
-            CLOSE, a corrupt message, a broken pair); ``kept`` when ``raw`` must not be
-            reused (the payload is a view of it).
+            False when nothing more may be received on the edge (its CLOSE, a corrupt
+            message, a broken pair). ``raw`` may be reused at once (nothing keeps a view of
+            it).
         """
         src, edge, expect = rx.src, rx.edge, rx.expect
         h = read_header(raw)
         if h[0] == MAGIC and h[1] == ABORT:
-            return self._receive_abort(h, src, edge), False
+            return self._receive_abort(h, src, edge)
         if h[0] == MAGIC and h[1] == WARMUP and self._payload is not None:
             self._payload.warm_announced(src)
-            return True, False
+            return True
         try:
             closing, task, step, dtype, shape = self._check(h, expect, edge)
             code = h[7] & ~REQUIRES_GRAD if h[7] >= 0 else h[7]
@@ -290,7 +284,7 @@ class Receiver:
             tree_len = h[10] if code == TREE else 0
         except ProtocolError as e:
             self._fail(e)
-            return False, False
+            return False
         if closing:
             rx.closed = True
             if h[2] == CLEAN:
@@ -298,18 +292,17 @@ class Receiver:
             else:
                 n = min(max(h[4], 0), MAX_BLAMED)
                 self._post_rx(self._control.peer_failed, src, h[2], h[3], tuple(h[5 : 5 + n]))
-            return False, False
+            return False
         if h[1] == DATA_DEVICE:
             assert dtype is not None
             doc = self._device_doc(rx, raw, tree_len, task, step) if code == TREE else None
             if code == TREE and doc is None:
-                return False, False
+                return False
             self._advance(rx, task, step)
             assert self._payload is not None  # ``_check`` refuses DATA_DEVICE on gloo
             self._payload.device_receive(src, step, task, dtype, shape, doc, rg)
-            return True, False
+            return True
         payload: Any = None
-        kept = False
         if dtype is not None:
             nbytes = math.prod(shape) * ITEMSIZE[dtype]
             if h[1] == DATA_INLINE:
@@ -321,14 +314,11 @@ class Receiver:
                             f" {rx.cap - HEADER_BYTES}: the ranks disagree on inline_bytes"
                         ),
                     )
-                    return False, False
-                if 2 * (HEADER_BYTES + nbytes) < raw.numel():
-                    # Copied out (the buffer is reused); a view would pin all of it.
-                    payload = unpack_inline(raw, dtype, shape, nbytes)
-                else:
-                    body = raw[HEADER_BYTES : HEADER_BYTES + nbytes]
-                    payload = body.view(dtype).view(shape)
-                    kept = True  # the payload is a view of it
+                    return False
+                # Copied out, the buffer reused: a view would pin the whole buffer (the
+                # edge's capacity, up to twice the payload) for as long as the stage keeps
+                # the activation, memory that follows no size a byte budget can predict.
+                payload = unpack_inline(raw, dtype, shape, nbytes)
             else:
                 # gloo carries CPU tensors: a CUDA payload lands on the CPU first.
                 payload = torch.empty(shape, dtype=dtype, pin_memory=self._dev.is_cuda)
@@ -339,7 +329,7 @@ class Receiver:
                         f"receiving the payload of seq {expect} ({task} of step {step}) on {edge}"
                     ),
                 ):
-                    return False, False
+                    return False
                 # The next receive needs the larger buffer (its caller sees rx.cap).
                 rx.cap = grow(rx.cap, nbytes, self._max_bytes)
             try:
@@ -348,12 +338,10 @@ class Receiver:
                 self._fail(
                     ProtocolError(f"{edge}: message seq {expect} ({task} of step {step}): {e}"),
                 )
-                return False, False
-            if self._dev.is_cuda:
-                kept = False  # copied to the device (and waited for): the buffer is free
+                return False
         self._advance(rx, task, step)
         self._post_rx(self._inlet.deliver, step, task, payload, src)
-        return True, kept
+        return True
 
     def _host_buffer(self, n: int) -> torch.Tensor:
         """A gloo receive buffer: pinned on a CUDA stage (its copy to the device is then a
