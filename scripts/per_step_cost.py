@@ -1,0 +1,211 @@
+"""What a step of ``DistributedStage`` costs beside its tasks, side by side for two trees of
+this repository (e.g. main's worktree and a branch): 4 gloo processes (``rr.spawn``), one
+pipeline of 4 stages, default configuration, 8 microbatches of variable length whose tasks
+sleep for their emulated GPU time (``--us-per-token`` µs a token forward, twice that
+backward; 0: no compute); blocks of ``--steps`` steps, alternating A B B A ..., each block a
+fresh job with the tree's code first on ``PYTHONPATH``. Reports each tree's median step
+(the slowest rank's, per block) and the paired difference per block pair.
+
+``--profile`` instead times, in one job of the tree this script runs in, what ``run_step``
+does around the stage loop (each part's mean per step, the slowest rank) and, in one process,
+what the per-step Python costs (schedule derivation, the step check's row, the plan digest).
+
+    python scripts/per_step_cost.py --trees /work/main /work/wt-agree
+    python scripts/per_step_cost.py --profile
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import statistics
+import subprocess
+import sys
+import time
+from collections import defaultdict
+from typing import Any
+
+WORLD = 4
+MBS = 8
+
+
+def _tokens(step: int) -> list[int]:
+    rng = random.Random(step)
+    return [min(2048, max(32, int(rng.lognormvariate(6.0, 0.8)))) for _ in range(MBS)]
+
+
+def _worker(rank: int, world: int, steps: int, us: float, profile: bool) -> dict[str, Any]:
+    import torch
+
+    import rrfp_async as rr
+
+    torch.set_num_threads(1)
+
+    class Emulated:
+        async def execute(self, task: Any, data: Any, ctx: Any, /) -> Any:
+            tokens = ctx.microbatches[task.mb]
+            if us:
+                await asyncio.sleep(tokens * us * 1e-6 * (1 if task.kind == "F" else 2))
+            else:
+                await asyncio.sleep(0)
+            return torch.zeros(4)
+
+    layout = rr.ProcessLayout.from_world(pp=world)
+    groups = rr.build_groups(layout)
+    plan = rr.StepPlan(topology=rr.Topology(stages=world), microbatches=MBS)
+    parts: dict[str, float] = defaultdict(float)
+
+    def timed(obj: Any, name: str, label: str) -> None:
+        fn = getattr(obj, name, None)
+        if fn is None:
+            return
+        if asyncio.iscoroutinefunction(fn):
+
+            async def wrap_async(*a: Any, **k: Any) -> Any:
+                t0 = time.perf_counter()
+                try:
+                    return await fn(*a, **k)
+                finally:
+                    parts[label] += time.perf_counter() - t0
+
+            setattr(obj, name, wrap_async)
+        else:
+
+            def wrap(*a: Any, **k: Any) -> Any:
+                t0 = time.perf_counter()
+                try:
+                    return fn(*a, **k)
+                finally:
+                    parts[label] += time.perf_counter() - t0
+
+            setattr(obj, name, wrap)
+
+    async def go() -> list[float]:
+        st = rr.DistributedStage(
+            layout, rr.StepSchedule.build(plan, "1f1b"), Emulated(), groups=groups
+        )
+        times = []
+        async with st:
+            await st.run_step(_tokens(0))  # the plan check
+            if profile:
+                timed(st, "_resolve_step", "resolve_step (schedule for the step)")
+                timed(st.control, "begin_step", "control.begin_step")
+                timed(st.control, "end_step", "control.end_step (agreement wait incl.)")
+                timed(st.control, "finish_step", "control.finish_step")
+                timed(st.stage, "run_step", "stage loop run_step (the tasks)")
+                timed(st.trace, "begin_step", "trace.begin_step")
+                timed(st.trace, "write", "trace.write")
+                timed(st.ties, "prepare", "ties.prepare")
+                timed(st.ties, "set_aside", "ties.set_aside")
+                timed(st.ties, "reduce", "ties.reduce")
+                timed(st.channel, "at_step", "channel.at_step")
+            for s in range(1, steps + 1):
+                t0 = time.perf_counter()
+                await st.run_step(_tokens(s))
+                times.append(time.perf_counter() - t0)
+        st.channel.close(10.0)
+        return times
+
+    times = rr.run(go())
+    return {"times": times, "parts": dict(parts)}
+
+
+def _job(steps: int, us: float, profile: bool) -> dict[str, Any]:
+    import rrfp_async as rr
+
+    res = rr.spawn(_worker, WORLD, steps, us, profile, timeout=600)
+    per_step = [max(r["times"][i] for r in res) for i in range(steps)]
+    parts: dict[str, float] = {}
+    for r in res:
+        for k, v in r["parts"].items():
+            parts[k] = max(parts.get(k, 0.0), v / steps)
+    return {"median": statistics.median(per_step), "parts": parts}
+
+
+def _python_costs() -> dict[str, float]:
+    """Per-step Python on one process: what a step builds or hashes beside its tasks."""
+    import rrfp_async as rr
+    from rrfp_async.distributed._digest import PlanDigest
+
+    plan = rr.StepPlan(topology=rr.Topology(stages=WORLD), microbatches=MBS)
+    base = rr.StepSchedule.build(plan, "1f1b")
+    layout = rr.ProcessLayout(pp=WORLD, rank=0)
+    out: dict[str, float] = {}
+
+    def per_call(label: str, fn: Any, n: int = 300) -> None:
+        fn()
+        t0 = time.perf_counter()
+        for _ in range(n):
+            fn()
+        out[label] = (time.perf_counter() - t0) / n
+
+    per_call("StepSchedule.build(plan, '1f1b')", lambda: rr.StepSchedule.build(plan, "1f1b"))
+    per_call("base.for_microbatches(8) (same size)", lambda: base.for_microbatches(MBS))
+    per_call("base.for_microbatches(7) (new size)", lambda: base.for_microbatches(MBS - 1))
+    per_call(
+        "PlanDigest.of (the plan check's row)",
+        lambda: PlanDigest.of(
+            base,
+            policy="readiness_first",
+            layout=layout,
+            max_message_bytes=1 << 28,
+            rng_seed=None,
+            seed_default=False,
+        ),
+    )
+    try:
+        from rrfp_async.distributed._plan_check import step_row
+
+        per_call("step_row (the step check's row)", lambda: step_row(1, base, changed=False))
+    except ImportError:
+        pass
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--trees", nargs=2, metavar=("A", "B"))
+    ap.add_argument("--blocks", type=int, default=4, help="block pairs")
+    ap.add_argument("--steps", type=int, default=40)
+    ap.add_argument("--us-per-token", type=float, default=2.0)
+    ap.add_argument("--profile", action="store_true")
+    ap.add_argument("--job", action="store_true", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.job:
+        print(json.dumps(_job(args.steps, args.us_per_token, args.profile)))
+        return
+    if args.profile:
+        got = _job(args.steps, args.us_per_token, True)
+        print(f"median step {got['median'] * 1e3:.2f} ms ({WORLD} ranks, slowest rank)")
+        for k, v in sorted(got["parts"].items(), key=lambda kv: -kv[1]):
+            print(f"  {k:45s} {v * 1e3:8.3f} ms/step (slowest rank)")
+        for k, v in sorted(_python_costs().items(), key=lambda kv: -kv[1]):
+            print(f"  {k:45s} {v * 1e6:8.1f} us/call (one process)")
+        return
+    if not args.trees:
+        ap.error("--trees A B or --profile")
+    meds: dict[str, list[float]] = {t: [] for t in args.trees}
+    a, b = args.trees
+    for i in range(args.blocks):
+        for tree in (a, b) if i % 2 == 0 else (b, a):
+            env = dict(os.environ, PYTHONPATH=tree)
+            cmd = [sys.executable, os.path.abspath(__file__), "--job", "--steps", str(args.steps)]
+            cmd += ["--us-per-token", str(args.us_per_token)]
+            out = subprocess.run(cmd, env=env, cwd=tree, check=True, capture_output=True, text=True)
+            meds[tree].append(json.loads(out.stdout.strip().splitlines()[-1])["median"])
+            print(f"block {i} {tree}: {meds[tree][-1] * 1e3:.2f} ms", flush=True)
+    diffs = [(x - y) * 1e3 for x, y in zip(meds[a], meds[b], strict=True)]
+    print(
+        f"{WORLD} gloo ranks, {MBS} microbatches, {args.us_per_token} us/token, {args.steps}"
+        f" steps a block, {args.blocks} pairs: A {a} {statistics.median(meds[a]) * 1e3:.2f} ms,"
+        f" B {b} {statistics.median(meds[b]) * 1e3:.2f} ms a step (median of block medians);"
+        f" A - B per pair {', '.join(f'{d:.2f}' for d in diffs)} ms, median"
+        f" {statistics.median(diffs):.2f} ms"
+    )
+
+
+if __name__ == "__main__":
+    main()
