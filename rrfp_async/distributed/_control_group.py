@@ -228,8 +228,8 @@ class ControlGroup:
     # them then waits for the agreement's rows (``failed_step_error``) to raise the same
     # ``StepDiffersError``, naming every rank's row. Two neighbours whose plans differ exchange
     # a message in the step (the downstream one needs a forward), so a pipeline never hangs on
-    # it; a step number that differs under one plan is left to the watchdog, and its error
-    # is the agreement's verdict. Cost: none beside the agreement (its rows are 7 int64
+    # it. (A step number that differs along a pipeline is the stage loop's to find: a message
+    # of a step this rank passed without running it fails the stage at once, as before.) Cost: none beside the agreement (its rows are 7 int64
     # instead of 2) and one int64 more in each header; the all-gather posted beside every step
     # that it replaces: BENCHMARKS.md#step-check-cost. ``verify_plan=False`` switches the
     # comparison off with the plan check (the agreement still runs).
