@@ -6,11 +6,19 @@ backward; 0: no compute); blocks of ``--steps`` steps, alternating A B B A ..., 
 fresh job with the tree's code first on ``PYTHONPATH``. Reports each tree's median step
 (the slowest rank's, per block) and the paired difference per block pair.
 
+``--old-control-group PATH`` instead alternates, block by block in one job of this tree, its
+control group and the one in PATH (another tree's ``_control_group.py``, loaded as a module
+of this tree: the step check's all-gather beside the step and the int64[2] all-reduce at
+its end, against the one all-gather at its end), so the two share the process layout and
+the machine's load.
+
 ``--profile`` instead times, in one job of the tree this script runs in, what ``run_step``
 does around the stage loop (each part's mean per step, the slowest rank) and, in one process,
 what the per-step Python costs (schedule derivation, the step check's row, the plan digest).
 
     python scripts/per_step_cost.py --trees /work/main /work/wt-agree
+    python scripts/per_step_cost.py --old-control-group \
+        /work/main/rrfp_async/distributed/_control_group.py
     python scripts/per_step_cost.py --profile
 """
 
@@ -113,6 +121,102 @@ def _worker(rank: int, world: int, steps: int, us: float, profile: bool) -> dict
     return {"times": times, "parts": dict(parts)}
 
 
+def _load_old_control_group(path: str) -> Any:
+    """``path`` (another tree's ``_control_group.py``) as a module of this tree's package."""
+    import importlib.util
+
+    name = "rrfp_async.distributed._control_group_other"
+    spec = importlib.util.spec_from_file_location(name, path)
+    assert spec is not None and spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[name] = mod
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def _ab_worker(
+    rank: int, world: int, steps: int, us: float, blocks: int, old_path: str
+) -> dict[str, list[list[float]]]:
+    """Blocks of ``steps`` steps in one job, alternating (A B B A ...) this tree's control
+    group ("new") and the one in ``old_path`` ("old"), each block a fresh stage."""
+    import torch
+
+    import rrfp_async as rr
+
+    torch.set_num_threads(1)
+    old_mod = _load_old_control_group(old_path)
+
+    class Emulated:
+        async def execute(self, task: Any, data: Any, ctx: Any, /) -> Any:
+            tokens = ctx.microbatches[task.mb]
+            await asyncio.sleep(tokens * us * 1e-6 * (1 if task.kind == "F" else 2))
+            return torch.zeros(4)
+
+    layout = rr.ProcessLayout.from_world(pp=world)
+    groups = rr.build_groups(layout)
+    plan = rr.StepPlan(topology=rr.Topology(stages=world), microbatches=MBS)
+    out: dict[str, list[list[float]]] = {"old": [], "new": []}
+
+    async def block(variant: str) -> list[float]:
+        st = rr.DistributedStage(
+            layout, rr.StepSchedule.build(plan, "1f1b"), Emulated(), groups=groups
+        )
+        if variant == "old":
+            old = old_mod.ControlGroup(
+                old_mod.TorchCollectives(groups.control, torch.device("cpu")),
+                who=st._who(),
+                rank=layout.rank,
+                world_size=layout.world_size,
+                timeout=st.step_timeout,
+                verify_plan=True,
+                agree_steps=True,
+                digest_of=st._plan_digest,
+                adopt_seed=st._adopt_seed,
+                abort_step=st.stage.step_aborted,
+            )
+            old.plan_tag = lambda schedule: 0  # (its messages carry no tag)
+            st.control = old
+        times = []
+        async with st:
+            await st.run_step(_tokens(0))  # the plan check
+            for s in range(1, steps + 1):
+                t0 = time.perf_counter()
+                await st.run_step(_tokens(s))
+                times.append(time.perf_counter() - t0)
+        st.channel.close(10.0)
+        torch.distributed.barrier()
+        return times
+
+    async def go() -> None:
+        for i in range(blocks):
+            for variant in ("old", "new") if i % 2 == 0 else ("new", "old"):
+                out[variant].append(await block(variant))
+
+    rr.run(go())
+    return out
+
+
+def _ab(steps: int, us: float, blocks: int, old_path: str) -> None:
+    import rrfp_async as rr
+
+    res = rr.spawn(_ab_worker, WORLD, steps, us, blocks, old_path, timeout=1200)
+    meds: dict[str, list[float]] = {}
+    for v in ("old", "new"):
+        meds[v] = [
+            statistics.median(max(r[v][b][i] for r in res) for i in range(steps))
+            for b in range(blocks)
+        ]
+    diffs = [(o - n) * 1e3 for o, n in zip(meds["old"], meds["new"], strict=True)]
+    print(
+        f"{WORLD} gloo ranks in one job, {MBS} microbatches, {us} us/token, {steps} steps a"
+        f" block, {blocks} blocks each, alternating: old control group ({old_path})"
+        f" {statistics.median(meds['old']) * 1e3:.2f} ms, new"
+        f" {statistics.median(meds['new']) * 1e3:.2f} ms a step (median of block medians, the"
+        f" slowest rank each step); old - new per block pair"
+        f" {', '.join(f'{d:.2f}' for d in diffs)} ms, median {statistics.median(diffs):.2f} ms"
+    )
+
+
 def _job(steps: int, us: float, profile: bool) -> dict[str, Any]:
     import rrfp_async as rr
 
@@ -172,10 +276,18 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=40)
     ap.add_argument("--us-per-token", type=float, default=2.0)
     ap.add_argument("--profile", action="store_true")
+    ap.add_argument(
+        "--old-control-group",
+        metavar="PATH",
+        help="in one job, alternate this tree's control group with the one at PATH",
+    )
     ap.add_argument("--job", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.job:
         print(json.dumps(_job(args.steps, args.us_per_token, args.profile)))
+        return
+    if args.old_control_group:
+        _ab(args.steps, args.us_per_token, 2 * args.blocks, args.old_control_group)
         return
     if args.profile:
         got = _job(args.steps, args.us_per_token, True)
