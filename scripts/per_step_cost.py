@@ -3,7 +3,9 @@ this repository (e.g. main's worktree and a branch): 4 gloo processes (``rr.spaw
 pipeline of 4 stages, default configuration, 8 microbatches of variable length whose tasks
 sleep for their emulated GPU time (``--us-per-token`` µs a token forward, twice that
 backward; 0: no compute); blocks of ``--steps`` steps, alternating A B B A ..., each block a
-fresh job with the tree's code first on ``PYTHONPATH``. Reports each tree's median step
+fresh job with the tree's code first on ``PYTHONPATH``. ``--executor torch`` runs the tasks
+through ``TorchStageExecutor`` (a ``Linear`` behind an autograd op that sleeps the emulated
+time on the compute thread) instead of a coroutine that sleeps it. Reports each tree's median step
 (the slowest rank's, per block) and the paired difference per block pair.
 
 ``--old-control-group PATH`` instead alternates, block by block in one job of this tree, its
@@ -40,27 +42,36 @@ WORLD = 4
 MBS = 8
 
 
+PARTS = [  # (attribute of the stage, method, label): what run_step does around the loop
+    ("", "_resolve_step", "resolve_step (schedule for the step)"),
+    ("control", "begin_step", "control.begin_step"),
+    ("control", "end_step", "control.end_step (agreement wait incl.)"),
+    ("control", "finish_step", "control.finish_step"),
+    ("", "_agree", "_agree (agreement wait incl.; dd70fd4)"),
+    ("stage", "run_step", "stage loop run_step (the tasks)"),
+    ("trace", "begin_step", "trace.begin_step"),
+    ("trace", "write", "trace.write"),
+    ("ties", "prepare", "ties.prepare"),
+    ("ties", "set_aside", "ties.set_aside"),
+    ("ties", "reduce", "ties.reduce"),
+    ("channel", "at_step", "channel.at_step"),
+]
+
+
 def _tokens(step: int) -> list[int]:
     rng = random.Random(step)
     return [min(2048, max(32, int(rng.lognormvariate(6.0, 0.8)))) for _ in range(MBS)]
 
 
-def _worker(rank: int, world: int, steps: int, us: float, profile: bool) -> dict[str, Any]:
+def _worker(
+    rank: int, world: int, steps: int, us: float, profile: bool, cprofile: int, executor: str
+) -> dict[str, Any]:
     import torch
 
     import rrfp_async as rr
 
     torch.set_num_threads(1)
-
-    class Emulated:
-        async def execute(self, task: Any, data: Any, ctx: Any, /) -> Any:
-            tokens = ctx.microbatches[task.mb]
-            if us:
-                await asyncio.sleep(tokens * us * 1e-6 * (1 if task.kind == "F" else 2))
-            else:
-                await asyncio.sleep(0)
-            return torch.zeros(4)
-
+    ex, inputs = _executor(executor, rank, us)
     layout = rr.ProcessLayout.from_world(pp=world)
     groups = rr.build_groups(layout)
     plan = rr.StepPlan(topology=rr.Topology(stages=world), microbatches=MBS)
@@ -92,33 +103,89 @@ def _worker(rank: int, world: int, steps: int, us: float, profile: bool) -> dict
             setattr(obj, name, wrap)
 
     async def go() -> list[float]:
-        st = rr.DistributedStage(
-            layout, rr.StepSchedule.build(plan, "1f1b"), Emulated(), groups=groups
-        )
+        st = rr.DistributedStage(layout, rr.StepSchedule.build(plan, "1f1b"), ex, groups=groups)
         times = []
         async with st:
-            await st.run_step(_tokens(0))  # the plan check
+            await st.run_step(inputs(_tokens(0)))  # the plan check
             if profile:
-                timed(st, "_resolve_step", "resolve_step (schedule for the step)")
-                timed(st.control, "begin_step", "control.begin_step")
-                timed(st.control, "end_step", "control.end_step (agreement wait incl.)")
-                timed(st.control, "finish_step", "control.finish_step")
-                timed(st.stage, "run_step", "stage loop run_step (the tasks)")
-                timed(st.trace, "begin_step", "trace.begin_step")
-                timed(st.trace, "write", "trace.write")
-                timed(st.ties, "prepare", "ties.prepare")
-                timed(st.ties, "set_aside", "ties.set_aside")
-                timed(st.ties, "reduce", "ties.reduce")
-                timed(st.channel, "at_step", "channel.at_step")
+                for part, name, label in PARTS:
+                    obj = st if not part else getattr(st, part, None)
+                    if obj is not None:
+                        timed(obj, name, label)
             for s in range(1, steps + 1):
+                xs = inputs(_tokens(s))
                 t0 = time.perf_counter()
-                await st.run_step(_tokens(s))
+                await st.run_step(xs)
                 times.append(time.perf_counter() - t0)
+                _zero(ex)
         st.channel.close(10.0)
         return times
 
+    if cprofile == rank:
+        import cProfile
+        import io
+        import pstats
+
+        prof = cProfile.Profile()
+        times = prof.runcall(rr.run, go())
+        text = io.StringIO()
+        pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(30)
+        return {"times": times, "parts": dict(parts), "cprofile": text.getvalue()}
     times = rr.run(go())
     return {"times": times, "parts": dict(parts)}
+
+
+def _executor(kind: str, rank: int, us: float) -> tuple[Any, Any]:
+    """This rank's executor and how a step's microbatches are made from token counts.
+
+    ``tiny``: a coroutine that sleeps the emulated time (no torch executor); ``torch``: a
+    ``TorchStageExecutor`` of one ``Linear(16, 16)`` behind an autograd op that sleeps the
+    emulated time (forward; twice that backward) on its compute thread, the microbatches
+    tensors of ``tokens // 16`` rows of 16."""
+    import torch
+
+    import rrfp_async as rr
+
+    if kind == "tiny":
+
+        class Emulated:
+            async def execute(self, task: Any, data: Any, ctx: Any, /) -> Any:
+                tokens = ctx.microbatches[task.mb]
+                await asyncio.sleep(tokens * us * 1e-6 * (1 if task.kind == "F" else 2))
+                return torch.zeros(4)
+
+        return Emulated(), lambda tokens: list(tokens)
+
+    class Sleep(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+            ctx.rows = x.shape[0]
+            time.sleep(x.shape[0] * 16 * us * 1e-6)
+            return x.clone()
+
+        @staticmethod
+        def backward(ctx: Any, g: torch.Tensor) -> torch.Tensor:
+            time.sleep(2 * ctx.rows * 16 * us * 1e-6)
+            return g
+
+    class Stage(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = torch.nn.Linear(16, 16)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return Sleep.apply(self.lin(x))
+
+    torch.manual_seed(rank)
+    ex = rr.TorchStageExecutor(
+        {rank: Stage()}, lambda out, mb: out.float().pow(2).mean(), rank=rank
+    )
+
+    def inputs(tokens: list[int]) -> list[torch.Tensor]:
+        g = torch.Generator().manual_seed(sum(tokens))
+        return [torch.randn(max(1, t // 16), 16, generator=g) for t in tokens]
+
+    return ex, inputs
 
 
 def _load_old_control_group(path: str) -> Any:
@@ -134,8 +201,13 @@ def _load_old_control_group(path: str) -> Any:
     return mod
 
 
+def _zero(ex: Any) -> None:
+    for m in getattr(ex, "modules", {}).values():
+        m.zero_grad(set_to_none=True)
+
+
 def _ab_worker(
-    rank: int, world: int, steps: int, us: float, blocks: int, old_path: str
+    rank: int, world: int, steps: int, us: float, blocks: int, old_path: str, executor: str
 ) -> dict[str, list[list[float]]]:
     """Blocks of ``steps`` steps in one job, alternating (A B B A ...) this tree's control
     group ("new") and the one in ``old_path`` ("old"), each block a fresh stage."""
@@ -146,21 +218,14 @@ def _ab_worker(
     torch.set_num_threads(1)
     old_mod = _load_old_control_group(old_path)
 
-    class Emulated:
-        async def execute(self, task: Any, data: Any, ctx: Any, /) -> Any:
-            tokens = ctx.microbatches[task.mb]
-            await asyncio.sleep(tokens * us * 1e-6 * (1 if task.kind == "F" else 2))
-            return torch.zeros(4)
-
     layout = rr.ProcessLayout.from_world(pp=world)
     groups = rr.build_groups(layout)
     plan = rr.StepPlan(topology=rr.Topology(stages=world), microbatches=MBS)
     out: dict[str, list[list[float]]] = {"old": [], "new": []}
 
     async def block(variant: str) -> list[float]:
-        st = rr.DistributedStage(
-            layout, rr.StepSchedule.build(plan, "1f1b"), Emulated(), groups=groups
-        )
+        ex, inputs = _executor(executor, rank, us)
+        st = rr.DistributedStage(layout, rr.StepSchedule.build(plan, "1f1b"), ex, groups=groups)
         if variant == "old":
             old = old_mod.ControlGroup(
                 old_mod.TorchCollectives(groups.control, torch.device("cpu")),
@@ -178,12 +243,15 @@ def _ab_worker(
             st.control = old
         times = []
         async with st:
-            await st.run_step(_tokens(0))  # the plan check
+            await st.run_step(inputs(_tokens(0)))  # the plan check
             for s in range(1, steps + 1):
+                xs = inputs(_tokens(s))
                 t0 = time.perf_counter()
-                await st.run_step(_tokens(s))
+                await st.run_step(xs)
                 times.append(time.perf_counter() - t0)
+                _zero(ex)
         st.channel.close(10.0)
+        getattr(ex, "close", lambda: None)()
         torch.distributed.barrier()
         return times
 
@@ -196,10 +264,10 @@ def _ab_worker(
     return out
 
 
-def _ab(steps: int, us: float, blocks: int, old_path: str) -> None:
+def _ab(steps: int, us: float, blocks: int, old_path: str, executor: str) -> None:
     import rrfp_async as rr
 
-    res = rr.spawn(_ab_worker, WORLD, steps, us, blocks, old_path, timeout=1200)
+    res = rr.spawn(_ab_worker, WORLD, steps, us, blocks, old_path, executor, timeout=1200)
     meds: dict[str, list[float]] = {}
     for v in ("old", "new"):
         meds[v] = [
@@ -208,7 +276,8 @@ def _ab(steps: int, us: float, blocks: int, old_path: str) -> None:
         ]
     diffs = [(o - n) * 1e3 for o, n in zip(meds["old"], meds["new"], strict=True)]
     print(
-        f"{WORLD} gloo ranks in one job, {MBS} microbatches, {us} us/token, {steps} steps a"
+        f"{WORLD} gloo ranks in one job, {executor} executor, {MBS} microbatches, {us}"
+        f" us/token, {steps} steps a"
         f" block, {blocks} blocks each, alternating: old control group ({old_path})"
         f" {statistics.median(meds['old']) * 1e3:.2f} ms, new"
         f" {statistics.median(meds['new']) * 1e3:.2f} ms a step (median of block medians, the"
@@ -217,10 +286,13 @@ def _ab(steps: int, us: float, blocks: int, old_path: str) -> None:
     )
 
 
-def _job(steps: int, us: float, profile: bool) -> dict[str, Any]:
+def _job(steps: int, us: float, profile: bool, cprofile: int, executor: str) -> dict[str, Any]:
     import rrfp_async as rr
 
-    res = rr.spawn(_worker, WORLD, steps, us, profile, timeout=600)
+    res = rr.spawn(_worker, WORLD, steps, us, profile, cprofile, executor, timeout=600)
+    for r in res:
+        if "cprofile" in r:
+            print(r["cprofile"])
     per_step = [max(r["times"][i] for r in res) for i in range(steps)]
     parts: dict[str, float] = {}
     for r in res:
@@ -232,7 +304,11 @@ def _job(steps: int, us: float, profile: bool) -> dict[str, Any]:
 def _python_costs() -> dict[str, float]:
     """Per-step Python on one process: what a step builds or hashes beside its tasks."""
     import rrfp_async as rr
-    from rrfp_async.distributed._digest import PlanDigest
+
+    try:
+        from rrfp_async.distributed._digest import PlanDigest
+    except ImportError:
+        from rrfp_async.distributed._stage import PlanDigest  # type: ignore[no-redef]
 
     plan = rr.StepPlan(topology=rr.Topology(stages=WORLD), microbatches=MBS)
     base = rr.StepSchedule.build(plan, "1f1b")
@@ -240,7 +316,10 @@ def _python_costs() -> dict[str, float]:
     out: dict[str, float] = {}
 
     def per_call(label: str, fn: Any, n: int = 300) -> None:
-        fn()
+        try:
+            fn()
+        except (AttributeError, ImportError, TypeError):
+            return  # (not in this tree)
         t0 = time.perf_counter()
         for _ in range(n):
             fn()
@@ -260,6 +339,17 @@ def _python_costs() -> dict[str, float]:
             seed_default=False,
         ),
     )
+    from rrfp_async._costs import Durations
+
+    tokens = _tokens(1)
+    declared = Durations.from_arrays(plan, [[2e-6 * t for t in tokens]] * plan.num_virtual)
+    for hint in ("1f1b", "bfw"):
+        sched = rr.StepSchedule.build(plan, hint)
+        per_call(
+            f"with_durations, hint {hint} (the per-step planner)",
+            lambda sched=sched: sched.with_durations(declared),
+            n=50,
+        )
     try:
         from rrfp_async.distributed._plan_check import step_row
 
@@ -281,16 +371,21 @@ def main() -> None:
         metavar="PATH",
         help="in one job, alternate this tree's control group with the one at PATH",
     )
+    ap.add_argument("--executor", choices=["tiny", "torch"], default="tiny")
     ap.add_argument("--job", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument(
+        "--cprofile", type=int, default=-1, metavar="RANK", help="with --profile: cProfile RANK"
+    )
     args = ap.parse_args()
     if args.job:
-        print(json.dumps(_job(args.steps, args.us_per_token, args.profile)))
+        got = _job(args.steps, args.us_per_token, args.profile, -1, args.executor)
+        print(json.dumps(got))
         return
     if args.old_control_group:
-        _ab(args.steps, args.us_per_token, 2 * args.blocks, args.old_control_group)
+        _ab(args.steps, args.us_per_token, 2 * args.blocks, args.old_control_group, args.executor)
         return
     if args.profile:
-        got = _job(args.steps, args.us_per_token, True)
+        got = _job(args.steps, args.us_per_token, True, args.cprofile, args.executor)
         print(f"median step {got['median'] * 1e3:.2f} ms ({WORLD} ranks, slowest rank)")
         for k, v in sorted(got["parts"].items(), key=lambda kv: -kv[1]):
             print(f"  {k:45s} {v * 1e3:8.3f} ms/step (slowest rank)")
@@ -305,7 +400,7 @@ def main() -> None:
         for tree in (a, b) if i % 2 == 0 else (b, a):
             env = dict(os.environ, PYTHONPATH=tree)
             cmd = [sys.executable, os.path.abspath(__file__), "--job", "--steps", str(args.steps)]
-            cmd += ["--us-per-token", str(args.us_per_token)]
+            cmd += ["--us-per-token", str(args.us_per_token), "--executor", args.executor]
             out = subprocess.run(cmd, env=env, cwd=tree, check=True, capture_output=True, text=True)
             meds[tree].append(json.loads(out.stdout.strip().splitlines()[-1])["median"])
             print(f"block {i} {tree}: {meds[tree][-1] * 1e3:.2f} ms", flush=True)
