@@ -176,9 +176,9 @@ class ControlGroup:
                 f"{self._who} step {step}: the plan check did not complete within"
                 f" {self._timeout} s: not every rank joined the all-gather of plan digests"
                 f" (over the {n} ranks of the control group). A rank is hung, stopped or"
-                " lost, or it did not check at this step: a rank checks at its stage's first"
-                " step and when its schedule's plan or hint name changes, so the ranks'"
-                " schedules changed at different steps"
+                " lost, or it did not check at this step: a rank checks before its stage's"
+                " first step, and after a step whose agreement shows that every rank's plan"
+                " or hint name changed alike"
             )
             raise self._broken from None
         except RuntimeError as e:
@@ -228,11 +228,13 @@ class ControlGroup:
     # them then waits for the agreement's rows (``failed_step_error``) to raise the same
     # ``StepDiffersError``, naming every rank's row. Two neighbours whose plans differ exchange
     # a message in the step (the downstream one needs a forward), so a pipeline never hangs on
-    # it. (A step number that differs along a pipeline is the stage loop's to find: a message
-    # of a step this rank passed without running it fails the stage at once, as before.) Cost: none beside the agreement (its rows are 7 int64
-    # instead of 2) and one int64 more in each header; the all-gather posted beside every step
-    # that it replaces: BENCHMARKS.md#step-check-cost. ``verify_plan=False`` switches the
-    # comparison off with the plan check (the agreement still runs).
+    # it. A step number that differs along a pipeline is found by the stage loop: a message
+    # of a step that this rank passed without running it is a ``ProtocolError`` that breaks
+    # its stage at once; between pipelines, the rows name it.
+    # Cost: nothing beside the agreement (its rows are 7 int64 instead of 2) and one int64
+    # more in each header; what the all-gather posted beside every step cost:
+    # BENCHMARKS.md#step-check-cost. ``verify_plan=False`` switches the comparison off with
+    # the plan check (the agreement still runs).
 
     async def begin_step(self, step: int, schedule: StepSchedule) -> None:
         """Start ``step``'s checks (see the design note): the plan check at a stage's first

@@ -118,10 +118,10 @@ def is_step_differs(e: BaseException, step: int) -> bool:
 
 
 async def step_check_error(
-    watcher: asyncio.Future[None], e: BaseException, step: int
+    verdict: asyncio.Future[None], e: BaseException, step: int
 ) -> PlanError | None:
     """The step check's ``PlanError`` naming every rank's side, when ``e`` failed ``step``
-    because the ranks do not run the same step (``is_step_differs``); ``watcher`` raises it
+    because the ranks do not run the same step (``is_step_differs``); ``verdict`` raises it
     (the end-of-step agreement's rows, which every rank reads alike).
 
     A rank that received a message of another plan fails the step at once with a
@@ -136,9 +136,9 @@ async def step_check_error(
     if not is_step_differs(e, step):
         return None
     try:
-        await asyncio.shield(watcher)
-    except PlanError as verdict:
-        return verdict
+        await asyncio.shield(verdict)
+    except PlanError as error:
+        return error
     except Exception:  # the check could not complete: keep the peer's word
         return None
     return None
