@@ -401,6 +401,45 @@ def test_a_step_with_other_microbatch_counts_fails_at_once_on_every_rank(
         assert r["both"] == ("ok", 2 * 3), r["both"]
 
 
+def _replica_worker(rank: int, world: int) -> dict[str, Any]:
+    """PP 2 x DP 2: step 0 with 4 microbatches everywhere, then step 1 with 4 in replica 0
+    and 3 in replica 1 (each pipeline consistent), then step 2 with 4 again."""
+    layout = rr.ProcessLayout.from_world(pp=2)
+    groups = rr.build_groups(layout)
+    plan = rr.StepPlan(topology=rr.Topology(stages=2), microbatches=4)
+    out: dict[str, Any] = {}
+
+    async def go() -> None:
+        stage = rr.DistributedStage(
+            layout, rr.StepSchedule.build(plan, "1f1b"), _Tiny(), groups=groups, step_timeout=60
+        )
+        async with stage:
+            await stage.run_step(list(range(4)))
+            try:
+                await stage.run_step(list(range(4 - layout.dp_rank)))
+                out["step1"] = ("ok", "")
+            except rr.RRFPError as e:
+                out["step1"] = (type(e).__name__, str(e))
+            out["step2"] = len((await stage.run_step(list(range(4)))).executed)
+        stage.channel.close(10.0)
+
+    rr.run(go())
+    return out
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(240)
+def test_replicas_given_other_microbatch_counts_fail_the_step_on_every_rank() -> None:
+    # No rank waits here (each pipeline runs its own plan to the end): the end-of-step
+    # agreement's rows fail the step on every rank before its gradients could be reduced.
+    for r in pooled_spawn(_replica_worker, 4, timeout=200):
+        kind, msg = r["step1"]
+        assert kind == "StepDiffersError", r["step1"]
+        assert "ranks 0, 1 have step 1, 4 microbatches, training" in msg, msg
+        assert "ranks 2, 3 have step 1, 3 microbatches, training" in msg, msg
+        assert r["step2"] == 2 * 4  # the stage runs the next step
+
+
 async def test_a_peers_abort_waits_for_the_step_check_only_after_the_step_check_failed() -> None:
     """``step_check_error`` (a rank told by a peer's ABORT): it waits for its own step-check
     rows only when the peer failed on them — the ABORT's ``FailureKind.STEP_DIFFERS`` code of
