@@ -1,7 +1,9 @@
 """What the step check costs (``DistributedStage(verify_plan=True)``, the default): steps of
 16 tiny tasks per rank (no compute) on 2 gloo processes, with the check and without it
 (``verify_plan=False``), alternating blocks of 30 steps, 6 blocks each; the median step and
-the paired difference per block.
+the paired difference per block. The check rides on the end-of-step agreement, which runs
+either way (``agree_steps``): the difference is its row and the plan tag in the headers
+(``scripts/per_step_cost.py`` compares it with the all-gather it replaced).
 
     python scripts/step_check_cost.py
 """

@@ -6,7 +6,7 @@ Every directed edge (this rank -> a neighbour, a neighbour -> this rank) is one 
 matched by order, so nothing relies on tags (NCCL has none). A message is a fixed-size int64
 *header*, then its payload:
 
-    [magic, kind, seq, step, stage, task kind, microbatch, dtype, ndim, d0 .. d6]
+    [magic, kind, seq, step, stage, task kind, microbatch, dtype, ndim, d0 .. d6, plan]
 
 The header names the task the payload feeds, so arrival order is free, and it announces
 the payload's shape, so shapes may change per microbatch without padding. Nothing is
@@ -254,7 +254,7 @@ class P2PChannel:
         self._io_mode: IOMode = mode
         self._max_bytes = max_bytes
         self._names = Names(rank, gl)
-        self._inlet = Inlet()
+        self._inlet = Inlet(self._names.me())
         self._control = ControlPath(
             self._names,
             self._inlet,
@@ -403,9 +403,13 @@ class P2PChannel:
         timed-out step waits for."""
         return self._inlet.arrivals(step)
 
-    def at_step(self, step: int) -> None:
-        """The stage starts ``step`` (the step a failing rank's CLOSE names)."""
+    def at_step(self, step: int, plan: int = 0) -> None:
+        """The stage starts ``step`` (the step a failing rank's CLOSE names) under the plan
+        tag ``plan`` (0: none): each header of the step carries it, and a message of the
+        step sent under another tag fails the step at once (``StepDiffersError`` through the
+        sink's ``step_aborted``; see ``Inlet``'s design note). Loop thread."""
         self._control.at_step(step)
+        self._inlet.at_step(step, plan)
 
     def blame(self, step: int, ranks: Iterable[int], *, timed_out: bool = True) -> None:
         """Record why this rank is failing, for the CLOSE its peers receive: at ``step``
@@ -478,6 +482,7 @@ class P2PChannel:
                 limits=self._limits,
                 lost=functools.partial(port.post, control.lose, dst),
                 bye=shared,
+                plan_of=self._inlet.plan_of,
             )
             self._senders[dst] = sender
             sender.start()

@@ -319,7 +319,13 @@ class PayloadPath:
             self._put("send", dst, msgs, None, None, what)
             return
         header = encode_header(
-            sender.seq, step, task, t, tree=None if doc is None else len(doc), device=True
+            sender.seq,
+            step,
+            task,
+            t,
+            tree=None if doc is None else len(doc),
+            device=True,
+            plan=sender.plan_of(step),
         )
         if rg:
             header[7] |= REQUIRES_GRAD

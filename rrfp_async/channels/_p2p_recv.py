@@ -43,6 +43,7 @@ from ._wire import (
     MAX_BLAMED,
     MAX_NDIM,
     NO_PAYLOAD,
+    PLAN_FIELD,
     REQUIRES_GRAD,
     TIMED_OUT,
     TREE,
@@ -300,6 +301,8 @@ class Receiver:
                 return False
             self._advance(rx, task, step)
             assert self._payload is not None  # ``_check`` refuses DATA_DEVICE on gloo
+            if h[PLAN_FIELD]:  # compared before the payload reaches the loop
+                self._post_rx(self._inlet.plan_seen, step, src, h[PLAN_FIELD])
             self._payload.device_receive(src, step, task, dtype, shape, doc, rg)
             return True
         payload: Any = None
@@ -340,7 +343,7 @@ class Receiver:
                 )
                 return False
         self._advance(rx, task, step)
-        self._post_rx(self._inlet.deliver, step, task, payload, src)
+        self._post_rx(self._inlet.deliver, step, task, payload, src, h[PLAN_FIELD])
         return True
 
     def _host_buffer(self, n: int) -> torch.Tensor:

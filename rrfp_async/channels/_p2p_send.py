@@ -40,6 +40,10 @@ _What = tuple[int, object]
 """What a message is, for errors: (sequence number or -1, the task or a description)."""
 
 
+def _no_plan(step: int) -> int:
+    return 0
+
+
 class Sender:
     """One outbound edge: packs and posts its messages in ``send`` order, and its thread
     posts the large ones and reaps (waits for) the works of those posted elsewhere.
@@ -54,6 +58,7 @@ class Sender:
         lost: Called (from any thread) when the edge's connection broke, with the error
             naming the edge and message: it hands the loss to the loop.
         bye: Post a BYE after the CLOSE (the peer receives with shared I/O: ``SharedIO``).
+        plan_of: The plan tag of a step, for its headers (``Inlet.plan_of``; default: none).
     """
 
     def __init__(
@@ -67,6 +72,7 @@ class Sender:
         limits: Limits,
         lost: Callable[[RRFPError], None],
         bye: bool = False,
+        plan_of: Callable[[int], int] | None = None,
     ) -> None:
         self.dst = dst
         self.pg = pg
@@ -76,6 +82,7 @@ class Sender:
         self._limits = limits
         self._lost = lost
         self._bye = bye
+        self.plan_of = plan_of if plan_of is not None else _no_plan
         self.seq = 0  # sequence number of the next data message
         self.cap = limits.inline0  # the edge's capacity (the receiver's rule: see the note)
         self.lock = threading.Lock()  # keeps posts in ``send`` order
@@ -182,7 +189,13 @@ class Sender:
         seq = self.seq
         inline = self.fits(nbytes)
         header = encode_header(
-            seq, step, task, meta, inline=inline, tree=None if doc is None else len(doc)
+            seq,
+            step,
+            task,
+            meta,
+            inline=inline,
+            tree=None if doc is None else len(doc),
+            plan=self.plan_of(step),
         )
         self.seq = seq + 1
         if inline:
@@ -216,7 +229,9 @@ class Sender:
         messages (see ``fits``)."""
         nbytes = 0 if t is None else t.nbytes
         inline = t is None or self.fits(nbytes)
-        header = encode_header(self.seq, step, task, t, inline=inline, tree=tree)
+        header = encode_header(
+            self.seq, step, task, t, inline=inline, tree=tree, plan=self.plan_of(step)
+        )
         self.seq += 1
         if inline:
             self.inline_sent += 1

@@ -3,7 +3,11 @@
 A message is a fixed-size int64 header, then its payload (inline behind the header, or as a
 message of its own)::
 
-    [magic, kind, seq, step, stage, task kind, microbatch, dtype, ndim, d0 .. d6]
+    [magic, kind, seq, step, stage, task kind, microbatch, dtype, ndim, d0 .. d6, plan]
+
+``plan`` is the sender's tag of the step's plan (``P2PChannel.at_step``; 0: none): a receiver
+that runs the step under another tag fails it at once (see ``Inlet``), so a rank whose plan
+differs from its neighbour's never waits for a message that will not come.
 
 A CLOSE carries its cause instead: ``[magic, CLOSE, cause, step, n, global rank 0 .. n-1]``.
 A DATA_DEVICE header (the device path: see ``_p2p_device``) has a data header's fields; its
@@ -54,9 +58,11 @@ __all__ = [
 
 
 MAGIC = 0x52524650  # "RRFP"
-HEADER_LEN = 16
+HEADER_LEN = 17
 HEADER_BYTES = HEADER_LEN * 8
-MAX_NDIM = HEADER_LEN - 9
+MAX_NDIM = 7
+PLAN_FIELD = HEADER_LEN - 1
+"""Index of a data header's plan tag (the sender's ``at_step`` tag of the step; 0: none)."""
 DATA, CLOSE, DATA_INLINE, ABORT = 1, 2, 3, 4
 DATA_DEVICE = 5
 """Kind of a header whose payload travels on the edge's payload communicator (NCCL), not
@@ -121,13 +127,15 @@ def encode_header(
     inline: bool = False,
     tree: int | None = None,
     device: bool = False,
+    plan: int = 0,
 ) -> list[int]:
     """The int64 header of a data message (pure; used by tests to forge bad ones).
 
     ``inline``: the payload follows in the same message (else as a message of its own).
     ``tree``: the payload is a packed pytree (``pack_tree``, or ``pack_tree_device``'s leaf
     bytes with ``device``) whose structure takes ``tree`` bytes. ``device``: the payload
-    travels on the edge's payload communicator (kind ``DATA_DEVICE``).
+    travels on the edge's payload communicator (kind ``DATA_DEVICE``). ``plan``: the
+    sender's tag of the step's plan (0: none).
     """
     shape: tuple[int, ...]
     if payload is None:
@@ -145,6 +153,7 @@ def encode_header(
     kind = DATA_DEVICE if device else DATA_INLINE if inline else DATA
     h = [MAGIC, kind, seq, step, task.stage, KIND_CODE[task.kind], task.mb, dtype, len(shape)]
     h += list(shape) + [0] * (MAX_NDIM - len(shape))
+    h.append(plan)
     return h
 
 

@@ -152,7 +152,8 @@ class DistributedStage:
         agree_steps: End every step with a small all-reduce over the control group so that a
             step that failed on any rank of the job (another pipeline, a rank that failed in
             its last task after this one finished) fails on every rank (see the design note
-            at ``_post_agreement``); one int64[2] all-reduce per step.
+            at ``ControlGroup.end_step``; it carries the step check); one int64[7] all-gather
+            per step.
         trace_dir: Record every step and write it, when the step ends (also when it fails),
             as a Chrome / Perfetto JSON file ``{trace_dir}/rank{global rank}.json``: each file
             holds the last step its rank ran to the end, and replaces the previous one
@@ -330,7 +331,6 @@ class DistributedStage:
             agree_steps=self.agree_steps,
             digest_of=self._plan_digest,
             adopt_seed=self._adopt_seed,
-            abort_step=self.stage.step_aborted,
         )
         self.failures = FailureReporter(
             self.channel,
@@ -530,19 +530,19 @@ class DistributedStage:
         # Every check passed: from here on the step counts (it runs, or fails on every rank).
         self._running = s
         self._next_step = s + 1
-        self.channel.at_step(s)
+        self.channel.at_step(s, self.control.plan_tag(sched))
         self.trace.begin_step()
         training = not sched.plan.forward_only
         failed = True  # until run_step returns
         stash: GradStash = []  # the tied parameters' accumulated gradients, set aside
         try:
-            await self.control.begin_step(s, sched)  # the step check; a new plan's check
+            await self.control.begin_step(s, sched)  # a stage's first plan check
             if training:
                 await self.ties.prepare(sched, s)  # (the first training step only)
                 stash = self.ties.set_aside()
             stats = await self.stage.run_step(microbatches, step=s, schedule=sched, train=train)
             order_after_step(self.stage.executor)
-            await self.control.end_step(s)  # the step check's verdict; the agreement
+            await self.control.end_step(s)  # the agreement, with the step check
             if training:
                 await self.ties.reduce(s)
             failed = False

@@ -2,9 +2,10 @@
 
 ``ControlGroup`` (``_control_group``) runs the checks on the control group; what decides
 whether a plan is checked again (``plan_key``), what a rank posts at each step
-(``step_row``), when the rows of a step disagree and what the error says
-(``step_check_verdict``), and which peer failure is the step check's own
-(``step_check_error``) are here, testable without processes.
+(``step_row``, in the end-of-step agreement) and the tag its messages carry (``plan_tag``),
+when the rows of a step disagree and what the error says (``step_check_verdict``), and
+which failure is the step check's own (``is_step_differs``, ``step_check_error``) are here,
+testable without processes.
 """
 
 from __future__ import annotations
@@ -20,7 +21,9 @@ from ._digest import _ranks as ranks_have
 __all__ = [
     "STEP_DIFFERS",
     "failure_kind",
+    "is_step_differs",
     "plan_key",
+    "plan_tag",
     "rows_all_changed_alike",
     "step_check_error",
     "step_check_verdict",
@@ -46,13 +49,18 @@ def plan_key(schedule: StepSchedule) -> tuple[object, ...]:
     )
 
 
+def plan_tag(schedule: StepSchedule) -> int:
+    """A 63-bit hash of ``plan_key`` (never 0): the step check's plan field, and the tag
+    every message of the step carries (``P2PChannel.at_step``)."""
+    key = hashlib.blake2b(repr(plan_key(schedule)).encode(), digest_size=8).digest()
+    return (int.from_bytes(key, "little") >> 1) or 1
+
+
 def step_row(step: int, schedule: StepSchedule, *, changed: bool) -> list[int]:
     """What a rank posts in the step check: ``[step, microbatches, plan key hash (63 bits),
     training, changed]``."""
     p = schedule.plan
-    key = hashlib.blake2b(repr(plan_key(schedule)).encode(), digest_size=8).digest()
-    key63 = int.from_bytes(key, "little") >> 1
-    return [step, p.microbatches, key63, int(not p.forward_only), int(changed)]
+    return [step, p.microbatches, plan_tag(schedule), int(not p.forward_only), int(changed)]
 
 
 def rows_all_changed_alike(rows: Sequence[Sequence[int]]) -> bool:
@@ -100,26 +108,37 @@ def failure_kind(e: BaseException) -> FailureKind:
     return FailureKind.STEP_DIFFERS if isinstance(e, StepDiffersError) else FailureKind.OTHER
 
 
-async def step_check_error(
-    watcher: asyncio.Future[None], e: PeerStepError, step: int
-) -> PlanError | None:
-    """This rank's own step-check ``PlanError`` when a peer failed ``step`` with one (``e``).
+def is_step_differs(e: BaseException, step: int) -> bool:
+    """Whether ``e`` failed ``step`` because the ranks do not run the same step: this rank's
+    own ``StepDiffersError`` (a message of another plan: see ``Inlet``), or a peer's failure
+    of ``step`` for that cause (its ABORT's ``FailureKind.STEP_DIFFERS``, never its text)."""
+    if isinstance(e, StepDiffersError):
+        return True
+    return isinstance(e, PeerStepError) and e.kind == FailureKind.STEP_DIFFERS and e.step == step
 
-    The rank that reads the step check's differing rows first fails the step and tells the
-    others (an ABORT); one whose watcher had not read them yet would otherwise fail it with
-    that ``PeerStepError``, not the ``PlanError`` its peers raise. The origin read the rows,
-    so every rank posted the all-gather and its rows are on their way to this rank: wait for them
-    (bounded like every step check, by ``step_timeout``) so that every rank fails alike.
-    Only for that cause: after any other error of the origin (a ``PlanError`` of a task
-    included) a rank that has not started the step yet may never post its row, so nothing is
-    waited for. None when the cause is another or the rows agree on this rank.
+
+async def step_check_error(
+    verdict: asyncio.Future[None], e: BaseException, step: int
+) -> PlanError | None:
+    """The step check's ``PlanError`` naming every rank's side, when ``e`` failed ``step``
+    because the ranks do not run the same step (``is_step_differs``); ``verdict`` raises it
+    (the end-of-step agreement's rows, which every rank reads alike).
+
+    A rank that received a message of another plan fails the step at once with a
+    ``StepDiffersError`` that names only its neighbour and itself, and tells the others (an
+    ABORT of kind ``FailureKind.STEP_DIFFERS``); each of them would otherwise fail it with
+    that ``PeerStepError``. Every rank still posts the step's agreement, so its rows are on
+    their way: wait for them (bounded like every agreement, by ``step_timeout``) so that
+    every rank fails alike. Only for that cause: after any other error a rank may never
+    post its row (it was lost), so nothing is waited for. None when the cause is another,
+    the rows agree, or they could not be read.
     """
-    if e.kind != FailureKind.STEP_DIFFERS or e.step != step:
+    if not is_step_differs(e, step):
         return None
     try:
-        await asyncio.shield(watcher)
-    except PlanError as verdict:
-        return verdict
+        await asyncio.shield(verdict)
+    except PlanError as error:
+        return error
     except Exception:  # the check could not complete: keep the peer's word
         return None
     return None

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import rrfp_async as rr
-from rrfp_async._errors import FailureKind, PeerStepError
+from rrfp_async._errors import FailureKind, PeerStepError, StepDiffersError
 from rrfp_async._streams import Device
 from rrfp_async.channels._p2p_control import ControlPath
 from rrfp_async.channels._p2p_inlet import Inlet
@@ -28,9 +28,11 @@ from rrfp_async.channels._wire import (
     LOST,
     MAGIC,
     MAX_FAILURE_KIND,
+    PLAN_FIELD,
     TIMED_OUT,
     decode_abort,
     encode_abort,
+    encode_header,
     pack_inline,
     read_header,
 )
@@ -201,6 +203,43 @@ def test_the_inlet_keeps_early_messages_and_counts_arrivals() -> None:
     inlet.fail(first)
     inlet.fail(second)
     assert inlet.failed is first and sink.errors == [first, second]
+
+
+def test_the_inlet_fails_a_step_whose_messages_carry_another_plan() -> None:
+    """The plan tag (``Inlet``'s design note): a message of the running step sent under
+    another tag fails that step at once with a ``StepDiffersError`` and is not handed on,
+    nor are the step's later messages; a message of a step not started yet is compared when
+    it starts; tag 0 on either side compares nothing."""
+    inlet, sink = Inlet("rank 1 (global 1)"), _Sink()
+    inlet.bind(sink)
+    inlet.at_step(1, 0xAB)
+    assert inlet.plan_of(1) == 0xAB and inlet.plan_of(2) == 0
+    inlet.deliver(1, rr.Task(1, "F", 0), "same", 0, 0xAB)
+    inlet.deliver(1, rr.Task(1, "F", 1), "untagged", 0, 0)
+    assert [p for _, _, p, _ in sink.got] == ["same", "untagged"] and not sink.aborted
+    inlet.deliver(1, rr.Task(1, "F", 2), "other", 0, 0xCD)
+    inlet.deliver(1, rr.Task(1, "F", 3), "later", 0, 0xAB)  # the step's tags differ: dropped
+    assert [p for _, _, p, _ in sink.got] == ["same", "untagged"]
+    ((step, e),) = sink.aborted
+    assert step == 1 and isinstance(e, StepDiffersError)
+    assert str(e).startswith("rank 1 (global 1) step 1: the ranks do not run the same step:")
+    assert "pipeline rank 0 sent a message of plan #000000cd, this rank runs plan #000000ab" in (
+        str(e)
+    )
+    inlet.deliver(2, rr.Task(1, "F", 0), "early", 0, 0xCD)  # before this rank starts step 2
+    assert sink.got[-1][2] == "early" and len(sink.aborted) == 1
+    inlet.at_step(2, 0xAB)
+    assert [s for s, _ in sink.aborted] == [1, 2]
+    inlet.at_step(3, 0)  # no tag: nothing compared
+    inlet.deliver(3, rr.Task(1, "F", 0), "any", 0, 0xCD)
+    assert sink.got[-1][2] == "any" and len(sink.aborted) == 2
+
+
+def test_a_data_header_carries_the_plan_tag() -> None:
+    h = encode_header(3, 7, rr.Task(1, "F", 2), torch.zeros(2, 3), inline=True, plan=0xABC)
+    assert len(h) == HEADER_LEN and h[PLAN_FIELD] == 0xABC
+    assert read_header(pack_inline(h, torch.zeros(2, 3)))[PLAN_FIELD] == 0xABC
+    assert encode_header(0, 0, rr.Task(1, "F", 0), None)[PLAN_FIELD] == 0
 
 
 def test_a_sink_that_raises_fails_its_stage() -> None:

@@ -332,19 +332,20 @@ STEP_CASES: dict[str, tuple[int, int]] = {
 
 def _step_worker(rank: int, world: int, late_rows: float = 0.0) -> dict[str, Any]:
     """Step 0 with 4 microbatches everywhere, then each case's step 1 with
-    ``STEP_CASES[case][rank]`` microbatches, then a step with 4 again. ``late_rows``: a rank
-    whose plan is unchanged reads the step check's rows that much later (its watcher), so
-    the changed rank's ABORT reaches it first: the order a loaded machine gives at times."""
+    ``STEP_CASES[case][rank]`` microbatches, then a step with 4 again. ``late_rows``: every
+    rank reads the end-of-step agreement's rows (which carry the step check) that much
+    later, so a peer's ABORT reaches it long before: the order a loaded machine gives at
+    times."""
     if late_rows:
         from rrfp_async.distributed._control_group import ControlGroup
 
-        watch = ControlGroup._watch_step_check
+        rows = ControlGroup._agreement_rows
 
-        async def later(self: Any, step: int, posted: Any) -> None:
+        async def later(self: Any, step: int, posted: Any) -> list[list[int]]:
             await asyncio.sleep(late_rows)
-            await watch(self, step, posted)
+            return await rows(self, step, posted)
 
-        ControlGroup._watch_step_check = later  # type: ignore[method-assign]
+        ControlGroup._agreement_rows = later  # type: ignore[method-assign]
     layout = rr.ProcessLayout.from_world(pp=world)
     groups = rr.build_groups(layout)
     plan = rr.StepPlan(topology=rr.Topology(stages=world), microbatches=4)
@@ -378,11 +379,12 @@ def _step_worker(rank: int, world: int, late_rows: float = 0.0) -> dict[str, Any
 def test_a_step_with_other_microbatch_counts_fails_at_once_on_every_rank(
     late_rows: float,
 ) -> None:
-    # Fails without the per-step check: the rank whose plan changed waited alone in the
-    # plan check and its peer for its messages, until the 60 s watchdog (StepTimeoutError).
-    # abort_first: the changed rank's ABORT reaches the other before its step check's rows
-    # (a race a loaded machine wins at times); red before the unchanged rank waited for the
-    # rows: it failed with a PeerStepError ("step 1 failed on rank 0: PlanError: ...").
+    # Fails without the step check: the rank whose plan changed waited alone in the plan
+    # check and its peer for its messages, until the 60 s watchdog (StepTimeoutError); and
+    # without the plan tag in the headers (the step check at the end of the step only), the
+    # rank with more microbatches waits for the watchdog. abort_first: the ABORT of the rank
+    # that saw the other plan reaches the other long before the agreement's rows; red before
+    # a rank told so waited for the rows: it failed with a PeerStepError.
     r0, r1 = pooled_spawn(_step_worker, 2, late_rows, timeout=200)
     for case, step in (("fewer", 1), ("more", 3)):  # each case's step, then one after it
         a, b = STEP_CASES[case]
@@ -397,6 +399,45 @@ def test_a_step_with_other_microbatch_counts_fails_at_once_on_every_rank(
             assert r[case + "_after"] == 2 * 4  # this rank's F and B of 4 microbatches
     for r in (r0, r1):  # both changed alike: the plan check ran and the step ran
         assert r["both"] == ("ok", 2 * 3), r["both"]
+
+
+def _replica_worker(rank: int, world: int) -> dict[str, Any]:
+    """PP 2 x DP 2: step 0 with 4 microbatches everywhere, then step 1 with 4 in replica 0
+    and 3 in replica 1 (each pipeline consistent), then step 2 with 4 again."""
+    layout = rr.ProcessLayout.from_world(pp=2)
+    groups = rr.build_groups(layout)
+    plan = rr.StepPlan(topology=rr.Topology(stages=2), microbatches=4)
+    out: dict[str, Any] = {}
+
+    async def go() -> None:
+        stage = rr.DistributedStage(
+            layout, rr.StepSchedule.build(plan, "1f1b"), _Tiny(), groups=groups, step_timeout=60
+        )
+        async with stage:
+            await stage.run_step(list(range(4)))
+            try:
+                await stage.run_step(list(range(4 - layout.dp_rank)))
+                out["step1"] = ("ok", "")
+            except rr.RRFPError as e:
+                out["step1"] = (type(e).__name__, str(e))
+            out["step2"] = len((await stage.run_step(list(range(4)))).executed)
+        stage.channel.close(10.0)
+
+    rr.run(go())
+    return out
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(240)
+def test_replicas_given_other_microbatch_counts_fail_the_step_on_every_rank() -> None:
+    # No rank waits here (each pipeline runs its own plan to the end): the end-of-step
+    # agreement's rows fail the step on every rank before its gradients could be reduced.
+    for r in pooled_spawn(_replica_worker, 4, timeout=200):
+        kind, msg = r["step1"]
+        assert kind == "StepDiffersError", r["step1"]
+        assert "ranks 0, 1 have step 1, 4 microbatches, training" in msg, msg
+        assert "ranks 2, 3 have step 1, 3 microbatches, training" in msg, msg
+        assert r["step2"] == 2 * 4  # the stage runs the next step
 
 
 async def test_a_peers_abort_waits_for_the_step_check_only_after_the_step_check_failed() -> None:

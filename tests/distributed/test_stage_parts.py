@@ -17,7 +17,7 @@ import pytest
 import torch
 
 import rrfp_async as rr
-from rrfp_async._errors import FailureKind, StateNote
+from rrfp_async._errors import FailureKind, StateNote, StepDiffersError
 from rrfp_async.distributed import TPOptions
 from rrfp_async.distributed._control_group import ControlGroup
 from rrfp_async.distributed._digest import PlanDigest
@@ -46,14 +46,12 @@ class _Done:
 
 class FakeCollectives:
     """Two ranks; this one is ``me``. ``others(row)`` gives the other rank's row of an
-    all-gather; an all-reduce takes the element-wise max with ``reduce_with``."""
+    all-gather (a plan check's digest, or the end-of-step agreement's 7 fields)."""
 
     def __init__(self, me: int, others: Callable[[list[int]], list[int]]) -> None:
         self.me = me
         self.others = others
-        self.reduce_with = [0, -1]
         self.gathers: list[list[int]] = []
-        self.reduces: list[list[int]] = []
 
     def size(self) -> int:
         return 2
@@ -68,10 +66,23 @@ class FakeCollectives:
         outs[1 - self.me].copy_(torch.tensor(self.others(mine), dtype=torch.int64))
         return _Done()
 
-    def all_reduce_max(self, row: torch.Tensor) -> Any:
-        self.reduces.append(row.tolist())
-        row.copy_(torch.maximum(row, torch.tensor(self.reduce_with)))
-        return _Done()
+    @property
+    def agreements(self) -> list[list[int]]:
+        """The agreements posted: ``[step, microbatches, plan, train, changed, failed,
+        global rank]``."""
+        return [g for g in self.gathers if len(g) == 7]
+
+
+def _as_rank0(row: list[int], **fields: int) -> list[int]:
+    """Global rank 0's agreement row: this rank's, with ``fields`` replaced (a plan
+    check's digest: the same as this rank's)."""
+    if len(row) != 7:
+        return row
+    names = ["step", "microbatches", "plan", "train", "changed", "failed", "rank"]
+    out = [*row[:6], 0]
+    for k, v in fields.items():
+        out[names.index(k)] = v
+    return out
 
 
 def _digest(seed: int, *, default: bool, rank: int = 0) -> PlanDigest:
@@ -100,71 +111,108 @@ def _control(
         agree_steps=True,
         digest_of=lambda s: _digest(seed, default=True, rank=1),
         adopt_seed=adopted.append,
-        abort_step=lambda step, e: aborted.append((step, e)),
     )
     return control, adopted, aborted
 
 
 async def test_the_control_group_checks_a_new_plan_and_adopts_the_jobs_seed() -> None:
     theirs = _digest(11, default=True).encode()
-    comm = FakeCollectives(1, lambda row: theirs if len(row) == len(theirs) else row)
-    control, adopted, aborted = _control(comm)
+    comm = FakeCollectives(1, lambda row: theirs if len(row) == len(theirs) else _as_rank0(row))
+    control, adopted, _ = _control(comm)
     sched = _sched()
     assert control.plan_changed(sched)
-    await control.begin_step(0, sched)  # the step check's rows agree; the plan check runs
+    await control.begin_step(0, sched)  # a stage's first step: the plan check runs before it
     assert control.plan_checks == 1 and not control.plan_changed(sched)
     assert adopted == [11]  # the lowest rank's default seed is the job's
-    assert [len(g) for g in comm.gathers] == [5, len(theirs)]  # step check, then plan check
+    assert [len(g) for g in comm.gathers] == [len(theirs)]  # no collective beside the step
     await control.end_step(0)
-    assert comm.reduces == [[0, -1]]  # the agreement: nothing failed here
+    row = step_row(0, sched, changed=True)
+    assert comm.agreements == [[*row, 0, 1]]  # one collective: the step check's row, not failed
+    assert control.plan_checks == 1  # checked before it ran: not again
     control.finish_step()
-    assert not aborted
+    await control.begin_step(1, sched)
+    await control.end_step(1)
+    assert len(comm.gathers) == 3  # one collective a step
+    control.finish_step()
 
 
-async def test_the_control_group_names_each_ranks_step_when_the_steps_differ() -> None:
+async def test_the_agreement_names_each_ranks_step_when_the_steps_differ() -> None:
     sched = _sched()
-    other = step_row(0, _sched(mbs=3), changed=False)  # the other rank has 3 microbatches
-    comm = FakeCollectives(1, lambda row: other if len(row) == 5 else row)
-    control, _, aborted = _control(comm)
-    with pytest.raises(rr.PlanError, match=STEP_DIFFERS) as err:
-        await control.begin_step(0, sched)  # changed here, and the rows differ
+    comm = FakeCollectives(1, lambda row: _as_rank0(row, microbatches=3, changed=0))
+    control, _, _ = _control(comm)
+    await control.begin_step(0, sched)  # (the plan check: every digest alike)
+    with pytest.raises(StepDiffersError, match=STEP_DIFFERS) as err:
+        await control.end_step(0)
     assert "rank 0 has step 0, 3 microbatches" in str(err.value)
     assert "rank 1 has step 0, 2 microbatches" in str(err.value)
-    assert aborted == [(0, err.value)]  # the running step fails at once
-    control.fail_step(can_agree=True)
-    control.fail_step(can_agree=True)  # posted once per step
-    assert comm.reduces == [[1, 1]]
+    control.fail_step(can_agree=True)  # posted already: once per step
+    assert len(comm.agreements) == 1
+    assert await control.failed_step_error(0, err.value) is None  # it is the verdict itself
     control.finish_step()
 
 
-async def test_the_watcher_fails_a_running_step_whose_rows_differ() -> None:
-    sched = _sched()
-    same: Callable[[list[int]], list[int]] = lambda row: row  # noqa: E731
-    comm = FakeCollectives(1, same)
-    control, _, aborted = _control(comm)
-    await control.begin_step(0, sched)  # (the plan check: every row alike)
+async def test_a_new_plan_on_every_rank_is_checked_after_its_agreement() -> None:
+    comm = FakeCollectives(1, _as_rank0)
+    control, _, _ = _control(comm)
+    await control.begin_step(0, _sched())
     await control.end_step(0)
     control.finish_step()
-    comm.others = lambda row: [row[0], 4, *row[2:]] if len(row) == 5 else row
-    await control.begin_step(1, sched)  # unchanged here: watched beside the step
-    with pytest.raises(rr.PlanError, match=STEP_DIFFERS):
-        await control.end_step(1)
-    assert [step for step, _ in aborted] == [1]
-    control.fail_step(can_agree=True)  # the verdict came before the agreement was posted
-    assert comm.reduces[-1] == [1, 1]
+    new = _sched(mbs=3)
+    assert control.plan_changed(new)
+    await control.begin_step(1, new)  # not checked before it runs: a rank cannot know
+    assert control.plan_checks == 1 and len(comm.gathers) == 2
+    await control.end_step(1)  # every row changed alike: the plan check follows
+    assert control.plan_checks == 2 and not control.plan_changed(new)
+    control.finish_step()
+    # Only this rank's plan changed: the rows differ, and no plan check is posted.
+    comm.others = lambda row: _as_rank0(
+        row, microbatches=3, plan=step_row(0, new, changed=False)[2], changed=0
+    )
+    await control.begin_step(2, _sched(mbs=4))
+    with pytest.raises(StepDiffersError, match="rank 1 has step 2, 4 microbatches"):
+        await control.end_step(2)
+    assert control.plan_checks == 2
+    control.finish_step()
+
+
+async def test_a_rank_told_of_another_plan_raises_every_ranks_rows() -> None:
+    """The rank that received a message of another plan fails the step with a
+    ``StepDiffersError`` that names its neighbour only; every rank (it, and those told by its
+    ABORT) then reads the agreement's rows for the error that names every rank's side."""
+    sched = _sched()
+    comm = FakeCollectives(1, lambda row: _as_rank0(row))
+    control, _, _ = _control(comm)
+    await control.begin_step(0, sched)
+    await control.end_step(0)
+    control.finish_step()
+    comm.others = lambda row: _as_rank0(row, microbatches=3, failed=1)
+    own = StepDiffersError("rank 1 (global 1) step 1: ...: pipeline rank 0 sent a message")
+    told = rr.PeerStepError("told", step=1, origin=0, cause="x", kind=FailureKind.STEP_DIFFERS)
+    other = rr.PeerStepError("told", step=1, origin=0, cause="x", kind=FailureKind.OTHER)
+    for e in (own, told):
+        await control.begin_step(1, sched)
+        control.fail_step(can_agree=True)
+        assert comm.agreements[-1][5:] == [1, 1]  # posted as failed, once
+        verdict = await control.failed_step_error(1, e)
+        assert isinstance(verdict, StepDiffersError)
+        assert "rank 0 has step 1, 3 microbatches" in str(verdict)
+        control.finish_step()
+    await control.begin_step(1, sched)
+    control.fail_step(can_agree=True)
+    assert await control.failed_step_error(1, other) is None  # another cause: no wait
     control.finish_step()
 
 
 async def test_the_agreement_fails_a_step_that_failed_on_another_rank() -> None:
-    comm = FakeCollectives(1, lambda row: row)
+    comm = FakeCollectives(1, _as_rank0)
     control, _, _ = _control(comm)
     await control.begin_step(0, _sched())
-    comm.reduce_with = [1, 0]  # global rank 0's step failed
+    comm.others = lambda row: _as_rank0(row, failed=1)  # global rank 0's step failed
     with pytest.raises(rr.PeerStepError, match="step 0 failed on global rank 0") as err:
         await control.end_step(0)
     assert err.value.origin == 0
     control.fail_step(can_agree=True)  # posted already: not again
-    assert len(comm.reduces) == 1
+    assert len(comm.agreements) == 1
     control.finish_step()
 
 
