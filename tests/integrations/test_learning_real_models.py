@@ -124,6 +124,7 @@ def _steps(rank: int, world: int, kind: str) -> dict[str, Any]:
     out: dict[str, Any] = {"steps": [], "grads": []}
     for k in range(len(HF_STEPS if kind == "hf" else IT_STEPS)):
         mbs = hf_batch(k) if kind == "hf" else it_batch(k)
+        args: list[tuple[Any, ...]]
         if kind == "hf":
             args = [(mb["input_ids"],) for mb in mbs]
             targets = [mb["labels"] for mb in mbs]
