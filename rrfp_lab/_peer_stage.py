@@ -16,9 +16,9 @@ import torch
 from torch import nn
 
 from rrfp_async import CostModel, Durations, StepPlan, Topology
-from rrfp_async.distributed import EmulatedCost
-from rrfp_async.distributed._activation_meter import (
+from rrfp_async.distributed import (
     ActivationMeter,
+    EmulatedCost,
     StorageKey,
     weight_storages,
 )

@@ -4,7 +4,8 @@
 splitter (``split_model``: stage modules and the parameters they share;
 ``split_causal_lm``: a Hugging Face causal LM in one call), and activation bytes learned
 from the run (``LearnedBytes``, on an ``ActivationModel`` of a microbatch's
-``features_of``). The example model's training
+``features_of``; measured by the saved-tensor ``ActivationMeter``, a module's weights
+excluded with ``weight_storages``). The example model's training
 harness (``TrainConfig``, ``train_worker``) is lab, not runtime: it lives in the lab beside
 the runtime, ``rrfp_lab``.
 
@@ -20,6 +21,7 @@ Internal to the package family: imported here for ``integrations/`` and the lab
 """
 
 from .._activation_model import ActivationModel, features_of
+from ._activation_meter import ActivationMeter, StorageKey, weight_storages
 from ._causal_lm import CausalLMSplit, split_causal_lm
 from ._causal_lm_stage import CausalLMStage
 from ._dist_stage import DEFAULT_STEP_TIMEOUT as DEFAULT_STEP_TIMEOUT
@@ -36,6 +38,7 @@ from ._torch_executor import TorchStageExecutor
 from ._tp_keywords import TPOptions
 
 __all__ = [
+    "ActivationMeter",
     "ActivationModel",
     "CausalLMSplit",
     "CausalLMStage",
@@ -48,6 +51,7 @@ __all__ = [
     "StageGroups",
     "StageModule",
     "StageSplit",
+    "StorageKey",
     "TPOptions",
     "TorchStageExecutor",
     "build_groups",
@@ -60,4 +64,5 @@ __all__ = [
     "spawn",
     "split_causal_lm",
     "split_model",
+    "weight_storages",
 ]

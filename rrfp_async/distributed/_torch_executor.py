@@ -368,19 +368,9 @@ class TorchStageExecutor:
         a ``task_handlers`` replacement."""
         return dict(self._meter.bytes)
 
-    @property
-    def measures_activations(self) -> bool:
-        """Whether training forwards are measured (``activation_bytes``)."""
-        return self._meter.enabled
-
     def measure_activations(self, on: bool, /) -> None:
-        """Measure the training forwards of the next steps (``on``) or stop: a caller that
-        learns the bytes (the torch drop-in) measures only the steps it learns from. Between
-        steps only (the flag is read as each forward starts).
-
-        Raises:
-            PlanError: ``on`` is no bool.
-        """
+        """Measure the training forwards of the next steps (``on``) or stop (between steps;
+        the torch drop-in measures the steps it learns from). PlanError: ``on`` no bool."""
         if not isinstance(on, bool):
             raise PlanError(f"measure_activations takes True or False, got {on!r}")
         self._meter.enable(on)
