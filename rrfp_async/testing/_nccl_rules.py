@@ -141,7 +141,6 @@ class _Registry:
 
     def __init__(self) -> None:
         self.lock = threading.RLock()  # a violation is logged with it held
-        self.exiting = False  # at exit, an operation left running is no stall
         self.issuing: tuple[str, str] | None = None  # (thread, communicator) in an issue
         self.made: dict[tuple[int, ...], int] = {}  # checked groups made per rank set
         # storage address -> (tensor, what): payloads on checked groups, host-packed buffers
@@ -229,8 +228,6 @@ class _Registry:
             time.sleep(min(1.0, limit / 4))
             now = time.monotonic()
             with self.lock:
-                if self.exiting:
-                    return
                 late = [w for since, w in self.running.values() if now - since > limit]
             for what in late:
                 if what not in self.stalled:
@@ -248,7 +245,8 @@ _registry: _Registry | None = None
 _registry_lock = threading.Lock()
 
 
-EXIT_WAIT_S = 10.0  # the most an exit waits for the model devices' running operations
+EXIT_WAIT_S = 10.0
+"""How long an exit waits, at most, for the model devices' operations still running."""
 
 
 def _reg() -> _Registry:
@@ -263,13 +261,12 @@ def _reg() -> _Registry:
 
 def _drain_at_exit() -> None:
     """At exit (before finalization), wait up to ``EXIT_WAIT_S`` for the model devices'
-    running operations: a ``_Pair`` thread blocked in gloo at finalization is woken by the
-    peer's exit, cannot take the GIL, and ``pthread_exit``'s unwind through torch's C++ calls
-    ``std::terminate`` (SIGABRT after a clean failure). No stall is reported from then on."""
+    running operations: a ``_Pair`` thread still blocked in gloo at finalization is woken by
+    the peer's exit, cannot take the GIL, and ``pthread_exit``'s unwind through torch's C++
+    calls ``std::terminate`` (SIGABRT after a clean failure). The peer exits soon."""
     reg = _registry
     if reg is None:
         return
-    reg.exiting = True
     deadline = time.monotonic() + EXIT_WAIT_S
     while time.monotonic() < deadline:
         with reg.lock:
