@@ -60,7 +60,6 @@ This module is the test double (the registry, the host-read guards, ``CheckedGro
 
 from __future__ import annotations
 
-import atexit
 import contextlib
 import ctypes
 import json
@@ -245,34 +244,13 @@ _registry: _Registry | None = None
 _registry_lock = threading.Lock()
 
 
-EXIT_WAIT_S = 10.0
-"""How long an exit waits, at most, for the model devices' operations still running."""
-
-
 def _reg() -> _Registry:
     global _registry
     with _registry_lock:
         if _registry is None:
             _registry = _Registry()
             _install_guards()
-            atexit.register(_drain_at_exit)
         return _registry
-
-
-def _drain_at_exit() -> None:
-    """At exit (before finalization), wait up to ``EXIT_WAIT_S`` for the model devices'
-    running operations: a ``_Pair`` thread still blocked in gloo at finalization is woken by
-    the peer's exit, cannot take the GIL, and ``pthread_exit``'s unwind through torch's C++
-    calls ``std::terminate`` (SIGABRT after a clean failure). The peer exits soon."""
-    reg = _registry
-    if reg is None:
-        return
-    deadline = time.monotonic() + EXIT_WAIT_S
-    while time.monotonic() < deadline:
-        with reg.lock:
-            if not reg.running:
-                return
-        time.sleep(0.01)
 
 
 def _forget() -> None:
