@@ -104,7 +104,6 @@ def _worker(
 
     async def go() -> list[float]:
         st = rr.DistributedStage(layout, rr.StepSchedule.build(plan, "1f1b"), ex, groups=groups)
-        times = []
         async with st:
             await st.run_step(inputs(_tokens(0)))  # the plan check
             if profile:
@@ -112,12 +111,7 @@ def _worker(
                     obj = st if not part else getattr(st, part, None)
                     if obj is not None:
                         timed(obj, name, label)
-            for s in range(1, steps + 1):
-                xs = inputs(_tokens(s))
-                t0 = time.perf_counter()
-                await st.run_step(xs)
-                times.append(time.perf_counter() - t0)
-                _zero(ex)
+            times = await _timed_steps(st, ex, inputs, steps)
         st.channel.close(10.0)
         return times
 
@@ -206,6 +200,18 @@ def _zero(ex: Any) -> None:
         m.zero_grad(set_to_none=True)
 
 
+async def _timed_steps(st: Any, ex: Any, inputs: Any, steps: int) -> list[float]:
+    """Steps 1..``steps`` of ``st``, each timed (its gradients zeroed after it)."""
+    times = []
+    for s in range(1, steps + 1):
+        xs = inputs(_tokens(s))
+        t0 = time.perf_counter()
+        await st.run_step(xs)
+        times.append(time.perf_counter() - t0)
+        _zero(ex)
+    return times
+
+
 def _ab_worker(
     rank: int, world: int, steps: int, us: float, blocks: int, old_path: str, executor: str
 ) -> dict[str, list[list[float]]]:
@@ -241,15 +247,9 @@ def _ab_worker(
             )
             old.plan_tag = lambda schedule: 0  # (its messages carry no tag)
             st.control = old
-        times = []
         async with st:
             await st.run_step(inputs(_tokens(0)))  # the plan check
-            for s in range(1, steps + 1):
-                xs = inputs(_tokens(s))
-                t0 = time.perf_counter()
-                await st.run_step(xs)
-                times.append(time.perf_counter() - t0)
-                _zero(ex)
+            times = await _timed_steps(st, ex, inputs, steps)
         st.channel.close(10.0)
         getattr(ex, "close", lambda: None)()
         torch.distributed.barrier()

@@ -242,7 +242,13 @@ def plain_worker(rank: int, world: int, mode: str) -> dict[str, Any]:
     schedule = ScheduleReadinessFirst(stage, M, loss_fn=F.mse_loss, **kw)
     g = torch.Generator().manual_seed(5)
     out: dict[str, Any] = {"budgets": [], "measured": []}
-    for step in STEPS if mode in ("varying", "measure-all") else STEPS[:2]:
+    if mode in ("varying", "measure-all"):
+        steps = STEPS
+    elif mode == "uniform-then-varying":
+        steps = [[8] * M, [8] * M, [9] * M, STEPS[0]]
+    else:
+        steps = STEPS[:2]
+    for step in steps:
         lengths = [8] * M if mode == "uniform" else step
         xs = [torch.randn(1, n, D, generator=g) for n in lengths]
         schedule.step_microbatches(
@@ -282,3 +288,12 @@ def test_once_fitted_only_one_step_in_learn_every_is_measured(mode: str) -> None
         want = [M] * 4 if mode == "measure-all" else [M, 0, 0, 0]
         assert res[r]["measured"] == want, res[r]
         assert all(b is not None and b > 1000 for b in res[r]["budgets"][1:]), res[r]
+
+
+def test_a_job_of_one_size_stops_reading_sizes_after_two_steps() -> None:
+    res = pooled_spawn(plain_worker, 2, "uniform-then-varying", timeout=200)
+    for r in range(2):
+        # Two first steps of one size each: the sizes are no longer read (no broadcast), so
+        # a later step of varying sizes runs the fixed order, measured nothing.
+        assert res[r]["budgets"] == [None] * 4, res[r]
+        assert res[r]["measured"] == [0] * 4, res[r]
