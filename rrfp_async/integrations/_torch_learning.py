@@ -52,6 +52,7 @@ them.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
 from typing import Any
@@ -214,7 +215,17 @@ class StepLearning:
         m = len(chunks)
         table = torch.zeros((m, SLOTS + 1), dtype=torch.float64)
         if dist.get_rank() == self._source:
-            rows = [chunk_sizes(c) for c in chunks]
+            try:
+                rows = [chunk_sizes(c) for c in chunks]
+            except Exception as e:  # the peers wait in the broadcast: never raise before it
+                warnings.warn(
+                    f"rrfp_async: the step's sizes could not be read off its microbatches"
+                    f" ({type(e).__name__}: {e}); the step runs the fixed order (pass"
+                    " sizes= to give them)",
+                    RuntimeWarning,
+                    stacklevel=2,
+                )
+                rows = []
             if any(any(r) for r in rows):
                 table[:, 0] = 1.0
                 table[:, 1:] = torch.tensor(rows, dtype=torch.float64)
