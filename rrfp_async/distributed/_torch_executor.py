@@ -88,8 +88,7 @@ class TokenCounted(Protocol):
     With ``loss_scale="tokens"`` and no ``tokens_fn``, each microbatch's ``tokens`` (an int
     >= 0) is read when a step starts, to scale each loss by its share of the step's tokens;
     a microbatch without it is refused with a ``PlanError`` that says to pass
-    ``rr.Microbatch`` objects or ``tokens_fn``. Other loss scales never read it.
-    """
+    ``rr.Microbatch`` objects or ``tokens_fn``. Other loss scales never read it."""
 
     @property
     def tokens(self) -> object:
@@ -364,9 +363,15 @@ class TorchStageExecutor:
         microbatch): bytes}``, what each training forward kept until its backward (its saved
         tensors, received input and outputs, each storage once, no weights; see
         ``_activation_meter`` for what each mode counts). Reset when a step begins; empty
-        for a forward-only step, with ``measure_activations=False``, and for forwards run by
-        a ``task_handlers`` replacement."""
+        for a forward-only step, with ``measure_activations=False``, and for forwards of a
+        ``task_handlers`` replacement that does not measure itself (``forward_meter``)."""
         return dict(self._meter.bytes)
+
+    @property
+    def forward_meter(self) -> ForwardBytes:
+        """The forwards' meter, for a ``task_handlers`` F: while ``.enabled``, ``with
+        forward_meter.forward(stage, mb, module, inputs)`` around it counts its bytes."""
+        return self._meter
 
     def measure_activations(self, on: bool, /) -> None:
         """Measure the training forwards of the next steps (``on``) or stop (between steps;

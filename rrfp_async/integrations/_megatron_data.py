@@ -6,7 +6,10 @@ Data is read in microbatch order whatever order the tasks run in: the F of micro
 on chunk ``c`` gets an iterator whose ``next()`` returns the ``m``-th item of chunk ``c``'s
 data iterator, reading the items before it first (and keeping them for their own Fs). A
 rank whose ``forward_step_func`` never calls ``next`` (Megatron-LM's middle stages) reads
-nothing, as under Megatron.
+nothing, as under Megatron. The one exception: where the drop-in learns from the run, the
+rank that holds stage 0 (tensor rank 0) reads its first chunk's items of the step before
+the step starts (``peek``), to read their sizes (``_megatron_learning``); each forward
+still gets its own item, once.
 """
 
 from __future__ import annotations
@@ -54,6 +57,21 @@ class InOrder:
                     raise self._dry(m) from None
                 self.read += 1
             return self.items.pop(m)
+
+    def peek(self, m: int) -> list[Any]:
+        """The step's first ``m`` items, read now and kept for their forwards (the drop-in
+        reads the step's sizes off them before it plans the step). PlanError: the iterator
+        ran dry first (the forward that asks for the missing item raises it again)."""
+        assert self.source is not None
+        self.expect(m - 1, self.chunk)
+        with self.lock:
+            while self.read < m:
+                try:
+                    self.items[self.read] = next(self.source)
+                except StopIteration:
+                    raise self._dry(self.read) from None
+                self.read += 1
+            return [self.items[i] for i in range(m)]
 
     def _dry(self, m: int) -> PlanError:
         n = max(self.microbatches, m + 1)

@@ -80,6 +80,8 @@ def get_forward_backward_func(
     durations: Callable[[StepPlan], Durations] | None = None,
     activation_bytes: Callable[[StepPlan], ActivationBytes] | None = None,
     memory_budget: MemoryBudget | None = None,
+    sizes: bool | None = None,
+    measure_activations: bool = False,
     **stage_kwargs: Any,
 ) -> Any:
     """The readiness-first forward-backward function, picked as megatron's own factory
@@ -100,8 +102,9 @@ def get_forward_backward_func(
             ``MultiModuleProcessGroupCollection`` (cross-grid) is refused.
         policy: The dispatch policy (default ``readiness_first``; ``strict`` runs the hint's
             order as Megatron does).
-        hint: The hint (default: megatron's own order of the picked schedule).
-        memory_factor: Scale of the admission bound (default: what megatron's order holds).
+        hint: The hint (default: megatron's own order of the picked schedule; on steps of
+            varying sizes, once learned, the cost-aware hint: see ``sizes``).
+        memory_factor: Scale of the admission bound (a count of activations; no learning).
         step_timeout: Seconds a step may take before every rank fails it; None: no limit;
             ``"group"`` (default): the pipeline process group's own timeout, as long as
             megatron's schedules would wait (30 min on gloo unless the group was made with another).
@@ -114,8 +117,19 @@ def get_forward_backward_func(
             each forward's activation bytes for this step (every rank must return the
             same): memory is then bounded in bytes, by default what megatron's order holds
             on this step's microbatches (docs/memory.md).
-        memory_budget: With ``activation_bytes``: a float scales that default, an int or
-            ``"24GiB"`` is bytes per rank.
+        memory_budget: A float scales the default byte budget (what megatron's order holds
+            on the step's microbatches), an int or ``"24GiB"`` is bytes per rank; given
+            alone, it turns learning on (``sizes``).
+        sizes: None (default): learn from the run where nothing else was chosen (no
+            ``hint``, ``durations``, ``activation_bytes``, ``memory_factor``, and not
+            ``policy="strict"``; one data-parallel replica): each training call's sizes
+            are read off the items of the first stage's data iterator (on tensor rank 0),
+            its forwards' activation bytes and its tasks' times measured and fitted, and
+            each call of varying sizes is planned with the cost-aware hint within the bytes
+            megatron's order holds on it (``_megatron_learning``'s design note; calls of one
+            size run megatron's order). False: never.
+        measure_activations: Measure every training call's activation bytes
+            (``measured_bytes()``), not only those it learns from.
         **stage_kwargs: Further ``rr.DistributedStage`` keywords (``observer``, ...).
 
     Returns:
@@ -174,6 +188,8 @@ def get_forward_backward_func(
         _key(durations),
         _key(activation_bytes),
         _key(memory_budget),
+        sizes,
+        measure_activations,
         tuple(sorted((k, _key(v)) for k, v in stage_kwargs.items())),
     )
     fb = _CACHE.get(key)
@@ -189,6 +205,8 @@ def get_forward_backward_func(
             durations=durations,
             activation_bytes=activation_bytes,
             memory_budget=memory_budget,
+            sizes=sizes,
+            measure_activations=measure_activations,
             **stage_kwargs,
         )
     return fb

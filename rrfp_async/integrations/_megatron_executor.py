@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from .._errors import PlanError
-from .._pytree import map_tensors
+from .._pytree import map_tensors, tensor_leaves
 from .._tasks import Task
 from ..distributed import TorchStageExecutor
 from ..loop import TaskContext
@@ -32,7 +32,14 @@ class MegatronExecutor(TorchStageExecutor):
     thread of ``TorchStageExecutor`` (whose task dispatch, step bookkeeping and failure
     handling it keeps)."""
 
-    def __init__(self, modules: dict[int, Any], peer: MegatronPeer, rank: int) -> None:
+    def __init__(
+        self,
+        modules: dict[int, Any],
+        peer: MegatronPeer,
+        rank: int,
+        *,
+        measure_activations: bool = False,
+    ) -> None:
         # Megatron's randomness stays Megatron's: its CUDA RNG tracker's named streams carry
         # on from call to call (a per-task stream of the default generator alone would
         # change its dropout masks and still leave the tracker's in dispatch order).
@@ -42,6 +49,7 @@ class MegatronExecutor(TorchStageExecutor):
             rank=rank,
             task_rng=False,
             task_handlers={"F": self._mforward, "B": self._mbackward},
+            measure_activations=measure_activations,
         )
         self.peer = peer
         self.call: MegatronCall | None = None
@@ -58,15 +66,38 @@ class MegatronExecutor(TorchStageExecutor):
             )
 
     def _mforward(self, task: Task, data: Any, ctx: TaskContext) -> Any:
-        s = self.peer.schedules
         call = self.call
         assert call is not None
         model = self.modules[task.stage]
         chunk = task.stage // call.pp
-        mb: Microbatch = ctx.microbatches[task.mb]
         first, last = task.stage == 0, task.stage == ctx.plan.num_virtual - 1
         # Megatron's receive buffers want grad: the received activation is such a leaf.
         input_tensor = None if first else map_tensors(data, _received)
+        meter = self.forward_meter
+        if call.forward_only or not meter.enabled:
+            return self._mforward_body(task, input_tensor, ctx, model, chunk, first, last)
+        # What the forward keeps until its backward (``_activation_meter``): its saved
+        # tensors and received input, and its output where Megatron does not free it.
+        inputs = [t for t in tensor_leaves(input_tensor) if t.requires_grad]
+        with meter.forward(task.stage, task.mb, model, inputs) as m:
+            out = self._mforward_body(task, input_tensor, ctx, model, chunk, first, last)
+            m.hold(tensor_leaves(self._mstash[(task.stage, task.mb)][1]))
+        return out
+
+    def _mforward_body(
+        self,
+        task: Task,
+        input_tensor: Any,
+        ctx: TaskContext,
+        model: Any,
+        chunk: int,
+        first: bool,
+        last: bool,
+    ) -> Any:
+        s = self.peer.schedules
+        call = self.call
+        assert call is not None
+        mb: Microbatch = ctx.microbatches[task.mb]
         store: list[Any] = []
         # As megatron's schedules call it: the interleaved one names the chunk (vp_stage).
         extra = {"vp_stage": chunk} if call.interleaved else {}

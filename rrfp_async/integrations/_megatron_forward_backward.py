@@ -25,7 +25,13 @@ from .._costs import Durations
 from .._errors import PlanError
 from .._memory import ActivationBytes, MemoryBudget
 from .._tasks import StepPlan, Task, Topology
-from ..distributed import DistributedStage, build_groups
+from ..distributed import (
+    DistributedStage,
+    LearnedBytes,
+    LearnedDurations,
+    ProcessLayout,
+    build_groups,
+)
 from ..loop import StepStats
 from ..policies import StepSchedule
 from ._megatron_call_checks import bind_call, check_config, model_chunks, vp_group_size
@@ -33,6 +39,7 @@ from ._megatron_data import InOrder, Microbatch
 from ._megatron_executor import MegatronExecutor
 from ._megatron_grad_sync import MegatronCall, per_chunk
 from ._megatron_groups import CallGroups, call_groups, layout_of
+from ._megatron_learning import MegatronLearning, learns
 from ._megatron_peer import megatron_order, peer
 from ._timeouts import GROUP_TIMEOUT, StepTimeout, resolve_step_timeout
 
@@ -81,6 +88,8 @@ class MegatronForwardBackward:
         "_executor",
         "_fn_name",
         "_key",
+        "_layout",
+        "_learning",
         "_pp_rank",
         "_rr",
         "_schedules",
@@ -90,6 +99,7 @@ class MegatronForwardBackward:
         "hint",
         "interleaved",
         "last_stats",
+        "measure_activations",
         "memory_budget",
         "memory_factor",
         "peer",
@@ -119,14 +129,26 @@ class MegatronForwardBackward:
         durations: Callable[[StepPlan], Durations] | None = None,
         activation_bytes: Callable[[StepPlan], ActivationBytes] | None = None,
         memory_budget: MemoryBudget | None = None,
+        sizes: bool | None = None,
+        measure_activations: bool = False,
         **stage_kwargs: Any,
     ) -> None:
-        if memory_budget is not None and activation_bytes is None:
+        auto = learns(
+            sizes=sizes,
+            hint=hint,
+            policy=policy,
+            memory_factor=memory_factor,
+            activation_bytes=activation_bytes,
+            memory_budget=memory_budget,
+        )
+        if memory_budget is not None and activation_bytes is None and not auto:
             raise PlanError(
-                "memory_budget is a byte budget: it needs activation_bytes=plan ->"
-                " rr.ActivationBytes, each forward's bytes for the step (or bound the count"
-                " with memory_factor=)"
+                "memory_budget is a byte budget: it needs the step's bytes, learned from the"
+                " run (unless sizes=False), or activation_bytes=plan -> rr.ActivationBytes,"
+                " each forward's bytes for the step (or bound the count with memory_factor=)"
             )
+        if not isinstance(measure_activations, bool):
+            raise PlanError(f"measure_activations must be a bool, got {measure_activations!r}")
         if activation_bytes is not None and memory_factor is not None:
             raise PlanError(
                 "give activation_bytes (memory in bytes, with memory_budget=) or"
@@ -144,7 +166,19 @@ class MegatronForwardBackward:
         self.step_timeout = step_timeout
         self.durations = durations
         self.stage_kwargs = stage_kwargs
+        self.measure_activations = measure_activations
         self.last_stats: StepStats | None = None
+        self._learning = (
+            MegatronLearning(
+                hint=hint,
+                memory_budget=memory_budget,
+                learn_costs=durations is None,
+                measure_all=measure_activations,
+            )
+            if auto
+            else None
+        )
+        self._layout: ProcessLayout | None = None
         self._signature = self.peer.interleaved if interleaved else self.peer.one_f_one_b
         self._fn_name = (
             "forward_backward_pipelining_with_interleaving"
@@ -219,18 +253,33 @@ class MegatronForwardBackward:
         group = vp_group_size(config, pp, m, interleaved=self.interleaved)
         topology = Topology(stages=pp, chunks=len(models))
         schedule = self._schedule(topology, m, group, forward_only)
-        if not forward_only and (self.durations is not None or self.activation_bytes is not None):
+        stage = self._open(groups, models, self._schedule(topology, m, group, False))
+        executor, layout = self._executor, self._layout
+        assert executor is not None and layout is not None
+        srcs = [InOrder(it) for it in iterators]
+        learned = None
+        if not forward_only:
             plan = schedule.plan
             durations = None if self.durations is None else self.durations(plan)
-            if self.activation_bytes is not None:
+            if self._learning is not None:
+                learned = self._learning.schedule(
+                    layout=layout,
+                    models=models,
+                    executor=executor,
+                    plan=plan,
+                    fixed=self._hint_source(topology, group),
+                    key=(groups.key, group),
+                    data=srcs[0],
+                    durations=durations,
+                )
+            if learned is not None:
+                schedule = learned
+            elif self.activation_bytes is not None:
                 schedule = schedule.with_durations(
                     durations, activation_bytes=self.activation_bytes(plan)
                 )
             elif durations is not None:
                 schedule = schedule.with_durations(durations)
-        stage = self._open(groups, models, self._schedule(topology, m, group, False))
-        executor = self._executor
-        assert executor is not None
         call = MegatronCall(
             forward_step_func=a["forward_step_func"],
             config=config,
@@ -246,7 +295,6 @@ class MegatronForwardBackward:
         )
         executor.modules = {c * pp + self._pp_rank: mod for c, mod in enumerate(models)}
         executor.call = call
-        srcs = [InOrder(it) for it in iterators]
         mbs = [Microbatch(srcs, i) for i in range(m)]
         # megatron's ModelParallelConfig has timers (None unless set); a duck-typed config may not.
         timers = getattr(config, "timers", None)
@@ -265,6 +313,8 @@ class MegatronForwardBackward:
         finally:
             executor.call = None
         self.last_stats = stats
+        if learned is not None and self._learning is not None:
+            self._learning.observe(stats)  # (a collective on the learning group)
         # Megatron leaves no_sync entered after a forward-only step; it is closed here.
         if forward_only:
             call.enable_grad_sync()
@@ -297,12 +347,14 @@ class MegatronForwardBackward:
                 )
             return self._rr
         layout = layout_of(groups)
+        self._layout = layout
         self._pp_rank = layout.pp_rank
         pp = layout.pp
         self._executor = MegatronExecutor(
             {c * pp + layout.pp_rank: mod for c, mod in enumerate(models)},
             self.peer,
             dist.get_rank(),
+            measure_activations=self.measure_activations,
         )
         kwargs: dict[str, Any] = {"check_ties": False}  # finalize_model_grads reduces ties
         kwargs.update(self.stage_kwargs)
@@ -370,8 +422,30 @@ class MegatronForwardBackward:
             self._schedules[key] = got
         return got
 
+    @property
+    def learned_bytes(self) -> LearnedBytes | None:
+        """The activation bytes learned from the run (its ``model`` and ``error``), where the
+        function learns (by default: see ``_megatron_learning``), after its first training
+        call."""
+        return None if self._learning is None else self._learning.learned_bytes
+
+    @property
+    def learned_durations(self) -> LearnedDurations | None:
+        """The task times learned from the run where the function learns and no
+        ``durations=`` were given, after its first training call."""
+        return None if self._learning is None else self._learning.learned_durations
+
+    def measured_bytes(self) -> dict[tuple[int, int], int]:
+        """The activation bytes of the last training call's forwards on this rank,
+        ``{(virtual stage, microbatch): bytes}``, as measured: every call with
+        ``measure_activations=True``, else the calls it learned from (empty otherwise)."""
+        return {} if self._executor is None else self._executor.activation_bytes()
+
     def close(self) -> None:
-        """Close the runtime's stage (its channel and loop thread) and compute thread."""
+        """Close the runtime's stage (its channel and loop thread) and compute thread; what
+        was learned is forgotten (the next call starts afresh)."""
+        if self._learning is not None:
+            self._learning.reset()
         stage, self._rr, self._key = self._rr, None, None
         if stage is not None:
             stage.__exit__(None, None, None)

@@ -72,7 +72,7 @@ from ..loop import StepStats
 from ..policies import StepSchedule
 from ._torch_step_inputs import Chunk
 
-__all__ = ["SLOTS", "SizesFn", "StepLearning", "chunk_sizes"]
+__all__ = ["SLOTS", "SizesFn", "StepLearning", "chunk_sizes", "item_sizes"]
 
 SizesFn = Callable[[StepPlan, Sequence[Any]], Sequence[Mapping[str, float]]]
 
@@ -107,15 +107,19 @@ def _tokens(t: torch.Tensor) -> float:
     return float(t.numel())
 
 
-def chunk_sizes(chunk: Chunk) -> list[float]:
-    """The sizes auto learning reads off one microbatch: the tokens of its first ``SLOTS``
-    tensors, positional inputs first, then keyword inputs by name (0 where there are fewer)."""
-    leaves = [
-        *tree_leaves(list(chunk.args)),
-        *tree_leaves([chunk.kwargs[k] for k in sorted(chunk.kwargs)]),
-    ]
-    sizes = [_tokens(x) for x in leaves if isinstance(x, torch.Tensor)][:SLOTS]
+def item_sizes(item: Any) -> list[float]:
+    """The sizes auto learning reads off one microbatch of any structure: the tokens of the
+    first ``SLOTS`` tensors among its leaves (``torch.utils._pytree``'s order: a dict's in
+    insertion order), 0 where there are fewer (a Megatron data iterator's item)."""
+    sizes = [_tokens(x) for x in tree_leaves(item) if isinstance(x, torch.Tensor)][:SLOTS]
     return sizes + [0.0] * (SLOTS - len(sizes))
+
+
+def chunk_sizes(chunk: Chunk) -> list[float]:
+    """The sizes auto learning reads off one torch microbatch: the tokens of its first
+    ``SLOTS`` tensors, positional inputs first, then keyword inputs by name (0 where there
+    are fewer)."""
+    return item_sizes([list(chunk.args), [chunk.kwargs[k] for k in sorted(chunk.kwargs)]])
 
 
 def _given(features: object) -> Mapping[str, float]:
@@ -138,6 +142,10 @@ class StepLearning:
         source: With auto learning, the global rank that holds stage 0.
         measure_all: Keep the meter on for every step (the user asked for every step's
             bytes), not only for the steps learned from.
+        fixed: The hint of the steps planned before the fits are ready and of the steps of
+            one size (default: ``hint``; the Megatron drop-in: Megatron's own order).
+        read: With auto learning, one microbatch's sizes on the rank of stage 0 (default:
+            ``chunk_sizes``, torch's microbatches).
     """
 
     def __init__(
@@ -151,6 +159,8 @@ class StepLearning:
         learn_costs: bool,
         source: int,
         measure_all: bool = False,
+        fixed: Any = None,
+        read: Callable[[Any], list[float]] = chunk_sizes,
     ) -> None:
         self._measure_all = measure_all
         self._fn = sizes
@@ -159,10 +169,14 @@ class StepLearning:
         self._budget = memory_budget
         self._learn_costs = learn_costs
         self._source = source
+        self._reader = read
+        self._fixed = fixed is not None
         # The fixed order's schedule (steps of one size, and the first steps when the budget
         # is in absolute bytes) and the byte-budgeted one (steps of varying sizes).
         factor = memory_budget if isinstance(memory_budget, float) else None
-        self._count_base = StepSchedule.build(plan, hint, memory_factor=factor)
+        self._count_base = StepSchedule.build(
+            plan, hint if fixed is None else fixed, memory_factor=factor
+        )
         self._byte_base = StepSchedule.build(
             plan, hint, activation_bytes=ActivationBytes.uniform(plan), memory_budget=memory_budget
         )
@@ -178,6 +192,17 @@ class StepLearning:
     def auto(self) -> bool:
         """Whether the sizes are read off the microbatches (no ``sizes=``)."""
         return self._fn is None
+
+    @property
+    def source(self) -> int:
+        """The global rank that reads the sizes (auto learning)."""
+        return self._source
+
+    @property
+    def reads_sizes(self) -> bool:
+        """Whether the next step's sizes are read (auto learning stops after ``UNIFORM_START``
+        first steps of one size each); the same answer on every rank."""
+        return self._reading
 
     @property
     def learned_bytes(self) -> LearnedBytes | None:
@@ -202,7 +227,7 @@ class StepLearning:
         if self._learn_costs:  # (attention's time is quadratic in the length too)
             self._costs = LearnedDurations(self._group, features=_given, extra_features=extra)
 
-    def _read(self, plan: StepPlan, chunks: Sequence[Chunk]) -> list[dict[str, float]] | None:
+    def _read(self, plan: StepPlan, chunks: Sequence[Any]) -> list[dict[str, float]] | None:
         """This step's sizes on every rank (None: no size could be read)."""
         if self._fn is not None:
             got = self._fn(plan, chunks)
@@ -216,7 +241,7 @@ class StepLearning:
         table = torch.zeros((m, SLOTS + 1), dtype=torch.float64)
         if dist.get_rank() == self._source:
             try:
-                rows = [chunk_sizes(c) for c in chunks]
+                rows = [self._reader(c) for c in chunks]
             except Exception as e:  # the peers wait in the broadcast: never raise before it
                 warnings.warn(
                     f"rrfp_async: the step's sizes could not be read off its microbatches"
@@ -234,9 +259,11 @@ class StepLearning:
             return None
         return [dict(zip(_NAMES, row[1:], strict=True)) for row in table.tolist()]
 
-    def schedule(self, chunks: Sequence[Chunk], durations: Durations | None) -> StepSchedule:
+    def schedule(self, chunks: Sequence[Any], durations: Durations | None) -> StepSchedule:
         """The schedule of a step of ``chunks`` (on every rank; the first call is a
-        collective): planned with the learned bytes and times once they are fitted."""
+        collective): planned with the learned bytes and times once they are fitted. With
+        auto learning only the rank of stage 0 reads ``chunks`` (the others may pass any
+        sequence of the step's length)."""
         self.open()
         m = len(chunks)
         count = self._count_base.for_microbatches(m)
@@ -258,8 +285,11 @@ class StepLearning:
         if durations is None and self._costs is not None:
             durations = self._costs.predict(count.plan, sizes)
         predicted = self._bytes.predict(count.plan, sizes)
-        if predicted is None and not isinstance(self._budget, (float, type(None))):
-            # Not fitted yet, and a budget in bytes: the fixed order's memory until it is.
+        if predicted is None and (
+            self._fixed or not isinstance(self._budget, (float, type(None)))
+        ):
+            # Not fitted yet, and a fixed order of its own or a budget in bytes: the fixed
+            # order (and its memory) until it is.
             return count if durations is None else count.with_durations(durations)
         nbytes = predicted if predicted is not None else ActivationBytes.uniform(count.plan)
         return self._byte_base.for_microbatches(m).with_durations(
