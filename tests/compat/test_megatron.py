@@ -23,6 +23,13 @@ from tests._pool import pooled_spawn
 from tests.integrations import megatron_cases as mc
 from tests.integrations.megatron_cases import Case
 
+# The drop-in's learning (sizes read ahead, bytes and times fitted, the cost-aware plan within
+# megatron's bytes), the main suite's tests run here on megatron-core 0.19 too.
+from tests.integrations.test_megatron_learning import (  # noqa: F401
+    test_one_size_runs_megatrons_order_and_stops_reading_ahead,
+    test_variable_lengths_are_learned_and_planned_within_megatrons_bytes,
+)
+
 
 @pytest.fixture(scope="module", autouse=True)
 def _megatron() -> None:
