@@ -122,7 +122,8 @@ def get_forward_backward_func(
             alone, it turns learning on (``sizes``).
         sizes: None (default): learn from the run where nothing else was chosen (no
             ``hint``, ``durations``, ``activation_bytes``, ``memory_factor``, and not
-            ``policy="strict"``; one data-parallel replica): each training call's sizes
+            ``policy="strict"``; not interleaved over data-parallel replicas): each
+            training call's sizes
             are read off the items of the first stage's data iterator (on tensor rank 0),
             its forwards' activation bytes and its tasks' times measured and fitted, and
             each call of varying sizes is planned with the cost-aware hint within the bytes

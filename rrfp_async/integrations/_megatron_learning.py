@@ -24,11 +24,17 @@ with what differs under Megatron:
   pipeline size) is that order, task for task (``tests/integrations/test_megatron_learning``
   checks it); with another group size Megatron's interleaved order may hold more, and the
   budget stays 1F1B's (less memory than Megatron's, never more).
-* **When it is on**: one pipeline replica (data-parallel size 1: the learning group is the
-  world), training calls (a forward-only call runs Megatron's forward-only order and
-  learns nothing), and no other choice of memory (``activation_bytes=``, ``memory_factor=``)
-  or of order (a ``hint=``; ``policy="strict"`` keeps Megatron's order, bit for bit), unless
-  ``memory_budget=`` asks for bytes; ``sizes=False`` switches it off. What was learned
+* **Data parallelism**: the replicas learn together and each plans its own call, as under
+  the torch drop-in (``_torch_learning``'s design note). Not with interleaved chunks: there
+  each chunk's gradient sync (``grad_sync_func``, on the data-parallel group) starts after
+  its last backward, so the replicas must finish their chunks in the same order, which
+  Megatron's order run readiness-first keeps (its backwards in the hint's order) and per
+  replica plans would not; learning is off there.
+* **When it is on**: training calls (a forward-only call runs Megatron's forward-only
+  order and learns nothing), and no other choice of memory (``activation_bytes=``,
+  ``memory_factor=``) or of order (a ``hint=``; ``policy="strict"`` keeps Megatron's
+  order, bit for bit), unless ``memory_budget=`` asks for bytes; ``sizes=False`` switches
+  it off. What was learned
   belongs to the model chunks it was learned on: a call with other chunks (another model)
   starts afresh, as does a call after ``close()``.
 """
@@ -129,7 +135,7 @@ class MegatronLearning:
         durations: Durations | None,
     ) -> StepSchedule | None:
         """This training call's schedule (a collective on every rank), or None where the
-        drop-in does not learn (more than one data-parallel replica).
+        drop-in does not learn (interleaved chunks over data-parallel replicas).
 
         Args:
             layout: The call's process layout.
@@ -141,15 +147,19 @@ class MegatronLearning:
             data: The first chunk's data iterator, read in microbatch order.
             durations: The declared durations of the step, if any.
         """
-        if layout.dp != 1:
+        if layout.dp != 1 and plan.topology.chunks > 1:
             if self._budget is not None:
                 raise PlanError(
                     f"memory_budget is a byte budget: the megatron drop-in learns the step's"
-                    f" bytes across one pipeline replica, and this job has {layout.dp}"
+                    f" bytes with one model chunk per rank or one pipeline replica, and this"
+                    f" job interleaves {plan.topology.chunks} chunks over {layout.dp}"
                     " data-parallel replicas: pass activation_bytes=plan -> rr.ActivationBytes"
                     " too (or bound the count with memory_factor=)"
                 )
             return None
+        replica = next(
+            d for d, plane in enumerate(layout.grid) if any(layout.rank in row for row in plane)
+        )
         full = (key, plan.topology, tuple(id(m) for m in models))
         if self._learning is None or full != self._key:
             self._learning = StepLearning(
@@ -159,10 +169,12 @@ class MegatronLearning:
                 hint=self._hint,
                 memory_budget=self._budget,
                 learn_costs=self._learn_costs,
-                source=layout.grid[0][0][0],
+                source=layout.grid[replica][0][0],
                 measure_all=self._measure_all,
                 fixed=fixed,
                 read=item_sizes,
+                replica=replica,
+                replicas=layout.dp,
             )
             self._key = full
         learning = self._learning

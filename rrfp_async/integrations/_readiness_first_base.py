@@ -226,7 +226,6 @@ class ReadinessFirstBase:
             and memory_factor is None
             and (memory_budget is not None or (not hint_named and policy != "strict"))
             and self._loss_fn is not None
-            and size == dist.get_world_size()
         )
         self._sizes: SizesFn | None = sizes if callable(sizes) else None
         self._learns = auto or callable(sizes)
@@ -234,7 +233,7 @@ class ReadinessFirstBase:
         if memory_budget is not None and activation_bytes is None and not self._learns:
             raise PlanError(
                 "memory_budget is a byte budget: it needs the step's bytes, learned from the"
-                " run (one pipeline replica with a loss_fn, unless sizes=False), or"
+                " run (with a loss_fn, unless sizes=False), or"
                 " activation_bytes=(plan, microbatches) -> rr.ActivationBytes (or bound the"
                 " count with memory_factor=)"
             )
@@ -442,6 +441,11 @@ class ReadinessFirstBase:
 
     def _build(self) -> DistributedStage:
         layout = layout_of_group(self._group, self._group_rank, self._size)
+        # This pipeline's ranks (its stage 0's first), and so its replica in the layout.
+        mine = [
+            i if self._group is None else dist.get_global_rank(self._group, i)
+            for i in range(self._size)
+        ]
         plan = StepPlan(
             topology=self._topology,
             microbatches=self._n_microbatches,
@@ -449,6 +453,7 @@ class ReadinessFirstBase:
             ordered_weights=self._split,
         )
         if self._learns:
+            replica = next(d for d, plane in enumerate(layout.grid) if plane[0][0] == mine[0])
             self._learning = StepLearning(
                 self._sizes,
                 self._executor,
@@ -457,7 +462,9 @@ class ReadinessFirstBase:
                 memory_budget=self._memory_budget,
                 learn_costs=self._durations is None,
                 measure_all=self._measure_all,
-                source=0 if self._group is None else dist.get_global_rank(self._group, 0),
+                source=mine[0],
+                replica=replica,
+                replicas=layout.dp,
             )
         if self._activation_bytes is not None or self._sizes is not None:
             # Bytes come with each step (``_schedule_for``); the base has a byte budget on

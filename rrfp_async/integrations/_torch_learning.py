@@ -37,12 +37,20 @@ targets to the last, keyword inputs to every stage.
   ``durations=`` were declared, the predicted times (so the default hint orders heavy
   microbatches first); before that, with the count bound and the declared durations (the
   first steps).
-* **When it is on.** Auto learning needs the sizes of one pipeline on all its ranks, so one
-  pipeline replica (no data parallelism: pass ``activation_bytes=`` there), a ``loss_fn``
-  (training steps), and no other choice of memory (``activation_bytes=``,
-  ``memory_factor=``) or of order (a ``hint=``; ``policy="strict"`` without a hint keeps
-  torch's fixed order, bit for bit) unless a ``memory_budget=`` asks for bytes.
-  ``sizes=False`` switches it off.
+* **Data parallelism.** Each replica's pipeline plans its own step (replicas see other
+  data), but every choice above must be the same on every rank of the job: the plan check
+  compares the plan and the hint's name across the whole job, and a rank whose plan key
+  changes alone waits in its all-gather alone. So the learning group is the job's, and
+  the job's microbatches are every replica's, replica by replica: the sizes are summed
+  over the job (each replica's rows filled by its stage-0 rank, zeros elsewhere; one
+  all-reduce instead of the broadcast), the measured tables are renumbered into them
+  (replica ``d``'s microbatch ``i`` is ``d * M + i``) and fitted once for the job (every
+  replica's data, the same fits everywhere), a step is of one size only when every
+  replica's microbatches are, and each replica plans with its own sizes.
+* **When it is on.** Auto learning needs a ``loss_fn`` (training steps), and no other
+  choice of memory (``activation_bytes=``, ``memory_factor=``) or of order (a ``hint=``;
+  ``policy="strict"`` without a hint keeps torch's fixed order, bit for bit) unless a
+  ``memory_budget=`` asks for bytes. ``sizes=False`` switches it off.
 
 Costs on the step's path: the broadcast (one small gloo collective before each step), the
 prediction and the plan's build, and on the steps it learns from the meter's hooks on
@@ -54,7 +62,7 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -66,7 +74,7 @@ from .._check import is_sequence
 from .._costs import Durations
 from .._errors import PlanError
 from .._memory import ActivationBytes, MemoryBudget
-from .._tasks import StepPlan
+from .._tasks import StepPlan, Task
 from ..distributed import LearnedBytes, LearnedDurations, TorchStageExecutor
 from ..loop import StepStats
 from ..policies import StepSchedule
@@ -146,6 +154,9 @@ class StepLearning:
             one size (default: ``hint``; the Megatron drop-in: Megatron's own order).
         read: With auto learning, one microbatch's sizes on the rank of stage 0 (default:
             ``chunk_sizes``, torch's microbatches).
+        replica: With auto learning, this rank's data-parallel replica (``source`` is the
+            rank of stage 0 of that replica's pipeline).
+        replicas: The job's data-parallel replicas (the design note: "Data parallelism").
     """
 
     def __init__(
@@ -161,7 +172,12 @@ class StepLearning:
         measure_all: bool = False,
         fixed: Any = None,
         read: Callable[[Any], list[float]] = chunk_sizes,
+        replica: int = 0,
+        replicas: int = 1,
     ) -> None:
+        if not 0 <= replica < replicas:
+            raise PlanError(f"replica {replica} of {replicas}: 0 <= replica < replicas")
+        self._replica, self._replicas = replica, replicas
         self._measure_all = measure_all
         self._fn = sizes
         self._executor = executor
@@ -183,7 +199,7 @@ class StepLearning:
         self._group: Any = None
         self._bytes: LearnedBytes | None = None
         self._costs: LearnedDurations | None = None
-        self._sizes: list[dict[str, float]] | None = None  # this step's, when it learns
+        self._sizes: list[dict[str, float]] | None = None  # the job's, when it learns
         self._varying = 0  # steps of varying sizes so far
         self._steps = 0  # steps planned so far
         self._reading = True  # auto: whether the sizes are still read (broadcast) each step
@@ -228,7 +244,8 @@ class StepLearning:
             self._costs = LearnedDurations(self._group, features=_given, extra_features=extra)
 
     def _read(self, plan: StepPlan, chunks: Sequence[Any]) -> list[dict[str, float]] | None:
-        """This step's sizes on every rank (None: no size could be read)."""
+        """This step's sizes on every rank (None: no size could be read): every replica's
+        microbatches, replica by replica (``replicas x len(chunks)``)."""
         if self._fn is not None:
             got = self._fn(plan, chunks)
             if not is_sequence(got) or len(got) != len(chunks):
@@ -238,7 +255,8 @@ class StepLearning:
                 )
             return [dict(f) for f in got]
         m = len(chunks)
-        table = torch.zeros((m, SLOTS + 1), dtype=torch.float64)
+        table = torch.zeros((self._replicas * m, SLOTS + 1), dtype=torch.float64)
+        mine = table[self._replica * m : (self._replica + 1) * m]
         if dist.get_rank() == self._source:
             try:
                 rows = [self._reader(c) for c in chunks]
@@ -252,9 +270,12 @@ class StepLearning:
                 )
                 rows = []
             if any(any(r) for r in rows):
-                table[:, 0] = 1.0
-                table[:, 1:] = torch.tensor(rows, dtype=torch.float64)
-        dist.broadcast(table, src=self._source, group=self._group)
+                mine[:, 0] = 1.0
+                mine[:, 1:] = torch.tensor(rows, dtype=torch.float64)
+        if self._replicas == 1:
+            dist.broadcast(table, src=self._source, group=self._group)
+        else:  # each replica's rows come from its source alone (the others add zeros)
+            dist.all_reduce(table, group=self._group)
         if not bool(table[:, 0].all()):
             return None
         return [dict(zip(_NAMES, row[1:], strict=True)) for row in table.tolist()]
@@ -267,9 +288,10 @@ class StepLearning:
         self.open()
         m = len(chunks)
         count = self._count_base.for_microbatches(m)
-        sizes = self._read(count.plan, chunks) if self._reading else None
+        every = self._read(count.plan, chunks) if self._reading else None
         self._steps += 1
-        if sizes is None or (self.auto and self._budget is None and _uniform(sizes)):
+        # (every replica's sizes: the choices below are the same on every rank of the job)
+        if every is None or (self.auto and self._budget is None and _uniform(every)):
             if self.auto and self._budget is None and self._varying == 0:
                 # Steps of one size from the start (torch's chunking of one batch): stop
                 # reading sizes, the same choice on every rank (the same broadcasts seen).
@@ -278,16 +300,15 @@ class StepLearning:
             self._executor.measure_activations(self._measure_all)
             return count if durations is None else count.with_durations(durations)
         assert self._bytes is not None
+        sizes = every[self._replica * m : (self._replica + 1) * m]
         learn = self._varying % LEARN_EVERY == 0 or not self._fitted(count.plan)
         self._varying += 1
-        self._sizes = sizes if learn else None
+        self._sizes = every if learn else None
         self._executor.measure_activations(learn or self._measure_all)
         if durations is None and self._costs is not None:
             durations = self._costs.predict(count.plan, sizes)
         predicted = self._bytes.predict(count.plan, sizes)
-        if predicted is None and (
-            self._fixed or not isinstance(self._budget, (float, type(None)))
-        ):
+        if predicted is None and (self._fixed or not isinstance(self._budget, (float, type(None)))):
             # Not fitted yet, and a fixed order of its own or a budget in bytes: the fixed
             # order (and its memory) until it is.
             return count if durations is None else count.with_durations(durations)
@@ -307,10 +328,25 @@ class StepLearning:
         sizes, self._sizes = self._sizes, None
         if sizes is None or not train or self._bytes is None:
             return
+        # The job's microbatches, replica by replica: this replica's are ``off + i``.
         plan = replace(self._plan, microbatches=len(sizes))
-        self._bytes.observe(plan, sizes, self._executor.activation_bytes())
+        off = self._replica * (len(sizes) // self._replicas)
+        measured = {(v, off + i): b for (v, i), b in self._executor.activation_bytes().items()}
+        self._bytes.observe(plan, sizes, measured)
         if self._costs is not None:
-            self._costs.observe(plan, sizes, stats.executed)
+            ran = [
+                _Ran(e.task._replace(mb=e.task.mb + off), e.start, e.end) for e in stats.executed
+            ]
+            self._costs.observe(plan, sizes, ran)
+
+
+@dataclass(frozen=True)
+class _Ran:
+    """A task as it ran, renumbered among the job's microbatches (``RanTask``)."""
+
+    task: Task
+    start: float
+    end: float
 
 
 def _uniform(sizes: Sequence[Mapping[str, float]]) -> bool:

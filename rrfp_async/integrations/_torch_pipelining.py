@@ -131,12 +131,14 @@ class ScheduleReadinessFirst(ReadinessFirstBase, PipelineScheduleSingle):
             (``durations=``) are given. None (default): learned from the run where the
             step's microbatches differ in size, their sizes read off the first stage's
             tensor inputs and sent to every rank (docs/memory.md, "The torch drop-in";
-            off with a ``hint=``, ``policy="strict"``, ``memory_factor=`` or data
-            parallelism, unless a ``memory_budget=`` asks for bytes). A function ``(plan,
+            off with a ``hint=``, ``policy="strict"`` or ``memory_factor=``, unless a
+            ``memory_budget=`` asks for bytes; with data parallelism the fits are the
+            job's, each replica planning its own step). A function ``(plan,
             microbatches) -> [{feature: value}, ...]``: each microbatch's size features
             (``{"tokens": ...}``, plus ``"patches"``, ``"images"`` or features of your own;
-            every rank must return the same), learned from the same way. False: nothing
-            learned (torch's fixed order and its count bound). One pipeline replica only.
+            every rank must return the same), learned from the same way (one pipeline
+            replica only). False: nothing learned (torch's fixed order and its count
+            bound).
         measure_activations: Measure every training forward's activation bytes
             (``activation_bytes()``; by default only the steps it learns from are).
         emulate: Emulated GPU time for CPU benchmarks (``rr.EmulatedCost``).

@@ -297,3 +297,89 @@ def test_a_job_of_one_size_stops_reading_sizes_after_two_steps() -> None:
         # a later step of varying sizes runs the fixed order, measured nothing.
         assert res[r]["budgets"] == [None] * 4, res[r]
         assert res[r]["measured"] == [0] * 4, res[r]
+
+
+def dp_worker(rank: int, world: int) -> dict[str, Any]:
+    """PP 2 x DP 2 with no argument: each replica steps microbatches of its own lengths
+    (replica 1 the same lengths reversed, so the two plans differ); every step measured."""
+    import torch.distributed as dist
+    from torch.distributed.pipelining import PipelineStage
+
+    from rrfp_async.integrations import _torch_learning
+    from rrfp_async.pipelining import ScheduleReadinessFirst
+
+    torch.set_num_threads(1)
+    groups = [dist.new_group([0, 1]), dist.new_group([2, 3])]  # every rank makes both
+    replica, pp_rank = divmod(rank, 2)
+    m = model(2)
+    stage = PipelineStage(m[pp_rank], pp_rank, 2, torch.device("cpu"), group=groups[replica])
+    every, _torch_learning.LEARN_EVERY = _torch_learning.LEARN_EVERY, 1
+    try:
+        schedule = ScheduleReadinessFirst(stage, M, loss_fn=F.mse_loss)
+        g = torch.Generator().manual_seed(11 + replica)
+        out: dict[str, Any] = {"steps": [], "grads": [], "replica": replica, "pp": pp_rank}
+        for step in STEPS:
+            lengths = step if replica == 0 else step[::-1]
+            xs = [torch.randn(1, n, D, generator=g) for n in lengths]
+            ys = [torch.randn_like(x) for x in xs]
+            schedule.step_microbatches(
+                arg_mbs=[(x,) for x in xs] if pp_rank == 0 else None,
+                target_mbs=ys if pp_rank == 1 else None,
+            )
+            st = schedule.last_stats
+            assert st is not None
+            measured = schedule.activation_bytes()
+            out["grads"].append([p.grad.clone() for p in m[pp_rank].parameters()])
+            out["steps"].append(
+                {
+                    "budget": st.budget_bytes,
+                    "planned_peak": st.peak_bytes,
+                    "measured_peak": st.held_peak(measured),
+                    "order": [str(e.task) for e in st.executed],
+                    "hint": st.hint,
+                }
+            )
+            for p in m[pp_rank].parameters():
+                p.grad = None
+        learned = schedule.learned_bytes
+        assert learned is not None
+        out["error"] = learned.error(schedule._base.plan)
+        schedule.close()
+        return out
+    finally:
+        _torch_learning.LEARN_EVERY = every
+
+
+def test_data_parallel_replicas_learn_together_and_plan_their_own_steps() -> None:
+    res = pooled_spawn(dp_worker, 4, timeout=200)
+    for r in res:
+        steps = r["steps"]
+        # Step 0 measures (nothing fitted yet); from step 1 every replica plans in bytes,
+        # with the job's fits, its own step within the bytes 1F1B holds on its lengths.
+        for s in steps[1:]:
+            assert s["hint"] == "breadth_first_weighted", (r["replica"], r["pp"], s)
+            assert s["budget"] is not None and s["budget"] > 1000, s
+            assert s["measured_peak"] <= s["budget"], (r["replica"], r["pp"], s)
+            assert s["planned_peak"] == s["measured_peak"], (r["replica"], r["pp"], s)
+        assert r["error"] < 1e-6, r["error"]
+    by = {(r["replica"], r["pp"]): r for r in res}
+    # The replicas saw other lengths and planned other steps (orders or budgets differ).
+    assert any(
+        (a["order"], a["budget"]) != (b["order"], b["budget"])
+        for a, b in zip(by[0, 0]["steps"][1:], by[1, 0]["steps"][1:], strict=True)
+    )
+    # Training is unchanged on each replica: plain autograd's gradients of its microbatches.
+    for replica in (0, 1):
+        m = model(2)
+        g = torch.Generator().manual_seed(11 + replica)
+        for k, step in enumerate(STEPS):
+            m.zero_grad(set_to_none=True)
+            lengths = step if replica == 0 else step[::-1]
+            xs = [torch.randn(1, n, D, generator=g) for n in lengths]
+            ys = [torch.randn_like(x) for x in xs]
+            for x, y in zip(xs, ys, strict=True):
+                F.mse_loss(m(x), y).backward()
+            for pp in (0, 1):
+                for a, p in zip(by[replica, pp]["grads"][k], m[pp].parameters(), strict=True):
+                    assert p.grad is not None
+                    torch.testing.assert_close(a, p.grad / M, rtol=0, atol=1e-6)

@@ -36,10 +36,12 @@ def _megatron() -> None:
         pytest.importorskip("megatron.core")
 
 
-def _data(step: int, uniform: bool) -> list[tuple[int, torch.Tensor, torch.Tensor, torch.Tensor]]:
+def _data(
+    step: int, uniform: bool, replica: int = 0
+) -> list[tuple[int, torch.Tensor, torch.Tensor, torch.Tensor]]:
     """``(mb, x, y, mask)`` per microbatch, megatron's ``[seq, batch, hidden]``; new lengths
-    (2-40) every step unless ``uniform``."""
-    g = torch.Generator().manual_seed(1000 + step)
+    (2-40) every step unless ``uniform``; each data-parallel replica its own."""
+    g = torch.Generator().manual_seed(1000 + step + 100 * replica)
     lengths = torch.randint(2, 41, (M,), generator=g).tolist()
     out = []
     for m in range(M):
@@ -81,7 +83,7 @@ def _forward_step(log: list[str]) -> Any:
     return forward_step
 
 
-def _worker(rank: int, world: int, vp: int | None, uniform: bool) -> dict[str, Any]:
+def _worker(rank: int, world: int, vp: int | None, uniform: bool, pp: int = 2) -> dict[str, Any]:
     from tests.integrations import megatron_cpu
 
     megatron_cpu.install()
@@ -93,9 +95,9 @@ def _worker(rank: int, world: int, vp: int | None, uniform: bool) -> dict[str, A
     from rrfp_async.megatron import get_forward_backward_func as rr_fb
 
     ps.initialize_model_parallel(
-        pipeline_model_parallel_size=world, virtual_pipeline_model_parallel_size=vp
+        pipeline_model_parallel_size=pp, virtual_pipeline_model_parallel_size=vp
     )
-    pp, pp_rank = world, ps.get_pipeline_model_parallel_rank()
+    pp_rank, replica = ps.get_pipeline_model_parallel_rank(), ps.get_data_parallel_rank()
     case = Case("learn", vp=vp, kind="tokens", variable=True, m=M)
     config = mc._config(case, pp)
     chunks = vp or 1
@@ -106,7 +108,7 @@ def _worker(rank: int, world: int, vp: int | None, uniform: bool) -> dict[str, A
     meg = mod.get_forward_backward_func()
     steps: list[dict[str, Any]] = []
     for step in range(STEPS):
-        data = _data(step, uniform)
+        data = _data(step, uniform, replica)
         got: dict[str, Any] = {}
         for name, f, models in (("megatron", meg, theirs), ("ours", fb, ours)):
             for mdl in models:
@@ -147,7 +149,7 @@ def _worker(rank: int, world: int, vp: int | None, uniform: bool) -> dict[str, A
         )
     fb.close()
     ps.destroy_model_parallel()
-    return {"rank": pp_rank, "steps": steps}
+    return {"rank": pp_rank, "replica": replica, "steps": steps}
 
 
 def _close(a: torch.Tensor, b: torch.Tensor, where: Any) -> None:
@@ -226,3 +228,28 @@ def test_megatrons_order_holds_what_the_default_budget_is_taken_from(
     ref = reference_orders(StepPlan(topology=Topology(stages=pp, chunks=chunks), microbatches=m))
     got = megatron_order(pp, chunks, m, pp, interleaved=chunks > 1)
     assert {r: list(o) for r, o in got.items()} == {r: list(o) for r, o in ref.items()}
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(600)
+def test_data_parallel_replicas_learn_together_and_plan_their_own_calls() -> None:
+    """PP 2 x DP 2, each replica its own lengths: one fit for the job, each replica's calls
+    planned on its own sizes within the bytes megatron's order holds on them."""
+    res = pooled_spawn(_worker, 4, None, False, 2, timeout=560)
+    _check_same_results(res)
+    assert sorted((r["replica"], r["rank"]) for r in res) == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    for r in res:
+        steps = r["steps"]
+        assert steps[-1]["fitted"]
+        fitted = [s for s in steps if s["budget"] is not None]
+        assert len(fitted) >= STEPS - 3, (r["replica"], r["rank"], len(fitted))
+        for s in fitted:
+            assert s["hint"] == "breadth_first_weighted"
+            assert 0 < s["measured_peak"] <= s["budget"], (r["replica"], r["rank"], s)
+            assert s["measured_peak"] == s["planned_peak"], (r["replica"], r["rank"], s)
+    first = {r["replica"]: r["steps"] for r in res if r["rank"] == 0}
+    assert any(
+        (a["order"], a["budget"]) != (b["order"], b["budget"])
+        for a, b in zip(first[0], first[1], strict=True)
+        if a["budget"] is not None
+    )
