@@ -53,6 +53,12 @@ def worker(rank: int, world: int, budget: Any) -> dict[str, Any]:
         ScheduleReadinessFirst(stage, M, loss_fn=F.mse_loss, memory_budget=1.5, sizes=False)
     except rr.PlanError as e:
         out["refused"] = str(e)
+    # A value no step could take: refused at construction too, not at the first step.
+    for bad in ([1.0], "lots", 0):
+        try:
+            ScheduleReadinessFirst(stage, M, loss_fn=F.mse_loss, memory_budget=bad)
+        except rr.PlanError as e:
+            out.setdefault("bad", []).append(str(e))
     xs, ys = batch()
     schedule = ScheduleReadinessFirst(
         stage,
@@ -105,6 +111,10 @@ def test_a_byte_budget_holds_and_training_is_unchanged(budget: float | None) -> 
         assert got["budget"] == int(factor * want_ref[r])
         assert got["peak"] <= got["budget"], got
         assert "activation_bytes" in got["refused"] and "memory_factor" in got["refused"]
+        assert "here sizes=False switched the learning off" in got["refused"]
+        assert got["bad"][0] == "memory_budget needs one value per rank (2), got 1"
+        assert got["bad"][1].startswith("memory_budget='lots' is no size")
+        assert got["bad"][2].startswith("memory_budget=0: a budget must be a finite number > 0")
         # The peak the stage reports is what its executed order held.
         held = peak = 0
         for t in map(rr.parse_tasks, got["executed"]):
@@ -180,8 +190,8 @@ def _sizes_steps(rank: int, world: int, budget: float | None, given: bool) -> di
     learned = schedule.learned_bytes
     costs = schedule.learned_durations
     assert learned is not None and costs is not None
-    out["error"] = learned.error(schedule._base.plan)
-    out["costs_ready"] = costs.ready(schedule._base.plan)
+    out["error"] = learned.error(schedule.plan)
+    out["costs_ready"] = costs.ready(schedule.plan)
     schedule.close()
     return out
 
