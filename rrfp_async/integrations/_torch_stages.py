@@ -146,7 +146,7 @@ def placement_note(topo: Topology, grank: int) -> str | None:
     have read different placements off their stages (None where they cannot have): this
     rank's stages are V-shape, or fit both placements, on a pipeline with such a rank."""
     middle = ambiguous_ranks(topo.stages, topo.chunks)
-    if not middle or (topo.placement != "vshape" and grank not in middle):
+    if topo.stages < 2 or not middle or (topo.placement != "vshape" and grank not in middle):
         return None
     held = {r: _held(topo, r) for r in middle}
     return (
