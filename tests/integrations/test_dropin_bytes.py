@@ -249,6 +249,8 @@ def plain_worker(rank: int, world: int, mode: str) -> dict[str, Any]:
     kw: dict[str, Any] = {"policy": "strict"} if mode == "strict" else {}
     if mode == "measure-all":
         kw["measure_activations"] = True
+    if mode.startswith("uniform-budget"):  # one size, and a byte budget (torchtitan's case)
+        kw["memory_budget"] = 1.5 if mode == "uniform-budget-factor" else "1MiB"
     schedule = ScheduleReadinessFirst(stage, M, loss_fn=F.mse_loss, **kw)
     g = torch.Generator().manual_seed(5)
     out: dict[str, Any] = {"budgets": [], "measured": []}
@@ -256,6 +258,8 @@ def plain_worker(rank: int, world: int, mode: str) -> dict[str, Any]:
         steps = STEPS
     elif mode == "uniform-then-varying":
         steps = [[8] * M, [8] * M, [9] * M, STEPS[0]]
+    elif mode.startswith("uniform-budget"):
+        steps = [[8] * M] * 4
     else:
         steps = STEPS[:2]
     for step in steps:
@@ -268,7 +272,10 @@ def plain_worker(rank: int, world: int, mode: str) -> dict[str, Any]:
         st = schedule.last_stats
         assert st is not None
         out["budgets"].append(st.budget_bytes)
+        out.setdefault("peaks", []).append(st.peak_bytes)
         out["measured"].append(len(schedule.activation_bytes()))
+        if out["measured"][-1]:
+            out["bytes"] = sorted(set(schedule.activation_bytes().values()))
     out["learned"] = schedule.learned_bytes is not None
     schedule.close()
     return out
@@ -307,3 +314,25 @@ def test_a_job_of_one_size_stops_reading_sizes_after_two_steps() -> None:
         # a later step of varying sizes runs the fixed order, measured nothing.
         assert res[r]["budgets"] == [None] * 4, res[r]
         assert res[r]["measured"] == [0] * 4, res[r]
+
+
+@pytest.mark.parametrize("budget", ["factor", "bytes"])
+def test_one_size_steps_with_a_byte_budget_are_planned_in_their_measured_bytes(
+    budget: str,
+) -> None:
+    # Microbatches of one size never identify a fit (torchtitan's, packed to seq_len): the
+    # budget fell back to the count bound (a budget in bytes never applied) and every step
+    # was measured and exchanged. The one size measured is known exactly: from the second
+    # step on the steps are planned in its bytes, measured one step in LEARN_EVERY.
+    res = pooled_spawn(plain_worker, 2, f"uniform-budget-{budget}", timeout=200)
+    for r in range(2):
+        got = res[r]
+        (per_mb,) = got["bytes"]  # every forward of one size keeps the same bytes
+        assert got["measured"] == [M, 0, 0, 0], got
+        ref = (2 - r) * per_mb  # 1F1B holds 2 microbatches on rank 0, 1 on rank 1
+        want = int(1.5 * ref) if budget == "factor" else 2**20
+        assert got["budgets"][1:] == [want] * 3, got
+        assert all(p is not None and p <= want for p in got["peaks"][1:]), got
+        # the first step, before anything was measured: a factor of the count (uniform
+        # bytes), or, for a budget in bytes, the fixed order's count bound
+        assert got["budgets"][0] == (int(1.5 * (2 - r)) if budget == "factor" else None), got
