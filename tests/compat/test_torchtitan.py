@@ -6,9 +6,9 @@ through torchtitan's own ``Trainer`` built from the command-line flags a user gi
 with torchtitan's 1F1B, then with ours (``--override.imports
 rrfp_async.torchtitan.readiness_first --parallelism.pipeline_parallel_schedule
 ReadinessFirst``): strict order, the default, and the default with options (a count bound,
-a byte budget). All runs are
-one launch (``torchtitan_worker.py``: torchtitan's import paid once); the tokenizer and the
-corpus are written here (no download; torchtitan's test assets are not in its wheel).
+a byte budget). All runs are one launch (``torchtitan_worker.py``: torchtitan's import paid
+once); the tokenizer and the corpus are written here (no download; torchtitan's test assets
+are not in its wheel).
 """
 
 from __future__ import annotations
