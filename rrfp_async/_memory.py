@@ -59,6 +59,7 @@ __all__ = [
     "format_bytes",
     "held_peak",
     "parse_memory_budget",
+    "parse_memory_budgets",
     "position_weights",
     "resolve_budgets",
     "weighted_peak",
@@ -273,6 +274,40 @@ def parse_memory_budget(value: object, what: str = "memory_budget") -> float | i
     return int(value) if isinstance(value, Integral) else x
 
 
+def parse_memory_budgets(
+    memory_budget: object, ranks: int | None = None
+) -> list[float | int | None] | None:
+    """A whole ``memory_budget`` parsed (``parse_memory_budget`` on each value): None for
+    none; else one value per rank (None: that rank's default), a single value repeated
+    ``ranks`` times (once when ``ranks`` is None, where the number of ranks is not known yet).
+    Every entry point's one check of the option's values, before any step: what needs a
+    step's bytes (a budget below the hint's peak) is ``check_budgets``'s.
+
+    Args:
+        memory_budget: A ``MemoryBudget`` (or None).
+        ranks: The pipeline's ranks, when known: a per-rank sequence must have as many.
+
+    Raises:
+        PlanError: A value that is no size or factor (NaN, infinite, <= 0, a bool, a string
+            without a unit), an empty per-rank sequence, or one of another length than
+            ``ranks``; the message names ``memory_budget`` (and the rank).
+    """
+    if memory_budget is None:
+        return None
+    if not is_sequence(memory_budget) or isinstance(memory_budget, str):
+        return [parse_memory_budget(memory_budget)] * (1 if ranks is None else ranks)
+    assert isinstance(memory_budget, Sequence)
+    if not memory_budget or (ranks is not None and len(memory_budget) != ranks):
+        raise PlanError(
+            f"memory_budget needs one value per rank ({ranks if ranks is not None else '>= 1'}),"
+            f" got {len(memory_budget)}"
+        )
+    return [
+        None if v is None else parse_memory_budget(v, f"memory_budget[{r}]")
+        for r, v in enumerate(memory_budget)
+    ]
+
+
 def resolve_budgets(
     plan: StepPlan,
     reference: Sequence[int],
@@ -285,34 +320,19 @@ def resolve_budgets(
     the module's design note).
 
     Raises:
-        PlanError: A bad ``memory_budget`` (no number or size, NaN, infinite, <= 0, or a
-            per-rank sequence of another length).
+        PlanError: A bad ``memory_budget`` (``parse_memory_budgets``).
     """
     p = plan.stages
-    per_rank = not (
-        memory_budget is None or not is_sequence(memory_budget) or isinstance(memory_budget, str)
-    )
-    if not per_rank:
-        values: list[object] = [memory_budget] * p
-    else:
-        assert isinstance(memory_budget, Sequence)
-        if len(memory_budget) != p:
-            raise PlanError(
-                f"memory_budget needs one value per rank ({p}), got {len(memory_budget)}"
-            )
-        values = list(memory_budget)
+    values = parse_memory_budgets(memory_budget, p) or [None] * p
     out = []
-    for r in range(p):
-        v = values[r]
-        if v is None:
+    for r, x in enumerate(values):
+        if x is None:
             out.append(reference[r])
-            continue
-        x = parse_memory_budget(v, f"memory_budget[{r}]" if per_rank else "memory_budget")
-        if isinstance(x, float):
+        elif isinstance(x, float):
             scaled = x * reference[r] + 1e-9
             if not math.isfinite(scaled):
                 raise PlanError(
-                    f"memory_budget={v!r} x rank {r}'s default budget"
+                    f"memory_budget={x!r} x rank {r}'s default budget"
                     f" ({format_bytes(reference[r])}) overflows a float: give a smaller factor,"
                     " or bytes"
                 )

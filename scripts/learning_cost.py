@@ -92,7 +92,7 @@ def worker(
         "step_fixed": statistics.median(times["fixed"]),
         "schedule": statistics.median(parts["schedule"][3:]),
         "observe": statistics.median(parts.get("observe", [0.0] * 4)[3:]),
-        "fitted": learned is not None and learned.ready(scheds["learn"]._base.plan),
+        "fitted": learned is not None and learned.ready(scheds["learn"].plan),
     }
     for sched in scheds.values():
         sched.close()

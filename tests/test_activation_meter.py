@@ -49,6 +49,30 @@ def test_linear_tanh_counts_its_input_and_output_not_its_weight() -> None:
     assert x.grad is not None
 
 
+class _Wrapper(torch.Tensor):
+    """A wrapper subclass (as FSDP's and TP's ``DTensor`` parameters are): its storage
+    object has no data (``data_ptr`` raises "invalid python storage")."""
+
+    @staticmethod
+    def __new__(cls, inner: torch.Tensor) -> _Wrapper:
+        return torch.Tensor._make_wrapper_subclass(cls, inner.shape, dtype=inner.dtype)  # type: ignore[attr-defined,no-any-return]
+
+    @classmethod
+    def __torch_dispatch__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:  # type: ignore[override]
+        raise NotImplementedError(func)
+
+
+def test_wrapper_subclass_parameters_are_keyed_by_object_not_read() -> None:
+    # torchtitan's stages are FSDP-wrapped (DTensor parameters): listing a stage's weights
+    # raised "invalid python storage" at its first measured forward.
+    mod = _lin_tanh()
+    sharded = _Wrapper(torch.zeros(2, 3))
+    mod.register_buffer("sharded", sharded)
+    weights = weight_storages(mod)
+    assert len(weights) == 2  # the linear's weight and bias; the wrapper has no storage
+    assert storage_bytes([sharded]) == 2 * 3 * F32  # its elements, keyed by the object
+
+
 def test_a_storage_saved_twice_or_through_views_counts_once() -> None:
     meter = ActivationMeter()
     x = torch.randn(6, 8, requires_grad=True)

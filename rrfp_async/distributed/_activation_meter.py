@@ -96,12 +96,14 @@ _next_sequence_nr: Callable[[], int] | None = getattr(torch._C._autograd, "_get_
 
 def _key_and_bytes(t: torch.Tensor) -> tuple[StorageKey | tuple[str, int], int]:
     """``t``'s storage identity and size; a tensor without a storage of its own (a wrapper
-    subclass) is keyed by the object and counts its elements' bytes."""
+    subclass: FSDP's and TP's ``DTensor`` parameters, whose storage object exists but has no
+    data, so that its ``data_ptr`` raises) is keyed by the object and counts its elements'
+    bytes."""
     try:
         s = t.untyped_storage()
+        return (s.device, s.data_ptr()), s.nbytes()
     except (RuntimeError, NotImplementedError):
         return ("object", id(t)), t.numel() * t.element_size()
-    return (s.device, s.data_ptr()), s.nbytes()
 
 
 def storage_bytes(tensors: Iterable[torch.Tensor], exclude: Collection[StorageKey] = ()) -> int:

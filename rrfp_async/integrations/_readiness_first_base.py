@@ -29,7 +29,7 @@ import torch.distributed as dist
 
 from .._costs import Durations
 from .._errors import PlanError
-from .._memory import ActivationBytes, MemoryBudget
+from .._memory import ActivationBytes, MemoryBudget, parse_memory_budgets
 from .._tasks import StepPlan
 from ..distributed import (
     DistributedStage,
@@ -47,7 +47,7 @@ from ._timeouts import StepTimeout, resolve_step_timeout
 from ._torch_fsdp import check_finalize, refuse_fsdp_split
 from ._torch_learning import SizesFn, StepLearning
 from ._torch_schedule_hint import hint_source
-from ._torch_stages import layout_of_group, stage_topology
+from ._torch_stages import layout_of_group, placement_note, stage_topologies
 from ._torch_step_inputs import (
     Chunk,
     first_input,
@@ -122,6 +122,15 @@ def _on_a_loop_thread() -> bool:
     return True
 
 
+def _why_not_learned(sizes: object, memory_factor: object) -> str:
+    """Why a schedule does not learn its steps' bytes (for ``memory_budget``'s refusal)."""
+    if sizes is False:
+        return "sizes=False switched the learning off"
+    if memory_factor is not None:
+        return "memory_factor= bounds a count of activations, not bytes: give one of the two"
+    return "there is no loss_fn (forward-only steps)"
+
+
 class ReadinessFirstBase:
     """The implementation both schedule classes share: a mixin placed before torch's
     ``PipelineScheduleSingle`` / ``PipelineScheduleMulti`` (whose constructors run first and
@@ -160,12 +169,16 @@ class ReadinessFirstBase:
             raise PlanError(f"n_microbatches must be an int >= 1, got {n!r}")
         first = stages[0]
         group, size, grank = first.group, first.group_size, first.group_rank
-        self._topology = stage_topology(stages)
-        placement = self._topology.placement
+        fits = stage_topologies(stages)
         self._stages = sorted(stages, key=lambda s: s.stage_index)
         hint_named = hint is not None or self._default_hint is not None
         hint = self._default_hint if hint is None else hint
-        self._hint, torch_split = hint_source(hint, placement, self._topology, self._n_microbatches)
+        self._topology, self._hint, torch_split = hint_source(hint, fits, self._n_microbatches)
+        # With no hint the placement is read off this rank's stages alone: where another
+        # rank may read it otherwise, a failed first step says so (``_note_first_step``).
+        self._placement_note = None if hint_named else placement_note(self._topology, grank)
+        # Refused now, not at the first step: a value no step could take.
+        parse_memory_budgets(memory_budget, self._topology.stages)
         if split_backward is None:
             split_backward = torch_split
         elif torch_split and not split_backward:
@@ -178,6 +191,12 @@ class ReadinessFirstBase:
         self._policy = policy
         self._memory_factor = memory_factor
         self._split = bool(split_backward)
+        self._plan = StepPlan(
+            topology=self._topology,
+            microbatches=n,
+            split_backward=self._split,
+            ordered_weights=self._split,
+        )
         self._step_timeout = resolve_step_timeout(step_timeout, group)
         self._stage_kwargs = stage_kwargs
         self._group = group
@@ -231,11 +250,12 @@ class ReadinessFirstBase:
         self._learns = auto or callable(sizes)
         self._learning: StepLearning | None = None
         if memory_budget is not None and activation_bytes is None and not self._learns:
+            why = _why_not_learned(sizes, memory_factor)
             raise PlanError(
                 "memory_budget is a byte budget: it needs the step's bytes, learned from the"
                 " run (with a loss_fn, unless sizes=False), or"
                 " activation_bytes=(plan, microbatches) -> rr.ActivationBytes (or bound the"
-                " count with memory_factor=)"
+                f" count with memory_factor=); here {why}"
             )
         if activation_bytes is not None and memory_factor is not None:
             raise PlanError(
@@ -386,11 +406,28 @@ class ReadinessFirstBase:
             self._resources.stage = self._rr
             self._mode = "async"
         self._refuse("async")
-        stats = await self._rr.run_step(chunks, schedule=self._schedule_for(chunks), train=train)
+        try:
+            stats = await self._rr.run_step(
+                chunks, schedule=self._schedule_for(chunks), train=train
+            )
+        except PlanError as e:
+            self._note_first_step(e)
+            raise
         self._learn(stats, train)
         return self._finish(stats, chunks, losses, return_outputs, train, merge=True)
 
     # ------------------------------------------------------------------ lifecycle
+
+    @property
+    def plan(self) -> StepPlan:
+        """The step plan of this schedule's steps: the pipeline's topology (its ranks, the
+        stages each holds and their placement, as read off the stages and the hint),
+        ``n_microbatches`` microbatches, and whether each backward is split
+        (``split_backward``); set at construction. A step of another count
+        (``step_microbatches(n_microbatches=...)``) runs this plan with that count
+        (``dataclasses.replace(schedule.plan, microbatches=m)``); what a fit learned from
+        the run is read with it (``schedule.learned_bytes.error(schedule.plan)``)."""
+        return self._plan
 
     @property
     def split_backward(self) -> bool:
@@ -431,6 +468,12 @@ class ReadinessFirstBase:
                 " close() it and build another)"
             )
 
+    def _note_first_step(self, e: PlanError) -> None:
+        """A first step refused by the plan check may be ranks that read different
+        placements off their stages (``_torch_stages.placement_note``): say so, and the fix."""
+        if self.last_stats is None and self._placement_note is not None:
+            e.add_note(self._placement_note)
+
     def _check_grad_mode(self, train: bool) -> bool:
         if train and self._loss_fn is not None and not torch.is_grad_enabled():
             raise RuntimeError(
@@ -446,12 +489,7 @@ class ReadinessFirstBase:
             i if self._group is None else dist.get_global_rank(self._group, i)
             for i in range(self._size)
         ]
-        plan = StepPlan(
-            topology=self._topology,
-            microbatches=self._n_microbatches,
-            split_backward=self._split,
-            ordered_weights=self._split,
-        )
+        plan = self._plan
         if self._learns:
             replica = next(d for d, plane in enumerate(layout.grid) if plane[0][0] == mine[0])
             self._learning = StepLearning(
@@ -553,7 +591,11 @@ class ReadinessFirstBase:
             self._rr = self._resources.stage = stage
             self._mode = "sync"
         self._refuse("sync")
-        stats = self._rr.run_step_sync(chunks, schedule=self._schedule_for(chunks), train=train)
+        try:
+            stats = self._rr.run_step_sync(chunks, schedule=self._schedule_for(chunks), train=train)
+        except PlanError as e:
+            self._note_first_step(e)
+            raise
         self._learn(stats, train)
         return self._finish(stats, chunks, losses, return_outputs, train, merge=merge)
 

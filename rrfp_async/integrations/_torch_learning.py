@@ -47,6 +47,14 @@ targets to the last, keyword inputs to every stage.
   (replica ``d``'s microbatch ``i`` is ``d * M + i``) and fitted once for the job (every
   replica's data, the same fits everywhere), a step is of one size only when every
   replica's microbatches are, and each replica plans with its own sizes.
+* **One size.** A job whose microbatches all have one size (torchtitan's, packed to its
+  ``seq_len``) never identifies a fit: its rows are one row. With a ``memory_budget=`` it
+  still takes the learning path, and once that one size was measured its bytes are known
+  exactly (every forward of a stage keeps what the measured ones kept: the model's
+  per-token fallback at the size it was measured at), so a step of that size is planned in
+  those bytes (a budget in bytes applies; a factor scales the fixed order's measured
+  bytes) and counts as fitted (measured one step in ``LEARN_EVERY``). Its times need no
+  fit: microbatches of one size order alike.
 * **When it is on.** Auto learning needs a ``loss_fn`` (training steps), and no other
   choice of memory (``activation_bytes=``, ``memory_factor=``) or of order (a ``hint=``;
   ``policy="strict"`` without a hint keeps torch's fixed order, bit for bit) unless a
@@ -203,6 +211,9 @@ class StepLearning:
         self._varying = 0  # steps of varying sizes so far
         self._steps = 0  # steps planned so far
         self._reading = True  # auto: whether the sizes are still read (broadcast) each step
+        # The one size measured so far (None: none yet, or several: ``_sizes_varied``).
+        self._measured_size: tuple[tuple[str, float], ...] | None = None
+        self._sizes_varied = False
 
     @property
     def auto(self) -> bool:
@@ -301,13 +312,19 @@ class StepLearning:
             return count if durations is None else count.with_durations(durations)
         assert self._bytes is not None
         sizes = every[self._replica * m : (self._replica + 1) * m]
-        learn = self._varying % LEARN_EVERY == 0 or not self._fitted(count.plan)
+        one_size = self._one_size(every)
+        learn = self._varying % LEARN_EVERY == 0 or not (one_size or self._fitted(count.plan))
         self._varying += 1
         self._sizes = every if learn else None
         self._executor.measure_activations(learn or self._measure_all)
         if durations is None and self._costs is not None:
             durations = self._costs.predict(count.plan, sizes)
         predicted = self._bytes.predict(count.plan, sizes)
+        if predicted is None and one_size:
+            model = self._bytes.model
+            predicted = ActivationBytes(
+                [model.predict_many(v, sizes) for v in range(count.plan.num_virtual)]
+            )
         if predicted is None and (self._fixed or not isinstance(self._budget, (float, type(None)))):
             # Not fitted yet, and a fixed order of its own or a budget in bytes: the fixed
             # order (and its memory) until it is.
@@ -315,6 +332,15 @@ class StepLearning:
         nbytes = predicted if predicted is not None else ActivationBytes.uniform(count.plan)
         return self._byte_base.for_microbatches(m).with_durations(
             durations, activation_bytes=nbytes
+        )
+
+    def _one_size(self, sizes: Sequence[Mapping[str, float]]) -> bool:
+        """Whether every size measured so far, and every microbatch of this step, is one
+        size (the design note's "One size": its bytes are known; the same answer on every
+        rank)."""
+        one = self._measured_size
+        return (
+            one is not None and not self._sizes_varied and all(_size_key(s) == one for s in sizes)
         )
 
     def _fitted(self, plan: StepPlan) -> bool:
@@ -333,6 +359,10 @@ class StepLearning:
         off = self._replica * (len(sizes) // self._replicas)
         measured = {(v, off + i): b for (v, i), b in self._executor.activation_bytes().items()}
         self._bytes.observe(plan, sizes, measured)
+        for key in map(_size_key, sizes):
+            if self._measured_size is None:
+                self._measured_size = key
+            self._sizes_varied |= key != self._measured_size
         if self._costs is not None:
             ran = [
                 _Ran(e.task._replace(mb=e.task.mb + off), e.start, e.end) for e in stats.executed
@@ -347,6 +377,10 @@ class _Ran:
     task: Task
     start: float
     end: float
+
+
+def _size_key(size: Mapping[str, float]) -> tuple[tuple[str, float], ...]:
+    return tuple(sorted(size.items()))
 
 
 def _uniform(sizes: Sequence[Mapping[str, float]]) -> bool:

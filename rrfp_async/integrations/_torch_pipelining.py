@@ -364,13 +364,7 @@ def _hint_order(sched: ReadinessFirstBase) -> dict[int, list[_Action | None]]:
     """torch's ``pipeline_order`` of ``sched``: its hint's order at ``n_microbatches`` (the
     plan its stage is first built with), every rank, as torch's ``_Action``s (our task text
     ``2F0`` is torch's action text)."""
-    plan = StepPlan(
-        topology=sched._topology,
-        microbatches=sched._n_microbatches,
-        split_backward=sched._split,
-        ordered_weights=sched._split,
-    )
-    hint = StepSchedule.build(plan, sched._hint).hint
+    hint = StepSchedule.build(sched.plan, sched._hint).hint
     return {r: [_Action.from_str(str(t)) for t in tasks] for r, tasks in hint.items()}
 
 

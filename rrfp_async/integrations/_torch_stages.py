@@ -8,6 +8,17 @@ back up, as ``ScheduleZBVZeroBubble`` and ``ScheduleDualPipeV`` place them) and 
 ``ProcessLayout`` (PP = the stage's group, DP = the other groups like it). What does not fit
 (stages of several pipelines, a placement neither interleaved nor V-shape, a ``dw_builder``,
 groups that are not PP x DP) is refused by name.
+
+A rank's stage indices do not always tell the placement: on an odd number of ranks with two
+stages each, the middle rank holds the same stages either way (3 ranks: stages 1 and 4 are
+``1 % 3`` and ``4 % 3``, and also V-shape's ``1`` and ``2 * 3 - 1 - 1``), and with one stage
+a rank both placements are one. So ``stage_topologies`` gives every topology the stages fit,
+and the hint decides (``_torch_schedule_hint.hint_source``): a torch schedule brings its
+placement, an rrfp_async hint orders interleaved placement, and with no hint interleaved is
+taken, as torch's ``PipelineStage`` maps stages until a V-shape schedule remaps them. No rank
+asks the others (a collective at construction would hang where one rank fails first); ranks
+that read different placements are found by the plan check at the first step, on every rank,
+and ``placement_note`` says why and what to give.
 """
 
 from __future__ import annotations
@@ -22,7 +33,14 @@ from .._errors import PlanError
 from .._tasks import Placement, Topology
 from ..distributed import ProcessLayout
 
-__all__ = ["check_stages", "layout_of_group", "placement_of", "stage_topology"]
+__all__ = [
+    "ambiguous_ranks",
+    "check_stages",
+    "layout_of_group",
+    "placement_note",
+    "placements_of",
+    "stage_topologies",
+]
 
 
 def check_stages(stages: Sequence[Any]) -> None:
@@ -37,9 +55,16 @@ def check_stages(stages: Sequence[Any]) -> None:
         )
 
 
-def stage_topology(stages: Sequence[Any]) -> Topology:
-    """The ``Topology`` this rank's ``stages`` describe (one pipeline's, placement read off
-    the stage indices), or PlanError naming what does not fit."""
+def stage_topologies(stages: Sequence[Any]) -> list[Topology]:
+    """Every ``Topology`` this rank's ``stages`` fit (one pipeline's, placement read off the
+    stage indices; interleaved first): two where both placements put these stages on this
+    rank (see the module's note), one otherwise.
+
+    Raises:
+        PlanError: Naming what does not fit (stages of several pipelines, a count of stages
+            that is not this rank's share, a placement neither interleaved nor V-shape, a
+            ``dw_builder``).
+    """
     first = stages[0]
     group, size, grank, n_stages = (
         first.group,
@@ -75,21 +100,63 @@ def stage_topology(stages: Sequence[Any]) -> Topology:
                 else ""
             )
         )
-    placement = placement_of([s.stage_index for s in stages], size, grank, n_stages)
-    return Topology(stages=size, chunks=chunks, placement=placement)
+    placements = placements_of([s.stage_index for s in stages], size, grank, n_stages)
+    return [Topology(stages=size, chunks=chunks, placement=p) for p in placements]
 
 
-def placement_of(indices: Sequence[int], size: int, grank: int, n_stages: int) -> Placement:
-    """The placement the stages of this rank follow (interleaved or V-shape), or PlanError."""
+def _held(topo: Topology, rank: int) -> list[int]:
+    return [s for s in range(topo.num_virtual) if topo.rank_of(s) == rank]
+
+
+def placements_of(indices: Sequence[int], size: int, grank: int, n_stages: int) -> list[Placement]:
+    """The placements (interleaved, V-shape, or both, in that order) that put the stages
+    ``indices`` on group rank ``grank``.
+
+    Raises:
+        PlanError: Neither does.
+    """
     chunks = n_stages // size
-    for placement in ("interleaved", "vshape"):
-        topo = Topology(stages=size, chunks=chunks, placement=placement)
-        if sorted(indices) == sorted(s for s in range(n_stages) if topo.rank_of(s) == grank):
-            return placement
+    fits: list[Placement] = [
+        p
+        for p in ("interleaved", "vshape")
+        if sorted(indices) == _held(Topology(stages=size, chunks=chunks, placement=p), grank)
+    ]
+    if fits:
+        return fits
     raise PlanError(
         f"group rank {grank} holds stages {sorted(indices)} of {n_stages} on {size} ranks:"
         " neither interleaved placement (stage i on rank i % P) nor V-shape"
         " (ScheduleZBVZeroBubble / ScheduleDualPipeV); ScheduleReadinessFirst supports those two"
+    )
+
+
+def ambiguous_ranks(stages: int, chunks: int) -> list[int]:
+    """The ranks whose stages both placements place alike, with several stages a rank (so
+    that their placement could be either): the middle rank of an odd number of ranks."""
+    if chunks < 2:
+        return []  # one stage a rank: the two placements are one
+    loop, vee = (
+        Topology(stages=stages, chunks=chunks, placement=p) for p in ("interleaved", "vshape")
+    )
+    return [r for r in range(stages) if _held(loop, r) == _held(vee, r)]
+
+
+def placement_note(topo: Topology, grank: int) -> str | None:
+    """What to add to a failed first step of a schedule given no hint, where the ranks may
+    have read different placements off their stages (None where they cannot have): this
+    rank's stages are V-shape, or fit both placements, on a pipeline with such a rank."""
+    middle = ambiguous_ranks(topo.stages, topo.chunks)
+    if topo.stages < 2 or not middle or (topo.placement != "vshape" and grank not in middle):
+        return None
+    held = {r: _held(topo, r) for r in middle}
+    return (
+        "rrfp_async: if the ranks disagree on placement: with no hint, a rank reads its"
+        f" placement off its stages, and on {topo.stages} ranks with {topo.chunks} stages each"
+        f" the stages of group rank(s) {', '.join(f'{r} {held[r]}' for r in middle)} fit both"
+        " interleaved and V-shape placement, so those take interleaved (as torch's"
+        " PipelineStage maps them) while V-shape ranks take V-shape: for a V-shape pipeline,"
+        " give every rank its V-shape order as the hint (hint=ScheduleZBVZeroBubble or"
+        " ScheduleDualPipeV)"
     )
 
 

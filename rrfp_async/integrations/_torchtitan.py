@@ -78,6 +78,7 @@ from typing import Any
 
 from .._check import check_bool, check_real, describe
 from .._errors import ExtraMissingError, PlanError, RRFPError
+from .._memory import parse_memory_budgets
 from .._tasks import StepPlan, Topology
 from ._torch_pipelining import ScheduleInterleavedReadinessFirst, ScheduleReadinessFirst
 
@@ -93,7 +94,7 @@ __all__ = [
 FACE = "rrfp_async.torchtitan"
 """The module a torchtitan user names in ``--override.imports`` (the factory's path)."""
 
-OPTIONS = ("hint", "memory_factor", "policy", "split_backward", "step_timeout")
+OPTIONS = ("hint", "memory_budget", "memory_factor", "policy", "split_backward", "step_timeout")
 """The keyword arguments ``readiness_first`` takes from its override entry."""
 
 # torchtitan's first step may compile the model (torch.compile) and run its first
@@ -335,6 +336,16 @@ def _check_options(options: dict[str, Any]) -> dict[str, Any]:
         get_policy(out["policy"])
     if out.get("memory_factor") is not None:
         check_real("memory_factor", out["memory_factor"], minimum=0, strict_minimum=True)
+    if out.get("memory_budget") is not None:
+        # The torch drop-in's own check (the per-rank count is checked there, at the
+        # schedule's construction, where the pipeline's ranks are known).
+        parse_memory_budgets(out["memory_budget"])
+        if out.get("memory_factor") is not None:
+            raise PlanError(
+                f"{FACE}.readiness_first: give memory_budget (bytes, or a float factor of what"
+                " the fixed order holds in bytes) or memory_factor (a count of activations),"
+                " not both"
+            )
     if out.get("split_backward") is not None:
         check_bool("split_backward", out["split_backward"])
     if out.get("step_timeout") is not None:
@@ -368,7 +379,12 @@ def readiness_first(config: Any, **options: Any) -> Any:
         **options: From the override entry (``'rrfp_async.torchtitan.readiness_first=
             {"policy": "strict", "memory_factor": 2}'``): ``policy`` (default
             ``readiness_first``; ``strict`` runs the hint's order as torch does),
-            ``memory_factor`` (scale of the admission bound), ``split_backward``,
+            ``memory_factor`` (scale of the admission bound, a count of activations),
+            ``memory_budget`` (the admission bound in bytes, learned from the run as the
+            torch drop-in learns it: a float factor of what the fixed order holds, ``2.0``
+            (a JSON ``2`` is 2 bytes), an int of bytes, a string with a unit, ``"24GiB"``, or
+            a list of those, one per pipeline rank; not with ``memory_factor``; needs a job
+            of one pipeline, pipeline parallelism alone), ``split_backward``,
             ``step_timeout`` (seconds; default 300, torchtitan's first-step timeout; null:
             none) and ``hint`` (an ``rr.HINTS`` name or a torch schedule name, with the
             plain names ``ReadinessFirst`` / ``InterleavedReadinessFirst`` only). A null

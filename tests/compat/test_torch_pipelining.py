@@ -13,6 +13,7 @@ from tests.integrations.test_dropin_bytes import (  # noqa: F401
 from tests.integrations.test_torch_call_styles import (  # noqa: F401
     test_inputs_torch_refuses_are_refused_alike,
     test_the_classes_are_torchs_kinds,
+    test_torchs_zbv_order_as_the_hint_on_three_ranks_gives_torchs_result,
     test_torchtitan_call_style_gives_torchs_result,
     torch_has_presplit_step,
 )

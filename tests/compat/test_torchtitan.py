@@ -5,9 +5,10 @@ sequences of 32 tokens, 4 microbatches of 1 per step) trains for 3 steps, PP 2 o
 through torchtitan's own ``Trainer`` built from the command-line flags a user gives: once
 with torchtitan's 1F1B, then with ours (``--override.imports
 rrfp_async.torchtitan.readiness_first --parallelism.pipeline_parallel_schedule
-ReadinessFirst``): strict order, the default, and the default with an option. All runs are
-one launch (``torchtitan_worker.py``: torchtitan's import paid once); the tokenizer and the
-corpus are written here (no download; torchtitan's test assets are not in its wheel).
+ReadinessFirst``): strict order, the default, and the default with options (a count bound,
+a byte budget). All runs are one launch (``torchtitan_worker.py``: torchtitan's import paid
+once); the tokenizer and the corpus are written here (no download; torchtitan's test assets
+are not in its wheel).
 """
 
 from __future__ import annotations
@@ -47,6 +48,9 @@ RUNS: list[dict[str, Any]] = [
     {"name": "ours_strict", "args": _ours("ReadinessFirst", {"policy": "strict", "hint": "1F1B"})},
     {"name": "ours_default", "args": _ours("ReadinessFirst"), **SLOW},
     {"name": "ours_wide", "args": _ours("readinessfirst", {"memory_factor": 2}), **SLOW},
+    # A byte budget: a factor of the fixed order's measured bytes, and bytes.
+    {"name": "ours_bytes", "args": _ours("ReadinessFirst", {"memory_budget": 1.5}), **SLOW},
+    {"name": "ours_gib", "args": _ours("ReadinessFirst", {"memory_budget": "1GiB"})},
     # A user's own config registry (examples/torchtitan_config.py), no flags of ours.
     {
         "name": "user_config",
@@ -159,6 +163,26 @@ def test_override_options_reach_the_schedule(runs: Any) -> None:
     assert sum(s["deviations"] for r in got for s in r["steps"]) > 0
     for rank in range(2):
         assert got[rank]["losses"] == pytest.approx(ref[rank]["losses"], abs=1e-6, rel=0)
+
+
+def test_a_byte_budget_is_learned_on_torchtitans_fsdp_stages(runs: Any) -> None:
+    # torchtitan's microbatches are one size (packed to seq_len): the first step is measured
+    # (on FSDP-wrapped stages: DTensor parameters), and the steps after it are planned in
+    # those bytes: 1.5x what 1F1B holds, or the bytes given.
+    ref, strict = _ok(runs["torch_1f1b"]), runs["ours_strict"]
+    factor, gib = _ok(runs["ours_bytes"]), _ok(runs["ours_gib"])
+    for rank in range(2):
+        bound = strict[rank]["steps"][0]["max_inflight"]  # 1F1B's: 2 on rank 0, 1 on rank 1
+        first, *rest = factor[rank]["steps"]
+        assert first["budget_bytes"] == int(1.5 * bound)  # nothing measured yet: the count
+        for s in rest:
+            assert s["budget_bytes"] > 1000 and s["peak_bytes"] <= s["budget_bytes"], s
+        assert factor[rank]["learned"]["steps"] == 1  # one size: measured once, then known
+        assert gib[rank]["steps"][0]["budget_bytes"] is None  # before: the count bound
+        for s in gib[rank]["steps"][1:]:
+            assert s["budget_bytes"] == 2**30 and s["peak_bytes"] <= 2**30, s
+        for run in (factor, gib):
+            assert run[rank]["losses"] == pytest.approx(ref[rank]["losses"], abs=1e-6, rel=0)
 
 
 def test_a_users_config_registry_switches_too(runs: Any) -> None:

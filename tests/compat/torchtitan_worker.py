@@ -154,6 +154,8 @@ def run(assets: str, out: str, spec: dict[str, Any]) -> dict[str, Any]:
                         "deviations": stats.deviations,
                         "max_inflight": stats.max_inflight,
                         "peak_inflight": stats.peak_inflight,
+                        "budget_bytes": stats.budget_bytes,
+                        "peak_bytes": stats.peak_bytes,
                         "executed": [str(t.task) for t in stats.executed],
                     }
                 )
@@ -163,6 +165,11 @@ def run(assets: str, out: str, spec: dict[str, Any]) -> dict[str, Any]:
         if "slow_rank" in spec and spec["slow_rank"] == rank:
             _slow_first_forward(trainer.model_parts[0], spec["slow_s"], spec["microbatches"])
         trainer.train()
+        learned = getattr(sched, "learned_bytes", None)  # (ours, where it learns)
+        if learned is not None:
+            result["learned"] = {"steps": learned.steps, "fitted": learned.ready(sched.plan)}
+            measured = sched.activation_bytes()  # the last step's, where it was measured
+            result["measured"] = {f"{v}:{i}": b for (v, i), b in sorted(measured.items())}
         params = {
             f"{i}.{k}": _local(p).clone()
             for i, m in enumerate(trainer.model_parts)

@@ -53,6 +53,12 @@ def worker(rank: int, world: int, budget: Any) -> dict[str, Any]:
         ScheduleReadinessFirst(stage, M, loss_fn=F.mse_loss, memory_budget=1.5, sizes=False)
     except rr.PlanError as e:
         out["refused"] = str(e)
+    # A value no step could take: refused at construction too, not at the first step.
+    for bad in ([1.0], "lots", 0):
+        try:
+            ScheduleReadinessFirst(stage, M, loss_fn=F.mse_loss, memory_budget=bad)
+        except rr.PlanError as e:
+            out.setdefault("bad", []).append(str(e))
     xs, ys = batch()
     schedule = ScheduleReadinessFirst(
         stage,
@@ -105,6 +111,10 @@ def test_a_byte_budget_holds_and_training_is_unchanged(budget: float | None) -> 
         assert got["budget"] == int(factor * want_ref[r])
         assert got["peak"] <= got["budget"], got
         assert "activation_bytes" in got["refused"] and "memory_factor" in got["refused"]
+        assert "here sizes=False switched the learning off" in got["refused"]
+        assert got["bad"][0] == "memory_budget needs one value per rank (2), got 1"
+        assert got["bad"][1].startswith("memory_budget='lots' is no size")
+        assert got["bad"][2].startswith("memory_budget=0: a budget must be a finite number > 0")
         # The peak the stage reports is what its executed order held.
         held = peak = 0
         for t in map(rr.parse_tasks, got["executed"]):
@@ -180,8 +190,8 @@ def _sizes_steps(rank: int, world: int, budget: float | None, given: bool) -> di
     learned = schedule.learned_bytes
     costs = schedule.learned_durations
     assert learned is not None and costs is not None
-    out["error"] = learned.error(schedule._base.plan)
-    out["costs_ready"] = costs.ready(schedule._base.plan)
+    out["error"] = learned.error(schedule.plan)
+    out["costs_ready"] = costs.ready(schedule.plan)
     schedule.close()
     return out
 
@@ -239,6 +249,8 @@ def plain_worker(rank: int, world: int, mode: str) -> dict[str, Any]:
     kw: dict[str, Any] = {"policy": "strict"} if mode == "strict" else {}
     if mode == "measure-all":
         kw["measure_activations"] = True
+    if mode.startswith("uniform-budget"):  # one size, and a byte budget (torchtitan's case)
+        kw["memory_budget"] = 1.5 if mode == "uniform-budget-factor" else "1MiB"
     schedule = ScheduleReadinessFirst(stage, M, loss_fn=F.mse_loss, **kw)
     g = torch.Generator().manual_seed(5)
     out: dict[str, Any] = {"budgets": [], "measured": []}
@@ -246,6 +258,8 @@ def plain_worker(rank: int, world: int, mode: str) -> dict[str, Any]:
         steps = STEPS
     elif mode == "uniform-then-varying":
         steps = [[8] * M, [8] * M, [9] * M, STEPS[0]]
+    elif mode.startswith("uniform-budget"):
+        steps = [[8] * M] * 4
     else:
         steps = STEPS[:2]
     for step in steps:
@@ -258,7 +272,10 @@ def plain_worker(rank: int, world: int, mode: str) -> dict[str, Any]:
         st = schedule.last_stats
         assert st is not None
         out["budgets"].append(st.budget_bytes)
+        out.setdefault("peaks", []).append(st.peak_bytes)
         out["measured"].append(len(schedule.activation_bytes()))
+        if out["measured"][-1]:
+            out["bytes"] = sorted(set(schedule.activation_bytes().values()))
     out["learned"] = schedule.learned_bytes is not None
     schedule.close()
     return out
@@ -343,7 +360,7 @@ def dp_worker(rank: int, world: int) -> dict[str, Any]:
                 p.grad = None
         learned = schedule.learned_bytes
         assert learned is not None
-        out["error"] = learned.error(schedule._base.plan)
+        out["error"] = learned.error(schedule.plan)
         schedule.close()
         return out
     finally:
@@ -383,3 +400,25 @@ def test_data_parallel_replicas_learn_together_and_plan_their_own_steps() -> Non
                 for a, p in zip(by[replica, pp]["grads"][k], m[pp].parameters(), strict=True):
                     assert p.grad is not None
                     torch.testing.assert_close(a, p.grad / M, rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("budget", ["factor", "bytes"])
+def test_one_size_steps_with_a_byte_budget_are_planned_in_their_measured_bytes(
+    budget: str,
+) -> None:
+    # Microbatches of one size never identify a fit (torchtitan's, packed to seq_len): the
+    # budget fell back to the count bound (a budget in bytes never applied) and every step
+    # was measured and exchanged. The one size measured is known exactly: from the second
+    # step on the steps are planned in its bytes, measured one step in LEARN_EVERY.
+    res = pooled_spawn(plain_worker, 2, f"uniform-budget-{budget}", timeout=200)
+    for r in range(2):
+        got = res[r]
+        (per_mb,) = got["bytes"]  # every forward of one size keeps the same bytes
+        assert got["measured"] == [M, 0, 0, 0], got
+        ref = (2 - r) * per_mb  # 1F1B holds 2 microbatches on rank 0, 1 on rank 1
+        want = int(1.5 * ref) if budget == "factor" else 2**20
+        assert got["budgets"][1:] == [want] * 3, got
+        assert all(p is not None and p <= want for p in got["peaks"][1:]), got
+        # the first step, before anything was measured: a factor of the count (uniform
+        # bytes), or, for a budget in bytes, the fixed order's count bound
+        assert got["budgets"][0] == (int(1.5 * (2 - r)) if budget == "factor" else None), got

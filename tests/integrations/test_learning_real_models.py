@@ -151,7 +151,7 @@ def _steps(rank: int, world: int, kind: str) -> dict[str, Any]:
                 "planned_peak": st.peak_bytes,
                 "measured_peak": st.held_peak(measured),
                 "measured": dict(measured),
-                "error": learned.error(schedule._base.plan),
+                "error": learned.error(schedule.plan),
             }
         )
         module.zero_grad(set_to_none=True)

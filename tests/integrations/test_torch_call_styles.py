@@ -77,6 +77,8 @@ def _schedule(which: str, torch_cls: Any, stages: list[Any], n: int) -> Any:
         multi = issubclass(torch_cls, PipelineScheduleMulti)
         cls = ScheduleInterleavedReadinessFirst if multi else ScheduleReadinessFirst
         extra = {"hint": torch_cls, "policy": "strict"} if which == "strict" else {}
+        if which == "hinted":  # torch's order as the hint, readiness-first
+            extra = {"hint": torch_cls}
     if issubclass(cls, PipelineScheduleMulti):
         return cls(
             stages,
@@ -225,6 +227,57 @@ def test_torchtitan_call_style_gives_torchs_result(schedule: str, n: int) -> Non
             continue  # (torch's multi-stage eval fails in 2.13)
         assert torch.equal(run[h]["eval"], ev_out)
         assert run[h]["eval_losses"] == ev_losses
+
+
+def test_torchs_zbv_order_as_the_hint_on_three_ranks_gives_torchs_result() -> None:
+    # On 3 ranks the middle rank's V-shape stages (1 and 4) are interleaved placement's too;
+    # it read them as interleaved and refused torch's V-shape hint (PlanError "places stages
+    # vshape, but this rank's stages are placed interleaved"): the hint decides now.
+    world, n, name = 3, 4, "ScheduleZBVZeroBubble"
+    want = pooled_spawn(worker, world, "torch", name, n, timeout=300)
+    strict = pooled_spawn(worker, world, "strict", name, n, timeout=300)
+    hinted = pooled_spawn(worker, world, "hinted", name, n, timeout=300)
+    h = next(r for r in range(world) if want[r]["losses"])
+    assert h == 0 and len(want[h]["losses"]) == 3 * n  # (V-shape: the loss on rank 0)
+    assert strict[h]["losses"] == want[h]["losses"]
+    torch.testing.assert_close(hinted[h]["losses"], want[h]["losses"], rtol=0, atol=1e-6)
+    for r in range(world):
+        for a, b in zip(strict[r]["params"], want[r]["params"], strict=True):
+            assert torch.equal(a, b), (r, (a - b).abs().max())
+        for a, b in zip(hinted[r]["params"], want[r]["params"], strict=True):
+            torch.testing.assert_close(a, b, rtol=0, atol=1e-6)
+
+
+def unhinted_vshape_worker(rank: int, world: int) -> dict[str, Any]:
+    """V-shape stages on 3 ranks and no hint: the middle rank cannot tell its placement."""
+    from torch.distributed.pipelining import PipelineStage
+
+    from rrfp_async.pipelining import ScheduleInterleavedReadinessFirst
+
+    torch.manual_seed(0)
+    model = nn.ModuleList([Block() for _ in range(2 * world)])
+    mine = [rank, 2 * world - 1 - rank]
+    stages = [PipelineStage(model[i], i, 2 * world, torch.device("cpu")) for i in mine]
+    sched = ScheduleInterleavedReadinessFirst(stages, 4, loss_fn=loss_fn, step_timeout=60)
+    x, y, _ = batch(0)
+    try:
+        sched.step(*((x,) if rank == 0 else ()), target=y if rank == 0 else None)
+    except Exception as e:
+        return {"error": f"{type(e).__name__}: {e}", "notes": getattr(e, "__notes__", [])}
+    finally:
+        sched.close()
+    return {"error": None}
+
+
+def test_unhinted_vshape_on_three_ranks_fails_everywhere_naming_the_fix() -> None:
+    got = pooled_spawn(unhinted_vshape_worker, 3, timeout=200)
+    for r in range(3):
+        assert got[r]["error"].startswith("PlanError: "), got[r]
+        assert "the ranks disagree on the plan" in got[r]["error"]
+        assert "rank 1 has placement='interleaved'" in got[r]["error"]
+        (note,) = got[r]["notes"]
+        assert "group rank(s) 1 [1, 4] fit both interleaved and V-shape placement" in note
+        assert "hint=ScheduleZBVZeroBubble" in note
 
 
 def test_the_classes_are_torchs_kinds() -> None:

@@ -106,6 +106,32 @@ def test_the_factory_records_checked_options_and_returns_the_config() -> None:
 
 
 @pytest.mark.usefixtures("fresh")
+def test_the_factory_takes_a_byte_budget_checked_as_the_torch_drop_in_checks_it() -> None:
+    assert "memory_budget" in tt.OPTIONS
+    for budget in (1.5, 4096, "24GiB", "512 MB", [1.0, "2GiB"], [None, 2.0]):
+        tt.readiness_first(None, memory_budget=budget)
+        assert tt.schedule_options() == {"memory_budget": budget}
+    tt.readiness_first(None, memory_budget=None)  # JSON null: the default (no byte budget)
+    assert tt.schedule_options() == {}
+    for bad, words in [
+        ("lots", r"memory_budget='lots' is no size"),
+        ("24 GiBs", r"memory_budget='24 GiBs' is no size"),
+        (0, r"memory_budget=0: a budget must be a finite number > 0"),
+        (-1.5, r"memory_budget=-1.5: a budget must be"),
+        (float("nan"), r"memory_budget=nan: a budget must be"),
+        (True, r"memory_budget must be a float factor .* got True"),
+        ({"a": 1}, r"memory_budget must be a float factor"),
+        ([], r"memory_budget needs one value per rank \(>= 1\), got 0"),
+        ([1.0, "x"], r"memory_budget\[1\]='x' is no size"),
+    ]:
+        with pytest.raises(rr.PlanError, match=words):
+            tt.readiness_first(None, memory_budget=bad)
+        assert tt.schedule_options() == {}  # a refused application records nothing
+    with pytest.raises(rr.PlanError, match=r"memory_budget .* or memory_factor .* not both"):
+        tt.readiness_first(None, memory_budget=1.5, memory_factor=2)
+
+
+@pytest.mark.usefixtures("fresh")
 def test_schedules_made_by_name_are_built_with_the_options(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -128,6 +154,11 @@ def test_schedules_made_by_name_are_built_with_the_options(
     seen.clear()
     tt.schedule_class("ReadinessFirstZBH1")("stage", n_microbatches=4)
     assert seen["split_backward"] is True
+    # the byte budget reaches the torch drop-in as given (it learns the bytes there)
+    tt.readiness_first(None, memory_budget="24GiB")
+    seen.clear()
+    tt.schedule_class("ReadinessFirstBFW")("stage", n_microbatches=4)
+    assert seen["memory_budget"] == "24GiB" and "memory_factor" not in seen
     # a hint in the name and another in the options contradict each other
     tt.readiness_first(None, hint="gpipe")
     with pytest.raises(rr.PlanError, match="has its hint in its name"):
