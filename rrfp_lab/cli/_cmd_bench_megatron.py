@@ -91,7 +91,8 @@ def bench_megatron(
     Real processes on gloo (127.0.0.1) with megatron-core mapped to the CPU, the same model
     chunks for every configuration: real CPU compute plus EMULATED GPU time (each stage
     sleeps a declared, seeded duration per token), configurations interleaved step by step.
-    Needs megatron-core (pip install rrfp-async[megatron]).
+    Every row's peak activation bytes per rank are measured on every step by one saved-tensor
+    meter (--no-meter: none). Needs megatron-core (pip install rrfp-async[megatron]).
     """
     from .. import MegatronBenchConfig
 
