@@ -143,7 +143,7 @@ def bench_megatron(
                 "vs megatron\n1F1B\n(min–max)",
                 "vs megatron\ninterleaved\n(min–max)",
                 "effic.",
-                "peak",
+                "in\nflight",
                 "peak\nMiB",
                 "bytes\nvs\nmegatron\n1F1B",
             ),
@@ -175,8 +175,8 @@ def bench_megatron(
             " effic. = lower bound (emulated durations only) / step; hint megatron ="
             " megatron's own order of that schedule, bfw = breadth_first_weighted with each"
             " step's declared durations; memory = admission bound (x megatron's order's);"
-            f" losses equal megatron's within {res['loss_max_diff']:.1e}; peak = activations"
-            " in flight (megatron's: its order's); "
+            f" losses equal megatron's within {res['loss_max_diff']:.1e}; in flight = the most"
+            " activations in flight on a rank (megatron's: its order's); "
             + (
                 "peak MiB: the most activation bytes any rank held in a timed step, measured"
                 " on every step of every row by the saved-tensor meter (its cost in every"
