@@ -12,7 +12,11 @@ megatron's own ``get_forward_backward_func(pp_size=, vp_size=)`` (1F1B, and inte
 ``vp`` chunks per rank, with Megatron-LM's p2p settings: ``overlap_p2p_comm`` for the
 interleaved one); the drop-in's rows call ``rrfp_async.megatron.get_forward_backward_func``
 with the same arguments (Megatron-Bridge's call: ``p2p_communicator=``, ``pg_collection=``)
-and rrfp_async's own keywords. The sleep runs where each system computes: megatron's main
+and rrfp_async's own keywords: megatron's order as the hint (``sizes=False``: it learns
+nothing, so the order stays megatron's), the cost-aware hint on declared durations, and the
+default (readiness_first, no hint: it learns each call's sizes, bytes and task times from
+the run and plans a call of varying sizes with the cost-aware hint within the bytes
+megatron's order holds on it). The sleep runs where each system computes: megatron's main
 thread, the drop-in's compute thread.
 
 Two workloads, in the same run: ``uniform`` (every microbatch of a step the same length,
@@ -79,7 +83,8 @@ class MegatronBenchConfig:
         jitter: Sigma of the lognormal noise on every emulated duration (variable workload).
         seed: Seed of the microbatch sizes and of the noise.
         workloads: ``"uniform"`` and / or ``"variable"``.
-        policies: The drop-in's policies (with megatron's order as the hint).
+        policies: The drop-in's policies (with megatron's order as the hint; with
+            ``readiness_first``, also the default row: no hint, learned from the run).
         memory_factors: The drop-in's admission bounds, as multiples of megatron's order's.
         cost_aware: Also rows with the cost-aware hint (``breadth_first_weighted``) and each
             step's declared durations (``durations=``).
@@ -268,13 +273,19 @@ def megatron_worker(rank: int, world: int, cfg: MegatronBenchConfig) -> dict[str
                 fw = [[per * t for t in steps[done[0]].tokens]] * plan.num_virtual
                 return Durations.from_arrays(plan, fw)
 
-            hints: list[tuple[str, Any, dict[str, Any]]] = [("megatron", None, {})]
+            # Megatron's order as the hint (sizes=False: it learns nothing, so it stays
+            # that order), the cost-aware hint on declared durations, and the default: no
+            # hint, learned from the run (readiness_first within megatron's order's bytes).
+            hints: list[tuple[str, Any, dict[str, Any]]] = [("megatron", None, {"sizes": False})]
             if cfg.cost_aware:
                 hints.append(("bfw", "breadth_first_weighted", {"durations": declared}))
+            hints.append(("default", None, {}))
             for pol in cfg.policies:
                 for label, hint, extra in hints:
                     for mf in cfg.memory_factors if pol != "strict" else (1.0,):
                         if pol == "strict" and label != "megatron":
+                            continue
+                        if label == "default" and (pol != "readiness_first" or mf != 1.0):
                             continue
                         fb = rr_fb(
                             p,
@@ -396,7 +407,7 @@ def _one_step(
     if stats is not None:
         run.peak = max(run.peak, stats.peak_inflight)
         if cfg.meter:
-            run.peak_bytes.append(stats.held_peak(fb.last_activation_bytes()))
+            run.peak_bytes.append(stats.held_peak(fb.measured_bytes()))
     for m in models:
         m.zero_grad(set_to_none=True)
     return t
@@ -410,8 +421,9 @@ def megatron_benchmark(
     Returns:
         ``{"config": cfg, "runs": [row, ...], "loss_max_diff": float}``; a row has
         ``workload``, ``chunks``, ``system`` (``megatron`` / ``drop-in``), ``schedule`` (the
-        megatron schedule, or the drop-in's hint: ``megatron`` = megatron's order, ``bfw`` =
-        breadth_first_weighted with declared durations), ``policy``, ``memory_factor``,
+        megatron schedule, or the drop-in's hint: ``megatron`` = megatron's order (learning
+        off), ``bfw`` = breadth_first_weighted with declared durations, ``default`` = no
+        hint: learned from the run), ``policy``, ``memory_factor``,
         ``step_s`` (median of the timed steps), ``vs_megatron_1f1b`` and
         ``vs_megatron_interleaved`` (medians of the paired ratios megatron's step / the
         row's, same workload), ``spread_1f1b`` / ``spread_interleaved`` (their min and max),

@@ -174,7 +174,9 @@ def bench_megatron(
             "vs megatron: median (min–max) of megatron's step i / the row's step i;"
             " effic. = lower bound (emulated durations only) / step; hint megatron ="
             " megatron's own order of that schedule, bfw = breadth_first_weighted with each"
-            " step's declared durations; memory = admission bound (x megatron's order's);"
+            " step's declared durations, default = no hint: learned from the run (sizes,"
+            " bytes, task times; within megatron's order's bytes); memory = admission bound"
+            " (x megatron's order's);"
             f" losses equal megatron's within {res['loss_max_diff']:.1e}; in flight = the most"
             " activations in flight on a rank (megatron's: its order's); "
             + (
