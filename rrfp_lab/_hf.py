@@ -33,6 +33,18 @@ Emulated GPU time (``us_per_token`` > 0): every transformer block sleeps ``us_pe
 per token it computes (padded tokens included, as a GPU would pay them) in the forward and
 twice that in the backward, in an autograd op inside the block (``_peer_stage``'s
 ``_Sleep``), so both systems pay it alike. With 0 the compute is the real CPU compute only.
+
+Bytes (``meter``, on by default): every run's activation bytes are measured on every step
+with the same saved-tensor meter, its cost in every run's time alike. torch's stage module
+is metered from inside (``_MeteredStage`` around it, ``_peer_stage.LiveBytes``: a forward's
+saved tensors, its received input and its output, until its backward reaches the output;
+the last rank's loss, computed by torch's schedule, measured into its forward's bytes), ours
+by the executor (``measure_activations=True``: the same, the loss inside the forward, until
+the backward ends). torch keeps the last stage's output (the logits) until its backward;
+ours keeps only the loss, so torch's last rank holds the logits more. A rank's peak is the
+most it held in a step. ``torch real lengths``: torch's recorded order of each step replayed
+on the bytes ours measured on the real lengths of that step (``replay_peak``): what torch's
+order would hold without padding.
 """
 
 from __future__ import annotations
@@ -49,7 +61,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from ._peer_stage import _Sleep
+from ._peer_stage import LiveBytes, _Sleep, replay_peak
 
 __all__ = ["HFConfig", "hf_benchmark", "hf_worker", "make_steps"]
 
@@ -75,6 +87,9 @@ class HFConfig:
         us_per_token: Emulated forward µs per token per block (backward twice that); 0: none.
         seed: Seed of the weights and of the data.
         timeout: Seconds for the whole job.
+        meter: Measure every run's activation bytes on every step (the saved-tensor meter,
+            on for all runs alike: its hooks cost every forward a Python call per saved
+            tensor); False: no bytes are reported.
     """
 
     model: str = "gpt2"
@@ -92,6 +107,7 @@ class HFConfig:
     us_per_token: float = 0.0
     seed: int = 0
     timeout: float = 900.0
+    meter: bool = True
 
     def __post_init__(self) -> None:
         if self.model != "gpt2":
@@ -200,6 +216,32 @@ class _Head(nn.Module):
         return self.lm_head(self.ln_f(h))  # type: ignore[no-any-return]
 
 
+class _MeteredStage(nn.Module):
+    """torch's stage module with the meter inside: each training forward measured
+    (``LiveBytes.run``), the microbatch numbered in the order the forwards run
+    (``Schedule1F1B`` runs a rank's forwards in microbatch order; ``begin`` restarts the
+    count). torch's shape inference (a new padded length's first step, untimed) runs one
+    forward more: its step's bytes are not used."""
+
+    def __init__(self, inner: nn.Module, stage: int, live: LiveBytes) -> None:
+        super().__init__()
+        self.inner = inner
+        self.stage = stage
+        self.live = live
+        self.count = 0
+
+    def begin(self) -> None:
+        """A step begins: the next forward is microbatch 0's."""
+        self.count = 0
+        self.live.begin()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not torch.is_grad_enabled() or x.device.type == "meta":
+            return self.inner(x)  # type: ignore[no-any-return]
+        mb, self.count = self.count, self.count + 1
+        return self.live.run(self.stage, mb, self.inner, self.inner, x)
+
+
 def build_blocks(cfg: HFConfig) -> list[nn.Module]:
     """``[embeddings, blocks..., ln_f + lm_head]`` of a fresh GPT-2 (random weights from
     ``cfg.seed``, dropout 0, ``lm_head`` tied to ``wte``)."""
@@ -284,6 +326,13 @@ def hf_worker(rank: int, world: int, cfg: HFConfig) -> dict[str, Any]:
     # -- torch: one stage + schedule per padded length, ties all-reduced after step().
     tsplit = split_model(build_blocks(cfg), split_spec(cfg))
     tmod = tsplit.modules[rank]
+    live = LiveBytes() if cfg.meter else None
+    metered = _MeteredStage(tmod, rank, live) if live is not None else None
+
+    def tloss(out: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        # With the meter, the last rank's loss is measured into its forward's bytes.
+        return lm_loss(out, labels) if live is None else live.loss(lm_loss, out, labels)
+
     # torch's own p2p group: our stage's channel (open over the run) uses the default one.
     tgroup = dist.new_group(list(range(world)), backend="gloo")
     tie_groups = []
@@ -299,8 +348,8 @@ def hf_worker(rank: int, world: int, cfg: HFConfig) -> dict[str, Any]:
         batch = padded[s]
         n = batch[0].ids.shape[1]
         if n not in scheds:
-            st = tpp.PipelineStage(tmod, rank, world, torch.device("cpu"), group=tgroup)
-            scheds[n] = tpp.Schedule1F1B(st, n_microbatches=cfg.microbatches, loss_fn=lm_loss)
+            st = tpp.PipelineStage(metered or tmod, rank, world, torch.device("cpu"), group=tgroup)
+            scheds[n] = tpp.Schedule1F1B(st, n_microbatches=cfg.microbatches, loss_fn=tloss)
         sched = scheds[n]
         ids = torch.cat([b.ids for b in batch])
         labels = torch.cat([b.labels for b in batch])
@@ -317,7 +366,13 @@ def hf_worker(rank: int, world: int, cfg: HFConfig) -> dict[str, Any]:
                 assert p.grad is not None
                 dist.all_reduce(p.grad, group=g)
 
+        if metered is not None:
+            metered.begin()
         t = _timed(go)
+        if metered is not None:
+            metered.live.end()
+            held["torch padded"].append(metered.live.peak)
+            orders.append(metered.live.order)
         if last:
             results["torch padded"][1].append(statistics.fmean(float(x.detach()) for x in losses))
         tmod.zero_grad(set_to_none=True)
@@ -327,7 +382,12 @@ def hf_worker(rank: int, world: int, cfg: HFConfig) -> dict[str, Any]:
     osplit = split_model(build_blocks(cfg), split_spec(cfg))
     omods = osplit.modules_of([rank])
     ex = TorchStageExecutor(
-        omods, _batch_loss if last else None, rank=rank, input_fn=_batch_ids, shared=osplit.shared
+        omods,
+        _batch_loss if last else None,
+        rank=rank,
+        input_fn=_batch_ids,
+        shared=osplit.shared,
+        measure_activations=cfg.meter,
     )
     plan = StepPlan(topology=Topology(stages=world), microbatches=cfg.microbatches)
     factory = loop_factory()
@@ -335,13 +395,18 @@ def hf_worker(rank: int, world: int, cfg: HFConfig) -> dict[str, Any]:
     ds = DistributedStage(layout, StepSchedule.build(plan), ex, groups=groups, step_timeout=300)
 
     def ours_step(mbs: Sequence[Batch], key: str) -> float:
-        async def go() -> float:
+        async def go() -> tuple[float, Any]:
             dist.barrier()
             t0 = time.perf_counter()
-            await ds.run_step(mbs)
-            return time.perf_counter() - t0
+            stats = await ds.run_step(mbs)
+            return time.perf_counter() - t0, stats
 
-        t = loop.run_until_complete(go())
+        t, stats = loop.run_until_complete(go())
+        if cfg.meter:
+            nbytes = ex.activation_bytes()
+            held[key].append(stats.held_peak(nbytes))
+            if key == "ours variable":
+                measured.append(nbytes)
         if last:
             results[key][1].append(statistics.fmean(ex.losses.values()))
         for m in omods.values():
@@ -349,6 +414,11 @@ def hf_worker(rank: int, world: int, cfg: HFConfig) -> dict[str, Any]:
         return t
 
     results: dict[str, tuple[list[float], list[float]]] = {k: ([], []) for k in RUNS}
+    # With the meter: each step's peak bytes on this rank per run, torch's order of each
+    # step and ours' measured bytes on the real lengths (replayed on each other at the end).
+    held: dict[str, list[int]] = {k: [] for k in RUNS}
+    orders: list[list[tuple[int, int, int]]] = []
+    measured: list[dict[tuple[int, int], int]] = []
     fns: dict[str, Callable[[int], float]] = {
         "torch padded": torch_step,
         "ours variable": lambda s: ours_step(steps[s], "ours variable"),
@@ -367,6 +437,10 @@ def hf_worker(rank: int, world: int, cfg: HFConfig) -> dict[str, Any]:
         for v in results.values():
             v[0].clear()
             v[1].clear()
+        for h in held.values():
+            h.clear()
+        orders.clear()
+        measured.clear()
         for s in range(1, len(steps)):
             order = RUNS[s % 3 :] + RUNS[: s % 3]
             for key in order:
@@ -381,7 +455,12 @@ def hf_worker(rank: int, world: int, cfg: HFConfig) -> dict[str, Any]:
         loop.close()
     times = torch.tensor([results[k][0] for k in RUNS])
     dist.all_reduce(times, op=dist.ReduceOp.MAX)
-    return {"times": times.tolist(), "losses": [results[k][1] for k in RUNS]}
+    return {
+        "times": times.tolist(),
+        "losses": [results[k][1] for k in RUNS],
+        "bytes": [held[k] for k in RUNS],
+        "real": [replay_peak(o, b) for o, b in zip(orders, measured, strict=True)],
+    }
 
 
 def hf_benchmark(
@@ -392,8 +471,9 @@ def hf_benchmark(
 
     Returns:
         ``{"config", "step_s": {run: median}, "speedup": {"ours variable" | "ours padded":
-        {"median", "min", "max", "per_step"}}, "loss_check": {...}, "tokens": {...}}``; a
-        speedup is torch padded's step time / ours in the same step (> 1: ours is faster).
+        {"median", "min", "max", "per_step"}}, "loss_check": {...}, "tokens": {...},
+        "bytes": hf_bytes(...) or None without the meter}``; a speedup is torch padded's step
+        time / ours in the same step (> 1: ours is faster).
     """
     from rrfp_async.distributed import spawn
 
@@ -430,4 +510,34 @@ def hf_benchmark(
         "speedup": speedup,
         "loss_check": loss_check,
         "tokens": {"real": real, "padded": padded_tokens, "padding_factor": padded_tokens / real},
+        "bytes": hf_bytes(res, w) if cfg.meter else None,
     }
+
+
+def hf_bytes(res: Sequence[dict[str, Any]], w: int) -> dict[str, dict[str, Any]]:
+    """Each run's peak activation bytes from every rank's measurements (timed steps only,
+    after ``w`` warm-up ones), and ``torch real lengths`` (torch's order on ours' bytes of
+    the real lengths).
+
+    Returns:
+        ``{run: {"peak_bytes", "peak_bytes_per_rank", "vs_torch_padded",
+        "vs_torch_padded_per_rank"}}`` (a rank's most held in a timed step, the largest of
+        them, their ratios to torch padded's); ``ours variable`` also has
+        ``vs_torch_real_lengths`` (its peak / torch's order's on the same real lengths).
+    """
+    per = {k: [max(r["bytes"][i][w:]) for r in res] for i, k in enumerate(RUNS)}
+    per["torch real lengths"] = [max(r["real"][w:]) for r in res]
+    ref = per["torch padded"]
+    out = {
+        k: {
+            "peak_bytes": max(b),
+            "peak_bytes_per_rank": b,
+            "vs_torch_padded": max(b) / max(ref),
+            "vs_torch_padded_per_rank": [x / y for x, y in zip(b, ref, strict=True)],
+        }
+        for k, b in per.items()
+    }
+    out["ours variable"]["vs_torch_real_lengths"] = max(per["ours variable"]) / max(
+        per["torch real lengths"]
+    )
+    return out

@@ -12,7 +12,11 @@ megatron's own ``get_forward_backward_func(pp_size=, vp_size=)`` (1F1B, and inte
 ``vp`` chunks per rank, with Megatron-LM's p2p settings: ``overlap_p2p_comm`` for the
 interleaved one); the drop-in's rows call ``rrfp_async.megatron.get_forward_backward_func``
 with the same arguments (Megatron-Bridge's call: ``p2p_communicator=``, ``pg_collection=``)
-and rrfp_async's own keywords. The sleep runs where each system computes: megatron's main
+and rrfp_async's own keywords: megatron's order as the hint (``sizes=False``: it learns
+nothing, so the order stays megatron's), the cost-aware hint on declared durations, and the
+default (readiness_first, no hint: it learns each call's sizes, bytes and task times from
+the run and plans a call of varying sizes with the cost-aware hint within the bytes
+megatron's order holds on it). The sleep runs where each system computes: megatron's main
 thread, the drop-in's compute thread.
 
 Two workloads, in the same run: ``uniform`` (every microbatch of a step the same length,
@@ -24,6 +28,18 @@ computes the same losses, which is checked) and the slowest rank's time is the s
 configurations are interleaved step by step and compared step by step (paired ratios). The
 efficiency is the lower bound of the step (``rrfp_async.sim.lower_bound`` of the realised
 emulated durations) over the measured step.
+
+Bytes (``meter``, on by default): every row's activation bytes are measured on every step
+with the same saved-tensor meter, so its cost lands in every row's time alike. Megatron's
+rows are metered inside their model chunks (``_peer_stage.LiveBytes`` in the ``PeerStage``
+each chunk wraps: a forward's saved tensors, its received input and its output, from the
+forward's end until its backward reaches the output), the drop-in's by its executor
+(``get_forward_backward_func(measure_activations=True)``: the same meter around megatron's
+``forward_step``, so the loss's saved tensors too, until the backward ends). A rank's peak
+is the most it held in a step; a row's the largest over its timed steps and ranks, with its
+ratio to megatron 1F1B's of the same workload. As in the peer benchmark, a row of ``c``
+chunks per rank counts ``1/c`` of what its modules measured (each chunk is a whole
+``PeerStage`` standing for ``1/c`` of the rank's model: its emulated time is ``1/c``).
 
 megatron-core assumes a GPU; the worker processes map it to the CPU (``_megatron_cpu``).
 """
@@ -37,11 +53,14 @@ import time
 import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from rrfp_async import Durations, StepPlan
 
 from ._peer_config import PeerConfig, Step, WorkerRun, make_steps, step_lower_bound
+
+if TYPE_CHECKING:
+    from ._peer_stage import LiveBytes
 
 __all__ = ["MegatronBenchConfig", "megatron_benchmark", "megatron_worker"]
 
@@ -64,11 +83,15 @@ class MegatronBenchConfig:
         jitter: Sigma of the lognormal noise on every emulated duration (variable workload).
         seed: Seed of the microbatch sizes and of the noise.
         workloads: ``"uniform"`` and / or ``"variable"``.
-        policies: The drop-in's policies (with megatron's order as the hint).
+        policies: The drop-in's policies (with megatron's order as the hint; with
+            ``readiness_first``, also the default row: no hint, learned from the run).
         memory_factors: The drop-in's admission bounds, as multiples of megatron's order's.
         cost_aware: Also rows with the cost-aware hint (``breadth_first_weighted``) and each
             step's declared durations (``durations=``).
         timeout: Seconds for the whole run.
+        meter: Measure every row's activation bytes on every step (the saved-tensor meter,
+            on for all rows alike: its hooks cost every forward a Python call per saved
+            tensor); False: no bytes are reported.
     """
 
     stages: int = 4
@@ -85,6 +108,7 @@ class MegatronBenchConfig:
     memory_factors: tuple[float, ...] = (1.0, 2.0)
     cost_aware: bool = True
     timeout: float = 1200.0
+    meter: bool = True
 
     def __post_init__(self) -> None:
         if self.stages < 2 or self.steps < 1 or self.warmup_steps < 0:
@@ -200,7 +224,7 @@ def megatron_worker(rank: int, world: int, cfg: MegatronBenchConfig) -> dict[str
     from rrfp_async.policies import hint_peak
 
     from ._peer import slowest
-    from ._peer_stage import fill_table
+    from ._peer_stage import LiveBytes, fill_table
 
     p = cfg.stages
     ps.initialize_model_parallel(pipeline_model_parallel_size=p)
@@ -249,13 +273,19 @@ def megatron_worker(rank: int, world: int, cfg: MegatronBenchConfig) -> dict[str
                 fw = [[per * t for t in steps[done[0]].tokens]] * plan.num_virtual
                 return Durations.from_arrays(plan, fw)
 
-            hints: list[tuple[str, Any, dict[str, Any]]] = [("megatron", None, {})]
+            # Megatron's order as the hint (sizes=False: it learns nothing, so it stays
+            # that order), the cost-aware hint on declared durations, and the default: no
+            # hint, learned from the run (readiness_first within megatron's order's bytes).
+            hints: list[tuple[str, Any, dict[str, Any]]] = [("megatron", None, {"sizes": False})]
             if cfg.cost_aware:
                 hints.append(("bfw", "breadth_first_weighted", {"durations": declared}))
+            hints.append(("default", None, {}))
             for pol in cfg.policies:
                 for label, hint, extra in hints:
                     for mf in cfg.memory_factors if pol != "strict" else (1.0,):
                         if pol == "strict" and label != "megatron":
+                            continue
+                        if label == "default" and (pol != "readiness_first" or mf != 1.0):
                             continue
                         fb = rr_fb(
                             p,
@@ -264,6 +294,7 @@ def megatron_worker(rank: int, world: int, cfg: MegatronBenchConfig) -> dict[str
                             hint=hint,
                             memory_factor=None if mf == 1.0 else mf,
                             step_timeout=120,
+                            measure_activations=cfg.meter,
                             **extra,
                         )
                         variants.append((("drop-in", label, pol, mf), fb))
@@ -288,6 +319,7 @@ def megatron_worker(rank: int, world: int, cfg: MegatronBenchConfig) -> dict[str
                     done=done,
                     current=current,
                     fill=fill_table,
+                    live=LiveBytes() if cfg.meter and key[0] == "megatron" else None,
                 )
                 runs.append(run)
     try:
@@ -309,6 +341,7 @@ def megatron_worker(rank: int, world: int, cfg: MegatronBenchConfig) -> dict[str
         "times": times,
         "peaks": peaks,
         "losses": [run.losses for run in runs],
+        "bytes": [run.peak_bytes for run in runs],
     }
 
 
@@ -326,8 +359,11 @@ def _one_step(
     done: list[int],
     current: list[Any],
     fill: Callable[[Sequence[Step], int], None],
+    live: LiveBytes | None = None,
 ) -> float:
-    """Run and time step ``s`` of one configuration (every rank, after a barrier)."""
+    """Run and time step ``s`` of one configuration (every rank, after a barrier); with the
+    meter, record this rank's peak activation bytes (megatron's rows: ``live`` in the
+    chunks' modules for this step only; the drop-in's: its executor's)."""
     import torch.distributed as dist
 
     from rrfp_async.integrations import MegatronForwardBackward
@@ -339,6 +375,10 @@ def _one_step(
     xs = _inputs(cfg, workload, s, steps[s])
     chunks = len(models)
     iters: Any = [iter(xs) for _ in range(chunks)] if chunks > 1 else iter(xs)
+    if live is not None:
+        for m in models:
+            m.stage.live = live
+        live.begin()
     dist.barrier()
     t0 = time.perf_counter()
     losses = fb(
@@ -355,12 +395,19 @@ def _one_step(
         pg_collection=pgc,
     )
     t = time.perf_counter() - t0
+    if live is not None:
+        live.end()
+        run.peak_bytes.append(live.peak)
+        for m in models:
+            m.stage.live = None
     if losses:
         run.losses.append(sum(float(d["loss"]) for d in losses) / len(losses))
     # Megatron's own function has no stats; the drop-in keeps its last step's.
     stats = fb.last_stats if isinstance(fb, MegatronForwardBackward) else None
     if stats is not None:
         run.peak = max(run.peak, stats.peak_inflight)
+        if cfg.meter:
+            run.peak_bytes.append(stats.held_peak(fb.measured_bytes()))
     for m in models:
         m.zero_grad(set_to_none=True)
     return t
@@ -374,12 +421,14 @@ def megatron_benchmark(
     Returns:
         ``{"config": cfg, "runs": [row, ...], "loss_max_diff": float}``; a row has
         ``workload``, ``chunks``, ``system`` (``megatron`` / ``drop-in``), ``schedule`` (the
-        megatron schedule, or the drop-in's hint: ``megatron`` = megatron's order, ``bfw`` =
-        breadth_first_weighted with declared durations), ``policy``, ``memory_factor``,
+        megatron schedule, or the drop-in's hint: ``megatron`` = megatron's order (learning
+        off), ``bfw`` = breadth_first_weighted with declared durations, ``default`` = no
+        hint: learned from the run), ``policy``, ``memory_factor``,
         ``step_s`` (median of the timed steps), ``vs_megatron_1f1b`` and
         ``vs_megatron_interleaved`` (medians of the paired ratios megatron's step / the
         row's, same workload), ``spread_1f1b`` / ``spread_interleaved`` (their min and max),
-        ``efficiency`` (median lower bound / step) and ``peak_inflight``.
+        ``efficiency`` (median lower bound / step) and ``peak_inflight``; with
+        ``cfg.meter`` the measured activation bytes (``bytes_fields``).
     """
     from rrfp_async.distributed import spawn
 
@@ -426,5 +475,31 @@ def megatron_benchmark(
                 ratios = [b / t for b, t in zip(base[c], mine, strict=True)]
                 row[f"vs_megatron_{name}"] = statistics.median(ratios)
                 row[f"spread_{name}"] = (min(ratios), max(ratios))
+            if cfg.meter:
+                b1 = keys.index((workload, 1, "megatron", "1F1B", None, None))
+                row.update(bytes_fields(res, i, b1, w))
             rows.append(row)
     return {"config": replace(cfg), "runs": rows, "loss_max_diff": diff}
+
+
+def bytes_fields(res: Sequence[dict[str, Any]], i: int, base: int, w: int) -> dict[str, Any]:
+    """Row ``i``'s bytes from every rank's measured peaks (timed steps only), against row
+    ``base`` (megatron 1F1B, same workload).
+
+    Returns:
+        ``measured_peak_bytes_per_rank`` (each rank's most held in a timed step),
+        ``peak_bytes_per_rank`` (the same / the row's chunks per rank: see the design note),
+        ``peak_bytes`` (their largest), ``bytes_vs_megatron_1f1b`` (/ megatron 1F1B's
+        ``peak_bytes``) and ``bytes_vs_megatron_1f1b_per_rank``.
+    """
+    chunks = int(res[0]["keys"][i][1])
+    measured = [max(r["bytes"][i][w:]) for r in res]
+    mine = [b / chunks for b in measured]
+    ref = [max(r["bytes"][base][w:]) for r in res]
+    return {
+        "peak_bytes": int(max(mine)),
+        "peak_bytes_per_rank": [int(b) for b in mine],
+        "measured_peak_bytes_per_rank": measured,
+        "bytes_vs_megatron_1f1b": max(mine) / max(ref),
+        "bytes_vs_megatron_1f1b_per_rank": [a / b for a, b in zip(mine, ref, strict=True)],
+    }

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import statistics
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -111,15 +111,17 @@ class PeerStage(nn.Module):
 
 
 class LiveBytes:
-    """The activation meter of a torch run, on one rank, inside its ``PeerStage`` modules:
-    each training forward's bytes measured as the executor's meter measures an rrfp_async
-    task's (``TorchStageExecutor(measure_activations=True)``: the same saved-tensor
-    ``ActivationMeter``, the module's weights excluded, the received input kept, the output
-    held), added when the forward ends and taken off when its microbatch's backward reaches
-    the output (a tensor hook on it: the full backward, or the input-gradient pass of a
-    split one; torch runs the first stage's whole split backward in its weight pass). On one
-    thread, with no task between, that is the executor's ``held_peak`` (a forward's bytes
-    from its start to the end of the backward that frees them).
+    """The activation meter of a torch run, on one rank, inside its stage modules (the
+    ``PeerStage``'s ``forward``; any module's through ``run``, and a loss computed outside
+    the module through ``loss``): each training forward's bytes measured as the executor's
+    meter measures an rrfp_async task's (``TorchStageExecutor(measure_activations=True)``:
+    the same saved-tensor ``ActivationMeter``, the module's weights excluded, the received
+    input kept, the output held), added when the forward ends and taken off when its
+    microbatch's backward reaches the output (a tensor hook on it: the full backward, or
+    the input-gradient pass of a split one; torch runs the first stage's whole split
+    backward in its weight pass). On one thread, with no task between, that is the
+    executor's ``held_peak`` (a forward's bytes from its start to the end of the backward
+    that frees them).
 
     The first stage's input is torch's view of the whole padded batch (torch splits it);
     the executor's is the microbatch's own tensor. So here its storage is excluded and the
@@ -153,9 +155,22 @@ class LiveBytes:
 
     def forward(self, mod: PeerStage, x: torch.Tensor) -> torch.Tensor:
         """``mod``'s forward of ``x``, measured."""
-        weights = self._weights.get(mod.vstage)
+        return self.run(mod.vstage, int(x[0, 0, -META + 1]), mod, mod.compute, x)
+
+    def run(
+        self,
+        stage: int,
+        mb: int,
+        module: nn.Module,
+        fn: Callable[[torch.Tensor], torch.Tensor],
+        x: torch.Tensor,
+    ) -> torch.Tensor:
+        """``fn(x)``, the forward of microbatch ``mb`` on virtual stage ``stage`` (of
+        ``module``, whose weights never count), measured and held until its backward
+        reaches the output."""
+        weights = self._weights.get(stage)
         if weights is None:
-            weights = self._weights[mod.vstage] = weight_storages(mod)
+            weights = self._weights[stage] = weight_storages(module)
         own = 0
         keep = [x]
         if not x.requires_grad:  # the first stage's data: a view of torch's batch
@@ -163,9 +178,9 @@ class LiveBytes:
             weights, keep = weights | {(s.device, s.data_ptr())}, []
             own = x.numel() * x.element_size()
         with self.meter.measure(exclude=weights, keep=keep) as m:
-            out = mod.compute(x)
+            out = fn(x)
             m.hold([out])
-        key = (mod.vstage, int(x[0, 0, -META + 1]))
+        key = (stage, mb)
         n = m.bytes + own
         self.bytes[key] = self._open[key] = n
         self._events.append((1, *key, n))
@@ -173,6 +188,29 @@ class LiveBytes:
         self.peak = max(self.peak, self._held)
         out.register_hook(lambda _g: self._release(key))  # type: ignore[no-untyped-call]
         return out
+
+    def loss(
+        self,
+        fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+        out: torch.Tensor,
+        target: torch.Tensor,
+    ) -> torch.Tensor:
+        """``fn(out, target)``, the loss of the last forward measured (of ``out``: torch's
+        schedule computes it right after), its bytes added to that forward's, as the
+        executor measures a last stage's loss inside its forward. ``out``'s storage counted
+        there already; the target is torch's view of its whole batch, so the loss gets a
+        copy: it counts as its own tensor where the loss keeps it, as the executor's does."""
+        sign, stage, mb, n = self._events[-1]
+        assert sign > 0, "a loss follows its forward"
+        s = out.untyped_storage()
+        with self.meter.measure(exclude={(s.device, s.data_ptr())}) as m:
+            loss = fn(out, target.clone())
+            m.hold([loss])
+        self._events[-1] = (1, stage, mb, n + m.bytes)
+        self.bytes[(stage, mb)] = self._open[(stage, mb)] = n + m.bytes
+        self._held += m.bytes
+        self.peak = max(self.peak, self._held)
+        return loss
 
     def _release(self, key: tuple[int, int]) -> None:
         n = self._open.pop(key, None)

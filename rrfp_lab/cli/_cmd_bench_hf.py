@@ -57,6 +57,13 @@ __all__ = ["bench_hf"]
     " padded tokens included. 0: real CPU compute only.",
 )
 @seed_option
+@click.option(
+    "--meter/--no-meter",
+    default=True,
+    show_default=True,
+    help="Measure every run's activation bytes on every step (the saved-tensor meter, on"
+    " for all runs alike); --no-meter: no bytes, and no meter's cost in any run's time.",
+)
 @json_option("Print the results as JSON.")
 @log_options
 def bench_hf(
@@ -74,13 +81,15 @@ def bench_hf(
     warmup: int,
     us_per_token: float,
     seed: int,
+    meter: bool,
     as_json: bool,
 ) -> None:
     """A Hugging Face GPT-2 (small config, random weights, tied wte/lm_head) split into
     pipeline stages: torch Schedule1F1B on batches padded to each step's longest sequence,
     against rrfp_async's default configuration on the real lengths and on the same padded
     batches. Real CPU compute on gloo processes (127.0.0.1), runs interleaved step by step,
-    paired per-step ratios. Needs transformers.
+    paired per-step ratios; every run's peak activation bytes per rank measured on every step
+    by one saved-tensor meter (--no-meter: none). Needs transformers.
     """
     try:
         import transformers  # noqa: F401
@@ -105,6 +114,7 @@ def bench_hf(
                 warmup_steps=warmup,
                 us_per_token=us_per_token,
                 seed=seed,
+                meter=meter,
             )
             for p in (stages or (2, 4))
         ]
@@ -133,10 +143,23 @@ def _print(res: dict[str, Any]) -> None:
         f" {c['seqs']} sequences of {c['min_len']}-{c['max_len']} tokens; {emulated}; median"
         f" of {c['steps']} steps after {c['warmup_steps']} warm-up; padding to the step's"
         f" longest computes {tok['padding_factor']:.2f}x the real tokens",
-        ("run", "data", "step s", "torch / this (paired: median, min-max)"),
+        (
+            "run",
+            "data",
+            "step s",
+            "torch / this (paired: median, min-max)",
+            "peak MiB",
+            "bytes vs torch",
+        ),
         left={"run", "data"},
     )
-    t.add_row("torch Schedule1F1B", "padded", f"{res['step_s']['torch padded']:.4f}", "1.00x")
+    t.add_row(
+        "torch Schedule1F1B",
+        "padded",
+        f"{res['step_s']['torch padded']:.4f}",
+        "1.00x",
+        *_bytes_cells(res["bytes"], "torch padded"),
+    )
     for key, data in (("ours variable", "real lengths"), ("ours padded", "padded")):
         sp = res["speedup"][key]
         t.add_row(
@@ -144,6 +167,7 @@ def _print(res: dict[str, Any]) -> None:
             data,
             f"{res['step_s'][key]:.4f}",
             f"{sp['median']:.2f}x ({sp['min']:.2f}-{sp['max']:.2f})",
+            *_bytes_cells(res["bytes"], key),
         )
     lc = res["loss_check"]
     t.caption = (
@@ -151,6 +175,33 @@ def _print(res: dict[str, Any]) -> None:
         f" torch padded vs ours padded {lc['torch_padded_vs_ours_padded']:.1e}, ours variable"
         f" vs single-process reference {lc['ours_variable_vs_reference']:.1e}. torch's"
         " PipelineStage does not reduce tied parameters: its run all-reduces the wte/lm_head"
-        " gradient between the first and last rank after step() (timed), as a torch user must."
+        " gradient between the first and last rank after step() (timed), as a torch user must. "
+        + (
+            "peak MiB: the most activation bytes any rank held in a timed step, measured on"
+            " every step of every run by the saved-tensor meter (its cost in every run's time"
+            " alike; torch's inside its stage module, ours by the executor); torch keeps the"
+            " last stage's logits until their backward, ours only the loss; bytes vs torch:"
+            " the run's peak / torch padded's; (in parentheses) torch's order replayed on the"
+            " bytes ours measured on the real lengths: its peak and its ratio, and ours on the"
+            " real lengths / that"
+            if res["bytes"] is not None
+            else "no bytes measured (--no-meter)"
+        )
     )
     console().print(t)
+
+
+def _bytes_cells(nbytes: dict[str, Any] | None, key: str) -> tuple[str, str]:
+    """A run's peak bytes (MiB) and its ratio to torch padded's, torch's order on the real
+    lengths in parentheses; dashes without the meter."""
+    if nbytes is None:
+        return "–", "–"
+    b = nbytes[key]
+    peak, ratio = f"{b['peak_bytes'] / 2**20:.2f}", f"{b['vs_torch_padded']:.2f}x"
+    if key == "torch padded":
+        real = nbytes["torch real lengths"]
+        peak += f" ({real['peak_bytes'] / 2**20:.2f})"
+        ratio += f" ({real['vs_torch_padded']:.2f}x)"
+    elif key == "ours variable":
+        ratio += f" ({b['vs_torch_real_lengths']:.2f}x)"
+    return peak, ratio

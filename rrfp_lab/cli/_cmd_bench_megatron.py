@@ -61,6 +61,13 @@ __all__ = ["bench_megatron"]
     help="Leave out the rows with the cost-aware hint (breadth_first_weighted + each step's"
     " declared durations).",
 )
+@click.option(
+    "--meter/--no-meter",
+    default=True,
+    show_default=True,
+    help="Measure every row's activation bytes on every step (the saved-tensor meter, on"
+    " for all rows alike); --no-meter: no bytes, and no meter's cost in any row's time.",
+)
 @json_option("Print {'runs': [...]} as JSON.")
 @log_options
 def bench_megatron(
@@ -76,6 +83,7 @@ def bench_megatron(
     policies: tuple[str, ...],
     memory_factors: tuple[float, ...],
     no_cost_aware: bool,
+    meter: bool,
     as_json: bool,
 ) -> None:
     """The megatron-core drop-in vs megatron's own 1F1B and interleaved (VPP 2) schedules.
@@ -83,7 +91,8 @@ def bench_megatron(
     Real processes on gloo (127.0.0.1) with megatron-core mapped to the CPU, the same model
     chunks for every configuration: real CPU compute plus EMULATED GPU time (each stage
     sleeps a declared, seeded duration per token), configurations interleaved step by step.
-    Needs megatron-core (pip install rrfp-async[megatron]).
+    Every row's peak activation bytes per rank are measured on every step by one saved-tensor
+    meter (--no-meter: none). Needs megatron-core (pip install rrfp-async[megatron]).
     """
     from .. import MegatronBenchConfig
 
@@ -102,6 +111,7 @@ def bench_megatron(
             policies=tuple(policy_names(policies, list(base.policies))),
             memory_factors=memory_factors or base.memory_factors,
             cost_aware=not no_cost_aware,
+            meter=meter,
         )
     except ValueError as e:
         raise click.BadParameter(str(e)) from e
@@ -133,7 +143,9 @@ def bench_megatron(
                 "vs megatron\n1F1B\n(min–max)",
                 "vs megatron\ninterleaved\n(min–max)",
                 "effic.",
-                "peak",
+                "in\nflight",
+                "peak\nMiB",
+                "bytes\nvs\nmegatron\n1F1B",
             ),
             left={"configuration"},
         )
@@ -156,12 +168,33 @@ def bench_megatron(
                 *cells,
                 f"{r['efficiency']:.2f}",
                 str(r["peak_inflight"]),
+                *_bytes_cells(r),
             )
         t.caption = (
             "vs megatron: median (min–max) of megatron's step i / the row's step i;"
             " effic. = lower bound (emulated durations only) / step; hint megatron ="
             " megatron's own order of that schedule, bfw = breadth_first_weighted with each"
-            " step's declared durations; memory = admission bound (x megatron's order's);"
-            f" losses equal megatron's within {res['loss_max_diff']:.1e}"
+            " step's declared durations, default = no hint: learned from the run (sizes,"
+            " bytes, task times; within megatron's order's bytes); memory = admission bound"
+            " (x megatron's order's);"
+            f" losses equal megatron's within {res['loss_max_diff']:.1e}; in flight = the most"
+            " activations in flight on a rank (megatron's: its order's); "
+            + (
+                "peak MiB: the most activation bytes any rank held in a timed step, measured"
+                " on every step of every row by the saved-tensor meter (its cost in every"
+                " row's time alike; megatron's rows inside their chunks, the drop-in's by its"
+                " executor); bytes vs megatron 1F1B: the row's peak / megatron 1F1B's, same"
+                " workload; a VPP 2 row counts half of what its chunks measured (each stands"
+                " for half the rank's model)"
+                if cfg.meter
+                else "no bytes measured (--no-meter)"
+            )
         )
         con.print(t)
+
+
+def _bytes_cells(r: dict[str, Any]) -> tuple[str, str]:
+    """The row's peak bytes (MiB) and its ratio to megatron 1F1B's; dashes without them."""
+    if r.get("peak_bytes") is None:
+        return "–", "–"
+    return f"{r['peak_bytes'] / 2**20:.2f}", f"{r['bytes_vs_megatron_1f1b']:.2f}x"
