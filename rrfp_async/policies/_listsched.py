@@ -299,108 +299,104 @@ def _run(
     prio: Sequence[int],
     adm: Admission,
 ) -> tuple[list[list[int]], float]:
-    """``schedule_numbers`` (see the module's design note)."""
+    """``schedule_numbers`` (see the module's design note, "The loop")."""
     cap, need, freed, least = adm
     p, n = len(cap), tb.num_tasks
     rank_of, local, remote = tb.rank, tb.local, tb.remote
     heappush, heappop, heapify = heapq.heappush, heapq.heappop, heapq.heapify
-    # A ready task is one int in its rank's heap: prio * K + arrival + task, arrival
-    # counting n, 2n, ... in the order tasks became ready (so equal priorities go by
-    # readiness, and task = entry % n). An event is (time, seq + x): seq counts 2n,
-    # 4n, ... in the order events were made (same-time events apply in that order), x is
-    # a task that ends or, from n on, n + a task whose input message arrives.
-    big = (n + 1) * n
-    two_n = 2 * n
+    # Each rank's ready tasks in two heaps of ints (first-chunk forwards, the rest):
+    # prio * (n + 1) + arrival, arrival counting the tasks in the order they became ready
+    # (``ready[arrival]`` is the task).
+    big = n + 1
+    ready = [0] * big
     heaps: list[list[int]] = [[] for _ in range(2 * p)]
     home = list(map(heaps.__getitem__, tb.heap))
     free, gated = heaps[:p], heaps[p:]
     missing = tb.producers.copy()
     arrival = 0
     for t in tb.initial:
-        arrival += n
-        heappush(home[t], prio[t] * big + arrival + t)
-    used = [0] * p
+        arrival += 1
+        ready[arrival] = t
+        heappush(home[t], prio[t] * big + arrival)
+    room = list(cap)  # each rank's bound less what it holds and has reserved
     busy = [False] * p
     orders: list[list[int]] = [[] for _ in range(p)]
     start = [o.append for o in orders]
-    events: list[tuple[float, int]] = []
+    # Events: (time, stamp + x), x a task that ends or n + a task whose input message
+    # arrives; stamps (multiples of 2n) grow in the order events are made, ranks in rank
+    # order within one dispatch round.
+    two_n = 2 * n
+    round_stamps = p * two_n
+    rank_stamp = [r * two_n for r in range(p)]
+    inf = float("inf")
+    events: list[tuple[float, int]] = [(inf, 0)]  # a sentinel: never empty
     seq = 0
     now = 0.0
-    todo = list(range(p))  # ranks an event touched: only they can start something new
-    fifo: list[int] = []  # messages that arrive now, after this instant's earlier events
+    todo = list(range(p))  # the ranks an event touched: only they can start a task
+    fifo: list[int] = []  # messages that arrive now, after this instant's other events
     while True:
-        # A free rank starts its smallest ready task that memory admits. Ranks go in rank
-        # order, so same-time ends are made in the order a scan over ranks would make them.
-        if len(todo) > 1:
-            todo.sort()
+        stamp = seq
+        seq += round_stamps
         for r in todo:
             if busy[r]:
                 continue
             fh = free[r]
             gh = gated[r]
+            t = -1
             if gh:
-                room = cap[r] - used[r]
                 e = gh[0]
-                if need[e % n] > room:
+                if need[ready[e % big]] <= room[r]:
+                    if not fh or e < fh[0]:
+                        t = ready[heappop(gh) % big]
+                elif least[r] <= room[r]:
                     # The head does not fit: the best one that does (a smaller microbatch
-                    # may start while a larger one waits for room), if any can.
-                    e = -1
-                    if least[r] <= room:
-                        for x in sorted(gh):
-                            if need[x % n] <= room:
-                                e = x
-                                break
-                if e >= 0 and (not fh or e < fh[0]):
-                    if e == gh[0]:
-                        heappop(gh)
-                    else:
-                        gh.remove(e)
-                        heapify(gh)
-                    t = e % n
-                    used[r] += need[t]
-                    busy[r] = True
-                    start[r](t)
-                    seq += two_n
-                    heappush(events, (now + dur[t], seq + t))
+                    # may start while a larger one waits for room), if any.
+                    for e in sorted(gh):
+                        if need[ready[e % big]] <= room[r]:
+                            if not fh or e < fh[0]:
+                                gh.remove(e)
+                                heapify(gh)
+                                t = ready[e % big]
+                            break
+            if t < 0:
+                if not fh:
                     continue
-            if fh:
-                t = heappop(fh) % n
-                busy[r] = True
-                start[r](t)
-                seq += two_n
-                heappush(events, (now + dur[t], seq + t))
+                t = ready[heappop(fh) % big]
+            room[r] -= need[t]
+            busy[r] = True
+            start[r](t)
+            heappush(events, (now + dur[t], stamp + rank_stamp[r] + t))
         todo.clear()
-        if not events:
+        at, code = heappop(events)
+        if at == inf:
             break
-        # Apply every event of this instant before anyone starts a task, so that a
-        # same-time arrival competes with the others on priority, not on event order.
-        now, code = heappop(events)
-        while True:
+        now = at
+        while True:  # every event of this instant, in the order they were made
             x = code % two_n
-            more = bool(events) and events[0][0] <= now
+            more = events[0][0] <= now
             if x < n:  # a task ended
                 r = rank_of[x]
                 busy[r] = False
                 todo.append(r)
-                f = freed[x]
-                if f:
-                    used[r] -= f
+                room[r] += freed[x]
                 for c in local[x]:
                     left = missing[c] - 1
                     missing[c] = left
                     if not left:
-                        arrival += n
-                        heappush(home[c], prio[c] * big + arrival + c)
+                        arrival += 1
+                        ready[arrival] = c
+                        heappush(home[c], prio[c] * big + arrival)
                 if lat is None:
-                    if more or fifo:  # they arrive after this instant's other events
+                    if more or fifo:
                         fifo += remote[x]
-                    else:
+                    else:  # the instant's last event: its messages are next anyway
                         for c in remote[x]:
                             left = missing[c] - 1
                             missing[c] = left
                             if not left:
-                                arrival += n
-                                heappush(home[c], prio[c] * big + arrival + c)
+                                arrival += 1
+                                ready[arrival] = c
+                                heappush(home[c], prio[c] * big + arrival)
                                 todo.append(rank_of[c])
                 else:
                     for c in remote[x]:
@@ -408,33 +404,37 @@ def _run(
                         if at == now:
                             fifo.append(c)
                         else:
-                            seq += two_n
                             heappush(events, (at, seq + n + c))
+                            seq += two_n
             else:  # a message arrived: its task waits for one input less
                 c = x - n
                 left = missing[c] - 1
                 missing[c] = left
                 if not left:
-                    arrival += n
-                    heappush(home[c], prio[c] * big + arrival + c)
+                    arrival += 1
+                    ready[arrival] = c
+                    heappush(home[c], prio[c] * big + arrival)
                     todo.append(rank_of[c])
             if not more:
                 break
             code = heappop(events)[1]
-        for c in fifo:
-            left = missing[c] - 1
-            missing[c] = left
-            if not left:
-                arrival += n
-                heappush(home[c], prio[c] * big + arrival + c)
-                todo.append(rank_of[c])
-        fifo.clear()
+        if fifo:  # messages of this instant, in the order they were sent
+            for c in fifo:
+                left = missing[c] - 1
+                missing[c] = left
+                if not left:
+                    arrival += 1
+                    ready[arrival] = c
+                    heappush(home[c], prio[c] * big + arrival)
+                    todo.append(rank_of[c])
+            fifo.clear()
     if sum(map(len, orders)) != n:
         tasks = tb.tasks
         raise HintError(  # pragma: no cover - the reservation rule makes this unreachable
             "list scheduling stalled: "
             + ", ".join(
-                f"rank {r} ready {[tasks[e % n] for e in free[r] + gated[r]]}" for r in range(p)
+                f"rank {r} ready {[tasks[ready[e % big]] for e in free[r] + gated[r]]}"
+                for r in range(p)
             )
         )
     return orders, now
