@@ -15,7 +15,8 @@ the plan tag hashes, each rank's position bytes and planned times; or the error'
 message when the build is refused. ``--dump`` writes the records, ``--check`` builds them
 again and names every case that differs (exit status 1).
 
-``--quick`` takes every fourth case (a smoke run).
+``--quick`` takes about one case in four (a smoke run). ``--digests`` writes the digests
+of about one case in 40, which ``tests/policies/test_plan_recorded.py`` holds the planner to.
 """
 
 from __future__ import annotations
@@ -27,7 +28,8 @@ import itertools
 import json
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from functools import partial
 from typing import Any
 
 import rrfp_async as rr
@@ -125,8 +127,8 @@ def attempt(fn: Any, *args: Any, **kw: Any) -> tuple[rr.StepSchedule | None, dic
     return s, record(s)
 
 
-def cases(quick: bool) -> Iterator[tuple[str, list[dict[str, Any]]]]:
-    n = 0
+def cases() -> Iterator[tuple[str, Callable[[], list[dict[str, Any]]]]]:
+    """Every case: its name, and what builds its records."""
     for (p, m), (chunks, placement, split), workload in itertools.product(
         SHAPES, LAYOUTS, WORKLOADS
     ):
@@ -138,27 +140,26 @@ def cases(quick: bool) -> Iterator[tuple[str, list[dict[str, Any]]]]:
             split_backward=split,
         )
         big = p * m * chunks >= 512
+        seed = (p * 1000 + m * 10 + chunks) * 7
         for hint in HINTS if not big else HINTS[:2]:
             for latency in (0.0, 0.002) if not big else (0.0,):
-                seed0 = (p * 1000 + m * 10 + chunks) * 7
-                steps = [sizes(plan, workload, seed0 + i, latency) for i in range(STEPS)]
                 modes = [("bytes", *x) for x in BYTE_MODES] + [("count", *x) for x in COUNT_MODES]
                 for mode in modes:
-                    n += 1
-                    if quick and n % 4:
-                        continue
                     name = f"P{p} M{m} V{chunks} {placement} split={split} {workload}"
                     name += f" hint={hint} latency={latency} {mode}"
-                    yield name, run_case(plan, hint, steps, mode)
+                    yield name, partial(run_case, plan, hint, workload, seed, latency, mode)
 
 
 def run_case(
     plan: rr.StepPlan,
     hint: str,
-    steps: list[tuple[rr.Durations, rr.ActivationBytes]],
+    workload: str,
+    seed: int,
+    latency: float,
     mode: tuple[str, str, Any],
 ) -> list[dict[str, Any]]:
     """The first build and each later step's ``with_durations``, as records."""
+    steps = [sizes(plan, workload, seed + i, latency) for i in range(STEPS)]
     kind, arg, value = mode
     d0, b0 = steps[0]
     kw: dict[str, Any] = {}
@@ -185,15 +186,43 @@ def run_case(
     return out
 
 
+def in_subset(name: str, every: int) -> bool:
+    """Whether a case is one of about one in ``every`` (by a hash of its name)."""
+    return int(hashlib.sha256(name.encode()).hexdigest()[:8], 16) % every == 0
+
+
+def digest(records: list[dict[str, Any]]) -> str:
+    """sha256[:16] of a case's records."""
+    return hashlib.sha256(json.dumps(records, sort_keys=True).encode()).hexdigest()[:16]
+
+
+RECORDED_EVERY = 40
+"""``--digests`` records about one case in this many (``tests/data/plans_recorded.json``)."""
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     g = ap.add_mutually_exclusive_group(required=True)
     g.add_argument("--dump", metavar="FILE")
     g.add_argument("--check", metavar="FILE")
+    g.add_argument("--digests", metavar="FILE", help="write the digests of a subset (JSON)")
     ap.add_argument("--quick", action="store_true")
     a = ap.parse_args()
     t0 = time.perf_counter()
-    got = dict(cases(a.quick))
+    if a.digests:
+        picked = {n: digest(build()) for n, build in cases() if in_subset(n, RECORDED_EVERY)}
+        note = (
+            f"StepSchedule.build / with_durations records ({len(picked)} cases, about one in"
+            f" {RECORDED_EVERY} of scripts/planner_equivalence.py's) as built by rrfp_async"
+            f" {rr.__version__}: sha256[:16] of each case's records"
+        )
+        with open(a.digests, "w") as f:
+            json.dump({"note": note, "digests": picked}, f, indent=0)
+            f.write("\n")
+        print(f"wrote {len(picked)} digests to {a.digests} ({time.perf_counter() - t0:.1f} s)")
+        return
+    every = 4 if a.quick else 1
+    got = {n: build() for n, build in cases() if in_subset(n, every)}
     elapsed = time.perf_counter() - t0
     steps = sum(len(v) for v in got.values())
     errors = sum(1 for v in got.values() for r in v if "error" in r)
