@@ -41,7 +41,8 @@ How: a list schedule per candidate key set, and the candidate that ends sooner.
 3. Each is simulated on the declared durations (this module: events in a heap, each rank's
    ready tasks in two heaps, admission by reservation as above: ``O(T log T)`` for ``T``
    tasks), and each rank's start order is the hint; the candidate whose orders, run
-   strictly (``strict_timeline``), end first is the step's hint.
+   strictly (``strict_timeline``), end first is the step's hint (the first on a tie). The
+   run's own end is that time (see "The loop" below): no strict run is needed to compare.
 
 Why not more: a far stronger search over the same information gains little.
 ``scripts/planner_bound.py`` anneals over the list schedule's keys (thousands to tens of
@@ -50,8 +51,47 @@ simulator with the seeded noise, beat these two candidates by a few percent, mos
 planned gain lost to the noise; the same search given the *realized* durations, a
 clairvoyant planner, gains more but still stays short of 1.3x strict 1F1B at P = 8 x M = 32
 multimodal (BENCHMARKS.md, "Speed at equal bytes"). What stops a faster step at the same
-bytes is the budget and the noise the plan cannot see, not the search. Planning cost: see
-``_ahead`` (``PlanAhead`` builds the next step's hint while this one runs).
+bytes is the budget and the noise the plan cannot see, not the search.
+
+The loop: what a plan per step costs, and why it is what it is
+--------------------------------------------------------------
+
+A loop that learns a step's sizes only when the step is called (the drop-ins) plans on the
+critical path, every step: ``StepSchedule.with_durations`` runs the two candidates above
+and takes the budget from the reference order. The time is almost all in the two list
+schedules (``_run``): pure Python, one event per task end and per message, a few heap
+operations per task. What keeps it small:
+
+* Nothing per step that a plan's shape decides: ``PlanTables`` (each task's rank, its
+  consumers on its rank and off it, its producer count, which heap it waits in, what it
+  reserves and frees when memory is a count) and the reference order's task numbers
+  (``_schedule``) are built once per plan; a step brings only durations and bytes.
+* Integers, not tuples, in the heaps: a task's priority is an int (``priorities``: the rank
+  of its key; the built-in hints compute it from the declared work by one sort), and a
+  ready task is ``prio * (T + 1) + arrival``, ``arrival`` counting the tasks in the order
+  they became ready (``ready[arrival]`` is the task), so equal keys go by readiness
+  exactly as a heap of ``(key, arrival)`` did, on ints small enough for CPython's fast
+  paths.
+* Same-time events in the order they were made, without sorting: an event's stamp grows
+  with each dispatch round and, within one, with the rank (the order a scan over ranks
+  would make them); a zero-latency message is applied at once when its sender's end is
+  the instant's last event, and after the instant's other events otherwise (where a
+  heap of ``(time, seq)`` would have put it).
+* The planned end without a second pass: each task of the candidate starts at the end of
+  its rank's previous task or when its last input arrives, whichever is later (a rank
+  that is free, with the task ready and admitted, starts something at once, and that is
+  the task its order records next; admission changes only when the rank itself starts or
+  ends a task, so a task it could not admit then stays refused until its own start).
+  That is the strict run of the orders, float for float: the run's last end is
+  ``strict_timeline``'s makespan of its orders.
+* No checks of what holds by construction: a list schedule's order is a valid hint (every
+  task once, after its producers: the run ended), and within the bound or budget (the
+  reservation rule), so ``StepSchedule`` neither validates it nor checks its budget.
+
+All of it leaves the schedules as they were, bit for bit (``scripts/planner_equivalence.py``,
+``tests/policies/test_plan_recorded.py``). What is left at P = 16 x M = 64 is the two runs
+themselves, about 2 x 2 048 tasks (figures: BENCHMARKS.md, "Planning cost"); a loop that
+knows the next step's sizes a step ahead builds it in a worker instead (``PlanAhead``).
 """
 
 from __future__ import annotations
