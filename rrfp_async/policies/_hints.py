@@ -252,7 +252,8 @@ def _remaining_work(plan: StepPlan, durations: Durations) -> list[float]:
     split = plan.split_backward
     # Numbers of virtual stage v, microbatch mb: forward v*m + mb, backward cell + v*m + mb,
     # W 2*cell + v*m + mb: a microbatch's tasks of one kind are the slice [base + mb :: m].
-    # The sums run in the order of the loops they replace, so they are the same floats.
+    # Each sum adds in the order of the chain (backwards from stage 0 up, forwards from the
+    # last stage down), so a key is the same float however it is computed.
     if split:
         out[2 * cell :] = dur[2 * cell :]  # a W task's own time: nothing follows it
     for mb in range(m):
@@ -306,6 +307,7 @@ class _HintTables(NamedTuple):
 
 @lru_cache(maxsize=16)
 def _hint_tables(plan: StepPlan) -> _HintTables:
+    """``_HintTables`` of ``plan`` (cached, as ``_listsched.plan_tables``)."""
     tasks = plan.graph.tasks
     n = len(tasks)
     keys = [(_KIND_FIRST[t.kind], t.mb, -t.stage if t.kind == "F" else t.stage) for t in tasks]

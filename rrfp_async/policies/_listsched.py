@@ -272,9 +272,8 @@ class PlanTables:
         remote: Each task's consumers on other ranks (their input is a message).
         producers: How many producers each task waits for.
         initial: The tasks ready at the start, in ``plan.all_tasks()`` order.
-        gated: Whether the task is a first-chunk forward (admitted against the bound).
-        heap: Which ready heap holds the task: its rank (``free``), or the rank plus P
-            (``gated``).
+        heap: Which ready heap holds the task: its rank (``free``), or the rank plus P for
+            a first-chunk forward (``gated``: admitted against the bound).
         count_need: Counting activations, what each task's dispatch reserves: a
             first-chunk forward a slot for each of the rank's chunks, any other task 0.
         count_freed: Counting activations, what each task's end frees: 1 for a backward
@@ -287,7 +286,6 @@ class PlanTables:
         "count_freed",
         "count_need",
         "delta",
-        "gated",
         "heap",
         "initial",
         "local",
@@ -319,9 +317,9 @@ class PlanTables:
         self.remote = [tuple(c for c in g.consumers[t] if rank[c] != rank[t]) for t in range(n)]
         self.producers = [len(x) for x in g.producers]
         self.initial = [t for ids in g.by_rank for t in ids if not self.producers[t]]
-        self.gated = [t < nf and t // m == self.stages[rank[t]][0] for t in range(n)]
-        self.heap = [rank[t] + p * self.gated[t] for t in range(n)]
-        self.count_need = [self.chunks[rank[t]] if self.gated[t] else 0 for t in range(n)]
+        gated = [t < nf and t // m == self.stages[rank[t]][0] for t in range(n)]
+        self.heap = [rank[t] + p * gated[t] for t in range(n)]
+        self.count_need = [self.chunks[rank[t]] if gated[t] else 0 for t in range(n)]
         self.count_freed = [int(nf <= t < nb) for t in range(n)]
         self.delta = [1 if t < nf else -1 if t < nb else 0 for t in range(n)]
 
