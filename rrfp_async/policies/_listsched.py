@@ -67,7 +67,8 @@ operations per task. What keeps it small:
   reserves and frees when memory is a count) and the reference order's task numbers
   (``_schedule``) are built once per plan; a step brings only durations and bytes.
 * Integers, not tuples, in the heaps: a task's priority is an int (``priorities``: the rank
-  of its key; the built-in hints compute it from the declared work by one sort), and a
+  of its key; ``breadth_first_weighted`` ranks by declared work with one sort, and
+  ``backward_first``'s depend on the plan alone), and a
   ready task is ``prio * (T + 1) + arrival``, ``arrival`` counting the tasks in the order
   they became ready (``ready[arrival]`` is the task), so equal keys go by readiness
   exactly as a heap of ``(key, arrival)`` did, on ints small enough for CPython's fast
@@ -77,13 +78,13 @@ operations per task. What keeps it small:
   would make them); a zero-latency message is applied at once when its sender's end is
   the instant's last event, and after the instant's other events otherwise (where a
   heap of ``(time, seq)`` would have put it).
-* The planned end without a second pass: each task of the candidate starts at the end of
-  its rank's previous task or when its last input arrives, whichever is later (a rank
-  that is free, with the task ready and admitted, starts something at once, and that is
-  the task its order records next; admission changes only when the rank itself starts or
-  ends a task, so a task it could not admit then stays refused until its own start).
-  That is the strict run of the orders, float for float: the run's last end is
-  ``strict_timeline``'s makespan of its orders.
+* The planned end without a strict run: in the list schedule each task starts as soon as
+  its rank's previous task has ended and its inputs are there. A free rank with a ready,
+  admitted task starts one at once, and it is the next of the rank's order; a ready next
+  task is never refused by memory while its rank is free, since only the rank's own
+  starts and ends change what it admits (refused, it would never start). That is how
+  ``strict_timeline`` runs the orders, with the same sums: the run's last end is their
+  strict makespan, float for float (``tests/policies/test_listsched.py`` holds it).
 * No checks of what holds by construction: a list schedule's order is a valid hint (every
   task once, after its producers: the run ended), and within the bound or budget (the
   reservation rule), so ``StepSchedule`` neither validates it nor checks its budget.
