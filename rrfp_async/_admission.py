@@ -56,6 +56,8 @@ it stops when ``inflight + m`` alone exceeds the bound.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from itertools import accumulate
+from operator import attrgetter
 
 from ._tasks import Task, activation_delta
 
@@ -65,11 +67,11 @@ __all__ = ["AdmissionLedger", "hint_peak"]
 def hint_peak(order: Sequence[Task]) -> int:
     """The most activations in flight when ``order`` runs strictly, start to end (a count;
     ``_memory.weighted_peak`` gives bytes)."""
-    c = peak = 0
-    for t in order:
-        c += activation_delta(t.kind)
-        peak = max(peak, c)
-    return peak
+    return max(accumulate(map(_DELTAS.__getitem__, map(_kind, order)), initial=0))
+
+
+_DELTAS = {k: activation_delta(k) for k in ("F", "B", "I", "W")}
+_kind = attrgetter("kind")
 
 
 class AdmissionLedger:

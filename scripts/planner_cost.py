@@ -8,7 +8,8 @@ one, as a training loop does: ``schedule.with_durations(durations, activation_by
 
 * ``inline``: that call's wall time, median (and largest) over steps: what a loop pays
   between two steps when it plans on the critical path. Byte budget (the default of
-  ``simulate`` and the drop-ins with bytes) and count bound.
+  ``simulate`` and the drop-ins with bytes) and count bound. Then its CPU time (the
+  thread's): on a shared host, the wall time less the waits for a core.
 * ``ahead``: the same build submitted to ``PlanAhead`` (a worker process, and a worker
   thread) when step N starts; step N is
   emulated by ``--step-ms`` of waiting with the interpreter's lock free (a host waiting on
@@ -57,14 +58,16 @@ def main() -> None:
         f" CPU (switch interval {sys.getswitchinterval() * 1e3:g} ms)"
     )
 
-    inline_b, inline_c = [], []
+    inline_b, inline_c, cpu_b, cpu_c = [], [], [], []
     for d, nb in steps[1:]:
-        t = time.perf_counter()
+        t, c = time.perf_counter(), time.thread_time()
         by_bytes.with_durations(d, nb)
         inline_b.append(time.perf_counter() - t)
-        t = time.perf_counter()
+        cpu_b.append(time.thread_time() - c)
+        t, c = time.perf_counter(), time.thread_time()
         counted.with_durations(d)
         inline_c.append(time.perf_counter() - t)
+        cpu_c.append(time.thread_time() - c)
 
     ahead: dict[str, tuple[list[float], list[float]]] = {}
     for worker in ("process", "thread"):
@@ -88,8 +91,8 @@ def main() -> None:
     def ms(xs: list[float]) -> str:
         return f"{statistics.median(xs) * 1e3:.2f} ms (max {max(xs) * 1e3:.2f})"
 
-    print(f"inline, byte budget:     {ms(inline_b)}")
-    print(f"inline, count bound:     {ms(inline_c)}")
+    print(f"inline, byte budget:     {ms(inline_b)}; CPU {ms(cpu_b)}")
+    print(f"inline, count bound:     {ms(inline_c)}; CPU {ms(cpu_c)}")
     for worker, (blocked, late) in ahead.items():
         print(
             f"ahead ({worker}), byte budget: {ms(blocked)} blocked after a {a.step_ms:g} ms"

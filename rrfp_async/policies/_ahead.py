@@ -1,11 +1,11 @@
 """Planning the next step while this one runs: ``PlanAhead``.
 
 A cost-aware hint is built from the step's own sizes (``StepSchedule.with_durations``). At
-P = 16 x M = 64 that is a pure-Python list schedule of 2048 tasks (two, under a byte budget,
-plus the checks): more than a step can pay between two steps (``scripts/planner_cost.py``;
-BENCHMARKS.md, "Speed at equal bytes"). The sizes of
-step N+1 are known before step N ends (the data loader prefetches its batch), so the plan
-for N+1 can be built while step N runs and be ready when it ends.
+P = 16 x M = 64 that is a pure-Python list schedule of 2048 tasks (two, under a byte budget):
+more than a step should pay between two steps (``scripts/planner_cost.py``; BENCHMARKS.md,
+"Planning cost"). The sizes of step N+1 are known before step N ends (the data loader
+prefetches its batch), so the plan for N+1 can be built while step N runs and be ready when
+it ends.
 
 ``PlanAhead`` owns one worker. ``submit`` hands it ``schedule.with_durations(...)`` and
 returns at once with a ``concurrent.futures.Future``; ``result()`` on it after step N is the
@@ -13,8 +13,8 @@ schedule for N+1 (or the ``PlanError`` / ``HintError`` the build raised), equal 
 inline call returns. One worker, so builds finish in the order they were submitted.
 
 The worker is a process by default (``worker="process"``, started with ``spawn``): a build
-in a thread would hold the interpreter's lock for tens of milliseconds in slices, and the
-step's loop would wake late (by up to ``sys.getswitchinterval()``, or more on a busy host;
+in a thread holds the interpreter's lock for milliseconds in slices, and the step's loop
+can wake late while it runs (by up to ``sys.getswitchinterval()``, or more on a busy host;
 ``scripts/planner_cost.py`` measures it). The process keeps the schedules it built, so a
 step derived from the previous result sends only its durations and bytes; what comes back
 is the pickled schedule, unpickled on the pool's result thread. ``worker="thread"`` avoids

@@ -34,7 +34,10 @@ except ``zb_h1`` (which defers it) and the list-scheduled ones (which place it b
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
-from typing import TypeAlias
+from functools import lru_cache
+from itertools import accumulate, chain
+from operator import add
+from typing import NamedTuple, Protocol, TypeAlias
 
 from .._check import check_type, describe
 from .._costs import Durations
@@ -42,7 +45,7 @@ from .._errors import HintError, PlanError, RRFPError
 from .._memory import ActivationBytes
 from .._tasks import StepPlan, Task
 from ._bounds import default_bounds, microbatches_per_round
-from ._listsched import list_schedule_keys, strict_timeline
+from ._listsched import admission, priorities, schedule_numbers
 from ._validate import validate_hint
 
 __all__ = [
@@ -247,23 +250,73 @@ def _remaining_work(plan: StepPlan, durations: Durations) -> list[float]:
     cell = nv * m
     out = [0.0] * len(dur)
     split = plan.split_backward
+    # Numbers of virtual stage v, microbatch mb: forward v*m + mb, backward cell + v*m + mb,
+    # W 2*cell + v*m + mb: a microbatch's tasks of one kind are the slice [base + mb :: m].
+    # Each sum adds in the order of the chain (backwards from stage 0 up, forwards from the
+    # last stage down), so a key is the same float however it is computed.
+    if split:
+        out[2 * cell :] = dur[2 * cell :]  # a W task's own time: nothing follows it
     for mb in range(m):
-        # Backward chain from stage 0 upwards: work from B(v) to the end = sum_{u<=v} B(u).
-        acc_b = 0.0
-        for v in range(0 if plan.forward_only else nv):  # a forward-only step: no backward
-            f = v * m + mb
-            acc_b += dur[cell + f]
+        # Backward chain from stage 0 upwards: work from B(v) to the end = sum_{u<=v} B(u)
+        # (with W(u) after each I(u)).
+        total = 0.0
+        if not plan.forward_only:  # a forward-only step: no backward
+            back = dur[cell + mb : 2 * cell : m]
             if split:
-                w = dur[2 * cell + f]
-                acc_b += w
-                out[2 * cell + f] = w
-            out[cell + f] = acc_b
-        acc_f = acc_b
-        for v in reversed(range(nv)):
-            f = v * m + mb
-            acc_f += dur[f]
-            out[f] = acc_f
+                pairs = zip(back, dur[2 * cell + mb :: m], strict=True)  # I(v), then W(v)
+                acc = list(accumulate(chain.from_iterable(pairs), initial=0.0))[2::2]
+            else:
+                acc = list(accumulate(back, initial=0.0))[1:]
+            out[cell + mb : 2 * cell : m] = acc
+            total = acc[-1]
+        fwd = list(accumulate(reversed(dur[mb:cell:m]), initial=total))[1:]
+        fwd.reverse()
+        out[mb:cell:m] = fwd
     return out
+
+
+def _work_priorities(plan: StepPlan, durations: Durations) -> list[int]:
+    """Each task's priority (``_listsched.schedule_numbers``) by the key ``(-remaining work,
+    microbatch, stage)``.
+
+    Equal keys belong to the tasks of one stage and microbatch (``F`` and its ``B``, or
+    ``F``, ``I`` and ``W``), which wait for each other and are never ready together: so the
+    ranks may as well be all different (in number order), and a sort by work alone over
+    the tasks in (microbatch, stage) order gives them.
+    """
+    work = _remaining_work(plan, durations)
+    order = sorted(_hint_tables(plan).by_mb_stage, key=work.__getitem__, reverse=True)
+    prio = [0] * len(order)
+    for i, t in enumerate(order):
+        prio[t] = i
+    return prio
+
+
+class _HintTables(NamedTuple):
+    """What the list-scheduled hints need of a plan beyond its sizes (``_hint_tables``)."""
+
+    by_mb_stage: list[int]
+    """Task numbers in (microbatch, stage) order (number order within)."""
+    forward_later: list[int]
+    """Added to a priority, puts every ``F`` / ``W`` after every ``B`` / ``I``."""
+    backward_first: list[int]
+    """``backward_first``'s priorities (they depend on the plan alone)."""
+    bounds: list[int]
+    """``default_bounds``."""
+
+
+@lru_cache(maxsize=16)
+def _hint_tables(plan: StepPlan) -> _HintTables:
+    """``_HintTables`` of ``plan`` (cached, as ``_listsched.plan_tables``)."""
+    tasks = plan.graph.tasks
+    n = len(tasks)
+    keys = [(_KIND_FIRST[t.kind], t.mb, -t.stage if t.kind == "F" else t.stage) for t in tasks]
+    return _HintTables(
+        by_mb_stage=sorted(range(n), key=lambda t: (tasks[t].mb, tasks[t].stage)),
+        forward_later=[0 if t.kind in ("B", "I") else n for t in tasks],
+        backward_first=priorities(keys),
+        bounds=default_bounds(plan),
+    )
 
 
 def breadth_first_weighted(
@@ -286,24 +339,38 @@ def breadth_first_weighted(
     budget) memory is bytes: a forward starts only when its microbatch's bytes fit the
     rank's budget (``_listsched``), so the hint never holds more bytes than the budget.
     """
+    return _as_tasks(plan, _bfw_numbers(plan, durations, nbytes=nbytes, budgets=budgets))
+
+
+def _bfw_numbers(
+    plan: StepPlan,
+    durations: Durations | None,
+    *,
+    nbytes: ActivationBytes | None = None,
+    budgets: Sequence[int] | None = None,
+) -> list[list[int]]:
+    """``breadth_first_weighted`` as task numbers."""
     d = _declared(plan, durations)
-    work = _remaining_work(plan, d)
-    keys = [(-w, t[2], t[0]) for w, t in zip(work, plan.graph.tasks, strict=True)]
+    prio = _work_priorities(plan, d)
+    dur, lat = d.by_number(plan)
     if nbytes is not None and budgets is not None:
         # Under a byte budget the heaviest-first rule can hold the room a backward's chain
         # needs; a second candidate runs ready backwards first (then forwards by remaining
-        # work), and the plan that ends sooner on the declared durations is the hint.
-        first = list_schedule_keys(plan, d, keys, budgets, nbytes)
-        kinds = [0 if t[1] in ("B", "I") else 1 for t in plan.graph.tasks]
-        keys2 = [(k, *key) for k, key in zip(kinds, keys, strict=True)]
-        second = list_schedule_keys(plan, d, keys2, budgets, nbytes)
-        return min((first, second), key=lambda h: _planned_makespan(plan, h, d))
-    return list_schedule_keys(plan, d, keys, default_bounds(plan))
+        # work), and the plan that ends sooner on the declared durations is the hint (the
+        # first on a tie).
+        adm = admission(plan, budgets, nbytes)
+        first, end = schedule_numbers(plan, prio, adm, dur, lat)
+        prio2 = list(map(add, prio, _hint_tables(plan).forward_later))
+        second, end2 = schedule_numbers(plan, prio2, adm, dur, lat)
+        return second if end2 < end else first
+    adm = admission(plan, _hint_tables(plan).bounds)
+    return schedule_numbers(plan, prio, adm, dur, lat)[0]
 
 
-def _planned_makespan(plan: StepPlan, hint: dict[int, list[Task]], d: Durations) -> float:
-    """When ``hint``, run strictly on the declared durations ``d``, ends."""
-    return max(end for _, end in strict_timeline(plan, hint, d).values())
+def _as_tasks(plan: StepPlan, orders: list[list[int]]) -> dict[int, list[Task]]:
+    """Each rank's order of task numbers as ``Task`` s."""
+    tasks = plan.graph.tasks
+    return {r: list(map(tasks.__getitem__, ids)) for r, ids in enumerate(orders)}
 
 
 _KIND_FIRST = {"B": 0, "I": 0, "F": 1, "W": 2}
@@ -324,14 +391,25 @@ def backward_first(
     V = 1 this reproduces 1F1B exactly; with unequal costs it adapts 1F1B to them. With
     ``nbytes`` and ``budgets``, within byte budgets (see ``breadth_first_weighted``).
     """
+    return _as_tasks(plan, _backward_first_numbers(plan, durations, nbytes=nbytes, budgets=budgets))
+
+
+def _backward_first_numbers(
+    plan: StepPlan,
+    durations: Durations | None,
+    *,
+    nbytes: ActivationBytes | None = None,
+    budgets: Sequence[int] | None = None,
+) -> list[list[int]]:
+    """``backward_first`` as task numbers."""
     d = _declared(plan, durations)
-    keys = [
-        (_KIND_FIRST[t.kind], t.mb, -t.stage if t.kind == "F" else t.stage)
-        for t in plan.graph.tasks
-    ]
+    dur, lat = d.by_number(plan)
+    tables = _hint_tables(plan)
     if nbytes is not None and budgets is not None:
-        return list_schedule_keys(plan, d, keys, budgets, nbytes)
-    return list_schedule_keys(plan, d, keys, default_bounds(plan))
+        adm = admission(plan, budgets, nbytes)
+    else:
+        adm = admission(plan, tables.bounds)
+    return schedule_numbers(plan, tables.backward_first, adm, dur, lat)[0]
 
 
 def backward_forward_warmup(
@@ -346,7 +424,29 @@ def backward_forward_warmup(
     return interleaved_1f1b(plan, durations)
 
 
-BYTE_AWARE = frozenset({"breadth_first_weighted", "backward_first"})
+class _NumberedHint(Protocol):
+    """A list-scheduled hint generator that returns each rank's order as task numbers."""
+
+    def __call__(
+        self,
+        plan: StepPlan,
+        durations: Durations | None,
+        *,
+        nbytes: ActivationBytes | None = None,
+        budgets: Sequence[int] | None = None,
+    ) -> list[list[int]]: ...
+
+
+LIST_SCHEDULED: dict[str, _NumberedHint] = {
+    "breadth_first_weighted": _bfw_numbers,
+    "backward_first": _backward_first_numbers,
+}
+"""The list-scheduled hints by canonical name, as generators of task numbers (the orders
+``HINTS`` gives as tasks). Their hints are valid by construction (each rank's order is the
+order its tasks started in a run that ended), and within their bounds or byte budgets (the
+reservation rule of ``_listsched``): ``StepSchedule`` builds them without checking."""
+
+BYTE_AWARE = frozenset(LIST_SCHEDULED)
 """The built-in hints that are built under byte budgets when the step's activation bytes
 are known (``StepSchedule.build(activation_bytes=...)``); the others are fixed orders."""
 

@@ -41,7 +41,8 @@ How: a list schedule per candidate key set, and the candidate that ends sooner.
 3. Each is simulated on the declared durations (this module: events in a heap, each rank's
    ready tasks in two heaps, admission by reservation as above: ``O(T log T)`` for ``T``
    tasks), and each rank's start order is the hint; the candidate whose orders, run
-   strictly (``strict_timeline``), end first is the step's hint.
+   strictly (``strict_timeline``), end first is the step's hint (the first on a tie). The
+   run's own end is that time (see "The loop" below): no strict run is needed to compare.
 
 Why not more: a far stronger search over the same information gains little.
 ``scripts/planner_bound.py`` anneals over the list schedule's keys (thousands to tens of
@@ -50,15 +51,56 @@ simulator with the seeded noise, beat these two candidates by a few percent, mos
 planned gain lost to the noise; the same search given the *realized* durations, a
 clairvoyant planner, gains more but still stays short of 1.3x strict 1F1B at P = 8 x M = 32
 multimodal (BENCHMARKS.md, "Speed at equal bytes"). What stops a faster step at the same
-bytes is the budget and the noise the plan cannot see, not the search. Planning cost: see
-``_ahead`` (``PlanAhead`` builds the next step's hint while this one runs).
+bytes is the budget and the noise the plan cannot see, not the search.
+
+The loop: what a plan per step costs, and why it is what it is
+--------------------------------------------------------------
+
+A loop that learns a step's sizes only when the step is called (the drop-ins) plans on the
+critical path, every step: ``StepSchedule.with_durations`` runs the two candidates above
+and takes the budget from the reference order. The time is almost all in the two list
+schedules (``_run``): pure Python, one event per task end and per message, a few heap
+operations per task. What keeps it small:
+
+* Nothing per step that a plan's shape decides: ``PlanTables`` (each task's rank, its
+  consumers on its rank and off it, its producer count, which heap it waits in, what it
+  reserves and frees when memory is a count) and the reference order's task numbers
+  (``_schedule``) are built once per plan; a step brings only durations and bytes.
+* Integers, not tuples, in the heaps: a task's priority is an int (``priorities``: the rank
+  of its key; ``breadth_first_weighted`` ranks by declared work with one sort, and
+  ``backward_first``'s depend on the plan alone), and a
+  ready task is ``prio * (T + 1) + arrival``, ``arrival`` counting the tasks in the order
+  they became ready (``ready[arrival]`` is the task), so equal keys go by readiness
+  exactly as a heap of ``(key, arrival)`` did, on ints small enough for CPython's fast
+  paths.
+* Same-time events in the order they were made, without sorting: an event's stamp grows
+  with each dispatch round and, within one, with the rank (the order a scan over ranks
+  would make them); a zero-latency message is applied at once when its sender's end is
+  the instant's last event, and after the instant's other events otherwise (where a
+  heap of ``(time, seq)`` would have put it).
+* The planned end without a strict run: in the list schedule each task starts as soon as
+  its rank's previous task has ended and its inputs are there. A free rank with a ready,
+  admitted task starts one at once, and it is the next of the rank's order; a ready next
+  task is never refused by memory while its rank is free, since only the rank's own
+  starts and ends change what it admits (refused, it would never start). That is how
+  ``strict_timeline`` runs the orders, with the same sums: the run's last end is their
+  strict makespan, float for float (``tests/policies/test_listsched.py`` holds it).
+* No checks of what holds by construction: a list schedule's order is a valid hint (every
+  task once, after its producers: the run ended), and within the bound or budget (the
+  reservation rule), so ``StepSchedule`` neither validates it nor checks its budget.
+
+All of it leaves the schedules as they were, bit for bit (``scripts/planner_equivalence.py``,
+``tests/policies/test_plan_recorded.py``). What is left at P = 16 x M = 64 is the two runs
+themselves, about 2 x 2 048 tasks (figures: BENCHMARKS.md, "Planning cost"); a loop that
+knows the next step's sizes a step ahead builds it in a worker instead (``PlanAhead``).
 """
 
 from __future__ import annotations
 
 import heapq
 from collections.abc import Callable, Sequence
-from typing import Any
+from functools import lru_cache
+from typing import Any, NamedTuple
 
 from .._costs import Durations
 from .._errors import HintError, PlanError
@@ -103,263 +145,338 @@ def list_schedule_keys(
         HintError: A bound is too small for the rank's chunks.
         PlanError: With ``nbytes``: a microbatch's bytes on a rank exceed its budget.
     """
-    p = plan.stages
-    topo = plan.topology
-    first_stage = [topo.stages_of(r)[0] for r in range(p)]
-    chunks = [len(topo.stages_of(r)) for r in range(p)]
-    if nbytes is not None:
-        return _list_schedule_bytes(plan, durations, keys, bounds, nbytes, first_stage)
-    for r in range(p):
-        if bounds[r] < chunks[r]:
-            raise HintError(
-                f"rank {r}: admission bound {bounds[r]} is below its {chunks[r]} chunks; a"
-                " microbatch could not pass through all of them"
-            )
-    # Tasks are numbers here (``plan.graph``): lists indexed by them, not dicts of Tasks.
-    # Each rank's ready tasks, in two heaps of (key, arrival, task): the first-chunk
-    # forwards (``gated``), which memory admits all together or none (the test does not
-    # depend on the task), and the rest (``free``), always admitted. ``arrival`` counts
-    # the tasks in the order they became ready, so the smaller of the two admitted heads
-    # is exactly the first task with the smallest key in arrival order: what ``min`` over
-    # an arrival-ordered ready list would pick (the O(ready) scan this replaces, kept as
-    # the oracle in tests/policies/test_listsched.py).
-    g = plan.graph
-    rank_of, consumers, tasks = g.rank, g.consumers, g.tasks
-    m = plan.microbatches
-    nf = g.num_forward  # numbers below are forwards
-    nb = nf + g.num_backward  # numbers from nf below nb are B / I
+    adm = admission(plan, bounds, nbytes)
     dur, lat = durations.by_number(plan)
-    free: list[list[tuple[Any, int, int]]] = [[] for _ in range(p)]
-    gated: list[list[tuple[Any, int, int]]] = [[] for _ in range(p)]
-    heappush, heappop = heapq.heappush, heapq.heappop
-    arrival = 0
+    orders, _ = schedule_numbers(plan, priorities(keys), adm, dur, lat)
+    tasks = plan.graph.tasks
+    return {r: [tasks[t] for t in ids] for r, ids in enumerate(orders)}
 
-    def make_ready(t: int) -> None:
-        nonlocal arrival
-        r = rank_of[t]
-        arrival += 1
-        heap = gated[r] if t < nf and t // m == first_stage[r] else free[r]
-        heappush(heap, (keys[t], arrival, t))
 
-    missing = [len(x) for x in g.producers]
-    for ids in g.by_rank:  # every task in ``plan.all_tasks()`` order: the arrival order
-        for t in ids:
-            if not missing[t]:
-                make_ready(t)
-    held = [0] * p
-    reserved = [0] * p
-    busy = [False] * p
-    order: dict[int, list[int]] = {r: [] for r in range(p)}
-    events: list[tuple[float, int, int, int]] = []  # (time, seq, 0=done / 1=arrive, task)
-    seq = 0
-    now = 0.0
-    remaining = plan.num_tasks
+def priorities(keys: Sequence[Any]) -> list[int]:
+    """Each key's rank among ``keys`` (0 for the smallest; equal keys, equal ranks): the
+    priorities ``schedule_numbers`` takes."""
+    order = sorted(range(len(keys)), key=keys.__getitem__)
+    prio = [0] * len(keys)
+    k = 0
+    prev = keys[order[0]] if order else None
+    for t in order:
+        key = keys[t]
+        if prev < key:
+            k += 1
+        prio[t] = k
+        prev = key
+    return prio
 
-    def dispatch(r: int) -> None:
-        nonlocal seq
-        fh = free[r]
-        gh = gated[r] if held[r] + reserved[r] + chunks[r] <= bounds[r] else None
-        if gh and (not fh or gh[0] < fh[0]):
-            t = heappop(gh)[2]
-        elif fh:
-            t = heappop(fh)[2]
-        else:
-            return
-        if t < nf:
-            held[r] += 1
-            if t // m == first_stage[r]:
-                reserved[r] += chunks[r] - 1
-            else:
-                reserved[r] -= 1  # a later chunk uses the slot its first chunk reserved
-        busy[r] = True
-        order[r].append(t)
-        seq += 1
-        heappush(events, (now + dur[t], seq, 0, t))
 
-    # Only a rank that an event touched (a task of its own ended, or one became ready) can
-    # dispatch something it could not before; they dispatch in rank order, as all would.
-    touched = set(range(p))
-    while remaining:
-        for r in sorted(touched):
-            if not busy[r] and (free[r] or gated[r]):
-                dispatch(r)
-        touched.clear()
-        if not events:
-            raise HintError(  # pragma: no cover - the reservation rule makes this unreachable
-                "list scheduling stalled: "
-                + ", ".join(
-                    f"rank {r} ready {[tasks[e[2]] for e in free[r] + gated[r]]}" for r in range(p)
+class Admission(NamedTuple):
+    """What memory admits on each rank, as ``schedule_numbers`` takes it (``admission``).
+
+    A rank admits a first-chunk forward when its ``need`` fits the rank's ``cap`` less
+    what the rank holds and has reserved; starting it reserves ``need`` (the slots, or the
+    bytes, of the microbatch's every chunk there), a later chunk's forward uses what its
+    first reserved, and a backward's end frees its forward's share (``freed``).
+
+    Attributes:
+        cap: Each rank's bound: activations, or bytes.
+        need: What each task reserves when it starts (0 for all but first-chunk forwards).
+        freed: What each task's end frees (0 for all but ``B`` / ``I``).
+        least: Each rank's smallest ``need`` (below it, no first-chunk forward fits).
+    """
+
+    cap: Sequence[int]
+    need: list[int]
+    freed: list[int]
+    least: list[int]
+
+
+def admission(
+    plan: StepPlan, bounds: Sequence[int], nbytes: ActivationBytes | None = None
+) -> Admission:
+    """The ``Admission`` of ``bounds`` (activations), or with ``nbytes`` of byte budgets.
+
+    Raises:
+        HintError: A bound is too small for the rank's chunks.
+        PlanError: With ``nbytes``: a microbatch's bytes on a rank exceed its budget.
+    """
+    tb = plan_tables(plan)
+    if nbytes is None:
+        for r, c in enumerate(tb.chunks):
+            if bounds[r] < c:
+                raise HintError(
+                    f"rank {r}: admission bound {bounds[r]} is below its {c} chunks; a"
+                    " microbatch could not pass through all of them"
                 )
-            )
-        # Apply every event of this instant before anyone dispatches, so that a same-time
-        # arrival competes with the others on priority, not on event order.
-        now = events[0][0]
-        while events and events[0][0] <= now:
-            _, _, what, t = heappop(events)
-            if what == 1:  # a message arrived: its task has one input less
-                n = missing[t] - 1
-                missing[t] = n
-                if n == 0:
-                    make_ready(t)
-                    touched.add(rank_of[t])
-                continue
-            r = rank_of[t]
-            busy[r] = False
-            touched.add(r)
-            remaining -= 1
-            if nf <= t < nb:
-                held[r] -= 1
-            for c in consumers[t]:
-                if rank_of[c] == r:
-                    n = missing[c] - 1
-                    missing[c] = n
-                    if n == 0:
-                        make_ready(c)
-                        touched.add(r)
-                else:
-                    seq += 1
-                    heappush(events, (now + (lat[c] if lat is not None else 0.0), seq, 1, c))
-    return {r: [tasks[t] for t in ts] for r, ts in order.items()}
-
-
-def _list_schedule_bytes(
-    plan: StepPlan,
-    durations: Durations,
-    keys: Sequence[Any],
-    budgets: Sequence[int],
-    nbytes: ActivationBytes,
-    first_stage: list[int],
-) -> dict[int, list[Task]]:
-    """``list_schedule_keys`` under byte budgets (see the module's design note)."""
+        return Admission(bounds, tb.count_need, tb.count_freed, tb.chunks)
     nbytes.check_plan(plan)
-    p = plan.stages
-    topo = plan.topology
-    g = plan.graph
-    rank_of, consumers, tasks = g.rank, g.consumers, g.tasks
     m = plan.microbatches
-    nf = g.num_forward
-    nb = nf + g.num_backward
     rows = nbytes.rows()
-    w = [x for row in rows for x in row]  # forward number -> bytes
-    # need[r][mb]: the bytes a microbatch holds on rank r once all its chunks there ran.
-    need = [[sum(rows[v][i] for v in topo.stages_of(r)) for i in range(m)] for r in range(p)]
-    for r in range(p):
-        i = max(range(m), key=need[r].__getitem__)
-        if need[r][i] > budgets[r]:
+    need = [0] * tb.num_tasks
+    least = []
+    for r, stages in enumerate(tb.stages):
+        # What a microbatch holds on rank r once all its chunks there ran.
+        total = (
+            rows[stages[0]]
+            if len(stages) == 1
+            else [sum(col) for col in zip(*(rows[v] for v in stages), strict=True)]
+        )
+        i = max(range(m), key=total.__getitem__)
+        if total[i] > bounds[r]:
             raise PlanError(
-                f"rank {r}: microbatch {i} alone stashes {format_bytes(need[r][i])} of"
+                f"rank {r}: microbatch {i} alone stashes {format_bytes(total[i])} of"
                 f" activations on its stages there, more than the rank's byte budget"
-                f" {format_bytes(budgets[r])}: raise memory_budget or split the microbatch"
+                f" {format_bytes(bounds[r])}: raise memory_budget or split the microbatch"
             )
-    dur, lat = durations.by_number(plan)
-    free: list[list[tuple[Any, int, int]]] = [[] for _ in range(p)]
-    gated: list[list[tuple[Any, int, int]]] = [[] for _ in range(p)]
-    heappush, heappop = heapq.heappush, heapq.heappop
+        first = stages[0] * m  # the number of the forward of microbatch 0 there
+        need[first : first + m] = total
+        least.append(min(total))
+    freed = [0] * tb.num_tasks
+    if tb.num_backward:  # a backward's number is its forward's plus num_forward
+        freed[tb.num_forward : 2 * tb.num_forward] = [x for row in rows for x in row]
+    return Admission(bounds, need, freed, least)
+
+
+def schedule_numbers(
+    plan: StepPlan,
+    prio: Sequence[int],
+    adm: Admission,
+    dur: list[float],
+    lat: list[float] | None,
+) -> tuple[list[list[int]], float]:
+    """The list schedule on task numbers (``plan.graph``): each rank's start order, and
+    when the step ends as planned (the time ``strict_timeline`` gives these orders: see the
+    module's design note).
+
+    Args:
+        plan: The step plan.
+        prio: Each task's priority: the smallest ready, admitted one starts first; of
+            equal ones, the one that became ready first.
+        adm: What memory admits (``admission``).
+        dur: Each task's declared duration (``Durations.by_number``).
+        lat: Each task's input message latency, or None.
+    """
+    return _run(plan_tables(plan), dur, lat, prio, adm)
+
+
+class PlanTables:
+    """What a list schedule of a plan needs that does not depend on the step's sizes, as
+    lists indexed by task number (``plan.graph``): built once per plan (``plan_tables``).
+
+    Attributes:
+        num_tasks: Tasks of the step.
+        tasks: Each number's task.
+        num_forward: Forwards (numbers ``0 .. num_forward - 1``).
+        num_backward: ``B`` / ``I`` tasks (the numbers after the forwards).
+        stages: Each rank's virtual stages, in chunk order.
+        chunks: Each rank's number of chunks.
+        rank: Each task's rank.
+        local: Each task's consumers on its own rank.
+        remote: Each task's consumers on other ranks (their input is a message).
+        producers: How many producers each task waits for.
+        initial: The tasks ready at the start, in ``plan.all_tasks()`` order.
+        heap: Which ready heap holds the task: its rank (``free``), or the rank plus P for
+            a first-chunk forward (``gated``: admitted against the bound).
+        count_need: Counting activations, what each task's dispatch reserves: a
+            first-chunk forward a slot for each of the rank's chunks, any other task 0.
+        count_freed: Counting activations, what each task's end frees: 1 for a backward
+            (``B`` / ``I``), 0 for any other task.
+        delta: Each task's change of its rank's activations in flight (+1, -1, 0).
+    """
+
+    __slots__ = (
+        "chunks",
+        "count_freed",
+        "count_need",
+        "delta",
+        "heap",
+        "initial",
+        "local",
+        "num_backward",
+        "num_forward",
+        "num_tasks",
+        "producers",
+        "rank",
+        "remote",
+        "stages",
+        "tasks",
+    )
+
+    def __init__(self, plan: StepPlan) -> None:
+        g = plan.graph
+        p, m = plan.stages, plan.microbatches
+        n = len(g.tasks)
+        nf = g.num_forward
+        nb = nf + g.num_backward
+        rank = g.rank
+        self.tasks = g.tasks
+        self.num_tasks = n
+        self.num_forward = nf
+        self.num_backward = g.num_backward
+        self.stages = [plan.topology.stages_of(r) for r in range(p)]
+        self.chunks = [len(s) for s in self.stages]
+        self.rank = rank
+        self.local = [tuple(c for c in g.consumers[t] if rank[c] == rank[t]) for t in range(n)]
+        self.remote = [tuple(c for c in g.consumers[t] if rank[c] != rank[t]) for t in range(n)]
+        self.producers = [len(x) for x in g.producers]
+        self.initial = [t for ids in g.by_rank for t in ids if not self.producers[t]]
+        gated = [t < nf and t // m == self.stages[rank[t]][0] for t in range(n)]
+        self.heap = [rank[t] + p * gated[t] for t in range(n)]
+        self.count_need = [self.chunks[rank[t]] if gated[t] else 0 for t in range(n)]
+        self.count_freed = [int(nf <= t < nb) for t in range(n)]
+        self.delta = [1 if t < nf else -1 if t < nb else 0 for t in range(n)]
+
+
+@lru_cache(maxsize=16)
+def plan_tables(plan: StepPlan) -> PlanTables:
+    """``PlanTables`` of ``plan`` (cached: steps of one shape plan on the same tables)."""
+    return PlanTables(plan)
+
+
+def _run(
+    tb: PlanTables,
+    dur: list[float],
+    lat: list[float] | None,
+    prio: Sequence[int],
+    adm: Admission,
+) -> tuple[list[list[int]], float]:
+    """``schedule_numbers`` (see the module's design note, "The loop")."""
+    cap, need, freed, least = adm
+    p, n = len(cap), tb.num_tasks
+    rank_of, local, remote = tb.rank, tb.local, tb.remote
+    heappush, heappop, heapify = heapq.heappush, heapq.heappop, heapq.heapify
+    # Each rank's ready tasks in two heaps of ints (first-chunk forwards, the rest):
+    # prio * (n + 1) + arrival, arrival counting the tasks in the order they became ready
+    # (``ready[arrival]`` is the task).
+    big = n + 1
+    ready = [0] * big
+    heaps: list[list[int]] = [[] for _ in range(2 * p)]
+    home = list(map(heaps.__getitem__, tb.heap))
+    free, gated = heaps[:p], heaps[p:]
+    missing = tb.producers.copy()
     arrival = 0
-
-    def make_ready(t: int) -> None:
-        nonlocal arrival
-        r = rank_of[t]
+    for t in tb.initial:
         arrival += 1
-        heap = gated[r] if t < nf and t // m == first_stage[r] else free[r]
-        heappush(heap, (keys[t], arrival, t))
-
-    missing = [len(x) for x in g.producers]
-    for ids in g.by_rank:
-        for t in ids:
-            if not missing[t]:
-                make_ready(t)
-    held = [0] * p
-    reserved = [0] * p
+        ready[arrival] = t
+        heappush(home[t], prio[t] * big + arrival)
+    room = list(cap)  # each rank's bound less what it holds and has reserved
     busy = [False] * p
-    order: dict[int, list[int]] = {r: [] for r in range(p)}
-    events: list[tuple[float, int, int, int]] = []
+    orders: list[list[int]] = [[] for _ in range(p)]
+    start = [o.append for o in orders]
+    # Events: (time, stamp + x), x a task that ends or n + a task whose input message
+    # arrives; stamps (multiples of 2n) grow in the order events are made, ranks in rank
+    # order within one dispatch round.
+    two_n = 2 * n
+    round_stamps = p * two_n
+    rank_stamp = [r * two_n for r in range(p)]
+    inf = float("inf")
+    events: list[tuple[float, int]] = [(inf, 0)]  # a sentinel: never empty
     seq = 0
     now = 0.0
-    remaining = plan.num_tasks
-
-    def pick_gated(r: int) -> tuple[Any, int, int] | None:
-        """The best ready first-chunk forward of rank ``r`` that fits its budget now."""
-        gh = gated[r]
-        if not gh:
-            return None
-        room = budgets[r] - held[r] - reserved[r]
-        needs = need[r]
-        head = gh[0]
-        if needs[head[2] % m] <= room:
-            return head
-        for e in sorted(gh):
-            if needs[e[2] % m] <= room:
-                return e
-        return None
-
-    def dispatch(r: int) -> None:
-        nonlocal seq
-        fh = free[r]
-        ge = pick_gated(r)
-        if ge is not None and (not fh or ge < fh[0]):
-            gh = gated[r]
-            if ge is gh[0]:
-                heappop(gh)
-            else:
-                gh.remove(ge)
-                heapq.heapify(gh)
-            t = ge[2]
-        elif fh:
-            t = heappop(fh)[2]
-        else:
-            return
-        if t < nf:
-            held[r] += w[t]
-            if t // m == first_stage[r]:
-                reserved[r] += need[r][t % m] - w[t]
-            else:
-                reserved[r] -= w[t]  # a later chunk uses the room its first chunk reserved
-        busy[r] = True
-        order[r].append(t)
-        seq += 1
-        heappush(events, (now + dur[t], seq, 0, t))
-
-    touched = set(range(p))
-    while remaining:
-        for r in sorted(touched):
-            if not busy[r] and (free[r] or gated[r]):
-                dispatch(r)
-        touched.clear()
-        if not events:
-            raise HintError(  # pragma: no cover - the reservation rule makes this unreachable
-                "list scheduling under byte budgets stalled: "
-                + ", ".join(
-                    f"rank {r} ready {[tasks[e[2]] for e in free[r] + gated[r]]}" for r in range(p)
-                )
-            )
-        now = events[0][0]
-        while events and events[0][0] <= now:
-            _, _, what, t = heappop(events)
-            if what == 1:
-                n = missing[t] - 1
-                missing[t] = n
-                if n == 0:
-                    make_ready(t)
-                    touched.add(rank_of[t])
+    todo = list(range(p))  # the ranks an event touched: only they can start a task
+    fifo: list[int] = []  # messages that arrive now, after this instant's other events
+    while True:
+        stamp = seq
+        seq += round_stamps
+        for r in todo:
+            if busy[r]:
                 continue
-            r = rank_of[t]
-            busy[r] = False
-            touched.add(r)
-            remaining -= 1
-            if nf <= t < nb:
-                held[r] -= w[t - nf]
-            for c in consumers[t]:
-                if rank_of[c] == r:
-                    n = missing[c] - 1
-                    missing[c] = n
-                    if n == 0:
-                        make_ready(c)
-                        touched.add(r)
+            fh = free[r]
+            gh = gated[r]
+            t = -1
+            if gh:
+                e = gh[0]
+                if need[ready[e % big]] <= room[r]:
+                    if not fh or e < fh[0]:
+                        t = ready[heappop(gh) % big]
+                elif least[r] <= room[r]:
+                    # The head does not fit: the best one that does (a smaller microbatch
+                    # may start while a larger one waits for room), if any.
+                    for e in sorted(gh):
+                        if need[ready[e % big]] <= room[r]:
+                            if not fh or e < fh[0]:
+                                gh.remove(e)
+                                heapify(gh)
+                                t = ready[e % big]
+                            break
+            if t < 0:
+                if not fh:
+                    continue
+                t = ready[heappop(fh) % big]
+            room[r] -= need[t]
+            busy[r] = True
+            start[r](t)
+            heappush(events, (now + dur[t], stamp + rank_stamp[r] + t))
+        todo.clear()
+        at, code = heappop(events)
+        if at == inf:
+            break
+        now = at
+        while True:  # every event of this instant, in the order they were made
+            x = code % two_n
+            more = events[0][0] <= now
+            if x < n:  # a task ended
+                r = rank_of[x]
+                busy[r] = False
+                todo.append(r)
+                room[r] += freed[x]
+                for c in local[x]:
+                    left = missing[c] - 1
+                    missing[c] = left
+                    if not left:
+                        arrival += 1
+                        ready[arrival] = c
+                        heappush(home[c], prio[c] * big + arrival)
+                if lat is None:
+                    if more or fifo:
+                        fifo += remote[x]
+                    else:  # the instant's last event: its messages are next anyway
+                        for c in remote[x]:
+                            left = missing[c] - 1
+                            missing[c] = left
+                            if not left:
+                                arrival += 1
+                                ready[arrival] = c
+                                heappush(home[c], prio[c] * big + arrival)
+                                todo.append(rank_of[c])
                 else:
-                    seq += 1
-                    heappush(events, (now + (lat[c] if lat is not None else 0.0), seq, 1, c))
-    return {r: [tasks[t] for t in ts] for r, ts in order.items()}
+                    for c in remote[x]:
+                        at = now + lat[c]
+                        if at == now:
+                            fifo.append(c)
+                        else:
+                            heappush(events, (at, seq + n + c))
+                            seq += two_n
+            else:  # a message arrived: its task waits for one input less
+                c = x - n
+                left = missing[c] - 1
+                missing[c] = left
+                if not left:
+                    arrival += 1
+                    ready[arrival] = c
+                    heappush(home[c], prio[c] * big + arrival)
+                    todo.append(rank_of[c])
+            if not more:
+                break
+            code = heappop(events)[1]
+        if fifo:  # messages of this instant, in the order they were sent
+            for c in fifo:
+                left = missing[c] - 1
+                missing[c] = left
+                if not left:
+                    arrival += 1
+                    ready[arrival] = c
+                    heappush(home[c], prio[c] * big + arrival)
+                    todo.append(rank_of[c])
+            fifo.clear()
+    if sum(map(len, orders)) != n:
+        tasks = tb.tasks
+        raise HintError(  # pragma: no cover - the reservation rule makes this unreachable
+            "list scheduling stalled: "
+            + ", ".join(
+                f"rank {r} ready {[tasks[ready[e % big]] for e in free[r] + gated[r]]}"
+                for r in range(p)
+            )
+        )
+    return orders, now
 
 
 def strict_sweep(

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
+from functools import lru_cache
+from itertools import accumulate
 
 from .._admission import AdmissionLedger, hint_peak
 from .._check import check_count, check_type, describe
@@ -19,8 +21,8 @@ from .._memory import (
 )
 from .._tasks import StepPlan, Task
 from ._bounds import default_bound, resolve_bounds
-from ._hints import BYTE_AWARE, HINTS, HintFn, canonical_hint_name, check_durations, make_hint
-from ._listsched import strict_timeline
+from ._hints import LIST_SCHEDULED, HintFn, canonical_hint_name, check_durations, make_hint
+from ._listsched import plan_tables, strict_timeline
 from ._validate import Hint, validate_hint
 
 __all__ = ["RankProgram", "StepSchedule", "reference_orders"]
@@ -227,21 +229,26 @@ class StepSchedule:
         memory_budget: MemoryBudget | None,
     ) -> StepSchedule:
         """``build`` with memory in bytes (see ``rrfp_async._memory``'s design note)."""
-        reference = reference_orders(plan)
-        ref = [weighted_peak(reference[r], nbytes) for r in range(plan.stages)]
+        weights = _signed_bytes(plan, nbytes)
+        ref = [_peak(ids, weights) for ids in _reference_numbers(plan)]
         name = canonical_hint_name(hint) if isinstance(hint, str) else None
-        if name is not None and name in BYTE_AWARE:
+        if name is not None and name in LIST_SCHEDULED:
             budgets = resolve_budgets(plan, ref, memory_budget)
-            gen = HINTS[name]
-            orders: Hint = gen(plan, durations, nbytes=nbytes, budgets=budgets)  # type: ignore[call-arg]
-            validate_hint(plan, orders)
+            ids = LIST_SCHEDULED[name](plan, durations, nbytes=nbytes, budgets=budgets)
+            # A list schedule is a valid hint within the budgets by construction
+            # (``_listsched``): nothing to check.
+            delta = plan_tables(plan).delta
+            tasks = plan.graph.tasks
+            orders: Hint = {r: tuple(map(tasks.__getitem__, x)) for r, x in enumerate(ids)}
+            peaks = [_peak(x, delta) for x in ids]
         else:
             name, orders = _resolve_hint(plan, hint, durations)
             # A fixed order: the default budget is what it holds itself (or 1F1B, if more).
             ref = [max(a, weighted_peak(orders[r], nbytes)) for r, a in enumerate(ref)]
             budgets = resolve_budgets(plan, ref, memory_budget)
-        check_budgets(plan, orders, nbytes, budgets, ref, memory_budget)
-        counts = [max(default_bound(plan, r), hint_peak(orders[r])) for r in range(plan.stages)]
+            check_budgets(plan, orders, nbytes, budgets, ref, memory_budget)
+            peaks = [hint_peak(orders[r]) for r in range(plan.stages)]
+        counts = [max(default_bound(plan, r), peaks[r]) for r in range(plan.stages)]
         return cls(
             plan=plan,
             hint={r: tuple(orders[r]) for r in range(plan.stages)},
@@ -460,6 +467,11 @@ def _resolve_hint(
     """
     if isinstance(hint, str):
         name = canonical_hint_name(hint)
+        gen = LIST_SCHEDULED.get(name)
+        if gen is not None:  # valid by construction: no need to validate it
+            tasks = plan.graph.tasks
+            ids = gen(plan, durations)
+            return name, {r: list(map(tasks.__getitem__, x)) for r, x in enumerate(ids)}
         return name, make_hint(name, plan, durations)
     if callable(hint):
         return getattr(hint, "__name__", "custom"), make_hint(hint, plan, durations)
@@ -478,7 +490,34 @@ def reference_orders(plan: StepPlan) -> dict[int, list[Task]]:
     a microbatch count the interleaved order does not take) the backward-first list
     schedule on equal costs, which is 1F1B's rule (a ready backward first, within 1F1B's
     count) on any plan."""
+    tasks = plan.graph.tasks
+    return {r: list(map(tasks.__getitem__, ids)) for r, ids in enumerate(_reference_numbers(plan))}
+
+
+@lru_cache(maxsize=16)
+def _reference_numbers(plan: StepPlan) -> tuple[tuple[int, ...], ...]:
+    """``reference_orders`` as task numbers, built once per plan (it depends on nothing
+    else; every step of a byte budget takes its budget from it)."""
     try:
-        return make_hint("backward_forward_warmup", plan)
+        orders = make_hint("backward_forward_warmup", plan)
     except HintError:
-        return make_hint("backward_first", plan)
+        orders = make_hint("backward_first", plan)
+    index = plan.graph.index
+    return tuple(tuple(map(index.__getitem__, orders[r])) for r in range(plan.stages))
+
+
+def _signed_bytes(plan: StepPlan, nbytes: ActivationBytes) -> list[int]:
+    """What each task number does to its rank's bytes in flight: a forward adds its bytes,
+    the backward that frees them (``B`` / ``I``) subtracts them, a ``W`` nothing: the
+    weights of ``position_weights`` by number."""
+    w = [x for row in nbytes.rows() for x in row]
+    g = plan.graph
+    if not g.num_backward:
+        return w
+    return w + [-x for x in w] + [0] * (len(g.tasks) - 2 * len(w))
+
+
+def _peak(ids: Sequence[int], weights: Sequence[int]) -> int:
+    """The largest running sum of ``weights`` over ``ids`` (0 at the start): what a rank
+    whose order is ``ids`` holds at most, run strictly (``hint_peak``, ``weighted_peak``)."""
+    return max(accumulate(map(weights.__getitem__, ids), initial=0))

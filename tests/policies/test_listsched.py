@@ -5,6 +5,11 @@ event instant; ``strict_sweep`` swept every rank until nothing moved. Both were 
 (heaps and a worklist) for the simulator's sake; the originals are kept here, verbatim, as
 oracles: on random plans, durations, latencies, bounds and priority keys (ties included)
 the new versions must give exactly the same orders, times and heads.
+
+And what the planner relies on instead of checking each step (``_listsched``'s design note,
+"The loop"): a list schedule, under a count bound or a byte budget, is a valid hint within
+it whose strict run ends exactly when the list schedule's run does; the work priorities of
+``breadth_first_weighted`` (all different) give the schedule its tied keys give.
 """
 
 from __future__ import annotations
@@ -17,13 +22,22 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from rrfp_async import Kind, StepPlan, Task, Topology
+from rrfp_async import ActivationBytes, Kind, StepPlan, Task, Topology
 from rrfp_async._costs import Durations
 from rrfp_async._errors import HintError
-from rrfp_async.policies import make_hint, validate_hint
+from rrfp_async._memory import weighted_peak
+from rrfp_async.policies import hint_peak, make_hint, validate_hint
 from rrfp_async.policies._bounds import default_bounds
-from rrfp_async.policies._hints import remaining_work
-from rrfp_async.policies._listsched import list_schedule, strict_sweep
+from rrfp_async.policies._hints import _work_priorities, remaining_work
+from rrfp_async.policies._listsched import (
+    admission,
+    list_schedule,
+    list_schedule_keys,
+    priorities,
+    schedule_numbers,
+    strict_sweep,
+    strict_timeline,
+)
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -281,3 +295,63 @@ def test_validate_finds_a_cycle_exactly_when_the_strict_sweep_stalls(
             assert f"rank {r}: done" in str(ei.value)
         else:
             assert f"rank {r}: next {hint[r][heads[r]]} waits for" in str(ei.value)
+
+
+@given(data=st.data())
+def test_a_list_schedule_is_its_own_strict_run(data: st.DataObject) -> None:
+    # What the planner relies on instead of checking (the design note, "The loop"): the
+    # orders are a valid hint within the bound or budget, and the run's end is, float for
+    # float, when those orders end run strictly. Ties in keys and times included.
+    plan = data.draw(plans())
+    d = durations_for(data.draw, plan, coarse=data.draw(st.booleans()))
+    keys = [(data.draw(st.integers(0, 3)),) for _ in plan.graph.tasks]
+    nbytes = None
+    if data.draw(st.booleans()):
+        bounds = [b + data.draw(st.integers(0, 3)) for b in default_bounds(plan)]
+    else:
+        table = [
+            [data.draw(st.integers(0, 9)) for _ in range(plan.microbatches)]
+            for _ in range(plan.num_virtual)
+        ]
+        nbytes = ActivationBytes(table)
+        need = [
+            max(
+                sum(table[v][i] for v in plan.topology.stages_of(r))
+                for i in range(plan.microbatches)
+            )
+            for r in range(plan.stages)
+        ]
+        bounds = [x + data.draw(st.integers(0, 12)) for x in need]
+    adm = admission(plan, bounds, nbytes)
+    dur, lat = d.by_number(plan)
+    orders, end = schedule_numbers(plan, priorities(keys), adm, dur, lat)
+    tasks = plan.graph.tasks
+    hint = {r: [tasks[t] for t in ids] for r, ids in enumerate(orders)}
+    assert hint == list_schedule_keys(plan, d, keys, bounds, nbytes)
+    validate_hint(plan, hint)
+    assert end == max(e for _, e in strict_timeline(plan, hint, d).values())
+    for r in range(plan.stages):
+        if nbytes is None:
+            assert hint_peak(hint[r]) <= bounds[r]
+        else:
+            assert weighted_peak(hint[r], nbytes) <= bounds[r]
+
+
+@given(data=st.data())
+def test_work_priorities_refine_the_keys_without_changing_the_schedule(
+    data: st.DataObject,
+) -> None:
+    # ``breadth_first_weighted`` ranks tasks by work with all ranks different; the keys it
+    # stands for, (-work, microbatch, stage), tie only between a task and its own
+    # descendant (never ready together), so the schedule is the one the tied keys give.
+    plan = data.draw(plans())
+    d = durations_for(data.draw, plan, coarse=True)
+    work = remaining_work(plan, d)
+    keys = [(-work[t], t.mb, t.stage) for t in plan.graph.tasks]
+    prio = _work_priorities(plan, d)
+    assert len(set(prio)) == len(prio)
+    adm = admission(plan, default_bounds(plan))
+    dur, lat = d.by_number(plan)
+    assert schedule_numbers(plan, prio, adm, dur, lat) == schedule_numbers(
+        plan, priorities(keys), adm, dur, lat
+    )
