@@ -37,12 +37,13 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--stages", type=int, default=16)
     ap.add_argument("--microbatches", type=int, default=64)
+    ap.add_argument("--chunks", type=int, default=1, help="model chunks per rank (interleaved)")
     ap.add_argument("--workload", default="multimodal")
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--step-ms", type=float, default=100.0)
     a = ap.parse_args()
     p, m = a.stages, a.microbatches
-    plan = rr.StepPlan(topology=rr.Topology(stages=p), microbatches=m)
+    plan = rr.StepPlan(topology=rr.Topology(stages=p, chunks=a.chunks), microbatches=m)
 
     def sizes(seed: int) -> tuple[rr.Durations, rr.ActivationBytes]:
         wl = rr.make_workload(a.workload, m, virtual_stages=plan.num_virtual, seed=seed)
@@ -54,7 +55,7 @@ def main() -> None:
     by_bytes = rr.StepSchedule.build(plan, "bfw", durations=d0, activation_bytes=b0)
     counted = rr.StepSchedule.build(plan, "bfw", durations=d0)
     print(
-        f"P={p} M={m} {a.workload}, bfw hint, {a.steps} steps of new sizes; wall ms on this"
+        f"P={p} x {a.chunks} chunk(s) M={m} {a.workload}, bfw hint, {a.steps} steps of new sizes; wall ms on this"
         f" CPU (switch interval {sys.getswitchinterval() * 1e3:g} ms)"
     )
 

@@ -42,10 +42,10 @@ from typing import NamedTuple, Protocol, TypeAlias
 from .._check import check_type, describe
 from .._costs import Durations
 from .._errors import HintError, PlanError, RRFPError
-from .._memory import ActivationBytes
+from .._memory import ActivationBytes, weighted_peak
 from .._tasks import StepPlan, Task
 from ._bounds import default_bounds, microbatches_per_round
-from ._listsched import admission, priorities, schedule_numbers
+from ._listsched import admission, priorities, schedule_numbers, strict_timeline
 from ._validate import validate_hint
 
 __all__ = [
@@ -362,9 +362,35 @@ def _bfw_numbers(
         first, end = schedule_numbers(plan, prio, adm, dur, lat)
         prio2 = list(map(add, prio, _hint_tables(plan).forward_later))
         second, end2 = schedule_numbers(plan, prio2, adm, dur, lat)
-        return second if end2 < end else first
+        best, best_end = (second, end2) if end2 < end else (first, end)
+        # With several chunks per rank the fixed order the budget is taken from (interleaved
+        # 1F1B) is a candidate too: the list schedules often plan a later end than it does
+        # (the design note of ``_listsched``: "The fixed order as a candidate").
+        fixed = _fixed_numbers(plan) if plan.topology.chunks > 1 else None
+        if fixed is not None and all(
+            weighted_peak(_as_tasks(plan, [o])[0], nbytes) <= b
+            for o, b in zip(fixed, budgets, strict=True)
+        ):
+            hint = _as_tasks(plan, fixed)
+            fixed_end = max(e for _, e in strict_timeline(plan, hint, d).values())
+            if fixed_end < best_end:
+                return [list(o) for o in fixed]
+        return best
     adm = admission(plan, _hint_tables(plan).bounds)
     return schedule_numbers(plan, prio, adm, dur, lat)[0]
+
+
+@lru_cache(maxsize=16)
+def _fixed_numbers(plan: StepPlan) -> list[list[int]] | None:
+    """The fixed order a byte budget is taken from (``backward_forward_warmup``: 1F1B, or
+    interleaved 1F1B with chunks) as task numbers; None where it does not apply (V-shape,
+    a split backward, a microbatch count the interleaved order does not take)."""
+    try:
+        orders = backward_forward_warmup(plan)
+    except HintError:
+        return None
+    index = plan.graph.index
+    return [[index[t] for t in orders[r]] for r in range(plan.stages)]
 
 
 def _as_tasks(plan: StepPlan, orders: list[list[int]]) -> dict[int, list[Task]]:

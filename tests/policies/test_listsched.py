@@ -28,7 +28,11 @@ from rrfp_async._errors import HintError
 from rrfp_async._memory import weighted_peak
 from rrfp_async.policies import hint_peak, make_hint, validate_hint
 from rrfp_async.policies._bounds import default_bounds
-from rrfp_async.policies._hints import _work_priorities, remaining_work
+from rrfp_async.policies._hints import (
+    _work_priorities,
+    breadth_first_weighted,
+    remaining_work,
+)
 from rrfp_async.policies._listsched import (
     admission,
     list_schedule,
@@ -355,3 +359,31 @@ def test_work_priorities_refine_the_keys_without_changing_the_schedule(
     assert schedule_numbers(plan, prio, adm, dur, lat) == schedule_numbers(
         plan, priorities(keys), adm, dur, lat
     )
+
+
+@given(data=st.data())
+def test_with_chunks_the_byte_aware_bfw_never_plans_a_later_end_than_interleaved_1f1b(
+    data: st.DataObject,
+) -> None:
+    """With several chunks, the default hint under a byte budget (the default budget: what
+    interleaved 1F1B holds) plans an end no later than interleaved 1F1B's own, run strictly
+    on the same durations (the fixed order is one of its candidates); it stays within the
+    budget. Red before the candidate: the list schedules alone planned later ends."""
+    stages = data.draw(st.integers(2, 5))
+    plan = StepPlan(
+        topology=Topology(stages=stages, chunks=2),
+        microbatches=stages * data.draw(st.integers(1, 3)),
+    )
+    fw = [[data.draw(st.floats(0.1, 5.0)) for _ in range(plan.microbatches)]] * plan.num_virtual
+    durations = Durations.from_arrays(plan, fw)
+    sizes = [data.draw(st.integers(1, 1000)) for _ in range(plan.microbatches)]
+    nbytes = ActivationBytes.from_sizes(plan, sizes)
+    fixed = make_hint("interleaved_1f1b", plan)
+    budgets = [weighted_peak(fixed[r], nbytes) for r in range(plan.stages)]
+    hint = breadth_first_weighted(plan, durations, nbytes=nbytes, budgets=budgets)
+
+    def end(h: Any) -> float:
+        return max(e for _, e in strict_timeline(plan, h, durations).values())
+
+    assert end(hint) <= end(fixed)
+    assert all(weighted_peak(hint[r], nbytes) <= budgets[r] for r in range(plan.stages))
