@@ -2,6 +2,10 @@
 
     python scripts/bench_memory.py                       # P=4/8/16, text and multimodal
     python scripts/bench_memory.py --stages 8 --microbatches 32 --workload multimodal
+    python scripts/bench_memory.py --chunks 2 --stages 4 --stages 8   # interleaved
+
+With ``--chunks 2`` the fixed order is interleaved 1F1B (in the baseline and in the
+``1f1b + bytes`` row), the order the default byte budget is then taken from.
 
 Each row simulates the same steps (sizes and realized noise fixed by the seed; jitter 0.3)
 under strict 1F1B and under the configurations below, and prints the median (and smallest)
@@ -46,12 +50,14 @@ def main() -> None:
     ap.add_argument("--workload", action="append", choices=["text", "multimodal", "uniform"])
     ap.add_argument("--seeds", type=int, default=10)
     ap.add_argument("--jitter", type=float, default=0.3)
+    ap.add_argument("--chunks", type=int, default=1, help="model chunks per rank")
     a = ap.parse_args()
     stages = a.stages or [4, 8, 16]
     workloads = a.workload or ["text", "multimodal"]
     print(
         "simulated steps (declared cost model + seeded noise, not a GPU);"
-        f" jitter {a.jitter}, {a.seeds} seeds; speedup over strict 1F1B: median (min);"
+        f" jitter {a.jitter}, {a.seeds} seeds, {a.chunks} chunk(s) per rank; speedup over"
+        " strict 1F1B (interleaved with chunks): median (min);"
         " mem: largest peak bytes / strict 1F1B's bytes"
     )
     for p in stages:
@@ -59,10 +65,14 @@ def main() -> None:
         for wl in workloads:
             speed: dict[str, list[float]] = {k: [] for k in CONFIGS}
             mem: dict[str, float] = dict.fromkeys(CONFIGS, 0.0)
+            fixed = "1f1b" if a.chunks == 1 else "interleaved_1f1b"
             for seed in range(a.seeds):
                 kw = {"stages": p, "microbatches": m, "workload": wl, "jitter": a.jitter}
-                base = simulate(hint="1f1b", policy="strict", seed=seed, **kw)
+                kw["chunks"] = a.chunks
+                base = simulate(hint=fixed, policy="strict", seed=seed, **kw)
                 for name, extra in CONFIGS.items():
+                    if extra.get("hint") == "1f1b":
+                        extra = {**extra, "hint": fixed}
                     r = simulate(seed=seed, **kw, **extra)
                     speed[name].append(base.makespan / r.makespan)
                     mem[name] = max(mem[name], r.memory_ratio)
@@ -74,7 +84,8 @@ def main() -> None:
             own = [a / b for a, b in zip(speed["default"], ref, strict=True)]
             greedy = [a / b for a, b in zip(speed["greedy"], ref, strict=True)]
             print(
-                f"P={p} M={m} {wl}: {cells}  | vs its own hint run strictly: readiness_first"
+                f"P={p} x {a.chunks} M={m} {wl}: {cells}  | vs its own hint run strictly:"
+                " readiness_first"
                 f" {statistics.median(own):.3f}x ({min(own):.3f}), greedy"
                 f" {statistics.median(greedy):.3f}x ({min(greedy):.3f})",
                 flush=True,
