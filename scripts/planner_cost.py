@@ -55,8 +55,8 @@ def main() -> None:
     by_bytes = rr.StepSchedule.build(plan, "bfw", durations=d0, activation_bytes=b0)
     counted = rr.StepSchedule.build(plan, "bfw", durations=d0)
     print(
-        f"P={p} x {a.chunks} chunk(s) M={m} {a.workload}, bfw hint, {a.steps} steps of new sizes; wall ms on this"
-        f" CPU (switch interval {sys.getswitchinterval() * 1e3:g} ms)"
+        f"P={p} x {a.chunks} chunk(s) M={m} {a.workload}, bfw hint, {a.steps} steps of new"
+        f" sizes; wall ms on this CPU (switch interval {sys.getswitchinterval() * 1e3:g} ms)"
     )
 
     inline_b, inline_c, cpu_b, cpu_c = [], [], [], []
