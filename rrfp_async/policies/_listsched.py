@@ -46,12 +46,11 @@ How: a list schedule per candidate key set, and the candidate that ends sooner.
 4. The fixed order as a candidate: with several chunks per rank, interleaved 1F1B itself
    (the order the default budget is taken from), where it fits the budgets, run strictly
    on the same durations; it is the hint when it ends strictly sooner. Why: the list
-   schedules, greedy per rank, plan worse than interleaved 1F1B's round-robin over the
-   chunks on most steps (simulated, P 4 x 16 and 8 x 32, 2 chunks, multimodal and text, 10
-   seeds: the default hint run readiness-first was 0.97x strict interleaved 1F1B, median,
-   down to 0.88x; with this candidate 1.01-1.03x, down to 0.99x); with one chunk the list
+   schedules, greedy per rank, plan later ends than interleaved 1F1B's round-robin over the
+   chunks on most steps, and without this candidate the default ran slower than the fixed
+   order it replaces (BENCHMARKS.md, "With two chunks per rank"); with one chunk the list
    schedules never planned a later end than 1F1B in ``scripts/bench_memory.py``'s steps,
-   so the candidate (one more strict run, ~1.5 ms at P 16 x M 64) is left out there.
+   so the candidate (one more strict run) is left out there.
 
 Why not more: a far stronger search over the same information gains little.
 ``scripts/planner_bound.py`` anneals over the list schedule's keys (thousands to tens of
