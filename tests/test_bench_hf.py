@@ -34,7 +34,8 @@ def test_bench_hf_prints_the_paired_ratios_and_the_loss_check() -> None:
     args = ["bench", "hf", "-p", "2", "-m", "4", "--steps", "1", "--warmup", "0"]
     args += ["--layers", "2", "--hidden", "32", "--heads", "2", "--vocab", "100"]
     args += ["--min-len", "8", "--max-len", "32", "--us-per-token", "1"]
-    res = CliRunner().invoke(main, args)
+    # A table wide enough that no cell wraps (the console is $COLUMNS wide off a terminal).
+    res = CliRunner().invoke(main, args, env={"COLUMNS": "200"})
     assert res.exit_code == 0, res.output
     out = " ".join(res.output.split())
     assert "torch Schedule1F1B" in out and "real lengths" in out

@@ -39,6 +39,7 @@ from itertools import accumulate, chain
 from operator import add
 from typing import NamedTuple, Protocol, TypeAlias
 
+from .._admission import hint_peak
 from .._check import check_type, describe
 from .._costs import Durations
 from .._errors import HintError, PlanError, RRFPError
@@ -363,21 +364,38 @@ def _bfw_numbers(
         prio2 = list(map(add, prio, _hint_tables(plan).forward_later))
         second, end2 = schedule_numbers(plan, prio2, adm, dur, lat)
         best, best_end = (second, end2) if end2 < end else (first, end)
-        # With several chunks per rank the fixed order the budget is taken from (interleaved
-        # 1F1B) is a candidate too: the list schedules often plan a later end than it does
-        # (the design note of ``_listsched``: "The fixed order as a candidate").
-        fixed = _fixed_numbers(plan) if plan.topology.chunks > 1 else None
-        if fixed is not None and all(
-            weighted_peak(_as_tasks(plan, [o])[0], nbytes) <= b
-            for o, b in zip(fixed, budgets, strict=True)
-        ):
-            hint = _as_tasks(plan, fixed)
-            fixed_end = max(e for _, e in strict_timeline(plan, hint, d).values())
-            if fixed_end < best_end:
-                return [list(o) for o in fixed]
-        return best
+        return _or_fixed(
+            plan,
+            d,
+            best,
+            best_end,
+            lambda r, order: weighted_peak(order, nbytes) <= budgets[r],
+        )
     adm = admission(plan, _hint_tables(plan).bounds)
-    return schedule_numbers(plan, prio, adm, dur, lat)[0]
+    best, best_end = schedule_numbers(plan, prio, adm, dur, lat)
+    bounds = _hint_tables(plan).bounds
+    return _or_fixed(plan, d, best, best_end, lambda r, order: hint_peak(order) <= bounds[r])
+
+
+def _or_fixed(
+    plan: StepPlan,
+    d: Durations,
+    best: list[list[int]],
+    best_end: float,
+    fits: Callable[[int, list[Task]], bool],
+) -> list[list[int]]:
+    """``best``, or, with several chunks per rank, the fixed order the default budget is
+    taken from (interleaved 1F1B) where it fits (``fits(rank, order)``) and, run strictly on
+    ``d``, ends sooner: the list schedules often plan a later end than it does (the design
+    note of ``_listsched``: "The fixed order as a candidate")."""
+    fixed = _fixed_numbers(plan) if plan.topology.chunks > 1 else None
+    if fixed is None:
+        return best
+    hint = _as_tasks(plan, fixed)
+    if not all(fits(r, hint[r]) for r in range(plan.stages)):
+        return best
+    fixed_end = max(e for _, e in strict_timeline(plan, hint, d).values())
+    return [list(o) for o in fixed] if fixed_end < best_end else best
 
 
 @lru_cache(maxsize=16)

@@ -44,7 +44,8 @@ How: a list schedule per candidate key set, and the candidate that ends sooner.
    strictly (``strict_timeline``), end first is the step's hint (the first on a tie). The
    run's own end is that time (see "The loop" below): no strict run is needed to compare.
 4. The fixed order as a candidate: with several chunks per rank, interleaved 1F1B itself
-   (the order the default budget is taken from), where it fits the budgets, run strictly
+   (the order the default budget is taken from), where it fits the budgets (or, counting
+   activations, the bounds: ``bfw`` then plans alike on uniform bytes), run strictly
    on the same durations; it is the hint when it ends strictly sooner. Why: the list
    schedules, greedy per rank, plan later ends than interleaved 1F1B's round-robin over the
    chunks on most steps, and without this candidate the default ran slower than the fixed

@@ -10,10 +10,10 @@ planned times, or the refusal's type and message, must come out the same. The wh
 (16,740 cases) runs with ``python scripts/planner_equivalence.py --check FILE`` against a
 ``--dump`` of the old code.
 
-One intended change since: four interleaved (2-chunk) ``bfw`` cases under a byte budget
-were re-recorded when the fixed order (interleaved 1F1B) became a candidate of the
-byte-aware ``bfw`` with chunks (the design note of ``_listsched``, step 4); the file's
-``note`` names them.
+One intended change since: eight interleaved (2-chunk) ``bfw`` cases (byte budgets and count
+bounds) were re-recorded when the fixed order (interleaved 1F1B) became a candidate of
+``bfw`` with chunks (the design note of ``_listsched``, step 4); the file's ``note`` names
+them.
 """
 
 from __future__ import annotations
