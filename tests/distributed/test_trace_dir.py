@@ -249,7 +249,7 @@ class _DiesMidStep:
         return torch.full((4,), float(task.mb))
 
 
-def _dies_worker(rank: int, world: int, trace_dir: str) -> dict[str, Any]:
+def _dies_worker(rank: int, world: int, trace_dir: str) -> None:
     layout = rr.ProcessLayout.from_world(pp=world)
     plan = rr.StepPlan(topology=rr.Topology(stages=world), microbatches=4)
     stage = rr.DistributedStage(
@@ -260,18 +260,20 @@ def _dies_worker(rank: int, world: int, trace_dir: str) -> dict[str, Any]:
         trace_dir=trace_dir,
     )
 
-    async def go() -> dict[str, Any]:
+    async def go() -> None:
         async with stage:
             for _ in range(KILLED_AT + 2):
                 try:
                     await stage.run_step(list(range(4)))
                 except Exception as e:  # the survivors: rank 1 is lost
-                    # The failed step's file is there the moment run_step raises.
-                    path = Path(trace_dir) / f"failed-rank{rank}.json"
-                    return {"error": type(e).__name__, "written": path.exists()}
-        return {"error": None, "written": False}
+                    # Whether the failed step's file is there the moment run_step raises
+                    # (beside the trace directory: the job's result is lost with rank 1).
+                    written = (Path(trace_dir) / f"failed-rank{rank}.json").exists()
+                    seen = {"error": type(e).__name__, "written": written}
+                    (Path(trace_dir).parent / f"seen{rank}.json").write_text(json.dumps(seen))
+                    return
 
-    return rr.run(go())
+    rr.run(go())
 
 
 @pytest.mark.distributed
@@ -295,6 +297,8 @@ def test_a_rank_killed_mid_step_leaves_the_survivors_failed_step_and_the_trace_r
         "rank2.json",
     ], names
     for r in (0, 2):
+        seen = json.loads((tmp_path / f"seen{r}.json").read_text())
+        assert seen == {"error": "PeerError", "written": True}, seen
         tr = json.loads((d / f"failed-rank{r}.json").read_text())
         meta = tr["otherData"]["rrfp"]
         (fail,) = meta["failures"]  # the marker: [rank, step, time, error, message, running]
