@@ -123,9 +123,9 @@ def trace_cmd(files: tuple[str, ...], out: str | None, png_path: str | None, as_
     for w in warnings:
         con.print(f"[yellow]warning:[/] {escape(w)}", highlight=False)
     if merged is not None:
-        files = f"{len(paths)} files" if len(paths) > 1 else "1 file"
+        count = f"{len(paths)} files" if len(paths) > 1 else "1 file"
         con.print(
-            f"merged {files} (ranks {', '.join(map(str, merged.ranks))});"
+            f"merged {count} (ranks {', '.join(map(str, merged.ranks))});"
             f" clocks: {merged.alignment}"
         )
         if merged.causality_gap > 0:
