@@ -284,3 +284,16 @@ def test_a_directory_shows_its_newest_step(tmp_path: Path) -> None:
     assert newest_trace_files(only)[1] == ""
     with pytest.raises(rr.errors.TraceError, match="no per-rank trace files"):
         newest_trace_files(tmp_path)  # its subdirectories hold them, itself none
+
+
+def test_a_partial_merge_stays_partial_when_read_back(tmp_path: Path) -> None:
+    paths = _write_parts(_whole(), tmp_path / "t")
+    out = tmp_path / "merged.json"
+    res = CliRunner().invoke(main, ["trace", str(paths[0]), str(paths[1]), "-o", str(out)])
+    assert res.exit_code == 3 and f"wrote {out}" in res.output, res.output
+    assert load_trace(out)["otherData"]["rrfp"]["merged"]["missing"] == [2]
+    res = CliRunner().invoke(main, ["trace", str(out)])
+    assert res.exit_code == 3, res.output
+    assert "this trace was merged without the trace file of rank 2" in res.output
+    res = CliRunner().invoke(main, ["trace", str(out), "--json"])
+    assert res.exit_code == 3 and json.loads(res.stdout)["complete"] is False

@@ -67,7 +67,6 @@ def trace_cmd(files: tuple[str, ...], out: str | None, png_path: str | None, as_
         raise click.BadParameter(str(e), param_hint="FILES") from None
     tr, merged = _read(paths)
     name = str(paths[0]) if len(paths) == 1 else f"{len(paths)} files merged"
-    partial = merged is not None and not merged.complete
     summ = summarize(tr)
     found = stalls(tr)
     states = _state_dumps(paths)
@@ -87,7 +86,9 @@ def trace_cmd(files: tuple[str, ...], out: str | None, png_path: str | None, as_
             "missing": list(merged.missing),
             "torn": list(merged.torn),
         }
-    warnings = _warnings(merged)
+    missing, torn = _gaps(merged, meta)
+    partial = bool(missing or torn)
+    warnings = _warnings(missing, torn, paths[0].parent, merged is None)
     if as_json:
         click.echo(
             json.dumps(
@@ -224,23 +225,45 @@ def _read(paths: list[Path]) -> tuple[dict[str, Any], MergedTrace | None]:
         return merged.chrome_trace(), merged
 
 
-def _warnings(merged: MergedTrace | None) -> list[str]:
-    """What a partial merge says of the files that were missing or torn."""
-    if merged is None:
-        return []
+def _gaps(merged: MergedTrace | None, meta: dict[str, Any]) -> tuple[list[int], list[str]]:
+    """The ranks whose files were missing and the files cut short: of this merge, or of the
+    merge that wrote this file (``otherData.rrfp.merged``: a partial picture stays one)."""
+    if merged is not None:
+        return list(merged.missing), list(merged.torn)
+    made = meta.get("merged")
+    if not isinstance(made, dict):
+        return [], []
+    missing, torn = made.get("missing", []), made.get("torn", [])
+    return (
+        [r for r in missing if isinstance(r, int)] if isinstance(missing, list) else [],
+        [t for t in torn if isinstance(t, str)] if isinstance(torn, list) else [],
+    )
+
+
+def _warnings(missing: list[int], torn: list[str], where: Path, written: bool) -> list[str]:
+    """What to say of the ranks whose files were missing and of the files cut short
+    (``written``: by the merge that wrote the file shown)."""
     out = []
-    if merged.missing:
-        rs = ", ".join(map(str, merged.missing))
-        one = len(merged.missing) == 1
-        out.append(
-            f"the trace file{'' if one else 's'} of rank{'' if one else 's'} {rs}"
-            f" {'is' if one else 'are'} missing (named by the other files' messages or"
-            f" pipeline): shown without {'it' if one else 'them'}, the halves of"
-            f" {'its' if one else 'their'} messages left out. If {'it is' if one else 'they are'}"
-            " elsewhere, name every rank's file (the directory, or a glob such as"
-            f" '{merged.files[0].parent / 'rank*.json'}')"
-        )
-    out.extend(f"torn: {t}" for t in merged.torn)
+    if missing:
+        rs = ", ".join(map(str, missing))
+        one = len(missing) == 1
+        it, its = ("it", "its") if one else ("them", "their")
+        if written:
+            out.append(
+                f"this trace was merged without the trace file{'' if one else 's'} of"
+                f" rank{'' if one else 's'} {rs} (missing then): the halves of {its} messages"
+                " are left out"
+            )
+        else:
+            out.append(
+                f"the trace file{'' if one else 's'} of rank{'' if one else 's'} {rs}"
+                f" {'is' if one else 'are'} missing (named by the other files' messages or"
+                f" pipeline): shown without {it}, the halves of {its} messages left out. If"
+                f" {'it is' if one else 'they are'} elsewhere, name every rank's file (the"
+                f" directory, or a glob such as '{where / 'rank*.json'}')"
+            )
+    when = " (when this trace was merged)" if written else ""
+    out.extend(f"torn{when}: {t}" for t in torn)
     return out
 
 
