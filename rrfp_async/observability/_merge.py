@@ -31,6 +31,17 @@ The bound does not try to
 correct the offset: a correction guessed from messages would also hide real delays. A
 real-clock file without a ``clock_origin`` (written by an older version) cannot be placed
 on the others' clock and is refused.
+
+Design note: what a job that died leaves
+----------------------------------------
+After a rank dies, its file of the failed step never comes, and a file copied off a node
+may stop half-way. ``merge_trace_files(partial=True)`` merges what is there and says what
+is not: a rank is *missing* when a file here holds half of a message to or from it, or names
+it in its ``pipeline`` (every ``DistributedStage`` file lists its pipeline's ranks, so that
+a rank that exchanged nothing yet is named too); its halves are dropped and listed. A file
+*torn* by a cut is read up to the cut (``_torn``); one cut inside its header has no clock to
+be placed on and is left out. Everything else a strict merge refuses (files of two runs,
+two files of one rank) is still refused: a partial picture is shown, a wrong one never.
 """
 
 from __future__ import annotations
@@ -156,9 +167,10 @@ def newest_trace_files(directory: str | Path) -> tuple[list[Path], str]:
             f"the failed step {f} (failed-rank*.json); the rank*.json beside them hold {held},"
             f" the last that ended well: rrfp-async trace '{d / 'rank*.json'}'"
         )
+    held = f"hold step {f}, which failed" if f is not None else "cannot be read"
     return good, (
-        f"the last step that ended well (rank*.json); failed-rank*.json beside them hold"
-        f" step {f}, which failed: rrfp-async trace '{d / 'failed-rank*.json'}'"
+        f"the last step that ended well (rank*.json); failed-rank*.json beside them {held}:"
+        f" rrfp-async trace '{d / 'failed-rank*.json'}'"
     )
 
 
