@@ -186,8 +186,11 @@ def test_one_rank_file_alone_says_which_files_it_needs(tmp_path: Path) -> None:
     msg = str(ei.value)
     assert "holds rank 1" in msg and "rank 0, 2" in msg, msg
     assert f"rrfp-async trace {tmp_path / 'rank*.json'}" in msg and "flow 1 has only" not in msg
+    # The command shows it, names the rank it needs and says how to merge (issue 41: it
+    # refused, exit code 1).
     out = CliRunner().invoke(main, ["trace", str(paths[0])])
-    assert out.exit_code == 1 and "holds rank 0" in out.output and "from rank 1" in out.output
+    assert out.exit_code == 3 and "trace file of rank 1 is missing" in out.output, out.output
+    assert f"'{tmp_path / 'rank*.json'}'" in out.output.replace("\n", "")
     # A part whose messages all stay inside it is a whole trace: it loads.
     one = TraceData([Span(0, 0, "0F0", 1.0, 2.0)], steps=[StepRecord(0, 0, {})])
     ok = write_trace(tmp_path / "solo" / "rank0.json", chrome_trace(one, origin=HOST_A))
@@ -312,8 +315,9 @@ def test_trace_command_merges_and_writes_the_result(tmp_path: Path) -> None:
     # The merged file is a whole trace: the command reads it back like any other.
     res = CliRunner().invoke(main, ["trace", str(out)])
     assert res.exit_code == 0 and "makespan" in res.output
+    # A rank's file missing: named, the rest shown, exit code 3 (tests/test_trace_evidence.py).
     res = CliRunner().invoke(main, ["trace", str(paths[0]), str(paths[1])])
-    assert res.exit_code == 1 and "trace file of rank 2 is missing" in res.output
+    assert res.exit_code == 3 and "trace file of rank 2 is missing" in res.output
 
 
 def test_trace_command_prints_a_written_path_whole_at_any_width(

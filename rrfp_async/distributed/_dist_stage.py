@@ -157,11 +157,11 @@ class DistributedStage:
         trace_dir: Record every step and write it, when the step ends (also when it fails),
             as a Chrome / Perfetto JSON file ``{trace_dir}/rank{global rank}.json``: each file
             holds the last step its rank ran to the end, and replaces the previous one
-            atomically (a failed write keeps it). A step that failed goes to
-            ``failed-rank{global rank}.json`` instead (what ran before the failure), so a
-            failure never erases the last good step. Merge the ranks' files into one
-            timeline with ``rrfp-async trace {trace_dir}`` (or
-            ``'{trace_dir}/failed-rank*.json'`` for the failed step) or ``rr.merge_traces``.
+            atomically (a failed write keeps it). A failed step goes to
+            ``failed-rank{global rank}.json`` (what this rank saw of it, marked failed: the
+            error, the tasks still running), written before ``run_step`` raises. Merge the
+            ranks' files with ``rrfp-async trace {trace_dir}`` (its newest step; it names the
+            ranks whose files are missing or torn) or ``rr.merge_traces``.
             The write is part of ``run_step`` (its cost: BENCHMARKS.md#trace-write-cost); a
             write that fails is logged (logger ``rrfp_async.distributed._stage_trace``),
             never fails the step.
@@ -533,7 +533,7 @@ class DistributedStage:
         self.channel.at_step(s, self.control.plan_tag(sched))
         self.trace.begin_step()
         training = not sched.plan.forward_only
-        failed = True  # until run_step returns
+        written = False  # this step's trace file
         stash: GradStash = []  # the tied parameters' accumulated gradients, set aside
         try:
             await self.control.begin_step(s, sched)  # a stage's first plan check
@@ -545,10 +545,14 @@ class DistributedStage:
             await self.control.end_step(s)  # the agreement, with the step check
             if training:
                 await self.ties.reduce(s)
-            failed = False
             return stats
         except BaseException as e:
             self.failures.tell_once(s, e)  # (unless the stage told it, before its wait)
+            # The evidence next, before anything here can wait (or the process be stopped).
+            self.trace.write(
+                s, sched, policy=self.stage.policy_name, failure=e, at=self.stage.now()
+            )
+            written = True
             # A lost rank or a broken channel: the job cannot go on, nor agree.
             lost = isinstance(e, PeerError) and not isinstance(e, PeerStepError)
             self.control.fail_step(can_agree=not lost and not self.channel.broken)
@@ -561,7 +565,8 @@ class DistributedStage:
             order_after_step(self.stage.executor)  # (before the tied gradients come back)
             restore_grads(stash)
             self._running = None
-            self.trace.write(s, sched, policy=self.stage.policy_name, failed=failed)
+            if not written:
+                self.trace.write(s, sched, policy=self.stage.policy_name)
 
     def _tell_failure(self, step: int, exc: BaseException) -> None:
         """The stage loop's ``on_failure``: tell the peers (``FailureReporter.tell``)."""

@@ -3,11 +3,19 @@ observer, each step written when it ends (the state dumps: ``_state_dump``).
 
 ``StageTrace`` owns the trace directory, the recorder and whether the trace says that GPU
 time is emulated; a write that fails is logged and never fails the step (invariant 8).
+
+A failed step is the evidence a user needs most: it is written the moment the stage learns
+of the failure, before anything else can wait (telling the peers aside), with what this
+rank saw of it (the tasks it ran and started, its messages) and a ``Failure`` row (the
+error, when, the tasks still running) that marks the file failed. Each file names its
+pipeline's ranks (``pipeline``), so that a reader of the survivors' files names the ranks
+whose files never came.
 """
 
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Mapping
 from pathlib import Path
 
@@ -67,6 +75,7 @@ class StageTrace:
         )
         self._rank = rank
         self._who = who
+        self._pipeline = sorted(set(peers.values()))
         self._recorder: TraceRecorder | None = None
         if self.trace_dir is not None:
             try:
@@ -89,16 +98,30 @@ class StageTrace:
         if self._recorder is not None:
             self._recorder.data = TraceData()
 
-    def write(self, step: int, schedule: StepSchedule, *, policy: str, failed: bool) -> None:
+    def write(
+        self,
+        step: int,
+        schedule: StepSchedule,
+        *,
+        policy: str,
+        failure: BaseException | None = None,
+        at: float | None = None,
+    ) -> None:
         """Write this step's recording (nothing without a trace directory): a step that
-        ended well to ``rank{r}.json``, a failed one to ``failed-rank{r}.json``, so that a
-        failure never overwrites the last good step (after a rank died, the survivors' and
-        the dead rank's ``rank*.json`` still hold the same step, and merge). A write that
-        fails is logged and never fails the step."""
+        ended well to ``rank{r}.json``, a failed one (``failure``: its error; ``at``: when,
+        on the stage clock, default now) to ``failed-rank{r}.json``, marked failed by a
+        ``Failure`` row, so that a failure never overwrites the last good step (after a
+        rank died, the survivors' and the dead rank's ``rank*.json`` still hold the same
+        step, and merge). A write that fails is logged and never fails the step."""
         if self._recorder is None or self.trace_dir is None:
             return
-        path = rank_trace_path(self.trace_dir, self._rank, failed=failed)
+        title = f"{self._who}, step {step}"
+        path = rank_trace_path(self.trace_dir, self._rank, failed=failure is not None)
         try:
+            if failure is not None:
+                when = time.monotonic() if at is None else at
+                self._recorder.failure(self._rank, step, when, failure)
+                title += f" (failed: {type(failure).__name__})"
             write_trace(
                 path,
                 chrome_trace(
@@ -107,7 +130,8 @@ class StageTrace:
                     emulated=self.emulated,
                     policy=policy,
                     hint=schedule.hint_name,
-                    title=f"{self._who}, step {step}",
+                    title=title,
+                    pipeline=self._pipeline,
                 ),
             )
         except Exception as e:

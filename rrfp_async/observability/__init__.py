@@ -8,13 +8,17 @@ The modules, one concept each (imports run down this list, never up):
 
 * ``_events``: the names of the step-traced log events;
 * ``_logging``: ``LogObserver`` (one structlog event per transition) and its configuration;
-* ``_records``: the trace data model, ``TraceData`` and its named-tuple rows;
+* ``_trace_data``: the trace data model, ``TraceData`` and its named-tuple rows (``Failure``:
+  a step that failed on a rank);
 * ``_recorder``: ``TraceRecorder`` (a ``TraceData`` from a running stage), ``MultiObserver``;
 * ``_summary``: ``summarize`` (busy / idle, bubble ratio, deviations) of a trace;
 * ``_stalls``: ``stalls`` (slow tasks, idle gaps, and the chain from each gap to its cause);
 * ``_paired``: ``paired_ratio``, a speedup over paired steps with its spread and noise verdict;
+* ``_torn``: a trace file cut short (a copy that stopped), read up to the cut;
+* ``_failures``: a failed step's marks in a Chrome trace and the check of its rows;
 * ``_chrome``: the Chrome-trace / Perfetto JSON export, its schema check and files;
-* ``_merge``: ``merge_traces``, per-rank trace files of a multi-process run on one timeline;
+* ``_merge``: ``merge_traces``, per-rank trace files of a multi-process run on one timeline
+  (``partial``: what a job that died left), a directory's newest step;
 * ``_png``: ``render_png`` timelines.
 """
 
@@ -26,6 +30,7 @@ from .._lazy import exports
 _EXPORTS: dict[str, str] = {
     "Arrival": "._trace_data",
     "Decision": "._trace_data",
+    "Failure": "._trace_data",
     "LogFormat": "._logging",
     "LogObserver": "._logging",
     "MergedTrace": "._merge",
@@ -43,6 +48,7 @@ _EXPORTS: dict[str, str] = {
     "load_trace": "._chrome",
     "merge_trace_files": "._merge",
     "merge_traces": "._merge",
+    "newest_trace_files": "._merge",
     "paired_ratio": "._paired",
     "rank_trace_path": "._merge",
     "render_png": "._png",
@@ -56,19 +62,27 @@ _EXPORTS: dict[str, str] = {
 if TYPE_CHECKING:
     from ._chrome import chrome_trace, clock_origin, load_trace, validate_chrome_trace, write_trace
     from ._logging import LogFormat, LogObserver, configure_logging
-    from ._merge import MergedTrace, merge_trace_files, merge_traces, rank_trace_path, trace_files
+    from ._merge import (
+        MergedTrace,
+        merge_trace_files,
+        merge_traces,
+        newest_trace_files,
+        rank_trace_path,
+        trace_files,
+    )
     from ._paired import PairedRatio, paired_ratio
     from ._png import render_png
     from ._recorder import MultiObserver, TraceRecorder
     from ._stalls import stalls
     from ._summary import summarize
-    from ._trace_data import Arrival, Decision, Ready, Send, Span, StepRecord, TraceData
+    from ._trace_data import Arrival, Decision, Failure, Ready, Send, Span, StepRecord, TraceData
 
 __getattr__, __dir__ = exports(__name__, _EXPORTS)
 
 __all__ = [
     "Arrival",
     "Decision",
+    "Failure",
     "LogFormat",
     "LogObserver",
     "MergedTrace",
@@ -86,6 +100,7 @@ __all__ = [
     "load_trace",
     "merge_trace_files",
     "merge_traces",
+    "newest_trace_files",
     "paired_ratio",
     "rank_trace_path",
     "render_png",

@@ -13,14 +13,23 @@ ui.perfetto.dev read:
   (``merge_traces``), whatever ``id`` each file gave them;
 * one instant event (``ph: "i"``, ``name: "decision"``) per dispatch decision, with the
   ready set and hint ranks, the hinted task and whether it deviated;
+* for a step that failed on a rank (``Failure``): an instant event ``name: "step failed"``
+  (``cat: "failure"``, the error in ``args``) at the moment it failed, and a complete event
+  per task it had running then, from its start to that moment, ``args.unfinished: true``
+  (drawn for the eye; ``from_chrome`` reads them from the failure row, not as spans);
 * ``otherData.rrfp``: the clock ("virtual" or "real"), whether GPU time was emulated, the
   policy, the hint, per-rank step statistics (``StepRecord`` rows as JSON lists), the ready
-  times (``Ready`` rows, seconds from ``t0``), the lanes (ranks) the file holds, ``t0`` (the
-  stage clock's reading at ``ts`` 0) and, for a real clock, ``clock_origin`` (see
-  ``clock_origin``: how this host's stage clock maps to wall-clock time), and the summary.
+  times (``Ready`` rows, seconds from ``t0``), the failures (``Failure`` rows, times seconds
+  from ``t0``: the field that marks a failed step's file), the lanes (ranks) the file holds,
+  the ranks of the pipeline it is part of (``pipeline``, when known: the files a merge
+  expects), ``t0`` (the stage clock's reading at ``ts`` 0) and, for a real clock,
+  ``clock_origin`` (see ``clock_origin``: how this host's stage clock maps to wall-clock
+  time), and the summary.
 
 Times are microseconds from the earliest event of the trace. ``from_chrome`` (in
-``_records``) reads such a trace back.
+``_trace_data``) reads such a trace back. ``write_trace`` writes ``otherData`` first and one
+event per line, so that a file cut short (a copy that stopped) keeps its header and every
+event before the cut: ``read_torn`` (``_torn``) reads it that far.
 """
 
 from __future__ import annotations
@@ -33,13 +42,15 @@ import os
 import socket
 import tempfile
 import time
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any, get_args
 
 from .._errors import TraceError
 from .._tasks import Kind, Task
+from ._failures import failure_events, failure_rows_problem
 from ._summary import summarize
+from ._torn import TornRead, decode_torn, read_torn
 from ._trace_data import TraceData
 
 __all__ = [
@@ -147,6 +158,7 @@ def chrome_trace(
     hint: str = "",
     title: str = "",
     origin: Mapping[str, Any] | None = None,
+    pipeline: Iterable[int] | None = None,
 ) -> dict[str, Any]:
     """The Trace Event Format JSON (a dict) of ``data``; see the module docstring.
 
@@ -163,15 +175,24 @@ def chrome_trace(
         title: A free-text description.
         origin: For a real clock, the stage clock's mapping to wall-clock time
             (``clock_origin()``, sampled now when None); ignored for a virtual clock.
+        pipeline: The ranks (lanes) whose files complete this one (a rank's file of a
+            multi-process run: its pipeline's ranks), written as ``pipeline``; a merge of
+            files that miss one of them names it.
     """
     times = [s.start for s in data.spans] + [a.time for a in data.arrivals]
     times += [d.time for d in data.decisions] + [s.time for s in data.sends]
+    times += [f.time for f in data.failures]
+    times += [t for f in data.failures for t in f.running.values()]
     t0 = min(times) if times else 0.0
 
     def us(t: float) -> float:
         return round((t - t0) * 1e6, 3)
 
-    lanes = sorted({s.lane for s in data.spans} | {s.lane for s in data.steps})
+    lanes = sorted(
+        {s.lane for s in data.spans}
+        | {s.lane for s in data.steps}
+        | {f.lane for f in data.failures}
+    )
     events: list[dict[str, Any]] = []
     for r in lanes:
         events.append(
@@ -245,6 +266,10 @@ def chrome_trace(
                 },
             }
         )
+    events.extend(failure_events(data.failures, us))
+    more: dict[str, Any] = {}
+    if pipeline is not None:
+        more["pipeline"] = sorted(set(pipeline))
     return {
         "traceEvents": events,
         "displayTimeUnit": "ms",
@@ -269,6 +294,18 @@ def chrome_trace(
                 ),
                 "steps": [list(rec) for rec in data.steps],
                 "ready": [[r.lane, r.step, r.task, r.time - t0] for r in data.ready],
+                "failures": [
+                    [
+                        f.lane,
+                        f.step,
+                        f.time - t0,
+                        f.error,
+                        f.message,
+                        {t: start - t0 for t, start in f.running.items()},
+                    ]
+                    for f in data.failures
+                ],
+                **more,
                 "summary": summarize(data),
             }
         },
@@ -280,12 +317,16 @@ def write_trace(path: str | Path, trace: Mapping[str, Any]) -> Path:
     to disk, then renamed over it. A write that fails (a full disk) raises and leaves the
     previous file as it was, never a torn one (ARCHITECTURE invariant 8). Returns the path.
 
+    The layout (any JSON reader ignores it): ``otherData`` first, ``traceEvents`` last with
+    one event per line, so that a copy cut short keeps the header and whole events up to the
+    cut (``rrfp-async trace`` reads such a file that far, with a warning).
+
     Raises:
         OSError: The file cannot be written (the previous one, if any, is kept).
     """
     p = Path(path)
     p.parent.mkdir(parents=True, exist_ok=True)
-    text = json.dumps(trace)
+    text = _layout(trace)
     fd, tmp = tempfile.mkstemp(prefix=f".{p.name}.", suffix=".tmp", dir=p.parent)
     try:
         with os.fdopen(fd, "w") as f:
@@ -298,6 +339,17 @@ def write_trace(path: str | Path, trace: Mapping[str, Any]) -> Path:
             os.unlink(tmp)
         raise
     return p
+
+
+def _layout(trace: Mapping[str, Any]) -> str:
+    """``trace`` as JSON: ``otherData`` first, the events last, one per line."""
+    events = trace.get("traceEvents")
+    if not isinstance(events, list):
+        return json.dumps(trace)
+    keys = sorted((k for k in trace if k != "traceEvents"), key=lambda k: k != "otherData")
+    head = "".join(f"{json.dumps(k)}: {json.dumps(trace[k])},\n" for k in keys)
+    body = ",\n".join(json.dumps(e) for e in events)
+    return "{" + head + '"traceEvents": [\n' + body + "\n]}\n"
 
 
 def load_trace(path: str | Path) -> dict[str, Any]:
@@ -322,6 +374,17 @@ def load_trace(path: str | Path) -> dict[str, Any]:
 def _load(path: str | Path, *, whole: bool) -> dict[str, Any]:
     """``load_trace``; with ``whole=False``, a flow may miss its other half (a per-rank
     file, to be merged)."""
+    return read_trace_file(path, whole=whole, torn_ok=False)[0]
+
+
+def read_trace_file(
+    path: str | Path, *, whole: bool, torn_ok: bool
+) -> tuple[dict[str, Any], TornRead | None]:
+    """``load_trace``'s reading and checks. With ``whole=False``, a flow may miss its other
+    half (a per-rank file, to be merged); with ``torn_ok``, a file cut short (see ``_torn``)
+    is read up to the cut: returns the trace and what the cut left (None: the file is
+    whole). A torn file without its ``otherData`` (cut inside it, or written events first
+    by an older version) is returned without it: the caller decides what it is worth."""
     # Read at most one byte past the bound (a pipe has no size to stat).
     with open(path, "rb") as f:
         raw = f.read(MAX_TRACE_BYTES + 1)
@@ -330,15 +393,34 @@ def _load(path: str | Path, *, whole: bool) -> dict[str, Any]:
             f"{path} has more than {MAX_TRACE_BYTES} bytes, more than a trace may have"
             " (MAX_TRACE_BYTES)"
         )
+    torn: TornRead | None = None
     try:
         obj = json.loads(raw.decode("utf-8"), parse_constant=_no_constant)
     except (json.JSONDecodeError, UnicodeDecodeError, ValueError) as e:
-        raise TraceError(f"{path} is not a JSON trace: {e}") from e
+        torn = _torn(raw) if torn_ok else None
+        if torn is None:
+            raise TraceError(f"{path} is not a JSON trace: {e}") from e
+        obj = dict(torn.trace)
+        obj.setdefault("traceEvents", [])
     except RecursionError:
         raise TraceError(
             f"{path} nests JSON arrays/objects too deeply to be a trace (at most"
             f" {MAX_TRACE_DEPTH} levels)"
         ) from None
+    return _checked(path, obj, whole=whole), torn
+
+
+def _torn(raw: bytes) -> TornRead | None:
+    """What a file cut short holds before the cut (None: not cut short, or unreadable)."""
+    try:
+        text, _ = decode_torn(raw)
+        return read_torn(text, _no_constant)
+    except (UnicodeDecodeError, ValueError, RecursionError):
+        return None
+
+
+def _checked(path: str | Path, obj: Any, *, whole: bool) -> dict[str, Any]:
+    """``obj`` read from ``path``, checked as ``load_trace`` says."""
     if _too_deep(obj, MAX_TRACE_DEPTH):
         raise TraceError(
             f"{path} nests JSON arrays/objects deeper than {MAX_TRACE_DEPTH} levels"
@@ -358,6 +440,13 @@ def _load(path: str | Path, *, whole: bool) -> dict[str, Any]:
     other = obj.get("otherData", {})
     if not isinstance(other, dict) or not isinstance(other.get("rrfp", {}), dict):
         raise TraceError(f"{path}: otherData.rrfp must be a JSON object")
+    meta = other.get("rrfp", {})
+    pipeline = meta.get("pipeline", [])
+    bad = failure_rows_problem(meta.get("failures", []))
+    if not isinstance(pipeline, list) or not all(_rank(r) for r in pipeline):
+        bad = f"otherData.rrfp.pipeline must be a list of ranks, got {pipeline!r:.80}"
+    if bad:
+        raise TraceError(f"{path} is not a valid trace: {bad}")
     problems = _problems(obj, flows=whole)
     if whole and problems and not _problems(obj, flows=False):
         part = _part_message(path, obj)

@@ -31,6 +31,17 @@ The bound does not try to
 correct the offset: a correction guessed from messages would also hide real delays. A
 real-clock file without a ``clock_origin`` (written by an older version) cannot be placed
 on the others' clock and is refused.
+
+Design note: what a job that died leaves
+----------------------------------------
+After a rank dies, its file of the failed step never comes, and a file copied off a node
+may stop half-way. ``merge_trace_files(partial=True)`` merges what is there and says what
+is not: a rank is *missing* when a file here holds half of a message to or from it, or names
+it in its ``pipeline`` (every ``DistributedStage`` file lists its pipeline's ranks, so that
+a rank that exchanged nothing yet is named too); its halves are dropped and listed. A file
+*torn* by a cut is read up to the cut (``_torn``); one cut inside its header has no clock to
+be placed on and is left out. Everything else a strict merge refuses (files of two runs,
+two files of one rank) is still refused: a partial picture is shown, a wrong one never.
 """
 
 from __future__ import annotations
@@ -44,10 +55,27 @@ from typing import Any
 
 from .._errors import TraceError
 from .._tasks import Task
-from ._chrome import _load, chrome_trace, validate_chrome_trace, write_trace
-from ._trace_data import Arrival, Decision, Ready, Send, Span, StepRecord, TraceData, from_chrome
+from ._chrome import chrome_trace, read_trace_file, validate_chrome_trace, write_trace
+from ._trace_data import (
+    Arrival,
+    Decision,
+    Failure,
+    Ready,
+    Send,
+    Span,
+    StepRecord,
+    TraceData,
+    from_chrome,
+)
 
-__all__ = ["MergedTrace", "merge_trace_files", "merge_traces", "rank_trace_path", "trace_files"]
+__all__ = [
+    "MergedTrace",
+    "merge_trace_files",
+    "merge_traces",
+    "newest_trace_files",
+    "rank_trace_path",
+    "trace_files",
+]
 
 _RANK_FILE = re.compile(r"rank(\d+)\.json$")
 
@@ -112,6 +140,54 @@ def trace_files(specs: Iterable[str | Path]) -> list[Path]:
     return unique
 
 
+def newest_trace_files(directory: str | Path) -> tuple[list[Path], str]:
+    """The files of the newest step a trace directory holds, and a note on the files passed
+    over (``""``: none).
+
+    A ``trace_dir`` holds each rank's last step that ended well (``rank{r}.json``) and,
+    after a step failed, its last failed step (``failed-rank{r}.json``: what that rank saw
+    of it, marked failed). The newer set is the one whose files hold the later step: the
+    failed step of a job that died, the good steps of a job that failed a step and went on
+    (a set none of whose files can be read counts as older).
+
+    Raises:
+        TraceError: The directory holds neither kind of file (see ``trace_files``).
+    """
+    d = Path(directory)
+    good = sorted(d.glob("rank*.json"), key=_natural)
+    failed = sorted(d.glob("failed-rank*.json"), key=_natural)
+    if not failed:
+        return trace_files([d]), ""
+    if not good:
+        return failed, ""
+    g, f = _newest_step(good), _newest_step(failed)
+    if f is not None and (g is None or f > g):
+        held = f"step {g}" if g is not None else "no step that can be read"
+        return failed, (
+            f"the failed step {f} (failed-rank*.json); the rank*.json beside them hold {held},"
+            f" the last that ended well: rrfp-async trace '{d / 'rank*.json'}'"
+        )
+    held = f"hold step {f}, which failed" if f is not None else "cannot be read"
+    return good, (
+        f"the last step that ended well (rank*.json); failed-rank*.json beside them {held}:"
+        f" rrfp-async trace '{d / 'failed-rank*.json'}'"
+    )
+
+
+def _newest_step(files: Iterable[Path]) -> int | None:
+    """The latest step any of ``files`` holds (None: none can be read)."""
+    steps: set[int] = set()
+    for p in files:
+        try:
+            tr, _ = read_trace_file(p, whole=False, torn_ok=True)
+        except (TraceError, OSError):
+            continue
+        data = from_chrome(tr)
+        for lane in _lanes(data):
+            steps |= _steps_of(data, lane)
+    return max(steps, default=None)
+
+
 @dataclass(frozen=True)
 class MergedTrace:
     """Per-rank trace files merged onto one clock.
@@ -131,6 +207,13 @@ class MergedTrace:
         emulated: Whether any file says its GPU time was emulated.
         policy: The policy of the run (every file's).
         hint: The hint of the run (every file's).
+        missing: (``partial=True``) The ranks whose files are missing: named by the
+            messages of the files here, or by their ``pipeline``; their messages' halves
+            are left out (in ``dropped``).
+        torn: (``partial=True``) A line per file cut short: how far it was read, or that it
+            was left out (cut before its header).
+        pipeline: The ranks the files name as their pipelines' (empty: files written
+            without it).
     """
 
     data: TraceData
@@ -143,7 +226,15 @@ class MergedTrace:
     emulated: bool = False
     policy: str = ""
     hint: str = ""
+    missing: tuple[int, ...] = ()
+    torn: tuple[str, ...] = ()
+    pipeline: tuple[int, ...] = ()
     _origin: dict[str, Any] = field(default_factory=dict, repr=False)
+
+    @property
+    def complete(self) -> bool:
+        """Whether every rank's file was here and whole (nothing ``missing`` or ``torn``)."""
+        return not self.missing and not self.torn
 
     def chrome_trace(self) -> dict[str, Any]:
         """The merged Chrome / Perfetto trace (one lane per rank, flows joined and numbered
@@ -157,12 +248,15 @@ class MergedTrace:
             hint=self.hint,
             title=f"{len(self.files)} per-rank trace files merged",
             origin=self._origin or None,
+            pipeline=self.pipeline or None,
         )
         tr["otherData"]["rrfp"]["merged"] = {
             "files": [str(p) for p in self.files],
             "alignment": self.alignment,
             "causality_gap": self.causality_gap,
             "dropped": list(self.dropped),
+            "missing": list(self.missing),
+            "torn": list(self.torn),
         }
         return tr
 
@@ -208,16 +302,29 @@ def _shift(data: TraceData, dt: float) -> TraceData:
             for d in data.decisions
         ],
         [StepRecord(*r) for r in data.steps],
+        [
+            Failure(
+                f.lane,
+                f.step,
+                f.time + dt,
+                f.error,
+                f.message,
+                {t: start + dt for t, start in f.running.items()},
+            )
+            for f in data.failures
+        ],
     )
 
 
 def _lanes(data: TraceData) -> set[int]:
     rows: list[Iterable[Any]] = [data.spans, data.arrivals, data.decisions, data.ready, data.steps]
+    rows.append(data.failures)
     return {r.lane for rs in rows for r in rs} | {s.lane for s in data.sends}
 
 
 def _steps_of(data: TraceData, lane: int) -> set[int]:
     rows: list[Iterable[Any]] = [data.spans, data.sends, data.arrivals, data.decisions]
+    rows.append(data.failures)
     return {r.step for rs in rows for r in rs if r.lane == lane}
 
 
@@ -226,12 +333,41 @@ def _fmt(ranks: Iterable[int]) -> str:
     return ("rank " if len(rs) == 1 else "ranks ") + ", ".join(map(str, rs))
 
 
-def merge_trace_files(paths: Iterable[str | Path]) -> MergedTrace:
-    """``merge_traces`` with the details: see ``MergedTrace`` and ``merge_traces``."""
+def merge_trace_files(paths: Iterable[str | Path], *, partial: bool = False) -> MergedTrace:
+    """``merge_traces`` with the details: see ``MergedTrace`` and ``merge_traces``.
+
+    Args:
+        paths: Files, directories (their ``rank*.json``) or glob patterns.
+        partial: Merge what is there (the evidence of a job that died): a rank whose file
+            is missing is named in ``MergedTrace.missing`` instead of refused, and the
+            halves of its messages are left out (``dropped``); a file cut short is read up
+            to the cut (``torn``; one cut inside its header is left out). Every other
+            refusal stands.
+
+    Raises:
+        TraceError: As ``merge_traces`` says (with ``partial``, not for missing or torn
+            files, unless no file can be read at all).
+    """
     files = trace_files([paths] if isinstance(paths, str | Path) else paths)
     parts: list[tuple[Path, dict[str, Any], TraceData]] = []
+    torn: list[str] = []
+    cut_ranks: set[int] = set()  # the ranks, by file name, of the files cut short
     for p in files:
-        tr = _load(p, whole=False)
+        tr, cut = read_trace_file(p, whole=False, torn_ok=partial)
+        if cut is not None:
+            m = _RANK_FILE.search(p.name)
+            if m:
+                cut_ranks.add(int(m.group(1)))
+            if not cut.header:
+                torn.append(
+                    f"{p}: cut short after {cut.length} bytes, inside its header"
+                    " (otherData): left out"
+                )
+                continue
+            torn.append(
+                f"{p}: cut short after {cut.length} bytes: read up to the cut ({cut.events}"
+                " whole events)"
+            )
         flows = [e for e in tr["traceEvents"] if e.get("ph") in ("s", "f")]
         if any("task" not in (e.get("args") or {}) for e in flows):
             raise TraceError(
@@ -239,6 +375,8 @@ def merge_trace_files(paths: Iterable[str | Path]) -> MergedTrace:
                 " older rrfp_async): it cannot be merged with other files; record it again"
             )
         parts.append((p, tr, from_chrome(tr)))
+    if not parts:
+        raise TraceError("no trace file could be read: " + "; ".join(torn))
     metas = [(p, tr.get("otherData", {}).get("rrfp", {})) for p, tr, _ in parts]
     for key in ("clock", "policy"):
         seen = {str(m.get(key, "")) for _, m in metas}
@@ -262,8 +400,10 @@ def merge_trace_files(paths: Iterable[str | Path]) -> MergedTrace:
             ranks[lane] = p
         pieces.append(_shift(data, t0 + dt))
     data = TraceData.merge(pieces)
-    _check_steps(data, ranks)
-    data, dropped, gap = _join(data, ranks)
+    _check_steps(data, ranks, partial=partial)
+    data, dropped, gap, talked = _join(data, ranks, partial=partial)
+    pipeline = sorted({r for _, m in metas for r in m.get("pipeline", [])})
+    missing = (set(talked) | set(pipeline)) - set(ranks) - cut_ranks if partial else set()
     merged = MergedTrace(
         data=data,
         files=tuple(files),
@@ -275,6 +415,9 @@ def merge_trace_files(paths: Iterable[str | Path]) -> MergedTrace:
         emulated=any(bool(m.get("emulated_gpu_time")) for _, m in metas),
         policy=str(metas[0][1].get("policy", "")),
         hint=" / ".join(dict.fromkeys(str(m.get("hint", "")) for _, m in metas)),
+        missing=tuple(sorted(missing)),
+        torn=tuple(torn),
+        pipeline=tuple(pipeline),
         _origin=origin,
     )
     problems = validate_chrome_trace(merged.chrome_trace())
@@ -326,9 +469,12 @@ def _align(
     )
 
 
-def _check_steps(data: TraceData, ranks: Mapping[int, Path]) -> None:
-    """Every rank's file must hold the same steps (flows of other steps cannot join)."""
+def _check_steps(data: TraceData, ranks: Mapping[int, Path], *, partial: bool) -> None:
+    """Every rank's file must hold the same steps (flows of other steps cannot join); with
+    ``partial``, a rank whose file holds no step at all (cut short) is let be."""
     steps = {lane: _steps_of(data, lane) for lane in ranks}
+    if partial:
+        steps = {lane: s for lane, s in steps.items() if s}
     if len({frozenset(s) for s in steps.values()}) > 1:
         which = "; ".join(
             f"rank {lane} ({ranks[lane].name}): steps {sorted(s) or 'none'}"
@@ -340,9 +486,12 @@ def _check_steps(data: TraceData, ranks: Mapping[int, Path]) -> None:
         )
 
 
-def _join(data: TraceData, ranks: Mapping[int, Path]) -> tuple[TraceData, list[str], float]:
-    """Match every send with its arrival; name the missing files; drop (and report) halves
-    whose other end is in a file here but never happened; measure the causality gap."""
+def _join(
+    data: TraceData, ranks: Mapping[int, Path], *, partial: bool
+) -> tuple[TraceData, list[str], float, list[int]]:
+    """Match every send with its arrival; name the missing files (refused, or with
+    ``partial`` returned, their halves dropped); drop (and report) halves whose other end
+    is in a file here but never happened; measure the causality gap."""
     sends = {(s.step, s.task, s.lane, s.dst): s for s in data.sends}
     arrivals = {(a.step, a.task, a.src, a.lane): a for a in data.arrivals}
     missing: dict[int, set[int]] = {}  # absent rank -> the ranks that talked to it
@@ -352,10 +501,11 @@ def _join(data: TraceData, ranks: Mapping[int, Path]) -> tuple[TraceData, list[s
         other = dst if key in sends else src
         if other not in ranks:
             missing.setdefault(other, set()).add(src if key in sends else dst)
+            what = f"rank {other}'s file is missing"
         else:
             what = "sent, never received" if key in sends else "received, never sent"
-            dropped.append(f"step {step}: -> {task} from rank {src} to rank {dst} ({what})")
-    if missing:
+        dropped.append(f"step {step}: -> {task} from rank {src} to rank {dst} ({what})")
+    if missing and not partial:
         need = _fmt(missing)
         talk = sorted({r for rs in missing.values() for r in rs})
         files = ", ".join(sorted({str(ranks[r]) for r in talk}))
@@ -381,5 +531,6 @@ def _join(data: TraceData, ranks: Mapping[int, Path]) -> tuple[TraceData, list[s
         data.ready,
         data.decisions,
         data.steps,
+        data.failures,
     )
-    return kept, sorted(dropped), gap
+    return kept, sorted(dropped), gap, sorted(missing)

@@ -3,8 +3,10 @@ every transition out to several observers.
 
 ``TraceRecorder`` is a ``StageObserver``: it appends compute spans, message sends and
 arrivals, ready times, decisions and per-step stats to a ``TraceData`` (cheap appends of
-named-tuple rows), which travels between processes and merges. It reads the stage only
-through its public surface (``rank``, ``step``, ``now()``, ``view``, ``schedule``).
+named-tuple rows), which travels between processes and merges. It also keeps the tasks that
+started and have not ended, so that a step that fails (``failure``) says what was running.
+It reads the stage only through its public surface (``rank``, ``step``, ``now()``,
+``view``, ``schedule``).
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from .._tasks import Task
-from ._trace_data import Arrival, Decision, Ready, Send, Span, StepRecord, TraceData
+from ._trace_data import Arrival, Decision, Failure, Ready, Send, Span, StepRecord, TraceData
 
 if TYPE_CHECKING:
     from ..loop import StageLoop, StepStats
@@ -34,6 +36,8 @@ class TraceRecorder:
     def __init__(self, peers: Mapping[int, int] | None = None) -> None:
         self.peers = dict(peers) if peers is not None else None
         self.data = TraceData()
+        # (step, task) -> start, of the tasks that started and have not ended yet.
+        self._running: dict[tuple[int, str], float] = {}
 
     def _lane(self, pp_rank: int) -> int:
         return pp_rank if self.peers is None else self.peers[pp_rank]
@@ -45,7 +49,7 @@ class TraceRecorder:
         return step
 
     def step_start(self, stage: StageLoop) -> None:
-        pass
+        self._running.clear()  # a failed step's tasks that never ended
 
     def message(self, stage: StageLoop, task: Task, src: int) -> None:
         self.data.arrivals.append(
@@ -83,10 +87,11 @@ class TraceRecorder:
         )
 
     def task_start(self, stage: StageLoop, task: Task) -> None:
-        pass
+        self._running[(self._step(stage), str(task))] = stage.now()
 
     def task_end(self, stage: StageLoop, task: Task, start: float, end: float) -> None:
         lane, step = self._lane(stage.rank), self._step(stage)
+        self._running.pop((step, str(task)), None)
         self.data.spans.append(Span(lane=lane, step=step, task=str(task), start=start, end=end))
         prog = stage.schedule.program(stage.rank)
         remote = prog.data_remote[prog.pos[task]]
@@ -121,6 +126,33 @@ class TraceRecorder:
                 },
             )
         )
+
+    def failure(self, lane: int, step: int, time: float, exc: BaseException) -> Failure:
+        """Record that ``step`` failed on ``lane`` at ``time`` (stage clock) with ``exc``,
+        with the tasks it had started and not ended; returns the row (also in ``data``).
+
+        Called by whoever runs the step (``DistributedStage``), not by the loop: a step also
+        fails outside the loop (the plan check, the end-of-step agreement).
+        """
+        running = {t: s for (st, t), s in self._running.items() if st == step}
+        for t in running:
+            del self._running[(step, t)]
+        row = Failure(lane, step, time, type(exc).__name__, _message(exc), running)
+        self.data.failures.append(row)
+        return row
+
+
+#: The longest error message a failure row keeps (a watchdog's carries a state dump).
+MAX_FAILURE_MESSAGE = 4000
+
+
+def _message(exc: BaseException) -> str:
+    text = str(exc)
+    if len(text) > MAX_FAILURE_MESSAGE:
+        text = (
+            text[:MAX_FAILURE_MESSAGE] + f" ... ({len(text) - MAX_FAILURE_MESSAGE} more characters)"
+        )
+    return text
 
 
 class MultiObserver:

@@ -23,6 +23,7 @@ from typing import Any, NamedTuple, TypeVar
 __all__ = [
     "Arrival",
     "Decision",
+    "Failure",
     "Ready",
     "Send",
     "Span",
@@ -92,7 +93,21 @@ class StepRecord(NamedTuple):
     stats: dict[str, Any]
 
 
-_Row = TypeVar("_Row", Span, Send, Arrival, Ready, Decision, StepRecord)
+class Failure(NamedTuple):
+    """A step that failed on ``lane``: when (``time``), why (the exception's type name
+    ``error`` and its ``message``), and the tasks it had ``running`` when it failed (started,
+    never ended: task -> start time). Written into the failed step's trace file, so that the
+    part of the step a rank saw survives it (``failed-rank{r}.json``)."""
+
+    lane: int
+    step: int
+    time: float
+    error: str
+    message: str
+    running: dict[str, float]
+
+
+_Row = TypeVar("_Row", Span, Send, Arrival, Ready, Decision, StepRecord, Failure)
 
 
 def _rows(kind: type[_Row], rows: Iterable[Sequence[Any]]) -> list[_Row]:
@@ -112,6 +127,7 @@ class TraceData:
         ready: A ``Ready`` per task, when its inputs were all present.
         decisions: A ``Decision`` per dispatch decision.
         steps: A ``StepRecord`` per finished step of a lane.
+        failures: A ``Failure`` per step that failed on a lane.
     """
 
     spans: list[Span] = field(default_factory=list)
@@ -120,6 +136,7 @@ class TraceData:
     ready: list[Ready] = field(default_factory=list)
     decisions: list[Decision] = field(default_factory=list)
     steps: list[StepRecord] = field(default_factory=list)
+    failures: list[Failure] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self.spans = _rows(Span, self.spans)
@@ -128,6 +145,7 @@ class TraceData:
         self.ready = _rows(Ready, self.ready)
         self.decisions = _rows(Decision, self.decisions)
         self.steps = _rows(StepRecord, self.steps)
+        self.failures = _rows(Failure, self.failures)
 
     def extend(self, other: TraceData) -> None:
         """Append another recording (e.g. another process's)."""
@@ -137,6 +155,7 @@ class TraceData:
         self.ready.extend(other.ready)
         self.decisions.extend(other.decisions)
         self.steps.extend(other.steps)
+        self.failures.extend(other.failures)
 
     @classmethod
     def merge(cls, parts: Iterable[TraceData]) -> TraceData:
@@ -155,14 +174,16 @@ class TraceData:
             [r for r in self.ready if r.step == step],
             [r for r in self.decisions if r.step == step],
             [r for r in self.steps if r.step == step],
+            [r for r in self.failures if r.step == step],
         )
 
 
 def from_chrome(trace: Mapping[str, Any]) -> TraceData:
     """The records of a Chrome trace made by ``chrome_trace``: spans, decisions, step
-    records, ready times, and the messages whose flow events carry their identity (``args``
-    ``step``, ``task``, ``from``, ``to``; traces written before they did have none, and
-    their messages are not read back). Times are seconds from the trace's start.
+    records, ready times, failures, and the messages whose flow events carry their identity
+    (``args`` ``step``, ``task``, ``from``, ``to``; traces written before they did have
+    none, and their messages are not read back). Times are seconds from the trace's start.
+    A failed step's unfinished tasks are read from its ``Failure`` row, not as spans.
     """
     data = TraceData()
     for e in trace["traceEvents"]:
@@ -180,6 +201,8 @@ def from_chrome(trace: Mapping[str, Any]) -> TraceData:
                 )
             continue
         if e.get("ph") == "X":
+            if (e.get("args") or {}).get("unfinished"):  # a failed step's: in its Failure
+                continue
             start = e["ts"] / 1e6
             data.spans.append(
                 Span(
@@ -206,4 +229,5 @@ def from_chrome(trace: Mapping[str, Any]) -> TraceData:
     rr = trace.get("otherData", {}).get("rrfp", {})
     data.steps = _rows(StepRecord, rr.get("steps", []))
     data.ready = _rows(Ready, rr.get("ready", []))
+    data.failures = _rows(Failure, rr.get("failures", []))
     return data

@@ -8,6 +8,7 @@ processes, no torch.distributed (fake collectives, channels and decision channel
 from __future__ import annotations
 
 import asyncio
+import json
 import threading
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
@@ -314,15 +315,21 @@ def test_the_stage_trace_writes_one_file_per_step(tmp_path: Path) -> None:
     )
     assert trace.observer(None) is not None and not trace.emulated
     trace.begin_step()
-    trace.write(0, _sched(), policy="readiness_first", failed=False)
-    trace.write(1, _sched(), policy="readiness_first", failed=True)
+    trace.write(0, _sched(), policy="readiness_first")
+    trace.write(1, _sched(), policy="readiness_first", failure=ValueError("x"), at=2.0)
     assert sorted(p.name for p in (tmp_path / "t").iterdir()) == [
         "failed-rank3.json",
         "rank3.json",
     ]
+    meta = json.loads((tmp_path / "t" / "failed-rank3.json").read_text())["otherData"]["rrfp"]
+    assert meta["failures"] == [[3, 1, 0.0, "ValueError", "x", {}]]  # (t0: the failure)
+    assert (
+        meta["pipeline"] == [2, 3]
+        and meta["title"] == "rank 1 (global 3), step 1 (failed: ValueError)"
+    )
     off = StageTrace(None, emulated_gpu_time=True, executor=object(), rank=0, peers={}, who="")
     assert off.observer(None) is None and off.emulated and off.trace_dir is None
-    off.write(0, _sched(), policy="x", failed=False)  # nothing to write
+    off.write(0, _sched(), policy="x")  # nothing to write
     with pytest.raises(rr.PlanError, match="emulated_gpu_time must be a bool"):
         StageTrace(None, emulated_gpu_time=1, executor=object(), rank=0, peers={}, who="")  # type: ignore[arg-type]
 

@@ -3,8 +3,11 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
+import os
+import signal
 from pathlib import Path
 from typing import Any
 
@@ -97,9 +100,13 @@ def test_a_failed_step_never_replaces_the_last_good_trace(tmp_path: Path) -> Non
         trace_dir=tmp_path,
     )
 
-    def steps_in(name: str) -> tuple[set[int], list[str]]:
+    def steps_in(name: str, unfinished: bool = False) -> tuple[set[int], list[str]]:
         tr = json.loads((tmp_path / name).read_text())
-        xs = [e for e in tr["traceEvents"] if e["ph"] == "X"]
+        xs = [
+            e
+            for e in tr["traceEvents"]
+            if e["ph"] == "X" and e["args"].get("unfinished", False) == unfinished
+        ]
         return {e["args"]["step"] for e in xs}, sorted(e["name"] for e in xs)
 
     with stage:
@@ -107,8 +114,15 @@ def test_a_failed_step_never_replaces_the_last_good_trace(tmp_path: Path) -> Non
         with pytest.raises(RuntimeError, match="boom in step 1"):
             stage.run_step_sync([0, 1])
         assert steps_in("rank0.json") == ({0}, ["0B0", "0B1", "0F0", "0F1"])
-        assert steps_in("failed-rank0.json")[0] == {1}  # what ran before it failed
-        assert "0B0" not in steps_in("failed-rank0.json")[1]
+        assert steps_in("failed-rank0.json") == ({1}, ["0F0"])  # what ran before it failed
+        # The task that raised started and never ended: drawn unfinished, named in the
+        # failure row that marks the file failed (issue 41).
+        assert steps_in("failed-rank0.json", unfinished=True) == ({1}, ["0B0"])
+        (fail,) = json.loads((tmp_path / "failed-rank0.json").read_text())["otherData"]["rrfp"][
+            "failures"
+        ]
+        assert fail[:2] == [0, 1] and fail[3:5] == ["RuntimeError", "boom in step 1"]
+        assert list(fail[5]) == ["0B0"]
         stage.run_step_sync([0, 1])
         assert steps_in("rank0.json")[0] == {2}
     # The directory's files are the good steps: what `rrfp-async trace DIR` merges.
@@ -214,3 +228,108 @@ def test_a_distributed_stage_writes_per_rank_traces_that_merge(tmp_path: Path) -
     for rank in (0, 1):
         assert spans[rank] == executed[rank][-1]
     assert _cross_file_flows(tr, merge_trace_files([tmp_path / "t"]).ranks) == 2 * 4
+
+
+# ------------------------------------------------------- a rank SIGKILLed mid-step (issue 41)
+
+KILLED_AT = 3  # the step the victim dies in, after steps 0-2 ended well
+
+
+class _DiesMidStep:
+    """A few ms per task; rank 1 SIGKILLs itself as it starts 1F1 of step ``KILLED_AT``
+    (1F0 done and sent on, the other microbatches not started)."""
+
+    def __init__(self, victim: bool) -> None:
+        self.victim = victim
+
+    async def execute(self, task: rr.Task, data: Any, ctx: rr.TaskContext, /) -> Any:
+        await asyncio.sleep(0.003)
+        if self.victim and ctx.step == KILLED_AT and str(task) == "1F1":
+            os.kill(os.getpid(), signal.SIGKILL)
+        return torch.full((4,), float(task.mb))
+
+
+def _dies_worker(rank: int, world: int, trace_dir: str) -> None:
+    layout = rr.ProcessLayout.from_world(pp=world)
+    plan = rr.StepPlan(topology=rr.Topology(stages=world), microbatches=4)
+    stage = rr.DistributedStage(
+        layout,
+        rr.StepSchedule.build(plan, "1f1b"),
+        _DiesMidStep(rank == 1),
+        step_timeout=20,
+        trace_dir=trace_dir,
+    )
+
+    async def go() -> None:
+        async with stage:
+            for _ in range(KILLED_AT + 2):
+                try:
+                    await stage.run_step(list(range(4)))
+                except Exception as e:  # the survivors: rank 1 is lost
+                    # Whether the failed step's file is there the moment run_step raises
+                    # (beside the trace directory: the job's result is lost with rank 1).
+                    written = (Path(trace_dir) / f"failed-rank{rank}.json").exists()
+                    seen = {"error": type(e).__name__, "written": written}
+                    (Path(trace_dir).parent / f"seen{rank}.json").write_text(json.dumps(seen))
+                    return
+
+    rr.run(go())
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(300)
+def test_a_rank_killed_mid_step_leaves_the_survivors_failed_step_and_the_trace_reads_it(
+    tmp_path: Path,
+) -> None:
+    """Before: the survivors' failed-rank files held what they ran with nothing to say the
+    step failed (no error, no marker), and `rrfp-async trace` on the directory showed the
+    last good step; on the failed files it refused (rank 1's half is missing)."""
+    d = tmp_path / "t"
+    with pytest.raises(rr.errors.SpawnError) as ei:
+        pooled_spawn(_dies_worker, 3, str(d), timeout=240, grace=60)
+    assert set(ei.value.failures) == {1} and "-9" in ei.value.failures[1], ei.value.failures
+    names = sorted(p.name for p in d.iterdir())
+    assert names == [
+        "failed-rank0.json",
+        "failed-rank2.json",
+        "rank0.json",
+        "rank1.json",
+        "rank2.json",
+    ], names
+    for r in (0, 2):
+        seen = json.loads((tmp_path / f"seen{r}.json").read_text())
+        assert seen == {"error": "PeerError", "written": True}, seen
+        tr = json.loads((d / f"failed-rank{r}.json").read_text())
+        meta = tr["otherData"]["rrfp"]
+        (fail,) = meta["failures"]  # the marker: [rank, step, time, error, message, running]
+        assert fail[:2] == [r, KILLED_AT] and fail[3] == "PeerError", fail
+        assert "lost rank 1 (global 1)" in fail[4], fail
+        assert meta["pipeline"] == [0, 1, 2]
+        assert "(failed: PeerError)" in meta["title"]
+        steps = {e["args"]["step"] for e in tr["traceEvents"] if e["ph"] in ("X", "s", "f")}
+        assert steps <= {KILLED_AT}, steps
+        marks = [e for e in tr["traceEvents"] if e.get("name") == "step failed"]
+        assert [e["args"]["step"] for e in marks] == [KILLED_AT]
+        # The last good step is kept: rank{r}.json holds step 2.
+        good = json.loads((d / f"rank{r}.json").read_text())
+        assert {e["args"]["step"] for e in good["traceEvents"] if e["ph"] == "X"} == {2}
+    rank0 = json.loads((d / "failed-rank0.json").read_text())["traceEvents"]
+    assert "0F0" in {e["name"] for e in rank0 if e["ph"] == "X"}  # what it ran of step 3
+    # The command on the directory: the failed step, rank 1 named, ranks 0 and 2 shown.
+    res = CliRunner().invoke(main, ["trace", str(d)])
+    assert res.exit_code == 3, res.output
+    assert "Traceback" not in res.output
+    assert f"the failed step {KILLED_AT} (failed-rank*.json)" in res.output
+    assert "trace file of rank 1 is missing" in res.output
+    assert "merged 2 files (ranks 0, 2)" in res.output
+    for r in (0, 2):
+        assert f"rank {r}: step {KILLED_AT} FAILED" in res.output
+    res = CliRunner().invoke(main, ["trace", str(d), "--json"])
+    assert res.exit_code == 3, res.output
+    rep = json.loads(res.stdout)
+    assert rep["complete"] is False and rep["merged"]["missing"] == [1]
+    assert sorted(rep["summary"]["ranks"]) == ["0", "2"]
+    assert [(f["rank"], f["step"]) for f in rep["failures"]] == [(0, KILLED_AT), (2, KILLED_AT)]
+    # The last good step still merges whole.
+    res = CliRunner().invoke(main, ["trace", str(d / "rank*.json")])
+    assert res.exit_code == 0 and "merged 3 files (ranks 0, 1, 2)" in res.output, res.output
