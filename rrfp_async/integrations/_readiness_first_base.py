@@ -376,9 +376,7 @@ class ReadinessFirstBase:
         """
         with self._one_call("step"):
             check_finalize(finalize_gradients, self._stages)
-            chunks = self._chunks(
-                args, kwargs, target, loss_kwargs, arg_mbs, kwarg_mbs, target_mbs
-            )
+            chunks = self._chunks(args, kwargs, target, loss_kwargs, arg_mbs, kwarg_mbs, target_mbs)
             return self._sync(chunks, losses, return_outputs)
 
     def eval(
@@ -396,9 +394,7 @@ class ReadinessFirstBase:
         """A forward-only step (torch's ``eval``), with ``step``'s inputs: outputs merged on
         the last stage, the losses computed when targets and a ``loss_fn`` are given."""
         with self._one_call("eval"):
-            chunks = self._chunks(
-                args, kwargs, target, loss_kwargs, arg_mbs, kwarg_mbs, target_mbs
-            )
+            chunks = self._chunks(args, kwargs, target, loss_kwargs, arg_mbs, kwarg_mbs, target_mbs)
             if any(c.target is not None for c in chunks) or not self._has_last:
                 return self._sync(chunks, losses, return_outputs, train=False)
             # No target: outputs only (the loss function would get None).
@@ -447,9 +443,7 @@ class ReadinessFirstBase:
         time, as ``step`` (a concurrent one is refused with a ``PlanError``)."""
         with self._one_call("step_async"):
             check_finalize(finalize_gradients, self._stages)
-            chunks = self._chunks(
-                args, kwargs, target, loss_kwargs, arg_mbs, kwarg_mbs, target_mbs
-            )
+            chunks = self._chunks(args, kwargs, target, loss_kwargs, arg_mbs, kwarg_mbs, target_mbs)
             train = self._check_grad_mode(True)
             if self._rr is None:
                 self._rr = self._build()

@@ -30,7 +30,6 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
-
 from torch.utils._pytree import tree_leaves
 
 from .._errors import PlanError
