@@ -317,7 +317,8 @@ class TorchStageExecutor:
         CUDA the task counts as done once its kernels are enqueued on the side stream (no
         host sync per task: ``ComputeWorker.run_enqueued``); what consumes its output is
         ordered after them on the device (the next task on the same stream, a send through
-        the event recorded at ``send``, the caller's stream through ``order_after_step``)."""
+        the event recorded at ``send``, the caller's stream through ``order_after_step``).
+        ``ClosedError`` after ``close()``, naming the task and the fix."""
         if task.stage not in self.modules:
             raise PlanError(f"rank {ctx.rank}: no module for virtual stage {task.stage}")
         if self.worker.closed:

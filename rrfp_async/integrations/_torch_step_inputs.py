@@ -197,7 +197,7 @@ def _unsplit(n: int, rank: int, batch: Any, cause: AssertionError | None) -> Pla
     spec splits), ``n`` and the fix."""
     rows = [t.shape[0] for t in tree_leaves(batch) if isinstance(t, torch.Tensor) and t.dim()]
     few = min(rows, default=None)
-    what = f"a batch of {few} rows" if few is not None else "the batch"
+    what = f"a batch of {few} row{'s' * (few != 1)}" if few is not None else "the batch"
     why = f" (torch: {cause})" if cause is not None and str(cause) else ""
     return PlanError(
         f"rank {rank}: step() got {what}, which does not split into n_microbatches={n}"
