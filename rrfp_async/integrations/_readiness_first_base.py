@@ -37,7 +37,7 @@ import torch
 import torch.distributed as dist
 
 from .._costs import Durations
-from .._errors import PlanError
+from .._errors import PeerStepError, PlanError
 from .._memory import ActivationBytes, MemoryBudget, parse_memory_budgets
 from .._tasks import StepPlan
 from ..distributed import (
@@ -455,7 +455,7 @@ class ReadinessFirstBase:
             try:
                 stats = await self._rr.run_step(chunks, schedule=sched, train=train)
             except PlanError as e:
-                self._note_first_step(e)
+                self._note_first_step(e, chunks)
                 raise
             self._learn(stats, train)
             return self._finish(stats, chunks, losses, return_outputs, train, merge=True)
@@ -512,9 +512,12 @@ class ReadinessFirstBase:
                 " close() it and build another)"
             )
 
-    def _note_first_step(self, e: PlanError) -> None:
+    def _note_first_step(self, e: PlanError, chunks: Sequence[Chunk]) -> None:
         """A first step refused by the plan check may be ranks that read different
-        placements off their stages (``_torch_stages.placement_note``): say so, and the fix."""
+        placements off their stages (``_torch_stages.placement_note``): say so, and the fix.
+        Not on a misuse the step found (a refused batch, here or on another rank)."""
+        if isinstance(e, PeerStepError) or any(c.error is e for c in chunks):
+            return
         if self.last_stats is None and self._placement_note is not None:
             e.add_note(self._placement_note)
 
@@ -638,7 +641,7 @@ class ReadinessFirstBase:
         try:
             stats = self._rr.run_step_sync(chunks, schedule=self._schedule_for(chunks), train=train)
         except PlanError as e:
-            self._note_first_step(e)
+            self._note_first_step(e, chunks)
             raise
         self._learn(stats, train)
         return self._finish(stats, chunks, losses, return_outputs, train, merge=merge)
