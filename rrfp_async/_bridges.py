@@ -34,7 +34,7 @@ from typing import Any, Literal, ParamSpec, Self, TypeVar, TypeVarTuple, cast
 import torch
 import torch.distributed as dist
 
-from ._errors import InterruptedStepError
+from ._errors import ClosedError, InterruptedStepError
 
 __all__ = [
     "ComputeWorker",
@@ -449,11 +449,11 @@ class ComputeWorker:
             What ``fn`` returned (in CUDA mode: once its kernels have completed).
 
         Raises:
-            RuntimeError: The worker is closed.
+            ClosedError: The worker is closed.
             Exception: Whatever ``fn`` raised.
         """
         if self._closed:
-            raise RuntimeError("ComputeWorker is closed")
+            raise self._closed_error()
         stream = self._stream
         if stream is None:
             return await self._submit(functools.partial(fn, *args, **kwargs))
@@ -480,16 +480,23 @@ class ComputeWorker:
             What ``fn`` returned (its tensors ordered on the side stream).
 
         Raises:
-            RuntimeError: The worker is closed.
+            ClosedError: The worker is closed.
             Exception: Whatever ``fn`` raised.
         """
         if self._closed:
-            raise RuntimeError("ComputeWorker is closed")
+            raise self._closed_error()
         if self._stream is None:
             return await self._submit(functools.partial(fn, *args, **kwargs))
         out, event = await self._submit(self._on_side_stream(fn, *args, **kwargs))
         self._last_event = event
         return out
+
+    def _closed_error(self) -> ClosedError:
+        return ClosedError(
+            f"ComputeWorker {self._name!r} is closed (its close() was called, or that of"
+            " the executor that owns it): it runs nothing more. Close it after its last"
+            " task, or build a new one"
+        )
 
     @property
     def last_event(self) -> torch.cuda.Event | None:

@@ -16,7 +16,9 @@ The hierarchy::
     │   ├── ProtocolError           a corrupt or unexpected header / message
     │   └── PeerError               a peer died or closed the connection
     │       └── PeerStepError       a step failed, was cancelled or refused on another
-    │                               rank: this rank failed it too (the stage stays usable)
+    │           │                   rank: this rank failed it too (the stage stays usable)
+    │           └── PeerPlanError   (also a PlanError) it failed there with a PlanError, a
+    │                               misuse to fix: every rank raises a PlanError for it
     ├── DivergenceError             TP ranks of a stage would run different task sequences
     ├── ObserverError               an observer (tracing, logging) raised during a step; the
     │                               step fails with it only when nothing else failed first
@@ -55,6 +57,7 @@ __all__ = [
     "InterruptedStepError",
     "ObserverError",
     "PeerError",
+    "PeerPlanError",
     "PeerStepError",
     "PlanError",
     "PolicyError",
@@ -66,6 +69,7 @@ __all__ = [
     "StepTimeoutError",
     "TraceError",
     "exception_notes",
+    "peer_step_error",
 ]
 
 
@@ -185,10 +189,15 @@ class FailureKind(IntEnum):
         STEP_DIFFERS: The step check found that ranks disagree on the step (a ``PlanError``
             on the origin): a rank that is still behind may wait for the others rather than
             fail at once.
+        PLAN: The step failed on the origin with any other ``PlanError``: a misuse found
+            there (a batch that does not split into the step's microbatches, a data
+            iterator that ran dry, ...), which every other rank raises as a
+            ``PeerPlanError``, a ``PlanError`` too.
     """
 
     OTHER = 0
     STEP_DIFFERS = 1
+    PLAN = 2
 
 
 class PeerStepError(PeerError):
@@ -217,6 +226,23 @@ class PeerStepError(PeerError):
         self.origin = origin
         self.cause = cause
         self.kind = kind
+
+
+class PeerPlanError(PeerStepError, PlanError):
+    """A step failed on another rank with a ``PlanError`` (its ABORT's ``FailureKind.PLAN``):
+    a misuse found there, such as a batch that does not split into ``n_microbatches`` on the
+    rank that holds it or a data iterator that ran dry, so that the step fails with a
+    ``PlanError`` on every rank, the origin's own and this one elsewhere. The message carries
+    the origin's (what it found and the fix). A ``PeerStepError`` like any other: the stage
+    stays usable, and every rank runs the next step together.
+    """
+
+
+def peer_step_error(kind: int) -> type[PeerStepError]:
+    """The class of the error a rank raises for a step that failed on another rank with a
+    failure of ``kind`` (the code its ABORT carries): ``PeerPlanError`` for
+    ``FailureKind.PLAN``, else ``PeerStepError``."""
+    return PeerPlanError if kind == FailureKind.PLAN else PeerStepError
 
 
 class DivergenceError(RRFPError):

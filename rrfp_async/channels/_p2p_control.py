@@ -17,7 +17,7 @@ from collections.abc import Callable, Iterable
 
 import torch
 
-from .._errors import FailureKind, PeerStepError, RRFPError
+from .._errors import FailureKind, RRFPError, peer_step_error
 from ._base import AbortSink, ClosingSink
 from ._p2p_inlet import Inlet
 from ._p2p_io import Names
@@ -171,7 +171,7 @@ class ControlPath:
         if not self.closing and self._inlet.failed is None:
             self._send_abort(step, origin, cause, kind, skip=src)
         names = self._names
-        exc = PeerStepError(
+        exc = peer_step_error(kind)(
             f"{names.me()}: step {step} failed on {names.name_global(origin)}: {cause}; this"
             " rank fails the step too (its late messages are dropped) and runs the next one",
             step=step,

@@ -104,8 +104,11 @@ def step_check_verdict(
 
 
 def failure_kind(e: BaseException) -> FailureKind:
-    """The ``FailureKind`` the ABORT of a step that failed here with ``e`` carries."""
-    return FailureKind.STEP_DIFFERS if isinstance(e, StepDiffersError) else FailureKind.OTHER
+    """The ``FailureKind`` the ABORT of a step that failed here with ``e`` carries: a
+    ``PlanError`` (a misuse, ``PLAN``) is one on every rank (``PeerPlanError``)."""
+    if isinstance(e, StepDiffersError):
+        return FailureKind.STEP_DIFFERS
+    return FailureKind.PLAN if isinstance(e, PlanError) else FailureKind.OTHER
 
 
 def is_step_differs(e: BaseException, step: int) -> bool:

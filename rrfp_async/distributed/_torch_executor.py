@@ -39,7 +39,6 @@ import torch
 from torch import nn
 
 from .._bridges import ComputeWorker
-from .._check import describe
 from .._costs import Durations
 from .._errors import PlanError
 from .._pytree import call_module, map_tensors, tensor_leaves
@@ -58,6 +57,7 @@ from ..loop import OutputHook, TaskContext
 from ._activation_meter import ForwardBytes
 from ._call_hints import call_hint
 from ._emulation import EmulatedCost
+from ._executor_checks import check_modules, closed_executor
 from ._nonfinite import FiniteCheck, NonFinite, NonFiniteMode
 from ._split_backward import WeightWork, input_backward, weight_backward
 from ._stage_io import (
@@ -103,35 +103,6 @@ token of the step, what variable-length data needs); ``"sum"``, their sum (no sc
 torch pipelining does before it divides the gradients by M, ``scale_grads=True``)."""
 
 _GRAD_LOCK = threading.Lock()  # W's `p.grad += g` for a parameter two compute threads share
-
-_MODULES_FIX = (
-    "pass {0: module} for the first stage of a pipeline (the key is the virtual stage the"
-    " module runs: Topology.stages_of(pipeline rank), e.g. {rank: module} with one chunk"
-    " per rank)"
-)
-
-
-def _check_modules(modules: object) -> None:
-    """Refuse ``modules`` unless it is a non-empty mapping of stage indices (ints >= 0) to
-    callables: a bare module or a list of them is the usual mistake, and ``dict()`` of one
-    says nothing a user can act on ("cannot convert dictionary update sequence ...")."""
-    if not isinstance(modules, Mapping):
-        raise PlanError(
-            "TorchStageExecutor takes a dict {stage_index: module} of the virtual stages"
-            f" this rank runs; got a {type(modules).__name__}: {_MODULES_FIX}"
-        )
-    if not modules:
-        raise PlanError(f"a TorchStageExecutor needs at least one module: {_MODULES_FIX}")
-    for k, m in modules.items():
-        if isinstance(k, bool) or not isinstance(k, int) or k < 0:
-            raise PlanError(
-                f"TorchStageExecutor: the stage index {describe(k)} must be an int >= 0 (the"
-                f" virtual stage its module runs): {_MODULES_FIX}"
-            )
-        if not callable(m):
-            raise PlanError(
-                f"TorchStageExecutor: stage {k}'s module must be an nn.Module, got {describe(m)}"
-            )
 
 
 class TorchStageExecutor:
@@ -242,7 +213,7 @@ class TorchStageExecutor:
         task_handlers: Mapping[str, TaskHandler] | None = None,
         measure_activations: bool = False,
     ) -> None:
-        _check_modules(modules)
+        check_modules(modules)
         if loss_scale not in ("microbatch", "tokens", "sum"):
             raise PlanError(
                 f"loss_scale must be 'microbatch', 'tokens' or 'sum', got {loss_scale!r}"
@@ -346,9 +317,12 @@ class TorchStageExecutor:
         CUDA the task counts as done once its kernels are enqueued on the side stream (no
         host sync per task: ``ComputeWorker.run_enqueued``); what consumes its output is
         ordered after them on the device (the next task on the same stream, a send through
-        the event recorded at ``send``, the caller's stream through ``order_after_step``)."""
+        the event recorded at ``send``, the caller's stream through ``order_after_step``).
+        ``ClosedError`` after ``close()``, naming the task and the fix."""
         if task.stage not in self.modules:
             raise PlanError(f"rank {ctx.rank}: no module for virtual stage {task.stage}")
+        if self.worker.closed:
+            raise closed_executor(self, task, ctx)
         return await self.worker.run_enqueued(self._run, task, data, ctx)
 
     def task_handler(self, kind: str) -> TaskHandler:
@@ -600,8 +574,8 @@ class TorchStageExecutor:
     ) -> Any:
         """``call_module``, with what went wrong said where a user can act on it: an error
         from the module keeps its type and traceback; one about its input (a signature or
-        shape that does not fit, ``_INPUT_ERRORS``) gains a note (``add_note``) naming the
-        task and the fix, which the peers' ``PeerStepError`` carries too."""
+        shape that does not fit, ``_INPUT_ERRORS``; an in-place change of the received
+        input) gains a note (``add_note``) naming the task and the fix (``call_hint``)."""
         try:
             return call_module(mod, x, kwargs)
         except (TypeError, RuntimeError, ValueError) as e:
@@ -696,5 +670,6 @@ class TorchStageExecutor:
         return None
 
     def close(self) -> None:
-        """Stop the compute thread."""
+        """Stop the compute thread: the executor runs no more tasks (a step that gets here
+        later fails with ``ClosedError``). Close it after the last step."""
         self.worker.close()

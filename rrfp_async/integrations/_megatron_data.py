@@ -29,7 +29,10 @@ class InOrder:
     The step's ``Microbatch`` objects tell it how many microbatches read it
     (:meth:`expect`), so that an iterator that runs dry is refused with the count it needed:
     its ``StopIteration`` must not leave ``next()`` (it would end the caller's loop early,
-    or, once it reaches a coroutine, become PEP 479's bare ``RuntimeError``).
+    or, once it reaches a coroutine, become PEP 479's bare ``RuntimeError``). A generator
+    whose body lets an inner iterator's ``StopIteration`` out (PEP 479 turns it into
+    ``RuntimeError: generator raised StopIteration``, whose ``__cause__`` it is) ran dry
+    too, and is refused alike.
     """
 
     def __init__(self, source: Iterator[Any] | None, *, chunk: int | None = None) -> None:
@@ -39,6 +42,7 @@ class InOrder:
         self.lock = threading.Lock()
         self.chunk = chunk
         self.microbatches = 0  # the step's num_microbatches, as far as expect() was told
+        self.inside = False  # it ended by a StopIteration out of a generator's body (PEP 479)
 
     def expect(self, mb: int, chunk: int | None) -> None:
         """Microbatch ``mb`` of the step reads this iterator (chunk ``chunk``'s, None when
@@ -51,11 +55,7 @@ class InOrder:
         assert self.source is not None
         with self.lock:
             while self.read <= m:
-                try:
-                    self.items[self.read] = next(self.source)
-                except StopIteration:
-                    raise self._dry(m) from None
-                self.read += 1
+                self._next(m)
             return self.items.pop(m)
 
     def peek(self, m: int) -> list[Any]:
@@ -66,18 +66,35 @@ class InOrder:
         self.expect(m - 1, self.chunk)
         with self.lock:
             while self.read < m:
-                try:
-                    self.items[self.read] = next(self.source)
-                except StopIteration:
-                    raise self._dry(self.read) from None
-                self.read += 1
+                self._next(self.read)
             return [self.items[i] for i in range(m)]
+
+    def _next(self, m: int) -> None:
+        """Read the next item for the forward of microbatch ``m`` (under the lock)."""
+        assert self.source is not None
+        try:
+            self.items[self.read] = next(self.source)
+        except StopIteration:
+            raise self._dry(m) from None
+        except RuntimeError as e:  # PEP 479: a generator's body let a StopIteration out
+            if not isinstance(e.__cause__, StopIteration):
+                raise
+            self.inside = True  # (a later next() of the finished generator says only "stop")
+            raise self._dry(m) from e
+        self.read += 1
 
     def _dry(self, m: int) -> PlanError:
         n = max(self.microbatches, m + 1)
         which = "data_iterator" if self.chunk is None else f"data_iterator[{self.chunk}]"
+        how = (
+            " (a generator whose body let an inner iterator's StopIteration out, which"
+            " PEP 479 turns into 'RuntimeError: generator raised StopIteration': end it with"
+            " return, or loop with for)"
+            if self.inside
+            else ""
+        )
         return PlanError(
-            f"{which} ran out after {self.read} of num_microbatches={n} microbatches"
+            f"{which} ran out after {self.read} of num_microbatches={n} microbatches{how}"
             f" (microbatch {self.read} found it empty; the forward of microbatch {m} asked):"
             f" give it at least num_microbatches={n} items per forward_backward call (one"
             " next() per microbatch, as Megatron's get_batch does), e.g. an iterator over a"

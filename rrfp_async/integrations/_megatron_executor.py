@@ -11,6 +11,8 @@ sync around each backward is the call's (``_megatron_grad_sync``).
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -101,7 +103,7 @@ class MegatronExecutor(TorchStageExecutor):
         store: list[Any] = []
         # As megatron's schedules call it: the interleaved one names the chunk (vp_stage).
         extra = {"vp_stage": chunk} if call.interleaved else {}
-        with torch.set_grad_enabled(call.grad_enabled):
+        with torch.set_grad_enabled(call.grad_enabled), _foreign_iterator(call, task, ctx):
             output_tensor, num_tokens = s.forward_step(
                 call.forward_step_func,
                 mb.iterators[chunk],
@@ -145,6 +147,37 @@ class MegatronExecutor(TorchStageExecutor):
 
         gx = call.backward(task.stage // call.pp, run)
         return None if task.stage == 0 else gx
+
+
+@contextlib.contextmanager
+def _foreign_iterator(call: MegatronCall, task: Task, ctx: TaskContext) -> Iterator[None]:
+    """A ``StopIteration`` out of ``forward_step_func`` (or PEP 479's ``RuntimeError`` of a
+    generator that let one out) came from an iterator it reads itself, not the
+    ``data_iterator`` the task passed it (that one raises its own ``PlanError``,
+    ``InOrder``): on the compute thread it would become a bare ``RuntimeError:
+    StopIteration raised``. A ``PlanError`` naming the function, the microbatch and the
+    count instead."""
+    try:
+        yield
+    except (StopIteration, RuntimeError) as e:
+        if isinstance(e, RuntimeError) and not isinstance(e.__cause__, StopIteration):
+            raise
+        fn = call.forward_step_func
+        fn = getattr(fn, "func", fn)  # (a functools.partial: the function it calls)
+        name = getattr(fn, "__qualname__", type(fn).__name__)
+        m = ctx.plan.microbatches
+        raised = f"{type(e).__name__}" + (f" ({e})" if str(e) else "")
+        raise PlanError(
+            f"rank {ctx.rank} step {ctx.step} {task}: forward_step_func {name} raised"
+            f" {raised} in the forward of microbatch {task.mb} of num_microbatches={m}: an"
+            " iterator it reads itself ran"
+            " out, not the data_iterator argument the schedule passes it (that one is"
+            " counted, and refused with its own message). Read the step's data through that"
+            " argument, next(data_iterator) once per microbatch as Megatron's get_batch"
+            " does (each forward then gets its own microbatch's item, whatever order the"
+            " forwards run in), or give the other iterator at least num_microbatches="
+            f"{m} items per forward_backward call"
+        ) from e
 
 
 def _received(t: torch.Tensor) -> torch.Tensor:

@@ -14,21 +14,30 @@ and per-microbatch losses on the last stage, gradients scaled by ``1/M`` with
 (``DistributedStage``'s sync face), opened at the first step and kept until ``close()``.
 ``step_async`` is the same step for code that already runs an event loop; a schedule keeps
 the face it was first stepped with.
+
+One call at a time: torch's schedules are not thread-safe, and two steps of one schedule
+at once would build its stage twice and mix their messages (two threads that step it
+together ended in the step's timeout, and broke the next step too). A call made while
+another runs on this rank (from another thread, or a concurrent ``step_async``) is refused
+at once with a ``PlanError`` that names both; it changes nothing, and the running step goes
+on. Serialising them instead would run the two steps in an order each rank picks by itself,
+pairing one thread's batch on one rank with the other's on the next.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import threading
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from .._costs import Durations
-from .._errors import PlanError
+from .._errors import PeerStepError, PlanError
 from .._memory import ActivationBytes, MemoryBudget, parse_memory_budgets
 from .._tasks import StepPlan
 from ..distributed import (
@@ -217,6 +226,8 @@ class ReadinessFirstBase:
             measure_activations=measure_activations,
         )
         self._measure_all = measure_activations
+        self._calling = threading.Lock()  # one call at a time (see the module's note)
+        self._caller = ""  # the running call, for the message of a refused one
         self._durations = durations
         if sizes is True or (sizes is not None and sizes is not False and not callable(sizes)):
             raise PlanError(
@@ -303,7 +314,32 @@ class ReadinessFirstBase:
             arg_mbs,
             kwarg_mbs,
             target_mbs,
+            rank=dist.get_rank(),
         )
+
+    @contextlib.contextmanager
+    def _one_call(self, what: str) -> Iterator[None]:
+        """Run the body as this schedule's only call on this rank (see the module's note).
+
+        Raises:
+            PlanError: Another call of this schedule runs (refused: nothing changed).
+        """
+        me = f"{what}() on thread {threading.current_thread().name!r}"
+        if not self._calling.acquire(blocking=False):
+            raise PlanError(
+                f"rank {dist.get_rank()}: {type(self).__name__}.{me} while {self._caller}"
+                " runs a step of this schedule: a schedule runs one step at a time (torch's"
+                " schedules are not thread-safe either). Call step() from one thread, one"
+                " step after the other, or give each thread a schedule of its own (its own"
+                " stages and process group). This call was refused and changed nothing; the"
+                " running step goes on"
+            )
+        self._caller = me
+        try:
+            yield
+        finally:
+            self._caller = ""
+            self._calling.release()
 
     def step(
         self,
@@ -332,11 +368,16 @@ class ReadinessFirstBase:
             RuntimeError: Called under ``torch.no_grad()`` with a ``loss_fn`` (as torch).
             TypeError, ValueError: Inputs as torch refuses them (pre-split lists of the wrong
                 type or length, whole-batch and pre-split inputs mixed).
-            PlanError, StepTimeoutError, PeerError: see ``rr.DistributedStage.run_step``.
+            PlanError: A batch that does not split into ``n_microbatches`` (on every rank:
+                the others' ``PeerPlanError`` carries the message); a call while another
+                call of this schedule runs on this rank (refused, nothing changed); and see
+                ``rr.DistributedStage.run_step``.
+            StepTimeoutError, PeerError: see ``rr.DistributedStage.run_step``.
         """
-        check_finalize(finalize_gradients, self._stages)
-        chunks = self._chunks(args, kwargs, target, loss_kwargs, arg_mbs, kwarg_mbs, target_mbs)
-        return self._sync(chunks, losses, return_outputs)
+        with self._one_call("step"):
+            check_finalize(finalize_gradients, self._stages)
+            chunks = self._chunks(args, kwargs, target, loss_kwargs, arg_mbs, kwarg_mbs, target_mbs)
+            return self._sync(chunks, losses, return_outputs)
 
     def eval(
         self,
@@ -352,15 +393,16 @@ class ReadinessFirstBase:
     ) -> Any:
         """A forward-only step (torch's ``eval``), with ``step``'s inputs: outputs merged on
         the last stage, the losses computed when targets and a ``loss_fn`` are given."""
-        chunks = self._chunks(args, kwargs, target, loss_kwargs, arg_mbs, kwarg_mbs, target_mbs)
-        if any(c.target is not None for c in chunks) or not self._has_last:
-            return self._sync(chunks, losses, return_outputs, train=False)
-        # No target: outputs only (the loss function would get None).
-        loss_fn, self._executor.loss_fn = self._executor.loss_fn, None
-        try:
-            return self._sync(chunks, losses, return_outputs, train=False)
-        finally:
-            self._executor.loss_fn = loss_fn
+        with self._one_call("eval"):
+            chunks = self._chunks(args, kwargs, target, loss_kwargs, arg_mbs, kwarg_mbs, target_mbs)
+            if any(c.target is not None for c in chunks) or not self._has_last:
+                return self._sync(chunks, losses, return_outputs, train=False)
+            # No target: outputs only (the loss function would get None).
+            loss_fn, self._executor.loss_fn = self._executor.loss_fn, None
+            try:
+                return self._sync(chunks, losses, return_outputs, train=False)
+            finally:
+                self._executor.loss_fn = loss_fn
 
     def step_microbatches(
         self,
@@ -379,8 +421,9 @@ class ReadinessFirstBase:
         of microbatches: ranks that pass no list give ``n_microbatches``. The outputs come
         back as a list (not merged)."""
         n = n_microbatches if n_microbatches is not None else self._n_microbatches
-        chunks = listed_chunks(arg_mbs, kwarg_mbs, target_mbs, loss_kwargs, n)
-        return self._sync(chunks, losses, return_outputs, train=train, merge=False)
+        with self._one_call("step_microbatches"):
+            chunks = listed_chunks(arg_mbs, kwarg_mbs, target_mbs, loss_kwargs, n)
+            return self._sync(chunks, losses, return_outputs, train=train, merge=False)
 
     async def step_async(
         self,
@@ -396,25 +439,26 @@ class ReadinessFirstBase:
         **kwargs: Any,
     ) -> Any:
         """``step`` for code that runs an event loop: the stage opens on the running loop
-        (and must be stepped on it from then on); ``aclose()`` closes it."""
-        check_finalize(finalize_gradients, self._stages)
-        chunks = self._chunks(args, kwargs, target, loss_kwargs, arg_mbs, kwarg_mbs, target_mbs)
-        train = self._check_grad_mode(True)
-        if self._rr is None:
-            self._rr = self._build()
-            await self._rr.__aenter__()
-            self._resources.stage = self._rr
-            self._mode = "async"
-        self._refuse("async")
-        try:
-            stats = await self._rr.run_step(
-                chunks, schedule=self._schedule_for(chunks), train=train
-            )
-        except PlanError as e:
-            self._note_first_step(e)
-            raise
-        self._learn(stats, train)
-        return self._finish(stats, chunks, losses, return_outputs, train, merge=True)
+        (and must be stepped on it from then on); ``aclose()`` closes it. One call at a
+        time, as ``step`` (a concurrent one is refused with a ``PlanError``)."""
+        with self._one_call("step_async"):
+            check_finalize(finalize_gradients, self._stages)
+            chunks = self._chunks(args, kwargs, target, loss_kwargs, arg_mbs, kwarg_mbs, target_mbs)
+            train = self._check_grad_mode(True)
+            if self._rr is None:
+                self._rr = self._build()
+                await self._rr.__aenter__()
+                self._resources.stage = self._rr
+                self._mode = "async"
+            self._refuse("async")
+            sched = self._schedule_for(chunks)
+            try:
+                stats = await self._rr.run_step(chunks, schedule=sched, train=train)
+            except PlanError as e:
+                self._note_first_step(e, chunks)
+                raise
+            self._learn(stats, train)
+            return self._finish(stats, chunks, losses, return_outputs, train, merge=True)
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -468,9 +512,12 @@ class ReadinessFirstBase:
                 " close() it and build another)"
             )
 
-    def _note_first_step(self, e: PlanError) -> None:
+    def _note_first_step(self, e: PlanError, chunks: Sequence[Chunk]) -> None:
         """A first step refused by the plan check may be ranks that read different
-        placements off their stages (``_torch_stages.placement_note``): say so, and the fix."""
+        placements off their stages (``_torch_stages.placement_note``): say so, and the fix.
+        Not on a misuse the step found (a refused batch, here or on another rank)."""
+        if isinstance(e, PeerStepError) or any(c.error is e for c in chunks):
+            return
         if self.last_stats is None and self._placement_note is not None:
             e.add_note(self._placement_note)
 
@@ -594,7 +641,7 @@ class ReadinessFirstBase:
         try:
             stats = self._rr.run_step_sync(chunks, schedule=self._schedule_for(chunks), train=train)
         except PlanError as e:
-            self._note_first_step(e)
+            self._note_first_step(e, chunks)
             raise
         self._learn(stats, train)
         return self._finish(stats, chunks, losses, return_outputs, train, merge=merge)

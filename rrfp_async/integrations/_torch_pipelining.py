@@ -43,7 +43,10 @@ V-shape, its placement.
 
 ``step`` is synchronous like torch's: the stage runs on an event loop thread of its own
 (``DistributedStage``'s sync face), opened at the first step and kept until ``close()``.
-``step_async`` is the same step for code that already runs an event loop.
+``step_async`` is the same step for code that already runs an event loop. One call at a
+time, as torch's (not thread-safe either): a call while another runs on the rank is refused
+with a ``PlanError``; a batch with fewer rows than ``n_microbatches`` fails the step on every
+rank with a ``PlanError`` (``_readiness_first_base``, ``_torch_step_inputs``).
 
 What torch's schedules carry and users read, ours carry with torch's meaning (the audit, who
 reads what, is in docs/dropins.md): torch's base constructors set ``scale_grads``,

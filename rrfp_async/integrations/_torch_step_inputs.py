@@ -13,6 +13,14 @@ version string).
 torch's rule for the inputs (``forward_one_chunk``): positional inputs feed the first stage
 only, each microbatch's keyword inputs feed every stage (``first_input``,
 ``stage_side_inputs``).
+
+A batch that does not split into ``n_microbatches`` (fewer rows than microbatches) is known
+only to the ranks that hold it: the first stage's (its inputs), the last stage's (its
+targets), every rank given keyword inputs. Refusing the call there alone would leave the
+other ranks waiting in the step for the watchdog, so the step runs with the refused
+microbatches (``refused_chunks``: empty, as a middle rank's, carrying the ``PlanError``),
+and the first forward of this rank raises it: the step fails on every rank at once, each
+with a ``PlanError`` (the others' ``PeerPlanError`` carries this rank's message).
 """
 
 from __future__ import annotations
@@ -22,6 +30,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
+from torch.utils._pytree import tree_leaves
 
 from .._errors import PlanError
 from .._pytree import Args
@@ -31,6 +40,7 @@ __all__ = [
     "check_mbs",
     "first_input",
     "listed_chunks",
+    "refused_chunks",
     "split_step_inputs",
     "stage_side_inputs",
     "supported",
@@ -38,18 +48,27 @@ __all__ = [
 
 
 class Chunk:
-    """One microbatch as torch's ``step`` splits it (what ``durations`` callables see)."""
+    """One microbatch as torch's ``step`` splits it (what ``durations`` callables see).
 
-    __slots__ = ("args", "kwargs", "loss", "loss_kwargs", "target")
+    ``error``: the ``PlanError`` that refused the step's batch on this rank (a refused
+    microbatch is empty, like a middle rank's: see the module's note), else None."""
+
+    __slots__ = ("args", "error", "kwargs", "loss", "loss_kwargs", "target")
 
     def __init__(
-        self, args: tuple[Any, ...], kwargs: dict[str, Any], target: Any, loss_kwargs: Any
+        self,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        target: Any,
+        loss_kwargs: Any,
+        error: PlanError | None = None,
     ) -> None:
         self.args = args
         self.kwargs = kwargs
         self.target = target
         self.loss_kwargs = loss_kwargs or {}
         self.loss: torch.Tensor | None = None  # the last stage's loss, detached
+        self.error = error
 
 
 def first_input(mb: Chunk) -> Args:
@@ -60,7 +79,14 @@ def first_input(mb: Chunk) -> Args:
 def stage_side_inputs(stage: int, mb: Chunk) -> dict[str, Any]:
     """torch's rule (``forward_one_chunk``): positional inputs feed the first stage only, the
     microbatch's keyword inputs feed every stage (torchtitan sends ``positions`` and
-    ``attention_masks`` that way). The first stage has them in its input already."""
+    ``attention_masks`` that way). The first stage has them in its input already.
+
+    Raises:
+        PlanError: The step's batch was refused on this rank (``refused_chunks``): every
+            forward here raises it, the first fails the step on every rank.
+    """
+    if mb.error is not None:
+        raise mb.error
     return {} if stage == 0 else mb.kwargs
 
 
@@ -99,9 +125,13 @@ def split_step_inputs(
     arg_mbs: Any,
     kwarg_mbs: Any,
     target_mbs: Any,
+    *,
+    rank: int,
 ) -> list[Chunk]:
     """The step's ``n`` microbatches, as torch makes them (``_get_microbatch_inputs``):
-    whole-batch inputs chunked, or the caller's pre-split lists (never both)."""
+    whole-batch inputs chunked, or the caller's pre-split lists (never both). A batch that
+    does not split into ``n`` gives ``refused_chunks`` (``rank`` names this rank in their
+    error)."""
     if loss_kwargs is not None and not isinstance(loss_kwargs, dict):
         raise TypeError(f"loss_kwargs must be a dict, got {type(loss_kwargs)}")
     if any(m is not None for m in (arg_mbs, kwarg_mbs, target_mbs)):
@@ -145,26 +175,44 @@ def split_step_inputs(
         split_args_kwargs_into_chunks,
     )
 
-    if args or kwargs:
-        try:
+    try:  # torch asserts when a tensor has fewer rows than chunks (or makes fewer chunks)
+        if args or kwargs:
             a, k = split_args_kwargs_into_chunks(
                 args, kwargs, n, args_chunk_spec, kwargs_chunk_spec
             )
-        except AssertionError as e:  # torch asserts when a tensor splits into fewer chunks
-            raise PlanError(
-                f"the batch does not split into n_microbatches={n} chunks (is its batch"
-                f" dimension smaller than {n}?): {e}"
-            ) from None
-    else:
-        a, k = [()] * n, [{}] * n
-    spec = TensorChunkSpec(0)  # type: ignore[no-untyped-call]
-    t = list(_split_tensor(target, spec, n)) if target is not None else [None] * n
+        else:
+            a, k = [()] * n, [{}] * n
+        spec = TensorChunkSpec(0)  # type: ignore[no-untyped-call]
+        t = list(_split_tensor(target, spec, n)) if target is not None else [None] * n
+    except AssertionError as e:
+        return refused_chunks(n, loss_kwargs, _unsplit(n, rank, (args, kwargs, target), e))
     if len(a) != n or len(t) != n:
-        raise PlanError(
-            f"the batch splits into {len(a)} chunks (target: {len(t)}), not"
-            f" n_microbatches={n}: its batch dimension is smaller than {n}"
-        )
+        return refused_chunks(n, loss_kwargs, _unsplit(n, rank, (args, kwargs, target), None))
     return [Chunk(tuple(a[i]), dict(k[i]), t[i], loss_kwargs) for i in range(n)]
+
+
+def _unsplit(n: int, rank: int, batch: Any, cause: AssertionError | None) -> PlanError:
+    """The ``PlanError`` of a batch (``(args, kwargs, target)``) that does not split into
+    ``n`` microbatches: its rows (the fewest along dimension 0, where torch's default chunk
+    spec splits), ``n`` and the fix."""
+    rows = [t.shape[0] for t in tree_leaves(batch) if isinstance(t, torch.Tensor) and t.dim()]
+    few = min(rows, default=None)
+    what = f"a batch of {few} row{'s' * (few != 1)}" if few is not None else "the batch"
+    why = f" (torch: {cause})" if cause is not None and str(cause) else ""
+    return PlanError(
+        f"rank {rank}: step() got {what}, which does not split into n_microbatches={n}"
+        f" microbatches{why}: each microbatch takes at least one row of dimension 0. Pass a"
+        f" batch of at least {n} rows (a multiple of {n} for microbatches of one size), or"
+        f" build the schedule with n_microbatches <= {few if few else 'the batch size'}"
+        " (every rank alike)"
+    )
+
+
+def refused_chunks(n: int, loss_kwargs: Any, error: PlanError) -> list[Chunk]:
+    """``n`` empty microbatches (as a middle rank's: ``durations`` and ``sizes`` callables
+    see them so) that carry ``error``: the step runs and this rank's first forward raises it
+    (``stage_side_inputs``), so that every rank fails it at once (see the module's note)."""
+    return [Chunk((), {}, None, loss_kwargs, error) for _ in range(n)]
 
 
 def listed_chunks(

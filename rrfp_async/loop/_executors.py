@@ -215,6 +215,10 @@ class CostModelExecutor:
             (seeded by ``seed`` and the step number) price each step's microbatches (which
             must then be ``Microbatch`` objects).
         seed: Seed of the realized jitter when ``durations`` is a ``CostModel``.
+
+    A step fails with ``PlanError`` when its durations do not fit it: fixed ones of another
+    shape, or a callable that returns anything but ``Durations`` of the step's shape (a
+    dict, a list); the message names the callable and how to build ``Durations``.
     """
 
     def __init__(
@@ -264,6 +268,7 @@ class CostModelExecutor:
             d = src.realize(plan, microbatches, seed=hash((self._seed, step)) & 0xFFFFFFFF)
         else:
             d = src(step, microbatches)
+            _check_returned(src, d, step, plan)
         self._cache.insert(0, (step, plan, microbatches, d))
         del self._cache[self._CACHED :]
         return d
@@ -287,6 +292,23 @@ class CostModelExecutor:
         # Woken by the timer itself: it already ran, so cancelling it (as sleep's
         # ``finally`` does) would change nothing.
         return None
+
+
+def _check_returned(fn: object, d: object, step: int, plan: StepPlan) -> None:
+    """Refuse what a durations function returned unless it is ``Durations`` of the step's
+    shape (a dict, say, would fail later as ``'dict' object has no attribute 'of'``)."""
+    want = (plan.num_virtual, plan.microbatches)
+    if isinstance(d, Durations) and d.shape == want:
+        return
+    got = f"Durations of {d.shape[0]} x {d.shape[1]}" if isinstance(d, Durations) else describe(d)
+    name = getattr(fn, "__qualname__", None) or describe(fn)
+    raise PlanError(
+        f"step {step}: CostModelExecutor's durations function {name} returned {got};"
+        f" it must return rr.Durations for the step's {want[0]} virtual stages x {want[1]}"
+        " microbatches: rr.Durations.from_arrays(plan, forward=[[seconds per microbatch]"
+        " per virtual stage]) (the backward 2x by default), or rr.Durations({'F': ..., 'B':"
+        " ..., 'I': ..., 'W': ...}) for the four kinds' tables"
+    )
 
 
 def _set_result_unless_cancelled(fut: asyncio.Future[None], result: None) -> None:

@@ -28,7 +28,8 @@ class ViewedStage(Protocol):
 
 
 class StageView:
-    """The live :class:`~rrfp_async.ReadyView` a stage hands its policy (valid during a step).
+    """The live :class:`~rrfp_async.ReadyView` a stage hands its policy (valid during a step;
+    read between steps, it raises ``PolicyError``).
 
     Args:
         stage: The stage (its rank, policy name and the running step's schedule).
@@ -44,8 +45,20 @@ class StageView:
     def _st(self) -> StepState:
         st = self._run.state
         if st is None:
-            raise RuntimeError("the ready view is only valid during a step")
+            raise self._outside_a_step()
         return st
+
+    def _outside_a_step(self) -> PolicyError:
+        """A view read between steps: kept by its policy (or an observer) past its call."""
+        name, rank = self._s.policy_name, self._s.rank
+        return PolicyError(
+            f"policy {name!r} on rank {rank}: its ReadyView was read while no step runs (kept"
+            " past the policy's call, or read by an observer after the step ended). The view"
+            " is live and valid only during a step: read it inside the policy's call, and"
+            " keep values, not the view (ready = list(view.ready), rank = view.hint_rank(t))",
+            policy=name,
+            rank=rank,
+        )
 
     @property
     def rank(self) -> int:

@@ -54,7 +54,8 @@ class ReadyView(Protocol):
     """What a policy sees of its pipeline rank (the rank's stage loop) when asked to decide.
 
     The view is live: it reflects the rank's state at the moment it is read, and changes
-    while the policy awaits.
+    while the policy awaits. It is valid during a step only: a view kept past the step and
+    read then raises ``PolicyError`` (keep values such as ``list(view.ready)`` instead).
     """
 
     @property

@@ -475,5 +475,21 @@ def test_only_the_step_checks_own_error_is_sent_as_step_differs() -> None:
         step_check_verdict("rank 0", 3, [[3, 4, 1, 1, 1], [4, 4, 1, 1, 1]])
     assert isinstance(err.value, rr.PlanError) and STEP_DIFFERS in str(err.value)
     assert failure_kind(err.value) is FailureKind.STEP_DIFFERS
-    assert failure_kind(rr.PlanError(f"step 3: {STEP_DIFFERS}")) is FailureKind.OTHER
+    # (by its type, never its text: any other PlanError is a misuse, issue 41)
+    assert failure_kind(rr.PlanError(f"step 3: {STEP_DIFFERS}")) is FailureKind.PLAN
     assert failure_kind(RuntimeError("boom")) is FailureKind.OTHER
+
+
+def test_a_plan_error_elsewhere_is_a_plan_error_here() -> None:
+    # Issue 41: a misuse found on one rank (a batch that does not split, a data iterator
+    # that ran dry) fails the step on every rank with a PlanError; the peers' is a
+    # PeerStepError too (the stage stays usable), chosen by the ABORT's code.
+    from rrfp_async._errors import PeerPlanError, PeerStepError, peer_step_error
+
+    assert peer_step_error(FailureKind.PLAN) is PeerPlanError
+    assert peer_step_error(FailureKind.OTHER) is PeerStepError
+    assert peer_step_error(FailureKind.STEP_DIFFERS) is PeerStepError
+    assert peer_step_error(99) is PeerStepError  # a code this rank does not know
+    e = PeerPlanError("told", step=3, origin=0, cause="PlanError: x", kind=FailureKind.PLAN)
+    assert isinstance(e, rr.PlanError) and isinstance(e, PeerStepError)
+    assert failure_kind(e) is FailureKind.PLAN  # (relayed unchanged: its kind, PLAN)

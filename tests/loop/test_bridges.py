@@ -20,6 +20,7 @@ from rrfp_async._bridges import (
     torch_future,
     work_future,
 )
+from rrfp_async._errors import ClosedError
 from rrfp_async.loop._runner import loop_factory
 from tests._pool import pooled_spawn
 
@@ -418,8 +419,8 @@ async def test_compute_worker_errors_close_and_reuse() -> None:
     worker.close()  # idempotent
     await worker.aclose()
     assert worker.closed and "closed" in repr(worker)
-    with pytest.raises(RuntimeError, match="closed"):
-        await worker.run(lambda: 1)
+    with pytest.raises(ClosedError, match="ComputeWorker 'rrfp-compute_0' is closed"):
+        await worker.run(lambda: 1)  # (a bare RuntimeError before issue 41)
 
 
 @pytest.mark.timeout(30)
