@@ -36,6 +36,13 @@ from tests.test_trace_merge import HOST_A, _part, _whole, _write_parts
 pytestmark = pytest.mark.timeout(120)
 
 
+@pytest.fixture(autouse=True)
+def _wide_console(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The trace command's lines name long paths: off a terminal the console is $COLUMNS
+    wide, and this wide it wraps none of them (the checks read whole lines)."""
+    monkeypatch.setenv("COLUMNS", "1000")
+
+
 def _failed_part(data: TraceData, lane: int, step: int = 0) -> TraceData:
     """Rank ``lane``'s part of ``data``, failed after its second task with its third
     running (what ``StageTrace`` writes for a failed step)."""

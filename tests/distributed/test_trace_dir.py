@@ -23,6 +23,14 @@ from tests._pool import pooled_spawn
 from tests.distributed.test_groups import _schedule, _Tagged
 from tests.distributed.test_sync_stage import _single
 
+
+@pytest.fixture(autouse=True)
+def _wide_console(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The trace command's lines name long paths: off a terminal the console is $COLUMNS
+    wide, and this wide it wraps none of them (the checks read whole lines)."""
+    monkeypatch.setenv("COLUMNS", "1000")
+
+
 # ---------------------------------------------------------------------- pure (one stage)
 
 
