@@ -25,16 +25,16 @@ import torch.distributed as dist
 
 from .._errors import ResourceError
 from .._resources import fd_shortfall, fd_usage, gloo_group_fds
-from ..testing import nccl_rules
 
 __all__ = ["agree_on_fds", "group_fds"]
 
 _calls = itertools.count()  # build_groups is collective: every rank counts the same calls
 
 
-def group_fds(layout: Any, *, tp_group: Any = None, p2p_backend: str = "gloo") -> int:
+def group_fds(layout: Any, *, tp_group: Any = None, payload_edges: int = 0) -> int:
     """The descriptors the groups ``build_groups`` makes hold on this rank (an estimate:
-    every group counted as gloo; an NCCL group's bootstrap sockets are of the same order)."""
+    every group counted as gloo; an NCCL group's bootstrap sockets are of the same order);
+    ``payload_edges``: this rank's 2-rank payload groups."""
     need = gloo_group_fds(layout.world_size)  # the control group
     if layout.tp > 1:
         need += gloo_group_fds(layout.tp) * (1 if tp_group is not None else 2)
@@ -42,12 +42,7 @@ def group_fds(layout: Any, *, tp_group: Any = None, p2p_backend: str = "gloo") -
         need += gloo_group_fds(layout.dp)
     if layout.pp > 1:
         need += gloo_group_fds(layout.pp)
-        if p2p_backend == "nccl" or nccl_rules.enabled():
-            from ._layout import payload_edges  # (_layout imports this module)
-
-            mine = [e for e in payload_edges(layout.pp) if layout.pp_rank in e]
-            need += gloo_group_fds(2) * len(mine)
-    return need
+    return need + gloo_group_fds(2) * payload_edges
 
 
 def agree_on_fds(layout: Any, need: int) -> None:

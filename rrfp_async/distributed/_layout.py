@@ -233,7 +233,9 @@ def build_groups(
         raise PlanError(f"p2p_backend must be 'gloo' or 'nccl', got {p2p_backend!r}")
     # Before any new_group: gloo aborts the process (no Python error) when a socket cannot
     # be had inside it, and the other ranks would wait there for the lost one (_fd_check).
-    agree_on_fds(layout, group_fds(layout, tp_group=tp_group, p2p_backend=p2p_backend))
+    on_device = nccl_rules.enabled() or p2p_backend == "nccl"
+    mine = [e for e in payload_edges(layout.pp) if layout.pp_rank in e] if on_device else []
+    agree_on_fds(layout, group_fds(layout, tp_group=tp_group, payload_edges=len(mine)))
     tp = decisions = dp = None
     if layout.tp > 1:
         for plane in layout.grid:
