@@ -35,6 +35,7 @@ import torch
 import torch.distributed as dist
 
 from ._errors import ClosedError, InterruptedStepError
+from ._resources import start_thread
 
 __all__ = [
     "ComputeWorker",
@@ -548,8 +549,9 @@ class ComputeWorker:
         if self._thread is None:
             with self._lock:
                 if self._thread is None:
-                    self._thread = threading.Thread(target=self._work, name=self._name, daemon=True)
-                    self._thread.start()
+                    t = threading.Thread(target=self._work, name=self._name, daemon=True)
+                    start_thread(t, f"ComputeWorker {self._name!r}", "the compute thread")
+                    self._thread = t
         self._jobs.put(_Job(call, fut, loop))
         self.handoffs += 2  # to the worker thread, and the result back to the loop
         self.calls += 1

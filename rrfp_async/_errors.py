@@ -35,6 +35,10 @@ The hierarchy::
     ├── TraceError (ValueError)     a trace file is not a trace (wrong structure or values)
     ├── ExtraMissingError           a feature needs an optional dependency (an extra) that
     │   (ImportError)               is not installed: the message names the pip command
+    ├── ResourceError (OSError)     a rank ran out of an OS resource (file descriptors, a
+    │                               thread, a port) opening a stage or its groups: names the
+    │                               rank, the limit, the count in use and the fix, on that
+    │                               rank and on its peers
     └── SpawnError                  a spawned worker process failed or ran out of time
 
 Every message says which rank, which step and which task, and what was waited for.
@@ -63,6 +67,7 @@ __all__ = [
     "PolicyError",
     "ProtocolError",
     "RRFPError",
+    "ResourceError",
     "SpawnError",
     "StateNote",
     "StepDiffersError",
@@ -317,6 +322,54 @@ class ExtraMissingError(RRFPError, ImportError):
     """A feature needs an optional dependency that is not installed (``render_png`` needs
     matplotlib, the ``plot`` extra). The message says what to install; the command line
     reports it in one line and keeps the rest of its output."""
+
+
+class ResourceError(RRFPError, OSError):
+    """A rank ran out of an operating-system resource: file descriptors (each gloo process
+    group holds a listening socket, an epoll descriptor, a pipe and a socket per peer), a
+    thread (the stage's channel, loop and compute threads), or a port.
+
+    Raised instead of the abort (SIGABRT from gloo's C++) or the bare ``RuntimeError("can't
+    start new thread")`` that the shortage would give: ``build_groups`` checks the
+    descriptors its groups need before it creates any and tells every rank (over the
+    default group's store) which rank is short, so that the peers raise this error too,
+    naming that rank, instead of waiting in ``new_group``. The message names the resource,
+    the limit where it is known, the count in use and the fix (``ulimit -n``, fewer stages
+    or groups per process).
+
+    Attributes:
+        resource: What ran out (``"file descriptors"``, ``"threads"``, ``"ports"``).
+        rank: The global rank that ran out of it (None where unknown).
+        limit: The limit where known (the soft ``RLIMIT_NOFILE`` for descriptors).
+        in_use: How many were in use where known.
+    """
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        resource: str,
+        rank: int | None = None,
+        limit: int | None = None,
+        in_use: int | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.resource = resource
+        self.rank = rank
+        self.limit = limit
+        self.in_use = in_use
+
+    def __str__(self) -> str:  # (OSError's would print the args tuple's errno form)
+        return str(self.args[0]) if self.args else ""
+
+    def __reduce__(self) -> tuple[object, ...]:  # keyword-only attributes survive pickling
+        return (_resource_error, (str(self), self.resource, self.rank, self.limit, self.in_use))
+
+
+def _resource_error(
+    message: str, resource: str, rank: int | None, limit: int | None, in_use: int | None
+) -> ResourceError:
+    return ResourceError(message, resource=resource, rank=rank, limit=limit, in_use=in_use)
 
 
 class SpawnError(RRFPError):

@@ -30,6 +30,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
         "base",
         (
             "_errors",
+            "_resources",
             "_check",
             "_lazy",
             "_tasks",

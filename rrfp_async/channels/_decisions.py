@@ -73,6 +73,7 @@ import torch.distributed as dist
 
 from .._bridges import post, run_blocking, work_future
 from .._errors import ClosedError, DivergenceError, PeerError, PeerStepError
+from .._resources import start_thread
 from .._tasks import Kind, Task
 from ._wire import CONNECTION_BROKE, read_ints, write_ints
 
@@ -179,7 +180,7 @@ class DecisionChannel:
             self._listener = threading.Thread(
                 target=self._listen, name=f"rrfp-decisions-listen-{self.rank}", daemon=True
             )
-            self._listener.start()
+            start_thread(self._listener, self._who(), "the TP decision listener")
 
     def publish(self, step: int, seq: int, task: Task) -> None:
         """Leader: send decision ``seq`` of ``step`` to every follower, without waiting."""

@@ -132,6 +132,7 @@ every rank.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import os
 import time
@@ -142,7 +143,7 @@ import torch
 import torch.distributed as dist
 
 from .._bridges import run_blocking
-from .._errors import FailureKind, ProtocolError
+from .._errors import FailureKind, ProtocolError, ResourceError
 from .._pytree import tensor_leaves
 from .._streams import Device
 from .._tasks import Task
@@ -456,6 +457,8 @@ class P2PChannel:
 
         Raises:
             RuntimeError: Started before, or torch.distributed is not initialized.
+            ResourceError: A thread cannot be started (the threads that started are closed,
+                and the peers told that this rank failed).
         """
         if self._loop is not None:
             raise RuntimeError("the channel is already started")
@@ -471,6 +474,20 @@ class P2PChannel:
                 raise RuntimeError("P2PChannel.start: torch.distributed is not initialized")
             for r in peers:
                 group_rank[r] = dist.get_group_rank(pg, self._names.global_ranks[r])
+        try:
+            self._start_threads(pg, group_rank, port, shared)
+        except ResourceError:
+            # The threads that did start tell the peers this rank failed (a CLOSE with its
+            # cause, "failed at step -1"), so they name it rather than wait for it.
+            self._control.open()
+            with contextlib.suppress(Exception):
+                self.close(0.5, failed=True)
+            raise
+        self._control.open()
+
+    def _start_threads(
+        self, pg: Any, group_rank: dict[int, int], port: LoopPort, shared: bool
+    ) -> None:
         control = self._control
         for dst in self._outbound:
             sender = Sender(
@@ -484,8 +501,8 @@ class P2PChannel:
                 bye=shared,
                 plan_of=self._inlet.plan_of,
             )
-            self._senders[dst] = sender
             sender.start()
+            self._senders[dst] = sender
         self._receiver = Receiver(
             names=self._names,
             pg=pg,
@@ -501,7 +518,6 @@ class P2PChannel:
         if self._payload is not None:
             self._payload.start(port, self._senders)
         self._receiver.start()
-        control.open()
 
     async def __aenter__(self) -> P2PChannel:
         self.start()

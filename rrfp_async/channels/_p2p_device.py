@@ -71,6 +71,7 @@ import torch.distributed as dist
 
 from .._bridges import after_fork_in_child, run_blocking
 from .._errors import PeerError, ProtocolError, RRFPError
+from .._resources import start_thread
 from .._streams import Device, mark_ready
 from .._tasks import Task
 from ._p2p_control import ControlPath
@@ -113,7 +114,7 @@ class _Issuer:
         self.device = device
         self.queue: queue.SimpleQueue[tuple[PayloadPath, tuple[Any, ...]]] = queue.SimpleQueue()
         self.thread = threading.Thread(target=self._run, name=f"rrfp-issue-{device}", daemon=True)
-        self.thread.start()
+        start_thread(self.thread, f"device {device}", "the p2p channel's payload issuer")
 
     @classmethod
     def of(cls, device: torch.device) -> _Issuer:

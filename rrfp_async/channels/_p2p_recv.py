@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from .._errors import PeerError, ProtocolError, RRFPError
+from .._resources import start_thread
 from .._streams import Device
 from .._tasks import Task
 from ._p2p_control import ControlPath
@@ -151,15 +152,15 @@ class Receiver:
             w = threading.Thread(
                 target=self._watch, args=(src,), name=f"rrfp-watch-{src}->{rank}", daemon=True
             )
-            w.start()
+            start_thread(w, self._names.me(), "the p2p channel's watcher")
             self._watchers[src] = w
         t = threading.Thread(target=self._io_thread, name=f"rrfp-io-{rank}", daemon=True)
-        t.start()
+        start_thread(t, self._names.me(), "the p2p channel's receiver")
         self._io_thread_ = t
 
     def _spawn(self, fn: Any, peer: int, name: str) -> None:
         t = threading.Thread(target=fn, args=(peer,), name=name, daemon=True)
-        t.start()
+        start_thread(t, self._names.me(), "the p2p channel's receiver")
         self._threads.append(t)
 
     def join(self, deadline: float, clock: Callable[[], float]) -> None:

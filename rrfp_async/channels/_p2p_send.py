@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from .._errors import PeerError, ProtocolError, RRFPError
+from .._resources import start_thread
 from .._streams import Device
 from .._tasks import Task
 from ._p2p_io import REAP_BATCH, WATCH_TAG, Limits, Names, storage_ptr
@@ -97,8 +98,12 @@ class Sender:
         self.direct_sent = 0  # posted by ``send`` itself, not the sender thread
 
     def start(self) -> None:
-        """Start the sender thread."""
-        self.thread.start()
+        """Start the sender thread.
+
+        Raises:
+            ResourceError: The thread cannot be started (this process is out of threads).
+        """
+        start_thread(self.thread, self._names.me(), "the p2p channel's sender")
 
     # ------------------------------------------------------------------ the caller's side
 

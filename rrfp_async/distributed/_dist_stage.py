@@ -417,7 +417,7 @@ class DistributedStage:
         """
         if self._state != "new":
             raise ClosedError(f"{self._who()}: a DistributedStage is opened once ({self._state})")
-        self._face = BlockingFace.open(self.__aenter__)
+        self._face = BlockingFace.open(self.__aenter__, self._who())
         return self
 
     def __exit__(

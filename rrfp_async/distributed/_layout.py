@@ -18,6 +18,7 @@ import torch.distributed as dist
 from .._errors import PlanError
 from .._tasks import StepPlan
 from ..testing import nccl_logs, nccl_rules
+from ._fd_check import agree_on_fds, group_fds
 
 __all__ = [
     "ProcessLayout",
@@ -230,6 +231,11 @@ def build_groups(
     """
     if p2p_backend not in ("gloo", "nccl"):
         raise PlanError(f"p2p_backend must be 'gloo' or 'nccl', got {p2p_backend!r}")
+    # Before any new_group: gloo aborts the process (no Python error) when a socket cannot
+    # be had inside it, and the other ranks would wait there for the lost one (_fd_check).
+    on_device = nccl_rules.enabled() or p2p_backend == "nccl"
+    mine = [e for e in payload_edges(layout.pp) if layout.pp_rank in e] if on_device else []
+    agree_on_fds(layout, group_fds(layout, tp_group=tp_group, payload_edges=len(mine)))
     tp = decisions = dp = None
     if layout.tp > 1:
         for plane in layout.grid:

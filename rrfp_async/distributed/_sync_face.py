@@ -13,6 +13,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
 from .._errors import InterruptedStepError
+from .._resources import is_fd_shortage, is_thread_shortage, no_fds_error, no_thread_error
 from ..loop import SyncPortal
 from . import _state_dump as state_dump
 
@@ -32,15 +33,26 @@ class BlockingFace:
         self._portal = portal
 
     @classmethod
-    def open(cls, aenter: Callable[[], Awaitable[object]]) -> BlockingFace:
+    def open(
+        cls, aenter: Callable[[], Awaitable[object]], who: str = "DistributedStage"
+    ) -> BlockingFace:
         """Start an event loop on a thread of its own (uvloop when installed) and run
         ``aenter`` there; the face that runs the stage's steps on it.
 
         Raises:
+            ResourceError: The loop's thread cannot be started, or the loop has no file
+                descriptor (this process is at its limit); the message names it and the fix.
             BaseException: What ``aenter`` raised (the thread is stopped first).
         """
         state_dump.install()  # (from the caller's thread: the signal handler needs the main one)
-        portal = SyncPortal()
+        try:
+            portal = SyncPortal()
+        except (RuntimeError, OSError) as e:  # no thread, or no descriptor for its loop
+            if is_thread_shortage(e):
+                raise no_thread_error(who, "the stage's event loop thread", e) from e
+            if is_fd_shortage(e):
+                raise no_fds_error(who, "the stage's event loop") from e
+            raise
         try:
             portal.call(aenter)
         except BaseException:
