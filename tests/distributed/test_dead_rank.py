@@ -35,7 +35,16 @@ ROOT = Path(__file__).resolve().parents[2]
 STEP_TIMEOUT = 5.0
 
 
-def _run(tmp_path: Path, victim: int, how: str, survivors: list[int]) -> dict[str, Any]:
+def _run(
+    tmp_path: Path,
+    victim: int,
+    how: str,
+    survivors: list[int],
+    *,
+    world: int = 3,
+    steps: int = 5,
+    step_timeout: float = STEP_TIMEOUT,
+) -> dict[str, Any]:
     """Launch torchrun, wait for the survivors' errors and exits, clean up; return what
     happened: ``errors`` (rank -> error record), ``detected`` (rank -> seconds from the
     signal to the error), ``exit`` (rank -> exit code of each rank that had exited by the
@@ -55,7 +64,7 @@ def _run(tmp_path: Path, victim: int, how: str, survivors: list[int]) -> dict[st
         "torch.distributed.run",
         "--standalone",
         "--nproc-per-node",
-        "3",
+        str(world),
         "--max-restarts",
         "0",
         "--monitor-interval",
@@ -68,7 +77,9 @@ def _run(tmp_path: Path, victim: int, how: str, survivors: list[int]) -> dict[st
         "--out",
         str(out),
         "--step-timeout",
-        str(STEP_TIMEOUT),
+        str(step_timeout),
+        "--steps",
+        str(steps),
     ]
     with log_path.open("w") as log:
         proc = subprocess.Popen(
@@ -79,7 +90,7 @@ def _run(tmp_path: Path, victim: int, how: str, survivors: list[int]) -> dict[st
     try:
         deadline = time.monotonic() + 180
         while time.monotonic() < deadline and proc.poll() is None:
-            for r in range(3):
+            for r in range(world):
                 f = out / f"rank{r}.pid"
                 if r not in pids and f.exists() and f.read_text():
                     pids[r] = int(f.read_text())
@@ -101,7 +112,7 @@ def _run(tmp_path: Path, victim: int, how: str, survivors: list[int]) -> dict[st
     t_signal = json.loads((out / "signal.json").read_text())["time"]
     errors = {
         r: json.loads((out / f"rank{r}.err").read_text())
-        for r in range(3)
+        for r in range(world)
         if (out / f"rank{r}.err").exists()
     }
     return {
