@@ -13,6 +13,7 @@ nowhere".
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Callable, Iterable
 
 import torch
@@ -24,6 +25,7 @@ from ._p2p_io import Names
 from ._wire import (
     CLEAN,
     CLOSE,
+    CONNECTION_BROKE,
     FAILED,
     HEADER_LEN,
     LEFT,
@@ -90,6 +92,7 @@ class ControlPath:
         # A peer left cleanly: what this rank's CLOSE passes on if it fails and no other
         # cause was recorded (LEFT, the peer's last step, its global rank).
         self._left: tuple[int, int, tuple[int, ...]] | None = None
+        self._news = asyncio.Event()  # set when ``_why`` learns something (loop thread)
         self._closed_in: set[int] = set()  # inbound edges whose CLOSE reached the loop
 
     # ------------------------------------------------------------------ state
@@ -137,6 +140,8 @@ class ControlPath:
         """``peer``'s connection broke (loop thread): blame it, then fail the channel."""
         if self._cause is None:
             self._cause = (LOST, self._last_step, (self._names.global_ranks[peer],))
+        self._why.setdefault(peer, f"{self._names.name(peer)} was lost ({CONNECTION_BROKE})")
+        self._news.set()
         self._inlet.fail(exc)
 
     def watch_lost(self, src: int, exc: RRFPError) -> None:
@@ -224,6 +229,7 @@ class ControlPath:
         else:  # the origin first: the rank lost, left or failed, then who passed it on
             text = origin_text(cause, step, names.names_global(ranks), names.name(src))
         self._peer_failures[src] = self._why[src] = text
+        self._news.set()
         self.peer_closed(src)
 
     def peer_left(self, src: int, step: int | None) -> None:
@@ -235,7 +241,22 @@ class ControlPath:
             self._why[src] = f"{names.name(src)} left after step {step} (its stage closed cleanly)"
             if self._left is None:
                 self._left = (LEFT, step, (names.global_ranks[src],))
+            self._news.set()
         self.peer_closed(src)
+
+    async def origin(self, wait: float) -> str | None:
+        """The failure this channel knows of, origin first (a peer it lost, or what a
+        peer's CLOSE passed on: lost, left, failed), waiting up to ``wait`` s for one to
+        come (loop thread). For the error of a collective that broke: gloo's text names an
+        address, never a rank, and a rank that is no neighbour of the lost one learns it
+        only from its neighbour's CLOSE, a moment later."""
+        if not self._why and wait > 0:
+            try:
+                async with asyncio.timeout(wait):
+                    await self._news.wait()
+            except TimeoutError:
+                pass
+        return next(iter(self._why.values()), None)
 
     def peer_closed(self, src: int) -> None:
         """``src`` sent its CLOSE (loop thread): tell a sink that listens, unless this rank
