@@ -33,10 +33,13 @@ class Sink(Protocol):
 class ClosingSink(Protocol):
     """Optional: a sink that wants to know when a peer closed its end."""
 
-    def peer_closed(self, src: int) -> None:
+    def peer_closed(self, src: int, *, why: str | None = None) -> None:
         """Rank ``src`` closed its end: no more messages will come from it. Called on the
         loop thread, once per peer, unless this rank is closing itself (the stage loop
-        then names the closed peer when it waits for one of its messages)."""
+        then names the closed peer when it waits for one of its messages). ``why``: what
+        its CLOSE said, origin first ("rank 3 (global 3) left after step 1 ...", "rank 2
+        (global 2) was lost at step 2 ..."), given only when it said something: the stage's
+        error opens with it."""
 
 
 @runtime_checkable

@@ -444,6 +444,13 @@ class P2PChannel:
         """
         return self._control.abort(step, cause, origin=origin, kind=kind)
 
+    async def origin(self, wait: float = 3.0) -> str | None:
+        """The failure this rank's channel knows of, origin first ("rank 2 (global 2) was
+        lost ..."), waiting up to ``wait`` s for one (a neighbour's CLOSE); None if none
+        came. ``DistributedStage`` names it when a collective of the control group breaks.
+        Loop thread."""
+        return await self._control.origin(wait)
+
     def peer_failures(self) -> dict[int, str]:
         """Why peers failed, from their CLOSE: pipeline rank -> text (``DistributedStage``
         appends it to the error of a step that lost them)."""

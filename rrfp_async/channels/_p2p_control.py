@@ -13,6 +13,7 @@ nowhere".
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Callable, Iterable
 
 import torch
@@ -22,15 +23,18 @@ from ._base import AbortSink, ClosingSink
 from ._p2p_inlet import Inlet
 from ._p2p_io import Names
 from ._wire import (
+    CLEAN,
     CLOSE,
+    CONNECTION_BROKE,
     FAILED,
     HEADER_LEN,
+    LEFT,
     LOST,
     MAGIC,
     MAX_BLAMED,
     TIMED_OUT,
-    blame_text,
     encode_abort,
+    origin_text,
     pack_inline,
 )
 
@@ -82,6 +86,13 @@ class ControlPath:
         self._last_step = -1  # the latest step of a message sent or received
         self._aborted: set[int] = set()  # steps whose ABORT this rank sent or passed on
         self._peer_failures: dict[int, str] = {}
+        # What a peer's CLOSE said (it failed, or left cleanly after a step), for the stage's
+        # error when it still waits for that peer: pipeline rank -> text, origin first.
+        self._why: dict[int, str] = {}
+        # A peer left cleanly: what this rank's CLOSE passes on if it fails and no other
+        # cause was recorded (LEFT, the peer's last step, its global rank).
+        self._left: tuple[int, int, tuple[int, ...]] | None = None
+        self._news = asyncio.Event()  # set when ``_why`` learns something (loop thread)
         self._closed_in: set[int] = set()  # inbound edges whose CLOSE reached the loop
 
     # ------------------------------------------------------------------ state
@@ -129,6 +140,8 @@ class ControlPath:
         """``peer``'s connection broke (loop thread): blame it, then fail the channel."""
         if self._cause is None:
             self._cause = (LOST, self._last_step, (self._names.global_ranks[peer],))
+        self._why.setdefault(peer, f"{self._names.name(peer)} was lost ({CONNECTION_BROKE})")
+        self._news.set()
         self._inlet.fail(exc)
 
     def watch_lost(self, src: int, exc: RRFPError) -> None:
@@ -192,11 +205,15 @@ class ControlPath:
             return
         self.closing = True
         hdr = [MAGIC, CLOSE] + [0] * (HEADER_LEN - 2)
+        me = self._names.global_ranks[self._names.rank]
+        # Clean: this rank's last step and itself, so that a peer still running a later step
+        # says "rank 3 left after step 1" and passes it on (see the wire's module note).
+        close: tuple[int, int, tuple[int, ...]] = (CLEAN, self._last_step, (me,))
         if failed:
-            me = self._names.global_ranks[self._names.rank]
-            cause, step, ranks = self._cause or (FAILED, self._last_step, (me,))
-            hdr[2:5] = [cause, step, len(ranks)]
-            hdr[5 : 5 + len(ranks)] = list(ranks)
+            close = self._cause or self._left or (FAILED, self._last_step, (me,))
+        cause, step, ranks = close
+        hdr[2:5] = [cause, step, len(ranks)]
+        hdr[5 : 5 + len(ranks)] = list(ranks)
         self._close_edges(hdr)
 
     def peer_failed(self, src: int, cause: int, step: int, ranks: tuple[int, ...]) -> None:
@@ -207,11 +224,39 @@ class ControlPath:
             self._cause = (cause, step, ranks)
         names = self._names
         if cause == FAILED and ranks == (names.global_ranks[src],):
-            why = " with an error of its own (see that rank's output)"
-        else:
-            why = ": " + blame_text(cause, names.names_global(ranks))
-        self._peer_failures[src] = f"{names.name(src)} failed at step {step}{why}"
+            text = f"{names.name(src)} failed at step {step} with an error of its own (see"
+            text += " that rank's output)"
+        else:  # the origin first: the rank lost, left or failed, then who passed it on
+            text = origin_text(cause, step, names.names_global(ranks), names.name(src))
+        self._peer_failures[src] = self._why[src] = text
+        self._news.set()
         self.peer_closed(src)
+
+    def peer_left(self, src: int, step: int | None) -> None:
+        """``src`` closed cleanly after ``step`` (None: its CLOSE did not say; loop thread):
+        keep it for the error of a step that still waits for ``src``, and for this rank's
+        CLOSE if it fails without another cause (the origin passed on, not re-described)."""
+        if step is not None and step >= 0:
+            names = self._names
+            self._why[src] = f"{names.name(src)} left after step {step} (its stage closed cleanly)"
+            if self._left is None:
+                self._left = (LEFT, step, (names.global_ranks[src],))
+            self._news.set()
+        self.peer_closed(src)
+
+    async def origin(self, wait: float) -> str | None:
+        """The failure this channel knows of, origin first (a peer it lost, or what a
+        peer's CLOSE passed on: lost, left, failed), waiting up to ``wait`` s for one to
+        come (loop thread). For the error of a collective that broke: gloo's text names an
+        address, never a rank, and a rank that is no neighbour of the lost one learns it
+        only from its neighbour's CLOSE, a moment later."""
+        if not self._why and wait > 0:
+            try:
+                async with asyncio.timeout(wait):
+                    await self._news.wait()
+            except TimeoutError:
+                pass
+        return next(iter(self._why.values()), None)
 
     def peer_closed(self, src: int) -> None:
         """``src`` sent its CLOSE (loop thread): tell a sink that listens, unless this rank
@@ -221,7 +266,11 @@ class ControlPath:
             return
         sink = self._inlet.sink
         if sink is not None and isinstance(sink, ClosingSink):
-            sink.peer_closed(src)
+            why = self._why.get(src)
+            if why is None:
+                sink.peer_closed(src)
+            else:
+                sink.peer_closed(src, why=why)
 
     def peer_failures(self) -> dict[int, str]:
         """Why peers failed, from their CLOSE: pipeline rank -> text."""

@@ -30,23 +30,21 @@ from ._wire import (
     ABORT,
     CLEAN,
     CLOSE,
+    CLOSE_CAUSES,
     DATA,
     DATA_DEVICE,
     DATA_INLINE,
     DTYPES,
-    FAILED,
     HEADER_BYTES,
     HEADER_LEN,
     ITEMSIZE,
     KINDS,
-    LOST,
     MAGIC,
     MAX_BLAMED,
     MAX_NDIM,
     NO_PAYLOAD,
     PLAN_FIELD,
     REQUIRES_GRAD,
-    TIMED_OUT,
     TREE,
     WARMUP,
     decode_abort,
@@ -289,8 +287,9 @@ class Receiver:
             return False
         if closing:
             rx.closed = True
-            if h[2] == CLEAN:
-                self._post_rx(self._control.peer_closed, src)
+            if h[2] == CLEAN:  # (its last step and itself, or nothing: an older peer)
+                left = h[3] if h[4] == 1 else None
+                self._post_rx(self._control.peer_left, src, left)
             else:
                 n = min(max(h[4], 0), MAX_BLAMED)
                 self._post_rx(self._control.peer_failed, src, h[2], h[3], tuple(h[5 : 5 + n]))
@@ -453,7 +452,7 @@ class Receiver:
         if h[0] != MAGIC:
             raise bad(f"bad magic {h[0]:#x}")
         if h[1] == CLOSE:
-            if h[2] not in (CLEAN, FAILED, LOST, TIMED_OUT):
+            if h[2] not in CLOSE_CAUSES:
                 raise bad(f"unknown close cause {h[2]}")
             return True, Task(0, "F", 0), 0, None, ()
         device = h[1] == DATA_DEVICE

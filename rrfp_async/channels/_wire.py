@@ -9,7 +9,10 @@ message of its own)::
 that runs the step under another tag fails it at once (see ``Inlet``), so a rank whose plan
 differs from its neighbour's never waits for a message that will not come.
 
-A CLOSE carries its cause instead: ``[magic, CLOSE, cause, step, n, global rank 0 .. n-1]``.
+A CLOSE carries its cause instead: ``[magic, CLOSE, cause, step, n, global rank 0 .. n-1]``;
+a clean one (``CLEAN``) carries the closing rank's last step and itself (``n`` 1), so a peer
+that still needed it says "rank 3 left after step 1"; a rank that fails because a peer left
+passes that on (``LEFT``, the step and the rank that left), as it passes on a lost rank.
 A DATA_DEVICE header (the device path: see ``_p2p_device``) has a data header's fields; its
 payload travels on the edge's payload communicator (NCCL), not behind it; for a pytree the
 shape is ``(device bytes, structure bytes)`` and the structure (JSON, host bytes) is the
@@ -80,7 +83,8 @@ DEFAULT_INLINE_BYTES = 1 << 16
 DEFAULT_MAX_BYTES = 256 << 20
 """Largest payload a header may announce, by default (a bad header never allocates more)."""
 # The cause a CLOSE carries: [MAGIC, CLOSE, cause, step, n, global rank 0 .. n-1].
-CLEAN, FAILED, LOST, TIMED_OUT = 0, 1, 2, 3
+CLEAN, FAILED, LOST, TIMED_OUT, LEFT = 0, 1, 2, 3, 4
+CLOSE_CAUSES = (CLEAN, FAILED, LOST, TIMED_OUT, LEFT)
 MAX_BLAMED = HEADER_LEN - 5
 KINDS: tuple[Kind, ...] = ("F", "B", "I", "W")
 KIND_CODE = {k: i for i, k in enumerate(KINDS)}
@@ -416,7 +420,33 @@ def blame_text(cause: int, ranks: str) -> str:
         return f"it lost {ranks} ({CONNECTION_BROKE})"
     if cause == TIMED_OUT:
         return f"it timed out waiting for {ranks} (hung, stopped, lost or waiting itself)"
+    if cause == LEFT:
+        return f"{ranks} left (its stage closed cleanly)"
     return f"{ranks} failed with an error of its own (see that rank's output)"
+
+
+def origin_text(cause: int, step: int, ranks: str, via: str) -> str:
+    """The failure a peer's CLOSE passed on, origin first: what happened to ``ranks`` at
+    ``step``, as the peer ``via`` that closed its channel because of it told."""
+    if cause == LOST:
+        return (
+            f"{ranks} was lost at step {step} ({via} lost it: {CONNECTION_BROKE}; {via} then"
+            " closed its channel)"
+        )
+    if cause == LEFT:
+        return (
+            f"{ranks} left after step {step} (its stage closed cleanly; {via} then closed its"
+            " channel)"
+        )
+    if cause == TIMED_OUT:
+        return (
+            f"{via} failed at step {step}: it timed out waiting for {ranks} (hung, stopped,"
+            " lost or waiting itself)"
+        )
+    return (
+        f"{ranks} failed at step {step} with an error of its own (see that rank's output;"
+        f" {via} then closed its channel)"
+    )
 
 
 def size_text(n: int) -> str:

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, Protocol
 
 import torch
@@ -97,6 +97,9 @@ class ControlGroup:
         digest_of: This rank's ``PlanDigest`` of a schedule.
         adopt_seed: Called with the job's seed when this rank's seed is the default one
             (see ``adopt_default_seed``).
+        origin: What the p2p channel knows of a failure, origin first (it may wait a
+            moment: ``P2PChannel.origin``), for the error of a collective that broke; None:
+            nothing to ask.
 
     Attributes:
         plan_checks: How many plan checks ran (one per distinct plan).
@@ -115,6 +118,7 @@ class ControlGroup:
         agree_steps: bool,
         digest_of: Callable[[StepSchedule], PlanDigest],
         adopt_seed: Callable[[int], None],
+        origin: Callable[[], Awaitable[str | None]] | None = None,
     ) -> None:
         self._comm = collectives
         self._who = who
@@ -125,6 +129,7 @@ class ControlGroup:
         self.agree_steps = agree_steps
         self._digest_of = digest_of
         self._adopt_seed = adopt_seed
+        self._origin = origin
         self.plan_checks = 0
         self.plan_check_seconds = 0.0
         self._broken: BaseException | None = None  # a collective was left posted
@@ -182,10 +187,8 @@ class ControlGroup:
             )
             raise self._broken from None
         except RuntimeError as e:
-            raise PeerError(
-                f"{self._who} step {step}: the plan check (an all-gather over {n} ranks)"
-                f" failed: a rank died or the group broke: {e}"
-            ) from e
+            what = f"the plan check (an all-gather over {n} ranks)"
+            raise PeerError(await self._broke(step, what, e)) from e
         self.plan_check_seconds = time.perf_counter() - t0
         self.plan_checks += 1
         rows = [PlanDigest.decode(o.tolist(), rank=i) for i, o in enumerate(outs)]
@@ -281,11 +284,16 @@ class ControlGroup:
             )
             raise self._broken from None
         except RuntimeError as e:
-            raise PeerError(
-                f"{self._who} step {step}: the end-of-step agreement failed (a rank died or"
-                f" the group broke): {e}"
-            ) from e
+            raise PeerError(await self._broke(step, "the end-of-step agreement", e)) from e
         return [o.tolist() for o in outs]
+
+    async def _broke(self, step: int, what: str, e: RuntimeError) -> str:
+        """The error of a collective that broke: the rank at fault first, as the p2p
+        channel knows it (gloo's text names an address, never a rank), gloo's text last."""
+        origin = None if self._origin is None else await self._origin()
+        if origin is None:
+            return f"{self._who} step {step}: {what} failed: a rank died or the group broke: {e}"
+        return f"{self._who} step {step}: {origin}; {what} failed with it: {e}"
 
     # Design note: the end-of-step agreement
     # --------------------------------------

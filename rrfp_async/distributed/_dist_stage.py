@@ -310,7 +310,7 @@ class DistributedStage:
             verify_sequences=self.tp.verify,
             max_microbatches=max_microbatches,
             deduce_tp=self.tp.deduce,
-            on_failure=self._tell_failure,
+            on_failure=lambda step, e: self.failures.tell(step, e),  # (built below)
         )
         self.step_timeout = self.stage.step_timeout  # as checked there (inf: None)
         self.ties = TiedGradients(
@@ -331,6 +331,7 @@ class DistributedStage:
             agree_steps=self.agree_steps,
             digest_of=self._plan_digest,
             adopt_seed=self._adopt_seed,
+            origin=self.channel.origin,
         )
         self.failures = FailureReporter(
             self.channel,
@@ -567,10 +568,6 @@ class DistributedStage:
             self._running = None
             if not written:
                 self.trace.write(s, sched, policy=self.stage.policy_name)
-
-    def _tell_failure(self, step: int, exc: BaseException) -> None:
-        """The stage loop's ``on_failure``: tell the peers (``FailureReporter.tell``)."""
-        self.failures.tell(step, exc)
 
     def _resolve_step(
         self,

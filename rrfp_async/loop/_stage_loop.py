@@ -496,9 +496,10 @@ class StageLoop:
         """End the current (or next) step with ``exc`` (a broken channel, a deadlock)."""
         self._run.fail(exc)
 
-    def peer_closed(self, src: int) -> None:
-        """Rank ``src`` closed its channel: no message from it will come any more."""
-        self._run.peer_closed(src)
+    def peer_closed(self, src: int, *, why: str | None = None) -> None:
+        """Rank ``src`` closed its channel: no message from it will come any more (``why``:
+        what its CLOSE said, origin first)."""
+        self._run.peer_closed(src, why=why)
 
     def step_aborted(self, step: int, exc: BaseException) -> None:
         """Step ``step`` failed on another rank (the channel's ABORT; ``exc`` says where and

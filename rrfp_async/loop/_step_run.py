@@ -70,6 +70,7 @@ class StepRun:
 
     __slots__ = (
         "_closed_peers",
+        "_closed_why",
         "_waiter",
         "blocked",
         "failure",
@@ -109,6 +110,7 @@ class StepRun:
         self.blocked = False
         self._waiter: asyncio.Future[bool] | None = None
         self._closed_peers: set[int] = set()
+        self._closed_why: dict[int, str] = {}  # what a closed peer's CLOSE said
 
     # ------------------------------------------------------------------ the step's life
 
@@ -178,9 +180,12 @@ class StepRun:
             self.obs.message(task, src)
         self.satisfy(st, pos)
 
-    def peer_closed(self, src: int) -> None:
-        """Rank ``src`` closed its channel: no message from it will come any more."""
+    def peer_closed(self, src: int, *, why: str | None = None) -> None:
+        """Rank ``src`` closed its channel: no message from it will come any more (``why``:
+        what its CLOSE said, origin first: the error opens with it)."""
         self._closed_peers.add(src)
+        if why is not None:
+            self._closed_why[src] = why
         self.check_closed_peers()
 
     def check_closed_peers(self) -> None:
@@ -190,13 +195,13 @@ class StepRun:
             return
         for pos, src in enumerate(st.prog.src_rank):
             if src in self._closed_peers and not st.arrived[pos]:
-                self.fail(
-                    PeerError(
-                        f"rank {self.rank} step {st.step}: rank {src} closed its channel (it"
-                        f" ended or failed) while {st.prog.order[pos]} still waits for its"
-                        " message"
-                    )
-                )
+                why = self._closed_why.get(src)
+                waits = f"{st.prog.order[pos]} still waits for its message"
+                if why is None:
+                    text = f"rank {src} closed its channel (it ended or failed) while {waits}"
+                else:  # the origin its CLOSE passed on, not "rank 2 closed its channel"
+                    text = f"{why}; rank {src}'s channel is closed, and {waits}"
+                self.fail(PeerError(f"rank {self.rank} step {st.step}: {text}"))
                 return
 
     def satisfy(self, st: StepState, pos: int) -> None:

@@ -19,12 +19,14 @@ from rrfp_async.channels._p2p_io import Limits, Names
 from rrfp_async.channels._p2p_send import Sender
 from rrfp_async.channels._wire import (
     ABORT,
+    CLEAN,
     CLOSE,
     DATA,
     DATA_INLINE,
     FAILED,
     HEADER_BYTES,
     HEADER_LEN,
+    LEFT,
     LOST,
     MAGIC,
     MAX_FAILURE_KIND,
@@ -180,8 +182,26 @@ def test_a_peer_failure_is_kept_as_text_and_passed_on() -> None:
     ctl.peer_failed(2, LOST, 3, (10,))
     assert ctl.closed_in(2) and ctl.cause == (LOST, 3, (10,))
     (text,) = ctl.peer_failures().values()
-    assert text.startswith("rank 2 (global 12) failed at step 3: ")
-    assert "rank 0 (global 10)" in text  # the global rank it blamed, named
+    # The origin first (the global rank it blamed, named), then who passed it on.
+    assert text.startswith("rank 0 (global 10) was lost at step 3 (rank 2 (global 12) lost it")
+
+
+def test_a_clean_close_carries_the_last_step_and_a_failure_after_it_passes_it_on() -> None:
+    ctl, _, _, out = _control()
+    ctl.open()
+    ctl.at_step(4)
+    ctl.peer_left(2, 1)  # rank 2 (global 12) left after step 1
+    assert ctl.closed_in(2) and ctl.cause is None
+    ctl.send_close(failed=True)
+    assert out.closes[0][:6] == [MAGIC, CLOSE, LEFT, 1, 1, 12]
+
+
+def test_a_clean_close_says_its_last_step() -> None:
+    ctl, _, _, out = _control()
+    ctl.open()
+    ctl.at_step(6)
+    ctl.send_close()
+    assert out.closes[0][:6] == [MAGIC, CLOSE, CLEAN, 6, 1, 11]
 
 
 # ---------------------------------------------------------------------- Inlet

@@ -9,6 +9,11 @@ Every rank writes, into ``--out``:
   it re-raises: the process exits non-zero by itself);
 * ``rank{r}.ok``: when every step succeeded.
 
+``--kill-or-stop OPENKILL`` SIGKILLs the victim right after it opened its stage, before step
+0 (its peers fail in the plan check's all-gather); ``LEAVE`` makes the victim leave its
+``async with`` block cleanly one step early (it runs ``--steps`` - 1 steps); ``HANG`` gives
+the victim a policy that never returns at ``--step`` (its peers and itself time out).
+
 With ``--kill-or-stop RAISE`` the victim's executor raises instead, and every rank goes on
 after a failed step (as a training loop that zeroes its gradients would): it writes
 ``rank{r}.steps.json``, one record per step (``{"step": ..., "ok": ...}`` or the error's
@@ -60,7 +65,11 @@ class _TinyExecutor:
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--victim", type=int, required=True)
-    p.add_argument("--kill-or-stop", choices=["KILL", "STOP", "RAISE"], required=True)
+    p.add_argument(
+        "--kill-or-stop",
+        choices=["KILL", "STOP", "RAISE", "OPENKILL", "LEAVE", "HANG"],
+        required=True,
+    )
     p.add_argument("--step", type=int, default=2)
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--out", type=Path, required=True)
@@ -75,21 +84,44 @@ def main() -> None:
     groups = rr.build_groups(layout)
     plan = rr.StepPlan(topology=rr.Topology(stages=world), microbatches=MICROBATCHES)
     schedule = rr.StepSchedule.build(plan, "1f1b")
-    sig = {"KILL": signal.SIGKILL, "STOP": signal.SIGSTOP}.get(args.kill_or_stop)
-    executor = _TinyExecutor(rank == args.victim, sig, args.step, out)
+    how = args.kill_or_stop
+    victim = rank == args.victim
+    sig = {"KILL": signal.SIGKILL, "STOP": signal.SIGSTOP}.get(how)
+    executor = _TinyExecutor(victim and how in ("KILL", "STOP", "RAISE"), sig, args.step, out)
     records: list[dict[str, Any]] = []
+    steps_here = args.steps - 1 if victim and how == "LEAVE" else args.steps
+    policy: Any = "readiness_first"
+    if how == "HANG":  # the same policy on every rank (the plan check compares it)
+
+        async def hang(view: rr.ReadyView) -> rr.Task:
+            if view.rank == args.victim and view.step == args.step:
+                (out / "signal.json").write_text(json.dumps({"time": time.time()}))
+                await asyncio.Event().wait()  # a policy that never returns
+            return view.ready[0]
+
+        policy = hang
 
     async def steps() -> None:
         async with rr.DistributedStage(
-            layout, schedule, executor, groups=groups, step_timeout=args.step_timeout
+            layout,
+            schedule,
+            executor,
+            groups=groups,
+            step_timeout=args.step_timeout,
+            policy=policy,
         ) as stage:
-            for _ in range(args.steps):
+            if victim and how == "OPENKILL":
+                (out / "signal.json").write_text(json.dumps({"time": time.time()}))
+                os.kill(os.getpid(), signal.SIGKILL)
+            if victim and how == "LEAVE":
+                (out / "signal.json").write_text(json.dumps({"time": time.time()}))
+            for _ in range(steps_here):
                 t0 = time.monotonic()
                 try:
                     stats = await stage.run_step(list(range(MICROBATCHES)))
                     records.append({"step": stats.step, "ok": True})
                 except Exception as e:
-                    if sig is None:  # RAISE: go on with the next step
+                    if how == "RAISE":  # go on with the next step
                         records.append(
                             {
                                 "ok": False,
@@ -110,6 +142,8 @@ def main() -> None:
     rr.run(steps())  # a failure propagates: the process exits non-zero by itself
     (out / f"rank{rank}.steps.json").write_text(json.dumps(records))
     (out / f"rank{rank}.ok").write_text("ok")
+    if victim and how == "LEAVE":
+        return  # its peers fail: no barrier with them
     dist.barrier()
     dist.destroy_process_group()
 
