@@ -147,6 +147,7 @@ from .._errors import FailureKind, ProtocolError, ResourceError
 from .._pytree import tensor_leaves
 from .._streams import Device
 from .._tasks import Task
+from . import _strays
 from ._base import Sink
 from ._p2p_control import ControlPath
 from ._p2p_device import PayloadPath
@@ -552,6 +553,10 @@ class P2PChannel:
             self._receiver.join(deadline, time.monotonic)
         if self._payload is not None:
             self._payload.close(deadline)
+        # Threads still blocked in gloo are waited for at exit (``_strays``' design note).
+        _strays.leave([s.thread for s in self._senders.values()])
+        if self._receiver is not None:
+            _strays.leave(self._receiver.outliving())
 
     # ------------------------------------------------------------------ the parts' outlets
 

@@ -180,6 +180,16 @@ class Receiver:
                 if self._rx[src].closed:
                     w.join(max(0.0, deadline - clock()))
 
+    def outliving(self) -> list[threading.Thread]:
+        """The threads still blocked after ``join`` that a peer's close or exit will end
+        (``_strays``): not the shared receive of a broken edge, which never returns."""
+        out = [t for t in self._threads if t.is_alive()]
+        io = self._io
+        if io is not None and self._io_thread_ is not None and not io.broke:
+            out.append(self._io_thread_)
+        out += [w for w in self._watchers.values() if w.is_alive()]
+        return [t for t in out if t.is_alive()]
+
     def _listener(self, src: int) -> None:
         """Per-edge I/O: this edge's own thread blocks in its receive."""
         self._dev.bind_thread()

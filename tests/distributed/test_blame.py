@@ -44,9 +44,10 @@ def test_a_rank_killed_before_step_0_is_named_by_the_plan_check(tmp_path: Path) 
         assert "rank 2 (global 2)" in first, first
         # gloo's own text is kept, but only as the cause, at the end.
         assert not first.split("rank 2 (global 2)")[0].count("pair.cc"), first
-        # Non-zero by itself; a neighbour of the dead rank may end with gloo's SIGABRT at
-        # exit (a collective posted towards it; seen once: -6).
-        assert res["exit"].get(r) in (1, -signal.SIGABRT), res["exit"]
+        # Non-zero by itself, and no SIGABRT at exit: a receive still blocked in gloo when the
+        # channel closed is waited for at exit (``channels._strays``; before it, a neighbour
+        # of the dead rank ended with -6 in 6 of 6 runs under load).
+        assert res["exit"].get(r) == 1, res["exit"]
     assert res["exit"].get(2) == -signal.SIGKILL, res["exit"]
 
 
