@@ -178,9 +178,9 @@ class FailureReporter:
         origin, cause = stuck
         name = next((f"rank {r} (global {g})" for r, g in self._peers.items() if g == origin), None)
         head = (
-            f"{self._who} step {step}: timed out after {self._step_timeout} s waiting for the"
-            f" policy of {name or f'global rank {origin}'}, which did not return a decision"
-            f" ({cause}); this rank waited for {waited}"
+            f"{self._who} step {step}: timed out after {self._step_timeout} s waiting for"
+            f" {name or f'global rank {origin}'}, whose policy did not return a decision (this"
+            f" rank waited for {waited}); that rank says: {cause}"
         )
         rest = str(e.args[0]).split("\n", 1)[1] if e.args and "\n" in str(e.args[0]) else ""
         e.args = (f"{head}\n{rest}", *e.args[1:])
