@@ -198,11 +198,18 @@ class FailureKind(IntEnum):
             there (a batch that does not split into the step's microbatches, a data
             iterator that ran dry, ...), which every other rank raises as a
             ``PeerPlanError``, a ``PlanError`` too.
+        POLICY: The origin's step watchdog fired while its policy had not returned a
+            decision (a ``StepTimeoutError`` whose ``policy`` is set): the policy is the
+            cause. Unlike the others, this ABORT goes out even when the origin already
+            failed the step for a peer's ABORT (its peers timed out at the same moment,
+            waiting for it), and each rank passes it on once, so that every rank that
+            waited names the stuck policy.
     """
 
     OTHER = 0
     STEP_DIFFERS = 1
     PLAN = 2
+    POLICY = 3
 
 
 class PeerStepError(PeerError):
@@ -307,7 +314,17 @@ class NonFiniteError(RRFPError, ArithmeticError):
 
 
 class StepTimeoutError(RRFPError):
-    """A step exceeded its watchdog time limit; the message points to the state dump."""
+    """A step exceeded its watchdog time limit; the message points to the state dump.
+
+    Attributes:
+        policy: The name of the policy whose turn it was when the watchdog fired (it had
+            not returned a decision: the policy is the cause, and the message opens with
+            it), or None when the step waited for anything else.
+    """
+
+    def __init__(self, *args: object, policy: str | None = None) -> None:
+        super().__init__(*args)
+        self.policy = policy
 
 
 class ClosedError(RRFPError):

@@ -452,6 +452,17 @@ class P2PChannel:
         Loop thread."""
         return await self._control.origin(wait)
 
+    def policy_stuck(self, step: int) -> None:
+        """Record why this rank is failing, for the CLOSE its peers receive: at ``step`` its
+        policy did not return a decision before the step's watchdog fired."""
+        self._control.policy_stuck(step)
+
+    async def stuck_policy(self, step: int, wait: float) -> tuple[int, str] | None:
+        """The global rank whose policy did not return a decision at ``step`` and the cause
+        its ABORT (``FailureKind.POLICY``) gave, waiting up to ``wait`` s for one; None if
+        none came. Loop thread."""
+        return await self._control.stuck_policy(step, wait)
+
     def peer_failures(self) -> dict[int, str]:
         """Why peers failed, from their CLOSE: pipeline rank -> text (``DistributedStage``
         appends it to the error of a step that lost them)."""

@@ -32,6 +32,7 @@ from ._wire import (
     LOST,
     MAGIC,
     MAX_BLAMED,
+    POLICY,
     TIMED_OUT,
     encode_abort,
     origin_text,
@@ -93,6 +94,11 @@ class ControlPath:
         # cause was recorded (LEFT, the peer's last step, its global rank).
         self._left: tuple[int, int, tuple[int, ...]] | None = None
         self._news = asyncio.Event()  # set when ``_why`` learns something (loop thread)
+        # A stuck policy (``FailureKind.POLICY``): step -> (origin global rank, cause text),
+        # as its ABORT told; and the steps whose POLICY ABORT this rank sent or passed on.
+        self._stuck: dict[int, tuple[int, str]] = {}
+        self._stuck_told: set[int] = set()
+        self._stuck_news = asyncio.Event()
         self._closed_in: set[int] = set()  # inbound edges whose CLOSE reached the loop
 
     # ------------------------------------------------------------------ state
@@ -136,6 +142,13 @@ class ControlPath:
             blamed = tuple(g[r] for r in ranks if r in g)[:MAX_BLAMED]
             self._cause = (TIMED_OUT if timed_out else LOST, step, blamed)
 
+    def policy_stuck(self, step: int) -> None:
+        """Record why this rank is failing, for the CLOSE its peers receive: at ``step`` its
+        policy did not return a decision before the watchdog fired. It replaces a cause
+        recorded before (a peer's ABORT that came while the policy ran): this is the root."""
+        if self._cause is None or self._cause[0] != LOST:
+            self._cause = (POLICY, step, (self._names.global_ranks[self._names.rank],))
+
     def lose(self, peer: int, exc: RRFPError) -> None:
         """``peer``'s connection broke (loop thread): blame it, then fail the channel."""
         if self._cause is None:
@@ -156,7 +169,11 @@ class ControlPath:
     ) -> bool:
         """Tell every rank of the pipeline that ``step`` failed: an ABORT down every outbound
         edge, once per step. See ``P2PChannel.abort``."""
-        if step in self._aborted:
+        # A stuck policy's ABORT goes out even after this rank failed the step for a peer's
+        # ABORT (the peers timed out at the same moment, waiting for it), once per step.
+        if kind == FailureKind.POLICY and step not in self._stuck_told:
+            self._stuck_told.add(step)
+        elif step in self._aborted:
             return False
         self._aborted.add(step)
         if not self.started or self.closing or self._inlet.failed is not None:
@@ -177,7 +194,17 @@ class ControlPath:
 
     def peer_aborted(self, src: int, step: int, origin: int, cause: str, kind: int = 0) -> None:
         """An ABORT of ``step`` came from ``src`` (loop thread): pass it on once, its kind
-        unchanged, and fail the step on this rank too (see the design note)."""
+        unchanged, and fail the step on this rank too (see the design note). A stuck
+        policy's ABORT is kept (``stuck_policy``) and passed on once, even for a step that
+        failed here already."""
+        if kind == FailureKind.POLICY and step not in self._stuck_told:
+            self._stuck_told.add(step)
+            self._stuck.setdefault(step, (origin, cause))
+            self._stuck_news.set()
+            if self._cause is not None and self._cause[:2] == (TIMED_OUT, step):
+                self._cause = (POLICY, step, (origin,))  # (what this rank's CLOSE passes on)
+            if step in self._aborted and not self.closing and self._inlet.failed is None:
+                self._send_abort(step, origin, cause, kind, skip=src)
         if step in self._aborted:
             return
         self._aborted.add(step)
@@ -257,6 +284,22 @@ class ControlPath:
             except TimeoutError:
                 pass
         return next(iter(self._why.values()), None)
+
+    async def stuck_policy(self, step: int, wait: float) -> tuple[int, str] | None:
+        """The rank whose policy did not return a decision at ``step`` (its global rank) and
+        the cause its ABORT gave, waiting up to ``wait`` s for one to come (loop thread):
+        for the error of a rank whose watchdog fired at the same moment as that rank's,
+        while it waited for it."""
+        loop = asyncio.get_running_loop()
+        end = loop.time() + wait
+        while step not in self._stuck and loop.time() < end:
+            self._stuck_news.clear()
+            try:
+                async with asyncio.timeout(end - loop.time()):
+                    await self._stuck_news.wait()
+            except TimeoutError:
+                break
+        return self._stuck.get(step)
 
     def peer_closed(self, src: int) -> None:
         """``src`` sent its CLOSE (loop thread): tell a sink that listens, unless this rank

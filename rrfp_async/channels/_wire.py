@@ -12,7 +12,9 @@ differs from its neighbour's never waits for a message that will not come.
 A CLOSE carries its cause instead: ``[magic, CLOSE, cause, step, n, global rank 0 .. n-1]``;
 a clean one (``CLEAN``) carries the closing rank's last step and itself (``n`` 1), so a peer
 that still needed it says "rank 3 left after step 1"; a rank that fails because a peer left
-passes that on (``LEFT``, the step and the rank that left), as it passes on a lost rank.
+passes that on (``LEFT``, the step and the rank that left), as it passes on a lost rank,
+and a rank whose policy did not return a decision before its step's watchdog fired says so
+(``POLICY``, the step and itself).
 A DATA_DEVICE header (the device path: see ``_p2p_device``) has a data header's fields; its
 payload travels on the edge's payload communicator (NCCL), not behind it; for a pytree the
 shape is ``(device bytes, structure bytes)`` and the structure (JSON, host bytes) is the
@@ -83,8 +85,9 @@ DEFAULT_INLINE_BYTES = 1 << 16
 DEFAULT_MAX_BYTES = 256 << 20
 """Largest payload a header may announce, by default (a bad header never allocates more)."""
 # The cause a CLOSE carries: [MAGIC, CLOSE, cause, step, n, global rank 0 .. n-1].
-CLEAN, FAILED, LOST, TIMED_OUT, LEFT = 0, 1, 2, 3, 4
-CLOSE_CAUSES = (CLEAN, FAILED, LOST, TIMED_OUT, LEFT)
+# POLICY: the rank named's policy did not return a decision before its step's watchdog fired.
+CLEAN, FAILED, LOST, TIMED_OUT, LEFT, POLICY = 0, 1, 2, 3, 4, 5
+CLOSE_CAUSES = (CLEAN, FAILED, LOST, TIMED_OUT, LEFT, POLICY)
 MAX_BLAMED = HEADER_LEN - 5
 KINDS: tuple[Kind, ...] = ("F", "B", "I", "W")
 KIND_CODE = {k: i for i, k in enumerate(KINDS)}
@@ -422,6 +425,8 @@ def blame_text(cause: int, ranks: str) -> str:
         return f"it timed out waiting for {ranks} (hung, stopped, lost or waiting itself)"
     if cause == LEFT:
         return f"{ranks} left (its stage closed cleanly)"
+    if cause == POLICY:
+        return f"the policy of {ranks} did not return a decision (its step's watchdog fired)"
     return f"{ranks} failed with an error of its own (see that rank's output)"
 
 
@@ -437,6 +442,11 @@ def origin_text(cause: int, step: int, ranks: str, via: str) -> str:
         return (
             f"{ranks} left after step {step} (its stage closed cleanly; {via} then closed its"
             " channel)"
+        )
+    if cause == POLICY:
+        return (
+            f"the policy of {ranks} did not return a decision at step {step} (its step's"
+            f" watchdog fired there; {via} then closed its channel)"
         )
     if cause == TIMED_OUT:
         return (

@@ -554,6 +554,7 @@ class DistributedStage:
                 s, sched, policy=self.stage.policy_name, failure=e, at=self.stage.now()
             )
             written = True
+            await self.failures.name_stuck_policy(s, e)  # (waits a moment for its ABORT)
             # A lost rank or a broken channel: the job cannot go on, nor agree.
             lost = isinstance(e, PeerError) and not isinstance(e, PeerStepError)
             self.control.fail_step(can_agree=not lost and not self.channel.broken)

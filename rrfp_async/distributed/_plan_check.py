@@ -14,7 +14,7 @@ import asyncio
 import hashlib
 from collections.abc import Sequence
 
-from .._errors import FailureKind, PeerStepError, PlanError, StepDiffersError
+from .._errors import FailureKind, PeerStepError, PlanError, StepDiffersError, StepTimeoutError
 from ..policies import StepSchedule
 from ._digest import _ranks as ranks_have
 
@@ -105,9 +105,12 @@ def step_check_verdict(
 
 def failure_kind(e: BaseException) -> FailureKind:
     """The ``FailureKind`` the ABORT of a step that failed here with ``e`` carries: a
-    ``PlanError`` (a misuse, ``PLAN``) is one on every rank (``PeerPlanError``)."""
+    ``PlanError`` (a misuse, ``PLAN``) is one on every rank (``PeerPlanError``); a watchdog
+    that fired in the policy's turn names the policy (``POLICY``)."""
     if isinstance(e, StepDiffersError):
         return FailureKind.STEP_DIFFERS
+    if isinstance(e, StepTimeoutError) and e.policy is not None:  # its policy did not return
+        return FailureKind.POLICY
     return FailureKind.PLAN if isinstance(e, PlanError) else FailureKind.OTHER
 
 

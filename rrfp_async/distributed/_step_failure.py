@@ -9,6 +9,14 @@ the ``StepTimeoutError`` then opens with the ranks whose messages of the step di
 (the plan says how many each must send; the channel counts what came). A failing rank's
 CLOSE carries its cause, so a rank further away names the lost rank too.
 
+A policy that never returns stops its rank as a hang would, and every rank's watchdog fires
+at about the same moment. The stuck rank's alone knows the cause (it fired in the policy's
+turn: ``StepTimeoutError.policy``): its message opens with the policy, its ABORT carries
+``FailureKind.POLICY`` (sent even when a peer's ABORT failed its step first, passed on once
+by every rank) and its CLOSE the cause ``POLICY``. A rank that timed out waiting for others
+waits a moment for that ABORT (``name_stuck_policy``) and opens its message with the
+stuck policy's rank, then says whom it waited for.
+
 Telling a failed step to the others (the ABORT, once per step) is half of "a step fails
 everywhere or nowhere" (invariant 6; see ``_dist_stage``); the end-of-step agreement
 (``_control_group``) is the other half.
@@ -34,6 +42,11 @@ from ._plan_check import failure_kind
 
 __all__ = ["FailureChannel", "FailureDecisions", "FailureReporter", "failure_cause"]
 
+POLICY_NEWS_WAIT = 1.0
+"""Seconds a rank whose step timed out waiting for other ranks waits for a stuck policy's
+ABORT before it raises (at most half the step's timeout): the stuck rank's watchdog fires
+a moment after its own (measured: 20 ms on 4 CPU ranks)."""
+
 
 class FailureChannel(Protocol):
     """What ``FailureReporter`` needs of the p2p channel (``P2PChannel``)."""
@@ -49,6 +62,12 @@ class FailureChannel(Protocol):
 
     def peer_failures(self) -> Mapping[int, str]:
         """Why failed peers failed (what their CLOSE carried)."""
+
+    def policy_stuck(self, step: int) -> None:
+        """Tell the CLOSE that this rank's policy did not return a decision at ``step``."""
+
+    async def stuck_policy(self, step: int, wait: float) -> tuple[int, str] | None:
+        """The global rank whose policy did not return at ``step``, and its ABORT's cause."""
 
 
 class FailureDecisions(Protocol):
@@ -100,6 +119,7 @@ class FailureReporter:
         self._schedule = schedule
         self._dump = dump
         self._told: int | None = None  # the last step whose failure was told
+        self._waited: dict[int, str] = {}  # step -> the ranks a timed-out step waited for
 
     def told(self, step: int) -> bool:
         """Whether ``step``'s failure was told already."""
@@ -139,10 +159,40 @@ class FailureReporter:
             return
         self._channel.abort(step, failure_cause(e), kind=failure_kind(e))
 
+    async def name_stuck_policy(self, step: int, e: BaseException) -> None:
+        """When ``step`` timed out here waiting for other ranks, wait a moment (at most
+        ``POLICY_NEWS_WAIT``) for a stuck policy's ABORT (``FailureKind.POLICY``) and open
+        the message with it: every rank's watchdog fires at about the same moment, this one
+        a little before the stuck rank's, which alone knows that its policy is the cause."""
+        waited = self._waited.pop(step, None)
+        if not isinstance(e, StepTimeoutError) or e.policy is not None or waited is None:
+            return
+        wait = (
+            POLICY_NEWS_WAIT
+            if self._step_timeout is None
+            else min(POLICY_NEWS_WAIT, self._step_timeout / 2)
+        )
+        stuck = await self._channel.stuck_policy(step, wait)
+        if stuck is None:
+            return
+        origin, cause = stuck
+        name = next((f"rank {r} (global {g})" for r, g in self._peers.items() if g == origin), None)
+        head = (
+            f"{self._who} step {step}: timed out after {self._step_timeout} s waiting for"
+            f" {name or f'global rank {origin}'}, whose policy did not return a decision (this"
+            f" rank waited for {waited}); that rank says: {cause}"
+        )
+        rest = str(e.args[0]).split("\n", 1)[1] if e.args and "\n" in str(e.args[0]) else ""
+        e.args = (f"{head}\n{rest}", *e.args[1:])
+
     def _explain_timeout(self, e: StepTimeoutError, step: int) -> None:
-        """Open the watchdog's message with what the step waited for: the ranks whose
-        messages of this step did not all arrive (the plan says how many each sends), or
-        the TP decision group; tell the channel, so the peers learn it from the CLOSE."""
+        """Open the watchdog's message with what the step waited for: the policy of this
+        rank, when it had not returned (the loop's message names it already), the ranks
+        whose messages of this step did not all arrive (the plan says how many each sends),
+        or the TP decision group; tell the channel, so the peers learn it from the CLOSE."""
+        if e.policy is not None:
+            self._channel.policy_stuck(step)
+            return
         prog = self._schedule().program(self._pp_rank)
         expected = collections.Counter(r for r in prog.src_rank if r >= 0)
         got = self._channel.arrivals(step)
@@ -159,6 +209,7 @@ class FailureReporter:
                 f" waiting for {names}: hung, stopped or lost (or waiting itself for another rank)"
             )
             self._channel.blame(step, missing)
+            self._waited[step] = names
         elif self._decisions is not None and self._decisions.waiting is not None:
             head += f" waiting for {self._decisions.waiting}"
         else:

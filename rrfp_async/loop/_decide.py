@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import os
+import types
 
-from .._errors import PolicyError, RRFPError
+from .._errors import PolicyError, RRFPError, StepTimeoutError
 from .._tasks import Task
 from ..policies import Policy, ReadyView, chooses_ready_head
 from ._coordinator import Coordinator
@@ -19,7 +21,7 @@ from ._state import StepState
 from ._step_run import StepRun
 from ._task_runner import TaskRunner
 
-__all__ = ["Decider"]
+__all__ = ["Decider", "watchdog_error"]
 
 
 class Decider:
@@ -129,6 +131,7 @@ class Decider:
             except asyncio.CancelledError as e:
                 cur = asyncio.current_task()
                 if cur is None or cur.cancelling():
+                    st.policy_at = suspended_at(e.__traceback__)  # (the watchdog's message)
                     raise  # the step itself is being cancelled
                 raise PolicyError(
                     f"policy {self.policy_name!r} on rank {self.rank} step {st.step} raised"
@@ -181,3 +184,41 @@ class Decider:
                 task=task,
             )
         return pos
+
+
+_ASYNCIO_DIR = os.path.dirname(asyncio.__file__)
+
+
+def suspended_at(tb: types.TracebackType | None) -> str:
+    """Where a cancelled policy coroutine was suspended, from its ``CancelledError``'s
+    traceback (the policy's frames, below the decider's): its innermost frame outside
+    asyncio's own modules, as ``name (file:line)``; "" when there is none."""
+    where = ""
+    tb = tb.tb_next if tb is not None else None  # (the first frame is the decider's)
+    while tb is not None:
+        code = tb.tb_frame.f_code
+        if not code.co_filename.startswith(_ASYNCIO_DIR):
+            where = f"{code.co_name} ({os.path.basename(code.co_filename)}:{tb.tb_lineno})"
+        tb = tb.tb_next
+    return where
+
+
+def watchdog_error(
+    rank: int, st: StepState, policy_name: str, timeout: float, dump: str
+) -> StepTimeoutError:
+    """The step watchdog's error for step ``st`` of stage ``rank`` (``timeout`` s passed).
+
+    When it fired in the policy's turn (awaited, not returned: ``st.deciding``), the policy
+    is the cause, and the message opens with it (``StepTimeoutError.policy`` says so, for
+    the rank's peers: see ``FailureKind.POLICY``); else it says that the step made no
+    progress (a distributed stage opens it with what the step waited for)."""
+    if st.deciding:
+        at = f": {st.policy_at}" if st.policy_at else ""
+        head = (
+            f"rank {rank} step {st.step}: the policy {policy_name!r} did not return a decision"
+            f" for {timeout} s (its coroutine was still running{at}, awaiting something that"
+            " did not come; the watchdog cancelled it)"
+        )
+        return StepTimeoutError(f"{head}\n{dump}", policy=policy_name)
+    head = f"rank {rank} step {st.step}: no progress to the end of the step within {timeout} s"
+    return StepTimeoutError(f"{head}\n{dump}")

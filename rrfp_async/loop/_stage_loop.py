@@ -30,7 +30,7 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import Any, Protocol
 
 from .._check import check_int, check_type, describe
-from .._errors import DeadlockError, PlanError, ProtocolError, StateNote, StepTimeoutError
+from .._errors import DeadlockError, PlanError, ProtocolError, StateNote
 from .._tasks import StepPlan, Task
 from ..channels import Endpoint
 from ..policies import (
@@ -44,7 +44,7 @@ from ..policies import (
 )
 from ._checks import check_step_timeout, resolve_step
 from ._coordinator import Coordinator, SequenceCheck
-from ._decide import Decider
+from ._decide import Decider, watchdog_error
 from ._diagnostics import dump, grid_row
 from ._executors import (
     Executor,
@@ -366,11 +366,9 @@ class StageLoop:
         try:
             async with asyncio.timeout(self.step_timeout):
                 await self._dispatch(st)
-        except TimeoutError as e:
-            raise StepTimeoutError(
-                f"rank {self.rank} step {st.step}: no progress to the end of the step"
-                f" within {self.step_timeout} s\n{self.dump()}"
-            ) from e
+        except TimeoutError as e:  # (the policy's turn: it is the cause, named first)
+            dump = self.dump()
+            raise watchdog_error(self.rank, st, self.policy_name, self.step_timeout, dump) from e
 
     def _end(self, st: StepState) -> StepStats:
         """The step ran every task: its stats (an observer that raised fails it still)."""

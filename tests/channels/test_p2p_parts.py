@@ -4,6 +4,7 @@ no process group): the wire's ABORT header and its failure kind, the ``ControlPa
 
 from __future__ import annotations
 
+import asyncio
 import threading
 from typing import Any
 
@@ -31,6 +32,7 @@ from rrfp_async.channels._wire import (
     MAGIC,
     MAX_FAILURE_KIND,
     PLAN_FIELD,
+    POLICY,
     TIMED_OUT,
     decode_abort,
     encode_abort,
@@ -151,6 +153,38 @@ def test_a_peer_abort_is_relayed_with_its_kind_and_reaches_the_sink(kind: int) -
     if kind in (0, 1):
         assert isinstance(exc.kind, FailureKind)  # a known code comes back as the enum
     assert "step 5 failed on rank 0 (global 10): cause text" in str(exc)
+
+
+def test_a_stuck_policy_abort_goes_out_and_is_passed_on_after_the_step_failed() -> None:
+    """Every rank's watchdog fires at once: the stuck rank failed the step for a peer's ABORT
+    first, yet its POLICY ABORT goes out, and a peer that failed the step too passes it on
+    once and keeps it (issue 41 (d))."""
+    ctl, _, _, out = _control()
+    ctl.open()
+    ctl.peer_aborted(0, 2, 10, "StepTimeoutError: rank 0 timed out")  # rank 0's, first
+    assert ctl.abort(2, "StepTimeoutError: the policy", kind=FailureKind.POLICY)
+    assert not ctl.abort(2, "again", kind=FailureKind.POLICY)
+    ctl.policy_stuck(2)
+    assert ctl.cause == (POLICY, 2, (11,))
+    assert [decode_abort(h)[3] for h, _, _ in out.control] == [
+        FailureKind.OTHER,
+        FailureKind.POLICY,
+    ]
+
+    peer, _, sink, pout = _control(rank=2)
+    peer.open()
+    peer.abort(2, "StepTimeoutError: rank 2 timed out")  # its own watchdog, first
+    peer.blame(2, [1])
+    peer.peer_aborted(1, 2, 11, "StepTimeoutError: the policy", FailureKind.POLICY)
+    peer.peer_aborted(0, 2, 11, "StepTimeoutError: the policy", FailureKind.POLICY)  # once
+    assert [(decode_abort(h)[3], skip) for h, _, skip in pout.control] == [
+        (FailureKind.OTHER, None),
+        (FailureKind.POLICY, 1),
+    ]
+    assert sink.aborted == []  # the step had failed here already
+    assert peer.cause == (POLICY, 2, (11,))  # its CLOSE passes the stuck policy on
+    assert asyncio.run(peer.stuck_policy(2, 0.0)) == (11, "StepTimeoutError: the policy")
+    assert asyncio.run(peer.stuck_policy(3, 0.01)) is None
 
 
 def test_a_failing_close_carries_the_first_cause() -> None:

@@ -78,7 +78,6 @@ def test_a_rank_two_hops_from_a_killed_rank_names_it_first(tmp_path: Path) -> No
     assert res["exit"].get(2) == -signal.SIGKILL, res["exit"]
 
 
-@pytest.mark.xfail(reason="issue 41 (d): not done yet; today rank 1 blames rank 0", run=False)
 def test_a_policy_that_never_returns_is_the_cause_on_every_rank(tmp_path: Path) -> None:
     res = _run(tmp_path, victim=1, how="HANG", survivors=[0, 1, 2, 3], world=4, step_timeout=4.0)
     _report("rank 1's policy never returns at step 2", res)

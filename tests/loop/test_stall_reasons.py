@@ -186,6 +186,33 @@ def test_a_step_timeout_under_an_overrunning_policy_names_the_policy() -> None:
         asyncio.run(stage.run_step([0, 1]))
     text = str(err.value) + "".join(getattr(err.value, "__notes__", []))
     assert "slowpoke has not returned its choice among ready and admitted 0F0" in text, text
+    # The policy is the cause, in the first line, with where it was suspended (issue 41 (d)).
+    first = str(err.value).splitlines()[0]
+    assert first.startswith(
+        "rank 0 step 0: the policy 'test_a_step_timeout_under_an_overrunning"
+    ), first
+    assert "did not return a decision for 0.2 s" in first, first
+    assert "slowpoke (test_stall_reasons.py:" in first, first
+    assert err.value.policy is not None and err.value.policy.endswith("slowpoke"), err.value.policy
+
+
+def test_a_step_timeout_outside_the_policy_turn_names_no_policy() -> None:
+    class Hang:
+        async def execute(self, task: Task, data: object, ctx: rr.TaskContext, /) -> None:
+            await asyncio.Event().wait()  # a task that never returns
+
+    plan = rr.StepPlan(topology=rr.Topology(stages=1), microbatches=1)
+    stage = rr.StageLoop(
+        0,
+        schedule=rr.StepSchedule.build(plan, "1f1b"),
+        executor=Hang(),
+        endpoint=LocalChannel(1).endpoint(0),
+        step_timeout=0.2,
+    )
+    with pytest.raises(rr.StepTimeoutError) as err:
+        asyncio.run(stage.run_step([0]))
+    assert err.value.policy is None
+    assert str(err.value).startswith("rank 0 step 0: no progress to the end of the step"), err.value
 
 
 def test_a_tp_follower_waiting_for_the_leaders_decision_names_the_leader() -> None:
