@@ -238,6 +238,12 @@ class FakeChannel:
     def peer_failures(self) -> dict[int, str]:
         return {}
 
+    def policy_stuck(self, step: int) -> None:
+        self.stuck = step
+
+    async def stuck_policy(self, step: int, wait: float) -> tuple[int, str] | None:
+        return None
+
 
 class FakeDecisions:
     waiting: str | None = None
