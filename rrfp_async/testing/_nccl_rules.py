@@ -225,6 +225,10 @@ class _Registry:
         limit = _env_float(STALL_ENV, 10.0)
         while True:
             time.sleep(min(1.0, limit / 4))
+            if not threading.main_thread().is_alive():
+                # The program is exiting: its exit hooks wait for closing channels' threads
+                # (``channels._strays``), and what is still pending then is no disagreement.
+                return
             now = time.monotonic()
             with self.lock:
                 late = [w for since, w in self.running.values() if now - since > limit]

@@ -263,7 +263,7 @@ def test_step_timeout_dumps_state() -> None:
         policy=sleepy,
         step_timeout=5.0,
     )
-    with pytest.raises(StepTimeoutError, match=r"within 5\.0 s") as ei:
+    with pytest.raises(StepTimeoutError, match=r"did not return a decision for 5\.0 s") as ei:
         run_virtual(stage.run_step([0]))
     assert "ready: 0F0" in str(ei.value)
 
