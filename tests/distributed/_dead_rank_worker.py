@@ -152,7 +152,12 @@ def main() -> None:
     out: Path = args.out
     (out / f"rank{rank}.pid").write_text(str(os.getpid()))
     layout = rr.ProcessLayout.from_world(pp=world)
-    groups = rr.build_groups(layout)
+    try:
+        groups = rr.build_groups(layout)
+    except Exception as e:  # a peer lost while the groups connect (OPENKILL)
+        err = {"time": time.time(), "type": type(e).__name__, "message": str(e), "step": None}
+        (out / f"rank{rank}.err").write_text(json.dumps(err))
+        raise
     plan = rr.StepPlan(topology=rr.Topology(stages=world), microbatches=MICROBATCHES)
     schedule = rr.StepSchedule.build(plan, "1f1b")
     how = args.kill_or_stop

@@ -38,6 +38,7 @@ import sys
 import tempfile
 import time
 from collections import Counter
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -77,9 +78,10 @@ VICTIM_FAILS = {"HANG", "MODRAISE", "LOSSRAISE", "POLICYRAISE"}
 VICTIM_EXIT = {"KILL": -9, "OPENKILL": -9, "LEAVE": 0, "HANG": 1}
 VICTIM_EXIT.update({k: 1 for k in ("MODRAISE", "LOSSRAISE", "POLICYRAISE")})
 
-LIBRARY_ERRORS = {
-    n for n in rr_errors.__all__ if isinstance(getattr(rr_errors, n), type)
-} | {"VirtualTimeLimit", "VirtualClockStall"}
+LIBRARY_ERRORS = {n for n in rr_errors.__all__ if isinstance(getattr(rr_errors, n), type)} | {
+    "VirtualTimeLimit",
+    "VirtualClockStall",
+}
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -115,9 +117,7 @@ class Fault:
 
     def fails_by_itself(self) -> list[int]:
         """The ranks that must fail and exit by themselves."""
-        return [
-            r for r in range(self.world) if r != self.victim or self.kind in VICTIM_FAILS
-        ]
+        return [r for r in range(self.world) if r != self.victim or self.kind in VICTIM_FAILS]
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -166,8 +166,8 @@ def run_one(fault: Fault, workdir: Path) -> Outcome:
                 f = out / f"rank{r}.pid"
                 if r not in pids and f.exists() and f.read_text():
                     pids[r] = int(f.read_text())
-            done = all(r in pids and _torchrun.state(pids[r]) == "Z" for r in expected)
-            if done and all((out / f"rank{r}.err").exists() for r in expected):
+            # Each writes its error before it exits: all exited is the end.
+            if all(r in pids and _torchrun.state(pids[r]) == "Z" for r in expected):
                 break
             time.sleep(0.1)
         time.sleep(0.3)  # a killed or leaving victim's exit
@@ -233,13 +233,13 @@ def check(
         step = err.get("step")
         if step is not None:
             _check_traces(r, step, traces, fail)
-    if fault.kind in VICTIM_EXIT and fault.kind not in VICTIM_FAILS:
-        if exits.get(v) != VICTIM_EXIT[fault.kind]:
-            fail("exit", f"victim rank {v} exit {exits.get(v, 'none')}")
+    victim_exits = fault.kind in VICTIM_EXIT and fault.kind not in VICTIM_FAILS
+    if victim_exits and exits.get(v) != VICTIM_EXIT[fault.kind]:
+        fail("exit", f"victim rank {v} exit {exits.get(v, 'none')}")
     return {k: "; ".join(w) for k, w in bad.items()}
 
 
-def _check_traces(r: int, step: int, traces: Path, fail: Any) -> None:
+def _check_traces(r: int, step: int, traces: Path, fail: Callable[[str, str], None]) -> None:
     failed = traces / f"failed-rank{r}.json"
     if not failed.exists():
         fail("trace", f"rank {r}: no failed-rank{r}.json for step {step}")
