@@ -14,6 +14,15 @@ SEED = 1
 RUNS = 12
 
 
+@pytest.mark.xfail(
+    strict=True,
+    reason=(
+        "violations on current main (docs/reliability.md, 'Fault campaign'): seed 1000005 "
+        "(KILL rank 0 of 4, step 3, 1B2... task B2): rank 2 exits -6 (SIGABRT at exit) and "
+        "rank 3's end-of-step agreement error names no rank; seed 1000009 (OPENKILL rank 0 of "
+        "3): rank 1 fails in build_groups with gloo's raw RuntimeError and rank 2 blames rank 1"
+    ),
+)
 def test_a_short_campaign_breaks_no_invariant() -> None:
     outcomes = campaign.campaign(campaign.seeds_of(SEED, RUNS))
     print(campaign.summary(outcomes))
