@@ -18,10 +18,10 @@ the kind strikes one. Then it checks, on every run:
 * ``trace``: a rank that failed in step k wrote ``failed-rank{r}.json`` whose
   ``otherData.rrfp.failures`` records (r, k), and kept step k - 1 in ``rank{r}.json``.
 
-Why a campaign: the fault tests each pin one case (``test_dead_rank.py``,
-``test_blame.py``); the combinations (a kill two hops away in a 4-rank pipeline during a
-backward, a loss that raises on the first microbatch of step 0) are many, and the bugs in
-this area were found in such corners.
+Why a campaign: the fault tests each pin one case (``tests/distributed/test_dead_rank.py``,
+``tests/distributed/test_blame.py``); the combinations (a kill two hops away in a 4-rank
+pipeline during a backward, a loss that raises on the first microbatch of step 0) are many,
+and the bugs in this area were found in such corners.
 
     python -m tests.faults.campaign --runs 40 --seed 1
     python -m tests.faults.campaign --replay 1000017   # one run, by the seed it printed
