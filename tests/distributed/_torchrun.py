@@ -21,7 +21,12 @@ import contextlib
 import os
 import signal
 import subprocess
+import sys
+import time
+from collections.abc import Callable, Sequence
 from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
 
 AGENT_NEVER_LOOKS = 600
 """torchrun's ``--monitor-interval`` for these tests: longer than any test's deadline."""
@@ -74,3 +79,60 @@ def end(agent: subprocess.Popen[bytes], workers: set[int]) -> None:
             os.kill(pid, signal.SIGCONT)
             os.kill(pid, signal.SIGKILL)
     agent.wait(timeout=30)
+
+
+def worker_env(**extra: str) -> dict[str, str]:
+    """The environment of a job's workers: loopback gloo, one OpenMP thread, this checkout
+    on ``PYTHONPATH``; ``extra`` on top."""
+    path = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
+    return {
+        **os.environ,
+        "GLOO_SOCKET_IFNAME": "lo",
+        "OMP_NUM_THREADS": "1",
+        "PYTHONPATH": path,
+        **extra,
+    }
+
+
+def run_job(
+    workdir: Path,
+    args: Sequence[str],
+    *,
+    world: int,
+    out: Path,
+    env: dict[str, str],
+    done: Callable[[dict[int, int]], bool],
+    seconds: float,
+    settle: float = 0.0,
+) -> dict[int, int]:
+    """Run the worker script and ``args`` on ``world`` ranks under torchrun (the agent kept
+    from looking), its output to ``workdir / "torchrun.log"``; read each rank's pid from
+    ``out / f"rank{r}.pid"``; wait until ``done(pids)`` or ``seconds``, then ``settle``
+    seconds more; return the exit code of each rank that had exited, and end the job."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
+    cmd += ["--nproc-per-node", str(world), "--max-restarts", "0"]
+    cmd += ["--monitor-interval", str(AGENT_NEVER_LOOKS), *args]
+    with (workdir / "torchrun.log").open("w") as log:
+        proc = subprocess.Popen(
+            cmd, stdout=log, stderr=subprocess.STDOUT, cwd=workdir, env=env, start_new_session=True
+        )
+    pids: dict[int, int] = {}
+    exits: dict[int, int] = {}
+    try:
+        deadline = time.monotonic() + seconds
+        while time.monotonic() < deadline and proc.poll() is None:
+            for r in range(world):
+                f = out / f"rank{r}.pid"
+                if r not in pids and f.exists() and f.read_text():
+                    pids[r] = int(f.read_text())
+            if done(pids):
+                break
+            time.sleep(0.1)
+        time.sleep(settle)
+        for r, pid in pids.items():
+            code = exit_code(pid)
+            if code is not None:
+                exits[r] = code
+    finally:
+        end(proc, set(pids.values()))
+    return exits

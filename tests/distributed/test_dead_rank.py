@@ -16,7 +16,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
@@ -31,7 +30,6 @@ pytestmark = [
 ]
 
 WORKER = Path(__file__).with_name("_dead_rank_worker.py")
-ROOT = Path(__file__).resolve().parents[2]
 STEP_TIMEOUT = 5.0
 
 
@@ -51,62 +49,20 @@ def _run(
     end: the survivors and a killed victim), ``log``."""
     out = tmp_path / "out"
     out.mkdir()
-    log_path = tmp_path / "torchrun.log"
-    env = dict(
-        os.environ,
-        GLOO_SOCKET_IFNAME="lo",
-        OMP_NUM_THREADS="1",
-        PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
-    )
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nproc-per-node",
-        str(world),
-        "--max-restarts",
-        "0",
-        "--monitor-interval",
-        str(_torchrun.AGENT_NEVER_LOOKS),
-        str(WORKER),
-        "--victim",
-        str(victim),
-        "--kill-or-stop",
-        how,
-        "--out",
-        str(out),
-        "--step-timeout",
-        str(step_timeout),
-        "--steps",
-        str(steps),
-    ]
-    with log_path.open("w") as log:
-        proc = subprocess.Popen(
-            cmd, stdout=log, stderr=subprocess.STDOUT, cwd=tmp_path, env=env, start_new_session=True
+    args = [str(WORKER), "--victim", str(victim), "--kill-or-stop", how, "--out", str(out)]
+    args += ["--step-timeout", str(step_timeout), "--steps", str(steps)]
+
+    def done(pids: dict[int, int]) -> bool:
+        # The survivors have failed and their processes ended by themselves (the agent has
+        # not looked yet: they are unreaped zombies).
+        return all((out / f"rank{r}.err").exists() for r in survivors) and all(
+            r in pids and _torchrun.state(pids[r]) == "Z" for r in survivors
         )
-    pids: dict[int, int] = {}
-    exits: dict[int, int] = {}
-    try:
-        deadline = time.monotonic() + 180
-        while time.monotonic() < deadline and proc.poll() is None:
-            for r in range(world):
-                f = out / f"rank{r}.pid"
-                if r not in pids and f.exists() and f.read_text():
-                    pids[r] = int(f.read_text())
-            # The survivors have failed and their processes ended by themselves (the agent
-            # has not looked yet: they are unreaped zombies).
-            if all((out / f"rank{r}.err").exists() for r in survivors) and all(
-                r in pids and _torchrun.state(pids[r]) == "Z" for r in survivors
-            ):
-                break
-            time.sleep(0.1)
-        for r, pid in pids.items():
-            code = _torchrun.exit_code(pid)
-            if code is not None:
-                exits[r] = code
-    finally:
-        _torchrun.end(proc, set(pids.values()))
+
+    exits = _torchrun.run_job(
+        tmp_path, args, world=world, out=out, env=_torchrun.worker_env(), done=done, seconds=180
+    )
+    log_path = tmp_path / "torchrun.log"
     text = log_path.read_text()
     assert (out / "signal.json").exists(), text[-3000:]
     t_signal = json.loads((out / "signal.json").read_text())["time"]
@@ -193,12 +149,7 @@ def test_a_step_that_raises_on_one_rank_fails_on_every_rank_and_all_go_on(tmp_pa
     ``step_timeout``), then run steps 3 and 4 together, and exit 0."""
     out = tmp_path / "out"
     out.mkdir()
-    env = dict(
-        os.environ,
-        GLOO_SOCKET_IFNAME="lo",
-        OMP_NUM_THREADS="1",
-        PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
-    )
+    env = _torchrun.worker_env()
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node"]
     cmd += ["3", "--max-restarts", "0", str(WORKER), "--victim", "1", "--kill-or-stop"]
     cmd += ["RAISE", "--out", str(out), "--step-timeout", "20"]

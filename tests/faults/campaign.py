@@ -32,10 +32,8 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import os
 import random
 import re
-import subprocess
 import sys
 import tempfile
 import time
@@ -139,46 +137,27 @@ def run_one(fault: Fault, workdir: Path) -> Outcome:
     out, traces = workdir / "out", workdir / "traces"
     out.mkdir(parents=True)
     log_path = workdir / "torchrun.log"
-    env = dict(
-        os.environ,
-        GLOO_SOCKET_IFNAME="lo",
-        OMP_NUM_THREADS="1",
-        PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
-    )
-    env[IO_ENV] = fault.io
     steps = fault.step + 1 if fault.kind == "LEAVE" else STEPS
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
-    cmd += ["--nproc-per-node", str(fault.world), "--max-restarts", "0"]
-    cmd += ["--monitor-interval", str(_torchrun.AGENT_NEVER_LOOKS), str(WORKER)]
-    cmd += ["--victim", str(fault.victim), "--kill-or-stop", fault.kind, "--task", fault.task]
-    cmd += ["--step", str(fault.step), "--steps", str(steps), "--out", str(out)]
-    cmd += ["--step-timeout", str(STEP_TIMEOUT), "--trace-dir", str(traces)]
+    args = [str(WORKER), "--victim", str(fault.victim), "--kill-or-stop", fault.kind]
+    args += ["--task", fault.task, "--step", str(fault.step), "--steps", str(steps)]
+    args += ["--out", str(out), "--step-timeout", str(STEP_TIMEOUT), "--trace-dir", str(traces)]
     expected = fault.fails_by_itself()
     t0 = time.monotonic()
-    pids: dict[int, int] = {}
-    exits: dict[int, int] = {}
-    with log_path.open("w") as log:
-        proc = subprocess.Popen(
-            cmd, stdout=log, stderr=subprocess.STDOUT, cwd=workdir, env=env, start_new_session=True
-        )
-    try:
-        deadline = t0 + START_ALLOWANCE + STEPS * 2 + STEP_TIMEOUT + MARGIN
-        while time.monotonic() < deadline and proc.poll() is None:
-            for r in range(fault.world):
-                f = out / f"rank{r}.pid"
-                if r not in pids and f.exists() and f.read_text():
-                    pids[r] = int(f.read_text())
-            # Each writes its error before it exits: all exited is the end.
-            if all(r in pids and _torchrun.state(pids[r]) == "Z" for r in expected):
-                break
-            time.sleep(0.1)
-        time.sleep(0.3)  # a killed or leaving victim's exit
-        for r, pid in pids.items():
-            code = _torchrun.exit_code(pid)
-            if code is not None:
-                exits[r] = code
-    finally:
-        _torchrun.end(proc, set(pids.values()))
+
+    def done(pids: dict[int, int]) -> bool:
+        # Each writes its error before it exits: all exited is the end.
+        return all(r in pids and _torchrun.state(pids[r]) == "Z" for r in expected)
+
+    exits = _torchrun.run_job(
+        workdir,
+        args,
+        world=fault.world,
+        out=out,
+        env=_torchrun.worker_env(**{IO_ENV: fault.io}),
+        done=done,
+        seconds=START_ALLOWANCE + STEPS * 2 + STEP_TIMEOUT + MARGIN,
+        settle=0.3,  # a killed or leaving victim's exit
+    )
     seconds = time.monotonic() - t0
     errors = {
         r: json.loads((out / f"rank{r}.err").read_text())
