@@ -12,6 +12,14 @@ waits on the second one). A thread is reused only once idle (a parked thread cos
 hand-off, a new one a thread start), and all are daemon threads, so a dead peer never blocks
 interpreter exit. NCCL-side semantics are ``get_future``'s own (stream-ordered, see
 :func:`work_future`).
+What is still pending when the program exits is waited for, briefly (:data:`EXIT_DRAIN_S`
+in all, by an ``atexit`` hook): a torch future's callback is Python, run on the thread that
+completes the future (a gloo worker, a C++ thread), and a blocking call's thread returns into
+Python; either, if it happens while the interpreter finalizes, asks for the GIL of a
+finalizing interpreter, which CPython 3.11-3.13 answers with ``pthread_exit``, and the forced
+unwind through torch's C++ frames calls ``std::terminate`` (SIGABRT, "terminate called
+without an active exception"). A collective left posted by a failed step completes, with an
+error, when its peers exit a moment later: inside the drain, while Python still runs.
 CUDA has no host callback: a recorded event is awaited either by ``synchronize()`` on a
 helper thread or by polling ``query()`` from the loop with an exponential back-off timer.
 ``ComputeWorker`` is one worker thread (a "stream": tasks run one at a time, in order), so
@@ -22,11 +30,13 @@ stream and returns only when the task's kernels have finished.
 from __future__ import annotations
 
 import asyncio
+import atexit
 import contextlib
 import functools
 import os
 import queue
 import threading
+import time
 from collections.abc import Callable
 from types import TracebackType
 from typing import Any, Literal, ParamSpec, Self, TypeVar, TypeVarTuple, cast
@@ -98,6 +108,75 @@ def _copy_outcome(
         afut.set_result(value)
 
 
+EXIT_DRAIN_S = 5.0
+"""The longest the interpreter's exit waits, in all, for torch futures whose callback has not
+run and for blocking calls still running on their threads (see the module's design)."""
+
+
+_SETTLE_S = 0.25
+"""How long the exit waits, after the last operation in flight completed, for its thread to
+let go of it (see ``_InFlight.drain``)."""
+
+
+class _InFlight:
+    """What completes on a foreign thread and has not yet: counted, so that the program's
+    exit can wait for it while Python still runs (see the module's design)."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition(threading.Lock())
+        self._futures = 0  # torch futures whose (Python) completion callback has not run
+        self._calls = 0  # blocking calls running on their dedicated threads
+
+    def _after_fork(self) -> None:  # a child process inherits none of them
+        self._cond = threading.Condition(threading.Lock())
+        self._futures = self._calls = 0
+
+    def add(self, *, future: bool) -> None:
+        with self._cond:
+            if future:
+                self._futures += 1
+            else:
+                self._calls += 1
+
+    def done(self, *, future: bool) -> None:
+        with self._cond:
+            if future:
+                self._futures -= 1
+            else:
+                self._calls -= 1
+            if self._futures <= 0 and self._calls <= 0:
+                self._cond.notify_all()
+
+    def counts(self) -> tuple[int, int]:
+        """(torch futures whose callback has not run, blocking calls still running)."""
+        with self._cond:
+            return self._futures, self._calls
+
+    def drain(self, limit: float = EXIT_DRAIN_S) -> bool:
+        """Wait up to ``limit`` s until nothing is in flight; whether nothing is. When it
+        had to wait, a moment more (``_SETTLE_S``): the thread that completed the last one
+        lets go of the operation right after (gloo frees its ``Work``, and with it tensors
+        whose Python objects it keeps: one more GIL request)."""
+        with self._cond:
+            if self._futures <= 0 and self._calls <= 0:
+                return True
+            done = self._cond.wait_for(
+                lambda: self._futures <= 0 and self._calls <= 0, timeout=max(0.0, limit)
+            )
+        if done:
+            time.sleep(_SETTLE_S)
+        return done
+
+
+_in_flight = _InFlight()
+
+
+def in_flight() -> tuple[int, int]:
+    """(torch futures bridged here whose completion callback has not run, blocking calls of
+    :func:`run_blocking` still running): what the program's exit waits for (briefly)."""
+    return _in_flight.counts()
+
+
 def _bridge(fut: torch.futures.Future[T], transform: Callable[[T], U]) -> asyncio.Future[U]:
     loop = asyncio.get_running_loop()
     afut: asyncio.Future[U] = loop.create_future()
@@ -105,13 +184,34 @@ def _bridge(fut: torch.futures.Future[T], transform: Callable[[T], U]) -> asynci
         _copy_outcome(fut, afut, transform)
         return afut
 
-    def _on_done(f: torch.futures.Future[T]) -> None:
-        # Runs on whichever thread completes ``fut`` (a gloo worker for collectives), or
-        # inline here if it completed in between; only call_soon_threadsafe is safe.
-        post(loop, _copy_outcome, f, afut, transform)
-
-    fut.add_done_callback(_on_done)
+    _in_flight.add(future=True)
+    fut.add_done_callback(_Relay(loop, afut, transform))
     return afut
+
+
+class _Relay:
+    """A torch future's completion callback: posts the outcome to the loop. It counts as in
+    flight until the future lets go of it: the thread that completed the future (a gloo
+    worker) takes the GIL once more, after the call, to drop it; the program's exit must not
+    begin in between (see the module's design)."""
+
+    __slots__ = ("_afut", "_loop", "_transform")
+
+    def __init__(
+        self, loop: asyncio.AbstractEventLoop, afut: asyncio.Future[Any], transform: Any
+    ) -> None:
+        self._loop = loop
+        self._afut = afut
+        self._transform = transform
+
+    def __call__(self, f: torch.futures.Future[Any]) -> None:
+        # Runs on whichever thread completes the future (a gloo worker for collectives), or
+        # inline in ``add_done_callback`` if it completed in between: only
+        # call_soon_threadsafe is safe here.
+        post(self._loop, _copy_outcome, f, self._afut, self._transform)
+
+    def __del__(self) -> None:
+        _in_flight.done(future=True)
 
 
 def _identity(value: T) -> T:
@@ -203,6 +303,10 @@ def after_fork_in_child(fn: Callable[[], object]) -> None:
 
 _threads = _DedicatedThreads()
 after_fork_in_child(_threads._after_fork)
+after_fork_in_child(_in_flight._after_fork)
+# Registered at this module's import, before any stage's hooks: ``atexit`` runs it last,
+# after the stages still open were closed (``distributed._lifetime``).
+atexit.register(_in_flight.drain)
 
 
 def run_blocking(fn: Callable[[*Ts], T], *args: *Ts, name: str | None = None) -> asyncio.Future[T]:
@@ -237,8 +341,15 @@ def run_blocking(fn: Callable[[*Ts], T], *args: *Ts, name: str | None = None) ->
             post(loop, _reject, afut, e)
         else:
             post(loop, _resolve, afut, value)
+        finally:
+            _in_flight.done(future=False)
 
-    _threads.start(_target, name if name is not None else "rrfp-blocking")
+    _in_flight.add(future=False)
+    try:
+        _threads.start(_target, name if name is not None else "rrfp-blocking")
+    except BaseException:
+        _in_flight.done(future=False)
+        raise
     return afut
 
 

@@ -148,7 +148,8 @@ def check_logs(directory: str | Path, *, jobs: Iterable[str] | None = None) -> l
         if keep is not None and r.get("job") not in keep:
             continue
         if r.get("kind") == "violation":
-            problems.append(f"job {r['job']} pid {r['pid']}: {r['text']}")
+            where = f" in {r['test']}" if r.get("test") else ""
+            problems.append(f"job {r['job']} pid {r['pid']}{where}: {r['text']}")
         elif r.get("kind") == "op":
             seqs.setdefault((r["job"], r["comm"], r["rank"], r["peer"]), []).append(r)
     done: set[tuple[str, str, int, int]] = set()

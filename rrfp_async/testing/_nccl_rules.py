@@ -157,6 +157,9 @@ class _Registry:
             f"{os.environ.get('MASTER_ADDR', '?')}:{os.environ.get('MASTER_PORT', '?')}:"
             f"{os.environ.get('TORCHELASTIC_RUN_ID', '')}"
         )
+        # The test that started this rank (pytest sets it; a child inherits it): named in
+        # violations, so that a stall in a tier of many tests says where it happened.
+        self.test = os.environ.get("PYTEST_CURRENT_TEST", "").removesuffix(" (call)")
         self._file: Any = None
         self._dir = log_dir()  # fixed when made: a later registry (a test's) logs elsewhere
         self._closed = False
@@ -184,7 +187,7 @@ class _Registry:
     def violate(self, text: str) -> NCCLRuleError:
         """Log a violation; the error to raise."""
         self.violations.append(text)
-        self.log({"kind": "violation", "text": text})
+        self.log({"kind": "violation", "text": text, "test": self.test})
         return NCCLRuleError(f"NCCL rule broken: {text}")
 
     def refuse(self, text: str) -> None:
@@ -223,14 +226,23 @@ class _Registry:
 
     def _watch(self) -> None:
         limit = _env_float(STALL_ENV, 10.0)
+        nap = min(1.0, limit / 4)
+        woke = time.monotonic()
         while True:
-            time.sleep(min(1.0, limit / 4))
+            time.sleep(nap)
             if not threading.main_thread().is_alive():
                 # The program is exiting: its exit hooks wait for closing channels' threads
                 # (``channels._strays``), and what is still pending then is no disagreement.
                 return
             now = time.monotonic()
+            # The process did not run for a while (SIGSTOP, a suspended machine): that time
+            # is no peer's delay, so what was running waits as long again from now on.
+            lost = now - woke - nap
+            woke = now
             with self.lock:
+                if lost > max(1.0, nap):
+                    self.running = {k: (s + lost, w) for k, (s, w) in self.running.items()}
+                    continue
                 late = [w for since, w in self.running.values() if now - since > limit]
             for what in late:
                 if what not in self.stalled:
@@ -240,6 +252,7 @@ class _Registry:
                             "kind": "violation",
                             "text": f"stalled for {limit:g} s: {what} (under NCCL the stream"
                             " would hang here: the two ends disagree on the order)",
+                            "test": self.test,
                         }
                     )
 

@@ -372,3 +372,60 @@ def test_a_pipeline_step_keeps_nccls_rules(tmp_path: Path, monkeypatch: pytest.M
             torch.testing.assert_close(
                 g, 2 * cast(torch.Tensor, want[rank][k].grad), rtol=1e-6, atol=1e-6
             )
+
+
+_STALL_CHILD = """
+import sys, time
+from rrfp_async.testing import _nccl_rules as core
+reg = core._reg()
+reg.running[1] = (time.monotonic(), "send #0 on communicator x (a test's)")
+reg.start_watchdog()
+print("ready", flush=True)
+sys.stdin.readline()  # the operation runs until the test says
+with reg.lock:
+    reg.running.pop(1)
+reg.close()
+"""
+
+
+def _stall_child(tmp_path: Path, *, stop_for: float, then: float) -> list[str]:
+    """A process with one operation running (a 2 s stall limit), SIGSTOPped ``stop_for`` s
+    at its start, that ends ``then`` s later; what its logs show."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    env = {**os.environ, rules.RULES_ENV: str(tmp_path), rules.STALL_ENV: "2"}
+    with subprocess.Popen(
+        [sys.executable, "-c", _STALL_CHILD],
+        env=env,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    ) as proc:
+        assert proc.stdin is not None and proc.stdout is not None
+        try:
+            assert proc.stdout.readline().strip() == "ready"
+            if stop_for:
+                os.kill(proc.pid, signal.SIGSTOP)
+                time.sleep(stop_for)
+                os.kill(proc.pid, signal.SIGCONT)
+            time.sleep(then)
+            proc.stdin.write("done\n")
+            proc.stdin.flush()
+            assert proc.wait(timeout=60) == 0
+        finally:
+            proc.kill()
+    return logs.check_logs(tmp_path)
+
+
+def test_an_operation_running_past_the_limit_is_a_stall(tmp_path: Path) -> None:
+    problems = _stall_child(tmp_path, stop_for=0, then=3.5)
+    assert len(problems) == 1 and "stalled for 2 s: send #0 on communicator x" in problems[0]
+
+
+def test_time_the_process_was_stopped_is_no_stall(tmp_path: Path) -> None:
+    """SIGSTOPped 4 s while its operation runs, which then ends 1 s later: no stall (no peer
+    kept it waiting: the process did not run). Red when the watchdog counts the stop."""
+    assert _stall_child(tmp_path, stop_for=4.0, then=1.0) == []

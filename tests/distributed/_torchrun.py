@@ -70,13 +70,13 @@ def children(pid: int) -> set[int]:
 def end(agent: subprocess.Popen[bytes], workers: set[int]) -> None:
     """Nothing stays: the agent (started with ``start_new_session=True``: its process group),
     then ``workers`` and any other child of the agent (each worker is in a session of its
-    own). A stopped process takes SIGKILL too; SIGCONT for safety."""
+    own). A stopped process takes SIGKILL as it is (SIGCONT first would let it run a
+    moment: its threads wake to a clock that ran on while it was stopped)."""
     workers = workers | children(agent.pid)
     with contextlib.suppress(ProcessLookupError):
         os.killpg(agent.pid, signal.SIGKILL)
     for pid in workers:
         with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, signal.SIGCONT)
             os.kill(pid, signal.SIGKILL)
     agent.wait(timeout=30)
 

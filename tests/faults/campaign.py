@@ -247,8 +247,11 @@ def line(o: Outcome) -> str:
     return f"seed {o.fault.seed}: {o.fault} -> {verdict} ({o.seconds:.1f} s)"
 
 
-def campaign(seeds: list[int], jobs: int = 1, echo: bool = True) -> list[Outcome]:
-    """Run one job per seed (``jobs`` at once); print a line per run when ``echo``."""
+def campaign(
+    seeds: list[int], jobs: int = 1, echo: bool = True, show_log: bool = False
+) -> list[Outcome]:
+    """Run one job per seed (``jobs`` at once); print a line per run when ``echo`` (and the
+    end of torchrun's log of a run that broke an invariant, when ``show_log``)."""
 
     def one(seed: int) -> Outcome:
         with tempfile.TemporaryDirectory(prefix=f"rrfp-fault-{seed}-") as d:
@@ -261,6 +264,9 @@ def campaign(seeds: list[int], jobs: int = 1, echo: bool = True) -> list[Outcome
                 for r, e in sorted(o.errors.items()):
                     print(f"    rank {r} said: {e['type']}: {e['message'][:400]!r}", flush=True)
                 print(f"    exits: {o.exits}", flush=True)
+                if show_log:
+                    print("    torchrun's log, its end:", flush=True)
+                    print("      " + o.log_tail.replace("\n", "\n      "), flush=True)
         return o
 
     with ThreadPoolExecutor(max_workers=jobs) as pool:
@@ -295,9 +301,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--jobs", type=int, default=1, help="runs at once (default 1)")
     p.add_argument("--replay", type=int, default=None, help="run this one seed only")
+    p.add_argument(
+        "--show-log", action="store_true", help="print the end of a violating run's torchrun log"
+    )
     args = p.parse_args(argv)
     seeds = [args.replay] if args.replay is not None else seeds_of(args.seed, args.runs)
-    outcomes = campaign(seeds, jobs=args.jobs)
+    outcomes = campaign(seeds, jobs=args.jobs, show_log=args.show_log)
     print(summary(outcomes))
     return 1 if any(o.violations for o in outcomes) else 0
 

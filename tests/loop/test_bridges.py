@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
+from pathlib import Path
 from typing import Any, cast
 
 import pytest
@@ -617,3 +618,68 @@ async def test_compute_worker_side_stream_matmul(mode: str) -> None:
         # Ready on the device when run() returns: nothing left to do on the side stream.
         assert worker.stream.query()
         torch.testing.assert_close(out.cpu(), expected, rtol=1e-2, atol=1e-2)
+
+
+# ---------------------------------------------------------------------------- at exit
+
+_EXIT_JOB = """
+import asyncio, os, sys, time
+from pathlib import Path
+import torch
+import torch.distributed as dist
+from rrfp_async._bridges import in_flight, work_future
+
+rank, port, d = int(sys.argv[1]), sys.argv[2], Path(sys.argv[3])
+dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+dist.barrier()
+if rank == 1:
+    async def main() -> None:
+        work = dist.all_reduce(torch.ones(1), async_op=True)  # rank 0 never joins it
+        try:
+            await asyncio.wait_for(work_future(work), 0.2)
+        except TimeoutError:
+            pass
+    asyncio.run(main())
+    (d / "in_flight").write_text(repr(in_flight()))
+    (d / "exiting").write_text(repr(time.monotonic()))
+    sys.exit(0)  # the all-reduce fails when rank 0 exits: during this exit
+while not (d / "exiting").exists():
+    time.sleep(0.01)
+time.sleep(0.5)
+os._exit(0)  # its sockets close: rank 1's all-reduce fails with "Connection closed by peer"
+"""
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(120)
+def test_a_collective_that_fails_while_the_program_exits_ends_it_cleanly(tmp_path: Path) -> None:
+    """A collective left posted (a failed step's agreement) completes, with an error, when
+    its peer exits a moment after this program began to exit: its callback runs on gloo's
+    thread. The exit waits for it (``EXIT_DRAIN_S``), so the process exits 0, never by
+    SIGABRT ("terminate called without an active exception": the thread asked a finalizing
+    interpreter for the GIL). Red without the drain, and with a drain that ends when the
+    callback returns rather than when the future lets go of it (each aborted in the first of
+    the 5 runs, 2026-12-07)."""
+    import subprocess
+    import sys
+
+    from rrfp_async.testing._ports import free_port
+
+    codes = []
+    for run in range(5):
+        d = tmp_path / str(run)
+        d.mkdir()
+        port = str(free_port())
+        procs = [
+            subprocess.Popen(
+                [sys.executable, "-c", _EXIT_JOB, str(r), port, str(d)],
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.PIPE,
+            )
+            for r in (0, 1)
+        ]
+        errs = [p.communicate(timeout=60)[1].decode() for p in procs]
+        codes.append((procs[0].returncode, procs[1].returncode))
+        assert (d / "in_flight").read_text() == "(1, 0)"  # the all-reduce: pending at exit
+        assert procs[1].returncode == 0, errs[1][-2000:]
+    assert codes == [(0, 0)] * 5
