@@ -320,11 +320,17 @@ class StepTimeoutError(RRFPError):
         policy: The name of the policy whose turn it was when the watchdog fired (it had
             not returned a decision: the policy is the cause, and the message opens with
             it), or None when the step waited for anything else.
+        collective: What timed out when it was a collective of the job's control group
+            rather than the step's tasks ("the end-of-step agreement", "the plan check",
+            "the tied gradients' all-reduce"), or None.
     """
 
-    def __init__(self, *args: object, policy: str | None = None) -> None:
+    def __init__(
+        self, *args: object, policy: str | None = None, collective: str | None = None
+    ) -> None:
         super().__init__(*args)
         self.policy = policy
+        self.collective = collective
 
 
 class ClosedError(RRFPError):

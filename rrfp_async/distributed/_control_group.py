@@ -36,6 +36,7 @@ from ._plan_check import (
     step_check_verdict,
     step_row,
 )
+from ._pulse import OPEN, describe
 
 __all__ = ["Collectives", "ControlGroup", "TorchCollectives"]
 
@@ -100,6 +101,13 @@ class ControlGroup:
         origin: What the p2p channel knows of a failure, origin first (it may wait a
             moment: ``P2PChannel.origin``), for the error of a collective that broke; None:
             nothing to ask.
+        silent: The ranks whose heartbeat stopped (``_pulse.silent_ranks``: it waits a
+            moment), for the error of a collective that timed out or broke with no origin
+            known; None: nothing to ask.
+        notes: The failures other ranks left on the job's board for the given steps
+            (``_pulse.notes``), for the error of a collective that timed out; None: nothing
+            to ask.
+        name: How a message names a global rank ("rank 2 (global 2)").
 
     Attributes:
         plan_checks: How many plan checks ran (one per distinct plan).
@@ -119,6 +127,9 @@ class ControlGroup:
         digest_of: Callable[[StepSchedule], PlanDigest],
         adopt_seed: Callable[[int], None],
         origin: Callable[[], Awaitable[str | None]] | None = None,
+        silent: Callable[[], Awaitable[list[int] | None]] | None = None,
+        notes: Callable[[list[int | str]], Awaitable[dict[int, str] | None]] | None = None,
+        name: Callable[[int], str] | None = None,
     ) -> None:
         self._comm = collectives
         self._who = who
@@ -130,6 +141,9 @@ class ControlGroup:
         self._digest_of = digest_of
         self._adopt_seed = adopt_seed
         self._origin = origin
+        self._silent = silent
+        self._notes = notes
+        self._name = name if name is not None else (lambda g: f"global rank {g}")
         self.plan_checks = 0
         self.plan_check_seconds = 0.0
         self._broken: BaseException | None = None  # a collective was left posted
@@ -177,13 +191,13 @@ class ControlGroup:
                 await work_future(comm.all_gather(outs, buf))
         except TimeoutError:
             # The collective is still posted: this group can no longer be used.
+            head = await self._timed_out(step, "in the plan check")
             self._broken = StepTimeoutError(
-                f"{self._who} step {step}: the plan check did not complete within"
-                f" {self._timeout} s: not every rank joined the all-gather of plan digests"
-                f" (over the {n} ranks of the control group). A rank is hung, stopped or"
-                " lost, or it did not check at this step: a rank checks before its stage's"
-                " first step, and after a step whose agreement shows that every rank's plan"
-                " or hint name changed alike"
+                f"{head}\nNot every rank joined the all-gather of plan digests (over the {n}"
+                " ranks of the control group): a rank is hung, stopped or lost, or it did not"
+                " check at this step: a rank checks before its stage's first step, and after a"
+                " step whose agreement shows that every rank's plan or hint name changed alike",
+                collective="the plan check",
             )
             raise self._broken from None
         except RuntimeError as e:
@@ -277,20 +291,62 @@ class ControlGroup:
                 await work_future(work)
         except TimeoutError:
             # The collective is still posted: this group can no longer be used.
+            head = await self._timed_out(step, "in the end-of-step agreement")
             self._broken = StepTimeoutError(
-                f"{self._who} step {step}: the end-of-step agreement did not complete within"
-                f" {self._timeout} s: a rank is hung, stopped or lost, or it did not run"
-                " this step"
+                f"{head}\nNot every rank posted the agreement: a rank is hung, stopped or lost,"
+                " or it did not run this step",
+                collective="the end-of-step agreement",
             )
             raise self._broken from None
         except RuntimeError as e:
             raise PeerError(await self._broke(step, "the end-of-step agreement", e)) from e
         return [o.tolist() for o in outs]
 
+    async def _timed_out(self, step: int, where: str) -> str:
+        """The first line of a collective's timeout: the failure the p2p channel knows of
+        (a peer's CLOSE: it failed, left or was lost), else a failure another rank left on
+        the job's board for this step or its stage's opening, else the ranks whose heartbeat
+        stopped (see ``_pulse``); asked at the same time."""
+        head = f"{self._who} step {step}: timed out after {self._timeout} s {where}"
+        origin, silent, notes = await self._ask(step)
+        if origin is not None:
+            return f"{head}: {origin}"
+        if notes:
+            said = "; ".join(
+                f"{self._name(g)} failed by itself"
+                f" {'opening its stage' if k == OPEN else f'at step {k}'}: {text}"
+                for g, (k, text) in sorted(notes.items())
+            )
+            return f"{head}: {said}"
+        if silent:
+            return f"{head}: {describe(silent, self._name, broke=False)}"
+        return f"{head}: a rank is hung, stopped or lost (no rank's heartbeat stopped)"
+
+    async def _ask(
+        self, step: int
+    ) -> tuple[str | None, list[int] | None, dict[int, tuple[int | str, str]]]:
+        """What the p2p channel knows of a failure, the ranks whose heartbeat stopped, and
+        the failures other ranks left for ``step`` or their opening (each waits a moment:
+        asked at the same time)."""
+        origin_ask = self._origin() if self._origin is not None else _none()
+        silent_ask = self._silent() if self._silent is not None else _none()
+        step_ask = self._notes([step]) if self._notes is not None else _none()
+        open_ask = self._notes([OPEN]) if self._notes is not None else _none()
+        origin, silent, at_step, at_open = await asyncio.gather(
+            origin_ask, silent_ask, step_ask, open_ask
+        )
+        notes: dict[int, tuple[int | str, str]] = {g: (OPEN, t) for g, t in (at_open or {}).items()}
+        notes.update({g: (step, t) for g, t in (at_step or {}).items()})
+        return origin, silent, notes
+
     async def _broke(self, step: int, what: str, e: RuntimeError) -> str:
         """The error of a collective that broke: the rank at fault first, as the p2p
-        channel knows it (gloo's text names an address, never a rank), gloo's text last."""
-        origin = None if self._origin is None else await self._origin()
+        channel knows it (gloo's text names an address, never a rank), else the ranks whose
+        heartbeat stopped (asked at the same time: a rank far from the lost one may hear of
+        it from no neighbour), gloo's text last."""
+        origin, silent, _ = await self._ask(step)
+        if origin is None and silent:
+            origin = describe(silent, self._name, broke=True)
         if origin is None:
             return f"{self._who} step {step}: {what} failed: a rank died or the group broke: {e}"
         return f"{self._who} step {step}: {origin}; {what} failed with it: {e}"
@@ -393,3 +449,7 @@ def _retrieve(fut: asyncio.Future[None]) -> None:
     """Retrieve a verdict's outcome (an abandoned wait must not warn)."""
     if not fut.cancelled():
         fut.exception()
+
+
+async def _none() -> None:
+    return None

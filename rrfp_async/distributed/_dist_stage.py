@@ -78,12 +78,14 @@ from ..loop import (
 )
 from ..policies import Policy, StepSchedule
 from . import _lifetime as lifetime
+from . import _pulse as pulse
 from . import _state_dump as state_dump
 from ._control_group import ControlGroup, TorchCollectives
 from ._digest import PlanDigest
 from ._executor_hooks import EventWaitingExecutor, SeedAdoptingExecutor, executor_seed
 from ._layout import ProcessLayout, StageGroups, build_groups, pipeline_neighbors
 from ._p2p_registry import claim_p2p_group, release_p2p_group
+from ._pulse import default_store
 from ._stage_args import (
     check_layout_rank,
     check_positional,
@@ -92,7 +94,7 @@ from ._stage_args import (
 )
 from ._stage_grads import TiedGradients, allreduce_dp, order_after_step
 from ._stage_trace import StageTrace
-from ._step_failure import FailureReporter
+from ._step_failure import FailureReporter, failed_by_itself
 from ._sync_face import BlockingFace
 from ._tp_keywords import UNSET, TPOptions, tp_options
 
@@ -332,6 +334,9 @@ class DistributedStage:
             digest_of=self._plan_digest,
             adopt_seed=self._adopt_seed,
             origin=self.channel.origin,
+            silent=pulse.silent_ranks,
+            notes=pulse.notes,
+            name=self._name_global,
         )
         self.failures = FailureReporter(
             self.channel,
@@ -343,6 +348,7 @@ class DistributedStage:
             step_timeout=self.step_timeout,
             schedule=lambda: self.stage.schedule,
             dump=self.dump_state,
+            silent=pulse.silent_ranks,
         )
         self._next_step = 0
         self._running: int | None = None  # the step run_step runs now
@@ -350,6 +356,13 @@ class DistributedStage:
         self._loop: asyncio.AbstractEventLoop | None = None  # the loop it was opened on
         self._face: BlockingFace | None = None  # the sync face (with)
         self._p2p_key: int | None = None
+
+    def _name_global(self, g: int) -> str:
+        """A message's name of global rank ``g``: "rank 2 (global 2)" in this pipeline."""
+        for p, gg in self.layout.pipeline_peers().items():
+            if gg == g:
+                return f"rank {p} (global {g})"
+        return f"global rank {g}"
 
     @property
     def check_ties(self) -> bool:
@@ -378,10 +391,13 @@ class DistributedStage:
         if self._state != "new":
             raise ClosedError(f"{self._who()}: a DistributedStage is opened once ({self._state})")
         self._claim_p2p_group()
+        # Its heartbeat (once per process; build_groups starts it too): see ``_pulse``.
+        pulse.start(default_store(), self.layout.rank, self.layout.world_size)
         try:
             self.channel.start()
-        except BaseException:
+        except BaseException as e:
             self._release_p2p_group()
+            await pulse.note(pulse.OPEN, e)  # (its peers' plan check then names it)
             raise
         self._loop = asyncio.get_running_loop()
         self._state = "open"
@@ -554,7 +570,9 @@ class DistributedStage:
                 s, sched, policy=self.stage.policy_name, failure=e, at=self.stage.now()
             )
             written = True
-            await self.failures.name_stuck_policy(s, e)  # (waits a moment for its ABORT)
+            if failed_by_itself(e):  # on the job's board, for ranks it cannot tell
+                await pulse.note(s, e)
+            await self.failures.name_root(s, e)  # (waits a moment: a stuck policy, the pulse)
             # A lost rank or a broken channel: the job cannot go on, nor agree.
             lost = isinstance(e, PeerError) and not isinstance(e, PeerStepError)
             self.control.fail_step(can_agree=not lost and not self.channel.broken)

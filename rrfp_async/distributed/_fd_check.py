@@ -21,10 +21,9 @@ from __future__ import annotations
 import itertools
 from typing import Any
 
-import torch.distributed as dist
-
 from .._errors import ResourceError
 from .._resources import fd_shortfall, fd_usage, gloo_group_fds
+from ._pulse import default_store
 
 __all__ = ["agree_on_fds", "group_fds"]
 
@@ -54,7 +53,7 @@ def agree_on_fds(layout: Any, need: int) -> None:
     """
     who = f"rank {layout.rank}: build_groups"
     reason = fd_shortfall(need, "its process groups")
-    store = _store() if layout.world_size > 1 else None
+    store = default_store() if layout.world_size > 1 else None
     if store is None:
         if reason is not None:
             raise _error(who, layout.rank, reason, here=True)
@@ -71,15 +70,6 @@ def agree_on_fds(layout: Any, need: int) -> None:
         return
     origin, why = bytes(store.get(f"{key}/first")).decode().split("\n", 1)
     raise _error(who, int(origin), why, here=False)
-
-
-def _store() -> Any:
-    if not (dist.is_available() and dist.is_initialized()):
-        return None
-    try:
-        return dist.distributed_c10d._get_default_store()
-    except (RuntimeError, ValueError, AttributeError):
-        return None
 
 
 def _error(who: str, origin: int, reason: str, *, here: bool) -> ResourceError:

@@ -15,9 +15,10 @@ from typing import Any
 
 import torch.distributed as dist
 
-from .._errors import PlanError
+from .._errors import PeerError, PlanError
 from .._tasks import StepPlan
 from ..testing import nccl_logs, nccl_rules
+from . import _pulse as pulse
 from ._fd_check import agree_on_fds, group_fds
 
 __all__ = [
@@ -228,6 +229,9 @@ def build_groups(
 
     Raises:
         PlanError: An unknown ``p2p_backend``.
+        ResourceError: A rank is short of file descriptors (every rank raises it).
+        PeerError: A rank was lost while the groups connected (the message names it when
+            its heartbeat stopped: see ``_pulse``).
     """
     if p2p_backend not in ("gloo", "nccl"):
         raise PlanError(f"p2p_backend must be 'gloo' or 'nccl', got {p2p_backend!r}")
@@ -236,6 +240,32 @@ def build_groups(
     on_device = nccl_rules.enabled() or p2p_backend == "nccl"
     mine = [e for e in payload_edges(layout.pp) if layout.pp_rank in e] if on_device else []
     agree_on_fds(layout, group_fds(layout, tp_group=tp_group, payload_edges=len(mine)))
+    # This rank's heartbeat, from here on: a rank lost while the groups connect is named by
+    # it (gloo's error names an address), and so are later stops and losses (``_pulse``).
+    pulse.start(pulse.default_store(), layout.rank, layout.world_size)
+    try:
+        return _new_groups(layout, tp_group=tp_group, p2p_backend=p2p_backend)
+    except RuntimeError as e:  # gloo's connectFullMesh, the store's timeout: a rank is gone
+        silent = pulse.silent_ranks_sync()
+        who = f"rank {layout.pp_rank} (global {layout.rank}): build_groups"
+        if silent:
+            why = pulse.describe(silent, lambda g: _name_global(layout, g), broke=True)
+            raise PeerError(f"{who}: {why}; creating the groups failed with it: {e}") from e
+        raise PeerError(
+            f"{who}: creating the groups failed (no rank's heartbeat stopped: a rank failed"
+            f" or the network broke): {e}"
+        ) from e
+
+
+def _name_global(layout: ProcessLayout, g: int) -> str:
+    for p, gg in layout.pipeline_peers().items():
+        if gg == g:
+            return f"rank {p} (global {g})"
+    return f"global rank {g}"
+
+
+def _new_groups(layout: ProcessLayout, *, tp_group: Any, p2p_backend: str) -> StageGroups:
+    """``build_groups``' groups, created (every ``new_group`` call of the job)."""
     tp = decisions = dp = None
     if layout.tp > 1:
         for plane in layout.grid:

@@ -26,8 +26,8 @@ from __future__ import annotations
 
 import asyncio
 import collections
-from collections.abc import Callable, Iterable, Mapping
-from typing import Protocol
+from collections.abc import Awaitable, Callable, Iterable, Mapping
+from typing import Any, Protocol
 
 from .._errors import (
     ChannelError,
@@ -39,8 +39,15 @@ from .._errors import (
 )
 from ..policies import StepSchedule
 from ._plan_check import failure_kind
+from ._pulse import WINDOW_S, describe
 
-__all__ = ["FailureChannel", "FailureDecisions", "FailureReporter", "failure_cause"]
+__all__ = [
+    "FailureChannel",
+    "FailureDecisions",
+    "FailureReporter",
+    "failed_by_itself",
+    "failure_cause",
+]
 
 POLICY_NEWS_WAIT = 1.0
 """Seconds a rank whose step timed out waiting for other ranks waits for a stuck policy's
@@ -94,6 +101,8 @@ class FailureReporter:
         step_timeout: The watchdog's limit, for the timeout's message.
         schedule: The stage's current schedule (what the step expects to receive).
         dump: Writes the stage's state (``DistributedStage.dump_state``), on a timeout.
+        silent: The global ranks whose heartbeat stopped (``_pulse.silent_ranks``: it waits
+            a moment), asked after a timeout; None: nothing to ask.
     """
 
     def __init__(
@@ -108,6 +117,7 @@ class FailureReporter:
         step_timeout: float | None,
         schedule: Callable[[], StepSchedule],
         dump: Callable[[str], object],
+        silent: Callable[[], Awaitable[list[int] | None]] | None = None,
     ) -> None:
         self._channel = channel
         self._decisions = decisions
@@ -118,8 +128,11 @@ class FailureReporter:
         self._step_timeout = step_timeout
         self._schedule = schedule
         self._dump = dump
+        self._silent = silent
         self._told: int | None = None  # the last step whose failure was told
-        self._waited: dict[int, str] = {}  # step -> the ranks a timed-out step waited for
+        # step -> the ranks a timed-out step waited for (their names, their global ranks;
+        # "" and none when every message had come)
+        self._waited: dict[int, tuple[str, frozenset[int]]] = {}
 
     def told(self, step: int) -> bool:
         """Whether ``step``'s failure was told already."""
@@ -159,31 +172,65 @@ class FailureReporter:
             return
         self._channel.abort(step, failure_cause(e), kind=failure_kind(e))
 
-    async def name_stuck_policy(self, step: int, e: BaseException) -> None:
-        """When ``step`` timed out here waiting for other ranks, wait a moment (at most
-        ``POLICY_NEWS_WAIT``) for a stuck policy's ABORT (``FailureKind.POLICY``) and open
-        the message with it: every rank's watchdog fires at about the same moment, this one
-        a little before the stuck rank's, which alone knows that its policy is the cause."""
-        waited = self._waited.pop(step, None)
-        if not isinstance(e, StepTimeoutError) or e.policy is not None or waited is None:
+    async def name_root(self, step: int, e: BaseException) -> None:
+        """When ``step`` timed out here waiting for other ranks (or with every message in),
+        find the rank at the root, and open the message with it: a stuck policy's ABORT
+        (``FailureKind.POLICY``; waiting at most ``POLICY_NEWS_WAIT``: every rank's watchdog
+        fires at about the same moment, this one a little before the stuck rank's, which
+        alone knows that its policy is the cause), else the ranks whose heartbeat stopped
+        (``_pulse``: a stopped rank two hops away, or one that stopped after its last
+        message of the step), asked at the same time."""
+        got_waited = self._waited.pop(step, None)
+        if not isinstance(e, StepTimeoutError) or e.policy is not None or got_waited is None:
             return
+        waited, waited_for = got_waited
         wait = (
             POLICY_NEWS_WAIT
             if self._step_timeout is None
             else min(POLICY_NEWS_WAIT, self._step_timeout / 2)
         )
-        stuck = await self._channel.stuck_policy(step, wait)
-        if stuck is None:
-            return
-        origin, cause = stuck
-        name = next((f"rank {r} (global {g})" for r, g in self._peers.items() if g == origin), None)
-        head = (
-            f"{self._who} step {step}: timed out after {self._step_timeout} s waiting for"
-            f" {name or f'global rank {origin}'}, whose policy did not return a decision (this"
-            f" rank waited for {waited}); that rank says: {cause}"
-        )
+        asks: list[Awaitable[Any]] = [self._channel.stuck_policy(step, wait)]
+        if self._silent is not None:
+            asks.append(self._silent())
+        got = await asyncio.gather(*asks)
+        stuck = got[0]
+        silent = [g for g in (got[1] if len(got) > 1 else None) or [] if g != self._rank]
         rest = str(e.args[0]).split("\n", 1)[1] if e.args and "\n" in str(e.args[0]) else ""
+        head = f"{self._who} step {step}: timed out after {self._step_timeout} s"
+        if stuck is not None:
+            origin, cause = stuck
+            head += (
+                f" waiting for {self._name(origin)}, whose policy did not return a decision"
+                f" (this rank waited for {waited or 'the end of its step'}); that rank says:"
+                f" {cause}"
+            )
+        elif silent and set(silent) <= waited_for:  # the ranks it waited for stopped
+            first = str(e.args[0]).split("\n", 1)[0] if e.args else head
+            head = first.replace(
+                ": hung, stopped or lost (or waiting itself for another rank)",
+                f": {'they' if len(silent) > 1 else 'it'} stopped responding (no heartbeat in"
+                f" the job's store for {WINDOW_S:g} s: stopped, dead, or hung where no Python"
+                " thread runs)",
+                1,
+            )
+        elif silent:
+            head += f": {describe(silent, self._name, broke=False)}"
+            head += f"; this rank waited for {waited}" if waited else ""
+            if not waited:
+                head += "; every message of the step had arrived here"
+            failures = list(self._channel.peer_failures().values())
+            if failures:
+                head += "; " + "; ".join(failures)
+        else:
+            return
         e.args = (f"{head}\n{rest}", *e.args[1:])
+
+    def _name(self, g: int) -> str:
+        """A message's name of global rank ``g``: "rank 2 (global 2)" in this pipeline."""
+        return next(
+            (f"rank {r} (global {gg})" for r, gg in self._peers.items() if gg == g),
+            f"global rank {g}",
+        )
 
     def _explain_timeout(self, e: StepTimeoutError, step: int) -> None:
         """Open the watchdog's message with what the step waited for: the policy of this
@@ -192,6 +239,8 @@ class FailureReporter:
         or the TP decision group; tell the channel, so the peers learn it from the CLOSE."""
         if e.policy is not None:
             self._channel.policy_stuck(step)
+            return
+        if e.collective is not None:  # the control group's: its message says what it knows
             return
         prog = self._schedule().program(self._pp_rank)
         expected = collections.Counter(r for r in prog.src_rank if r >= 0)
@@ -209,7 +258,7 @@ class FailureReporter:
                 f" waiting for {names}: hung, stopped or lost (or waiting itself for another rank)"
             )
             self._channel.blame(step, missing)
-            self._waited[step] = names
+            self._waited[step] = (names, frozenset(peers[r] for r in missing))
         elif self._decisions is not None and self._decisions.waiting is not None:
             head += f" waiting for {self._decisions.waiting}"
         else:
@@ -217,6 +266,7 @@ class FailureReporter:
                 ": every message of the step arrived; it is stuck in this rank's own work"
                 " (a task that does not return, or the policy)"
             )
+            self._waited[step] = ("", frozenset())
         failures = list(self._channel.peer_failures().values())
         if failures:
             head += "; " + "; ".join(failures)
@@ -228,6 +278,15 @@ class FailureReporter:
         extra = [t for t in self._channel.peer_failures().values() if t not in text]
         if extra and e.args:
             e.args = (f"{e.args[0]}; " + "; ".join(extra), *e.args[1:])
+
+
+def failed_by_itself(e: BaseException) -> bool:
+    """Whether a step that failed with ``e`` failed on this rank by its own cause (an error
+    of its own, its policy that did not return), not for another rank (a peer's failure or
+    loss, a timeout waiting for others, a cancellation from outside)."""
+    if isinstance(e, StepTimeoutError):
+        return e.policy is not None
+    return isinstance(e, Exception) and not isinstance(e, PeerError)
 
 
 def failure_cause(e: BaseException) -> str:

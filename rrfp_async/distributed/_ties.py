@@ -160,7 +160,8 @@ async def reduce_ties(
                 raise StepTimeoutError(
                     f"{who} step {step}: the gradient reduction of tied parameter {name!r}"
                     f" over global ranks {ranks} did not complete within {timeout} s (a rank"
-                    " holding it failed its step or is hung)"
+                    " holding it failed its step or is hung)",
+                    collective="the tied gradients' all-reduce",
                 ) from None
             except RuntimeError as e:
                 raise PeerError(
@@ -212,7 +213,8 @@ async def find_undeclared_ties(
     except TimeoutError:
         raise StepTimeoutError(
             f"{who}: the tied-parameter check (an all-gather over {n} ranks) did not complete"
-            f" within {timeout} s"
+            f" within {timeout} s",
+            collective="the tied-parameter check",
         ) from None
     except RuntimeError as e:
         raise PeerError(f"{who}: the tied-parameter check failed: {e}") from e

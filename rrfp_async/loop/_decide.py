@@ -210,9 +210,12 @@ def watchdog_error(
 
     When it fired in the policy's turn (awaited, not returned: ``st.deciding``), the policy
     is the cause, and the message opens with it (``StepTimeoutError.policy`` says so, for
-    the rank's peers: see ``FailureKind.POLICY``); else it says that the step made no
-    progress (a distributed stage opens it with what the step waited for)."""
-    if st.deciding:
+    the rank's peers: see ``FailureKind.POLICY``), unless the policy was waiting on the
+    ready set (``ReadyView.wait_until_ready`` / ``wait_for_change``) with nothing it could
+    start: then it waited for the step's inputs as the loop would (a peer stopped, say), and
+    the message says that the step made no progress (a distributed stage opens it with what
+    the step waited for)."""
+    if st.deciding and not (st.view_wait and not st.admitted()):
         at = f": {st.policy_at}" if st.policy_at else ""
         head = (
             f"rank {rank} step {st.step}: the policy {policy_name!r} did not return a decision"

@@ -50,6 +50,9 @@ class StepState:
     changing: bool = False  # the policy waits for any change (wait_for_change)
     deciding: bool = False  # the policy's turn: awaited, not returned yet
     policy_at: str = ""  # where the policy was suspended when the step was cancelled
+    # The policy was waiting on the ready set (wait_until_ready / wait_for_change) when the
+    # step was cancelled: it waited for the step's inputs, as the loop would.
+    view_wait: bool = False
     running: int = -1  # the position of the task on the executor, or -1
     leader_wait: int = -1  # TP follower: the decision it awaits from its leader, or -1
     decided: int = -1  # TP follower: the leader's decided task, not ready on this rank yet, or -1

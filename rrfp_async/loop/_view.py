@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Mapping, Sequence
 from typing import Protocol
 
@@ -180,6 +181,9 @@ class StageView:
                 if left is not None and left <= 0:
                     return False
                 await self._run.wait(self._reason, left)
+        except asyncio.CancelledError:
+            st.view_wait = True  # (the watchdog's message: see ``watchdog_error``)
+            raise
         finally:
             st.awaited = -1
         return True
@@ -193,6 +197,9 @@ class StageView:
         st.changing = True
         try:
             return await self._run.wait(self._reason, timeout)
+        except asyncio.CancelledError:
+            st.view_wait = True  # (the watchdog's message: see ``watchdog_error``)
+            raise
         finally:
             st.changing = False
 
