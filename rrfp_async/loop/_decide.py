@@ -203,6 +203,12 @@ def suspended_at(tb: types.TracebackType | None) -> str:
     return where
 
 
+def _head_waits_for_a_message(st: StepState) -> bool:
+    """Whether the hinted task (the first not started) waits for a message of another rank."""
+    head = st.ledger.head
+    return 0 <= head < len(st.prog.order) and st.prog.src_rank[head] >= 0 and not st.arrived[head]
+
+
 def watchdog_error(
     rank: int, st: StepState, policy_name: str, timeout: float, dump: str
 ) -> StepTimeoutError:
@@ -211,11 +217,12 @@ def watchdog_error(
     When it fired in the policy's turn (awaited, not returned: ``st.deciding``), the policy
     is the cause, and the message opens with it (``StepTimeoutError.policy`` says so, for
     the rank's peers: see ``FailureKind.POLICY``), unless the policy was waiting on the
-    ready set (``ReadyView.wait_until_ready`` / ``wait_for_change``) with nothing it could
-    start: then it waited for the step's inputs as the loop would (a peer stopped, say), and
-    the message says that the step made no progress (a distributed stage opens it with what
-    the step waited for)."""
-    if st.deciding and not (st.view_wait and not st.admitted()):
+    ready set (``ReadyView.wait_until_ready`` / ``wait_for_change``) while the hinted task's
+    message had not come: then it waited for a peer as the hint's own order would (the peer
+    stopped, say; ``readiness_first`` runs a backward only in its hinted turn), and the
+    message says that the step made no progress (a distributed stage opens it with what the
+    step waited for)."""
+    if st.deciding and not (st.view_wait and _head_waits_for_a_message(st)):
         at = f": {st.policy_at}" if st.policy_at else ""
         head = (
             f"rank {rank} step {st.step}: the policy {policy_name!r} did not return a decision"

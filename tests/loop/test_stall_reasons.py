@@ -215,6 +215,50 @@ def test_a_step_timeout_outside_the_policy_turn_names_no_policy() -> None:
     assert str(err.value).startswith("rank 0 step 0: no progress to the end of the step"), err.value
 
 
+def test_a_policy_waiting_on_the_ready_set_for_a_peers_message_is_not_blamed() -> None:
+    """Rank 0 of 3 stops in its F1 (a task that never returns): on rank 1, 1B0 is ready and
+    admitted but the hinted 1F1 waits for rank 0's message, and readiness_first (which runs a
+    backward only in its hinted turn) waits on the ready set. The step waited for rank 0, as
+    the hint's own order would: rank 1's policy is not the cause. Red before: rank 1 said
+    "the policy 'readiness_first' did not return a decision", and its peers named rank 1's
+    policy (issue 41's campaign, seed 2000023)."""
+
+    class StopsAtF1:
+        def __init__(self, rank: int) -> None:
+            self.rank = rank
+
+        async def execute(self, task: Task, data: object, ctx: rr.TaskContext, /) -> object:
+            if self.rank == 0 and task.kind == "F" and task.mb == 1:
+                await asyncio.Event().wait()
+            await asyncio.sleep(1e-3)
+            return 0.0
+
+    plan = rr.StepPlan(topology=rr.Topology(stages=3), microbatches=2)
+    sched = rr.StepSchedule.build(plan, "1f1b")
+    channel = LocalChannel(3)
+    stages = [
+        rr.StageLoop(
+            r,
+            schedule=sched,
+            executor=StopsAtF1(r),
+            endpoint=channel.endpoint(r),
+            policy="readiness_first",
+            step_timeout=0.5,
+        )
+        for r in range(3)
+    ]
+
+    async def main() -> list[BaseException | rr.StepStats]:
+        return await asyncio.gather(*(s.run_step([0, 1]) for s in stages), return_exceptions=True)
+
+    got = asyncio.run(main())
+    e1 = got[1]
+    assert isinstance(e1, rr.StepTimeoutError), got
+    assert e1.policy is None, e1
+    assert str(e1).startswith("rank 1 step 0: no progress to the end of the step"), e1
+    assert "ready: 1B0" in str(e1) and "next hinted: 1F1" in str(e1), e1  # (the case)
+
+
 def test_a_tp_follower_waiting_for_the_leaders_decision_names_the_leader() -> None:
     st = state(2, 4, 0)
     run(st, "0F0")
