@@ -55,6 +55,7 @@ __all__ = [
     "post",
     "run_blocking",
     "torch_future",
+    "track",
     "work_future",
 ]
 
@@ -175,6 +176,33 @@ def in_flight() -> tuple[int, int]:
     """(torch futures bridged here whose completion callback has not run, blocking calls of
     :func:`run_blocking` still running): what the program's exit waits for (briefly)."""
     return _in_flight.counts()
+
+
+def track(work: Any) -> None:
+    """Count a posted collective as in flight until it completes, though nothing awaits it
+    (a failed step's agreement, posted for the peers): the program's exit waits for it (see
+    the module's design). gloo point-to-point ``Work`` has no future and is not counted:
+    its waits run on threads that are (``run_blocking``)."""
+    try:
+        fut = work.get_future()
+    except (RuntimeError, NotImplementedError):
+        return
+    if fut.done():
+        return
+    _in_flight.add(future=True)
+    fut.add_done_callback(_Count())
+
+
+class _Count:
+    """A completion callback that only counts: in flight until the future lets go of it."""
+
+    __slots__ = ()
+
+    def __call__(self, f: torch.futures.Future[Any]) -> None:
+        pass
+
+    def __del__(self) -> None:
+        _in_flight.done(future=True)
 
 
 def _bridge(fut: torch.futures.Future[T], transform: Callable[[T], U]) -> asyncio.Future[U]:

@@ -71,7 +71,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .._bridges import post, run_blocking, work_future
+from .._bridges import post, run_blocking, track, work_future
 from .._errors import ClosedError, DivergenceError, PeerError, PeerStepError
 from .._resources import start_thread
 from .._tasks import Kind, Task
@@ -389,9 +389,9 @@ class DecisionChannel:
         size = dist.get_world_size(self.group)
         outs = [torch.zeros(2, dtype=torch.int64) for _ in range(size)]
         with contextlib.suppress(Exception):  # a broken group: the job is failing anyway
-            self._failed_checks.append(
-                (outs, dist.all_gather(outs, mine, group=self.group, async_op=True))
-            )
+            work = dist.all_gather(outs, mine, group=self.group, async_op=True)
+            track(work)  # (awaited by no one: the program's exit waits for it)
+            self._failed_checks.append((outs, work))
         del self._failed_checks[:-4]  # keep the last few alive until they complete
 
     async def verify_sequence(self, step: int, executed: Sequence[Task]) -> None:

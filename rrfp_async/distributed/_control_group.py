@@ -23,7 +23,7 @@ from typing import Any, Protocol
 import torch
 import torch.distributed as dist
 
-from .._bridges import work_future
+from .._bridges import track, work_future
 from .._errors import PeerError, PeerStepError, PlanError, StepTimeoutError
 from ..policies import StepSchedule
 from ._digest import PlanDigest, adopt_default_seed, plan_disagreement
@@ -442,6 +442,7 @@ class ControlGroup:
             work = comm.all_gather(outs, buf)
         except RuntimeError:
             return None  # the group broke (a lost rank): the step fails anyway
+        track(work)  # (a failed step's may be awaited by no one: the exit waits for it)
         return outs, work
 
 

@@ -47,6 +47,25 @@ def test_the_checks_catch_what_they_name(tmp_path: Path) -> None:
     assert set(campaign.check(f, in_step, {0: 1, 1: -9, 2: 1}, 0.5, tmp_path)) == {"trace"}
 
 
+CASES = {
+    2000010: "STOP rank 2 of 4: rank 0, two hops away, named its waiting neighbour",
+    2000023: "STOP rank 0 of 3: rank 1's readiness_first, waiting for rank 0, was blamed",
+    2000027: "STOP rank 0 of 3 after its last message: the agreement's timeout named no rank",
+    1000005: "KILL rank 0 of 4 in its last task: rank 3's agreement named no rank; -6 exits",
+    1000009: "OPENKILL rank 0 of 3: rank 1 failed in new_group with gloo's untyped error",
+}
+"""Runs that broke an invariant before the job's board (``_pulse``) and the exit drain
+(``_bridges``); each red then (docs/reliability.md, 'Fault campaign')."""
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("seed", sorted(CASES))
+def test_a_case_that_broke_an_invariant_holds(seed: int) -> None:
+    (o,) = campaign.campaign([seed], echo=False)
+    assert not o.violations, (CASES[seed], campaign.line(o), o.violations, o.errors, o.exits)
+
+
 @pytest.mark.distributed
 @pytest.mark.timeout(600)
 @pytest.mark.xfail(
