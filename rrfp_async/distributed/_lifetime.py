@@ -47,6 +47,8 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import torch.distributed as dist
 
+from . import _pulse as pulse
+
 if TYPE_CHECKING:
     from collections.abc import Callable
 
@@ -129,6 +131,8 @@ def _before_destroy(group: Any) -> None:
     for stage in reversed(open_stages()):
         if _uses(stage, group):
             close_quietly(stage, "before torch.distributed.destroy_process_group")
+    if group is None:  # the default group: its store goes with it
+        pulse.stop()
 
 
 def _install_destroy_hook() -> None:

@@ -32,7 +32,8 @@ Cost: one store round trip per rank every ``PERIOD_S`` (about 50 us on loopback;
 ``WINDOW_S`` added to the error of a timed-out step (the step failed already). The beat
 stops at exit (an ``atexit`` hook joins the thread while Python still runs: a thread that
 returns from a store call into a finalizing interpreter aborts the process, see
-``_bridges``), and when the process group it beats for is replaced.
+``_bridges``), when the default process group is destroyed (``_lifetime``'s wrapper of
+``destroy_process_group``), and when a stage of another store or rank starts one.
 """
 
 from __future__ import annotations
@@ -63,6 +64,7 @@ __all__ = [
     "silent_ranks",
     "silent_ranks_sync",
     "start",
+    "stop",
 ]
 
 PERIOD_S = 0.5
@@ -251,7 +253,7 @@ def start(store: Any, rank: int, world: int) -> Pulse | None:
             return old
         _current = None
     if old is not None:
-        old.stop()
+        old.stop(wait=0.0)  # (its thread ends at its next beat; the exit joins it)
     if addr is None:
         return None
     pulse = Pulse(addr[0], addr[1], rank, world)
@@ -260,6 +262,15 @@ def start(store: Any, rank: int, world: int) -> Pulse | None:
         _current = pulse
         _all.append(pulse)
     return pulse
+
+
+def stop() -> None:
+    """Stop this process's pulse (its default group is being destroyed)."""
+    global _current
+    with _lock:
+        old, _current = _current, None
+    if old is not None:
+        old.stop(wait=0.0)
 
 
 def current() -> Pulse | None:

@@ -80,8 +80,15 @@ def test_start_is_once_per_store_and_rank_and_none_without_a_tcp_store(store: ob
         assert pulse.start(store, 0, 2) is first
         assert pulse.current() is first
         assert pulse.start(None, 0, 2) is None  # another store (none): the old one stops
-        assert not first.beating and pulse.current() is None
+        assert pulse.current() is None
+        if first._thread is not None:
+            first._thread.join(2.0)  # (it ends at its next beat)
+        assert not first.beating
         assert pulse.start(store, 0, 1) is None  # one rank: nobody to ask
+        again = pulse.start(store, 0, 2)
+        assert again is not None and again.beating
+        pulse.stop()  # (the default group's destroy_process_group)
+        assert pulse.current() is None
     finally:
         if first is not None:
             first.stop()

@@ -68,16 +68,6 @@ def test_a_case_that_broke_an_invariant_holds(seed: int) -> None:
 
 @pytest.mark.distributed
 @pytest.mark.timeout(600)
-@pytest.mark.xfail(
-    strict=True,
-    reason=(
-        "violations on current main (docs/reliability.md, 'Fault campaign'): seed 1000005, "
-        "KILL rank 0 of 4 at 0B2 of step 3 (3 of 3 replays): rank 3's end-of-step agreement "
-        "error names no rank ('a rank died or the group broke'), and rank 2 exited -6 in 2 "
-        "of 3; seed 1000009, OPENKILL rank 0 of 3 (1 of 3): rank 1 fails in build_groups "
-        "with gloo's untyped RuntimeError and rank 2 blames rank 1"
-    ),
-)
 def test_a_short_campaign_breaks_no_invariant() -> None:
     outcomes = campaign.campaign(campaign.seeds_of(SEED, RUNS))
     print(campaign.summary(outcomes))
