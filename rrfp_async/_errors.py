@@ -204,12 +204,18 @@ class FailureKind(IntEnum):
             failed the step for a peer's ABORT (its peers timed out at the same moment,
             waiting for it), and each rank passes it on once, so that every rank that
             waited names the stuck policy.
+        TIMEOUT: The origin's step watchdog fired while it waited for other ranks (not in
+            its policy's turn): the origin is a waiter, seldom the root. A rank that fails
+            the step for this ABORT looks for the root as a rank that timed out itself
+            does (a stuck policy's ABORT, the job's board, the silent ranks: see
+            ``distributed._pulse``) before it raises.
     """
 
     OTHER = 0
     STEP_DIFFERS = 1
     PLAN = 2
     POLICY = 3
+    TIMEOUT = 4
 
 
 class PeerStepError(PeerError):

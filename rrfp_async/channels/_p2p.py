@@ -143,7 +143,7 @@ import torch
 import torch.distributed as dist
 
 from .._bridges import run_blocking
-from .._errors import FailureKind, ProtocolError, ResourceError
+from .._errors import FailureKind, ProtocolError, ResourceError, RRFPError
 from .._pytree import tensor_leaves
 from .._streams import Device
 from .._tasks import Task
@@ -419,6 +419,13 @@ class P2PChannel:
         recorded wins (it is the closest to the root)."""
         self._control.blame(step, ranks, timed_out=timed_out)
 
+    def blame_global(self, step: int, ranks: Iterable[int], how: str) -> None:
+        """Record why this rank is failing, for the CLOSE its peers receive, in global ranks
+        of the job (any pipeline): at ``step`` the ranks ``ranks`` stopped responding
+        (``how`` "timed_out"), were lost ("lost") or failed by themselves ("failed"), as a
+        collective of the control group found (``_pulse``). The first cause recorded wins."""
+        self._control.blame_global(step, ranks, how)
+
     @property
     def broken(self) -> bool:
         """Whether the channel failed for good (a lost peer, a corrupt message): every later
@@ -516,7 +523,7 @@ class P2PChannel:
                 peer=group_rank[dst],
                 dev=self._dev,
                 limits=self._limits,
-                lost=functools.partial(port.post, control.lose, dst),
+                lost=functools.partial(_edge_lost, control, port, dst),
                 bye=shared,
                 plan_of=self._inlet.plan_of,
             )
@@ -591,3 +598,11 @@ class P2PChannel:
             return
         for sender in self._senders.values():
             sender.end(hdr)
+
+
+def _edge_lost(control: ControlPath, port: LoopPort, dst: int, exc: RRFPError) -> None:
+    """An outbound edge's connection broke (any thread): the cause goes into this rank's
+    CLOSE at once (a send from the loop thread raises the error right after, and the stage
+    may close before the loop runs anything posted), the rest on the loop."""
+    control.note_lost(dst)
+    port.post(control.lose, dst, exc)

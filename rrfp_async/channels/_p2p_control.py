@@ -142,12 +142,29 @@ class ControlPath:
             blamed = tuple(g[r] for r in ranks if r in g)[:MAX_BLAMED]
             self._cause = (TIMED_OUT if timed_out else LOST, step, blamed)
 
+    def blame_global(self, step: int, ranks: Iterable[int], how: str) -> None:
+        """``blame`` in global ranks, with what happened to them (``how``: "timed_out",
+        "lost" or "failed"); see ``P2PChannel.blame_global``."""
+        code = {"timed_out": TIMED_OUT, "lost": LOST, "failed": FAILED}[how]
+        blamed = tuple(ranks)[:MAX_BLAMED]
+        # It replaces a waiter's cause of the same step (the ranks whose messages did not
+        # come: weaker evidence than a stopped heartbeat or a rank's own note).
+        weak = self._cause is not None and self._cause[:2] == (TIMED_OUT, step)
+        if blamed and (self._cause is None or weak):
+            self._cause = (code, step, blamed)
+
     def policy_stuck(self, step: int) -> None:
         """Record why this rank is failing, for the CLOSE its peers receive: at ``step`` its
         policy did not return a decision before the watchdog fired. It replaces a cause
         recorded before (a peer's ABORT that came while the policy ran): this is the root."""
         if self._cause is None or self._cause[0] != LOST:
             self._cause = (POLICY, step, (self._names.global_ranks[self._names.rank],))
+
+    def note_lost(self, peer: int) -> None:
+        """``peer``'s connection broke: what this rank's CLOSE says, unless a cause was
+        recorded first (any thread: one assignment; ``lose`` does the rest on the loop)."""
+        if self._cause is None:
+            self._cause = (LOST, self._last_step, (self._names.global_ranks[peer],))
 
     def lose(self, peer: int, exc: RRFPError) -> None:
         """``peer``'s connection broke (loop thread): blame it, then fail the channel."""

@@ -181,11 +181,14 @@ class Receiver:
                     w.join(max(0.0, deadline - clock()))
 
     def outliving(self) -> list[threading.Thread]:
-        """The threads still blocked after ``join`` that a peer's close or exit will end
-        (``_strays``): not the shared receive of a broken edge, which never returns."""
+        """The threads still blocked after ``join`` that a peer's close or exit may end
+        (``_strays``). The shared receive of a broken edge among them: gloo does not fail it
+        for the broken pair, but it returns when the other peers' connections close (their
+        exit, a moment later); if that happens while the interpreter finalizes, its thread
+        frees the receive's ``Work`` and aborts the process (fault campaign, seed 3000006)."""
         out = [t for t in self._threads if t.is_alive()]
         io = self._io
-        if io is not None and self._io_thread_ is not None and not io.broke:
+        if io is not None and self._io_thread_ is not None:
             out.append(self._io_thread_)
         out += [w for w in self._watchers.values() if w.is_alive()]
         return [t for t in out if t.is_alive()]

@@ -16,8 +16,8 @@ So a channel leaves its threads that outlive its close here (:func:`leave`), and
 runs after ``_lifetime``'s hook, which closes the stages still open at exit), waits for
 them, ``DRAIN_S`` seconds at most in all, while Python can still run them to their end. A
 peer that closes or exits within that time ends their waits; a thread still blocked after
-it (a peer that hangs) is left as before. A thread known to wait for nothing that will come
-(the shared receive of a broken edge, which never fails) is not left here.
+it (a peer that hangs) is left as before. The shared receive of a broken edge is left here
+too: gloo does not fail it for the broken pair, but the other peers' exit ends it.
 """
 
 from __future__ import annotations

@@ -108,6 +108,9 @@ class ControlGroup:
             (``_pulse.notes``), for the error of a collective that timed out; None: nothing
             to ask.
         name: How a message names a global rank ("rank 2 (global 2)").
+        blame: Records what a collective's timeout or break found (step, global ranks,
+            "timed_out" / "lost" / "failed") for this rank's CLOSE (``P2PChannel.blame_global``),
+            so that its peers name the same rank; None: nothing to record.
 
     Attributes:
         plan_checks: How many plan checks ran (one per distinct plan).
@@ -130,6 +133,7 @@ class ControlGroup:
         silent: Callable[[], Awaitable[list[int] | None]] | None = None,
         notes: Callable[[list[int | str]], Awaitable[dict[int, str] | None]] | None = None,
         name: Callable[[int], str] | None = None,
+        blame: Callable[[int, list[int], str], None] | None = None,
     ) -> None:
         self._comm = collectives
         self._who = who
@@ -143,6 +147,7 @@ class ControlGroup:
         self._origin = origin
         self._silent = silent
         self._notes = notes
+        self._blame = blame if blame is not None else (lambda step, ranks, how: None)
         self._name = name if name is not None else (lambda g: f"global rank {g}")
         self.plan_checks = 0
         self.plan_check_seconds = 0.0
@@ -317,8 +322,10 @@ class ControlGroup:
                 f" {'opening its stage' if k == OPEN else f'at step {k}'}: {text}"
                 for g, (k, text) in sorted(notes.items())
             )
+            self._blame(step, sorted(notes), "failed")
             return f"{head}: {said}"
         if silent:
+            self._blame(step, silent, "timed_out")
             return f"{head}: {describe(silent, self._name, broke=False)}"
         return f"{head}: a rank is hung, stopped or lost (no rank's heartbeat stopped)"
 
@@ -330,11 +337,10 @@ class ControlGroup:
         asked at the same time)."""
         origin_ask = self._origin() if self._origin is not None else _none()
         silent_ask = self._silent() if self._silent is not None else _none()
-        step_ask = self._notes([step]) if self._notes is not None else _none()
-        open_ask = self._notes([OPEN]) if self._notes is not None else _none()
-        origin, silent, at_step, at_open = await asyncio.gather(
-            origin_ask, silent_ask, step_ask, open_ask
-        )
+        origin, silent = await asyncio.gather(origin_ask, silent_ask)
+        # The board last: a rank that failed by itself at about this moment has posted by now.
+        at_step = await self._notes([step]) if self._notes is not None else None
+        at_open = await self._notes([OPEN]) if self._notes is not None else None
         notes: dict[int, tuple[int | str, str]] = {g: (OPEN, t) for g, t in (at_open or {}).items()}
         notes.update({g: (step, t) for g, t in (at_step or {}).items()})
         return origin, silent, notes
@@ -347,6 +353,7 @@ class ControlGroup:
         origin, silent, _ = await self._ask(step)
         if origin is None and silent:
             origin = describe(silent, self._name, broke=True)
+            self._blame(step, silent, "lost")
         if origin is None:
             return f"{self._who} step {step}: {what} failed: a rank died or the group broke: {e}"
         return f"{self._who} step {step}: {origin}; {what} failed with it: {e}"

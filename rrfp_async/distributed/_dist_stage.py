@@ -337,6 +337,7 @@ class DistributedStage:
             silent=pulse.silent_ranks,
             notes=pulse.notes,
             name=self._name_global,
+            blame=self.channel.blame_global,
         )
         self.failures = FailureReporter(
             self.channel,
@@ -349,6 +350,7 @@ class DistributedStage:
             schedule=lambda: self.stage.schedule,
             dump=self.dump_state,
             silent=pulse.silent_ranks,
+            notes=pulse.notes,
         )
         self._next_step = 0
         self._running: int | None = None  # the step run_step runs now

@@ -106,11 +106,14 @@ def step_check_verdict(
 def failure_kind(e: BaseException) -> FailureKind:
     """The ``FailureKind`` the ABORT of a step that failed here with ``e`` carries: a
     ``PlanError`` (a misuse, ``PLAN``) is one on every rank (``PeerPlanError``); a watchdog
-    that fired in the policy's turn names the policy (``POLICY``)."""
+    that fired in the policy's turn names the policy (``POLICY``), one that fired while the
+    rank waited for others says so (``TIMEOUT``)."""
     if isinstance(e, StepDiffersError):
         return FailureKind.STEP_DIFFERS
     if isinstance(e, StepTimeoutError) and e.policy is not None:  # its policy did not return
         return FailureKind.POLICY
+    if isinstance(e, StepTimeoutError):  # it waited for others
+        return FailureKind.TIMEOUT
     return FailureKind.PLAN if isinstance(e, PlanError) else FailureKind.OTHER
 
 

@@ -27,10 +27,11 @@ from __future__ import annotations
 import asyncio
 import collections
 from collections.abc import Awaitable, Callable, Iterable, Mapping
-from typing import Any, Protocol
+from typing import Protocol
 
 from .._errors import (
     ChannelError,
+    FailureKind,
     PeerError,
     PeerStepError,
     StateNote,
@@ -66,6 +67,9 @@ class FailureChannel(Protocol):
 
     def blame(self, step: int, ranks: Iterable[int]) -> None:
         """Tell the CLOSE which ranks' messages of ``step`` did not arrive."""
+
+    def blame_global(self, step: int, ranks: Iterable[int], how: str) -> None:
+        """Tell the CLOSE the root found (global ranks; ``how``: "timed_out", "failed")."""
 
     def peer_failures(self) -> Mapping[int, str]:
         """Why failed peers failed (what their CLOSE carried)."""
@@ -103,6 +107,8 @@ class FailureReporter:
         dump: Writes the stage's state (``DistributedStage.dump_state``), on a timeout.
         silent: The global ranks whose heartbeat stopped (``_pulse.silent_ranks``: it waits
             a moment), asked after a timeout; None: nothing to ask.
+        notes: The failures other ranks left on the job's board for the given steps
+            (``_pulse.notes``), asked after a timeout; None: nothing to ask.
     """
 
     def __init__(
@@ -118,6 +124,7 @@ class FailureReporter:
         schedule: Callable[[], StepSchedule],
         dump: Callable[[str], object],
         silent: Callable[[], Awaitable[list[int] | None]] | None = None,
+        notes: Callable[[list[int | str]], Awaitable[dict[int, str] | None]] | None = None,
     ) -> None:
         self._channel = channel
         self._decisions = decisions
@@ -129,6 +136,7 @@ class FailureReporter:
         self._schedule = schedule
         self._dump = dump
         self._silent = silent
+        self._notes = notes
         self._told: int | None = None  # the last step whose failure was told
         # step -> the ranks a timed-out step waited for (their names, their global ranks;
         # "" and none when every message had come)
@@ -174,29 +182,41 @@ class FailureReporter:
 
     async def name_root(self, step: int, e: BaseException) -> None:
         """When ``step`` timed out here waiting for other ranks (or with every message in),
-        find the rank at the root, and open the message with it: a stuck policy's ABORT
-        (``FailureKind.POLICY``; waiting at most ``POLICY_NEWS_WAIT``: every rank's watchdog
-        fires at about the same moment, this one a little before the stuck rank's, which
-        alone knows that its policy is the cause), else the ranks whose heartbeat stopped
-        (``_pulse``: a stopped rank two hops away, or one that stopped after its last
-        message of the step), asked at the same time."""
-        got_waited = self._waited.pop(step, None)
-        if not isinstance(e, StepTimeoutError) or e.policy is not None or got_waited is None:
-            return
-        waited, waited_for = got_waited
+        or failed for the ABORT of a rank that timed out so (``FailureKind.TIMEOUT``: a
+        waiter, seldom the root), find the rank at the root and open the message with it,
+        asking at the same time: a stuck policy's ABORT (``FailureKind.POLICY``; waiting at
+        most ``POLICY_NEWS_WAIT``: every rank's watchdog fires at about the same moment, this
+        one a little before the stuck rank's, which alone knows that its policy is the
+        cause; a rank on the way may close before it passes it on), the failures ranks left
+        on the job's board for this step, and the ranks whose heartbeat stopped (``_pulse``:
+        a stopped rank two hops away, or one that stopped after its last message)."""
+        if isinstance(e, PeerStepError) and e.kind == FailureKind.TIMEOUT and e.step == step:
+            waited, waited_for = "", frozenset[int]()
+        else:
+            got_waited = self._waited.pop(step, None)
+            if not isinstance(e, StepTimeoutError) or e.policy is not None or got_waited is None:
+                return
+            waited, waited_for = got_waited
         wait = (
             POLICY_NEWS_WAIT
             if self._step_timeout is None
             else min(POLICY_NEWS_WAIT, self._step_timeout / 2)
         )
-        asks: list[Awaitable[Any]] = [self._channel.stuck_policy(step, wait)]
-        if self._silent is not None:
-            asks.append(self._silent())
-        got = await asyncio.gather(*asks)
-        stuck = got[0]
-        silent = [g for g in (got[1] if len(got) > 1 else None) or [] if g != self._rank]
-        rest = str(e.args[0]).split("\n", 1)[1] if e.args and "\n" in str(e.args[0]) else ""
-        head = f"{self._who} step {step}: timed out after {self._step_timeout} s"
+        stuck, silent_got = await asyncio.gather(
+            self._channel.stuck_policy(step, wait),
+            self._silent() if self._silent is not None else _none(),
+        )
+        # The board last: a rank that failed by itself at about this moment has posted by now.
+        notes = None if stuck is not None or self._notes is None else await self._notes([step])
+        silent = [g for g in silent_got or [] if g != self._rank]
+        notes = {g: t for g, t in (notes or {}).items() if g != self._rank}
+        first, _, rest = str(e.args[0]).partition("\n") if e.args else ("", "", "")
+        if isinstance(e, PeerStepError):
+            head = f"{self._who} step {step}"
+            told = f"; {self._name(e.origin)} timed out waiting and told this rank: {e.cause}"
+        else:
+            head = f"{self._who} step {step}: timed out after {self._step_timeout} s"
+            told = ""
         if stuck is not None:
             origin, cause = stuck
             head += (
@@ -204,8 +224,15 @@ class FailureReporter:
                 f" (this rank waited for {waited or 'the end of its step'}); that rank says:"
                 f" {cause}"
             )
-        elif silent and set(silent) <= waited_for:  # the ranks it waited for stopped
-            first = str(e.args[0]).split("\n", 1)[0] if e.args else head
+        elif notes:
+            said = "; ".join(
+                f"{self._name(g)} failed by itself at step {step}: {t}"
+                for g, t in sorted(notes.items())
+            )
+            self._channel.blame_global(step, sorted(notes), "failed")
+            head += f": {said}" + (f"; this rank waited for {waited}" if waited else "")
+        elif silent and not told and set(silent) <= waited_for:  # they stopped
+            self._channel.blame_global(step, silent, "timed_out")
             head = first.replace(
                 ": hung, stopped or lost (or waiting itself for another rank)",
                 f": {'they' if len(silent) > 1 else 'it'} stopped responding (no heartbeat in"
@@ -214,16 +241,17 @@ class FailureReporter:
                 1,
             )
         elif silent:
+            self._channel.blame_global(step, silent, "timed_out")
             head += f": {describe(silent, self._name, broke=False)}"
             head += f"; this rank waited for {waited}" if waited else ""
-            if not waited:
+            if not waited and not told:
                 head += "; every message of the step had arrived here"
             failures = list(self._channel.peer_failures().values())
             if failures:
                 head += "; " + "; ".join(failures)
         else:
             return
-        e.args = (f"{head}\n{rest}", *e.args[1:])
+        e.args = (f"{head}{told}\n{rest}" if rest else f"{head}{told}", *e.args[1:])
 
     def _name(self, g: int) -> str:
         """A message's name of global rank ``g``: "rank 2 (global 2)" in this pipeline."""
@@ -304,3 +332,7 @@ def failure_cause(e: BaseException) -> str:
     if notes:
         cause += " [" + "; ".join(notes) + "]"
     return cause
+
+
+async def _none() -> None:
+    return None

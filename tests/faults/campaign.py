@@ -32,6 +32,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import random
 import re
 import sys
@@ -254,8 +255,13 @@ def campaign(
     end of torchrun's log of a run that broke an invariant, when ``show_log``)."""
 
     def one(seed: int) -> Outcome:
-        with tempfile.TemporaryDirectory(prefix=f"rrfp-fault-{seed}-") as d:
+        keep = os.environ.get("RRFP_CAMPAIGN_KEEP")  # debugging: keep each run's directory
+        if keep:
+            d = tempfile.mkdtemp(prefix=f"rrfp-fault-{seed}-", dir=keep)
             o = run_one(Fault.draw(seed), Path(d))
+        else:
+            with tempfile.TemporaryDirectory(prefix=f"rrfp-fault-{seed}-") as d:
+                o = run_one(Fault.draw(seed), Path(d))
         if echo:
             print(line(o), flush=True)
             for name, what in sorted(o.violations.items()):
