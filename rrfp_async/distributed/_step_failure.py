@@ -231,7 +231,7 @@ class FailureReporter:
             )
             self._channel.blame_global(step, sorted(notes), "failed")
             head += f": {said}" + (f"; this rank waited for {waited}" if waited else "")
-        elif silent and not told and set(silent) <= waited_for:  # they stopped
+        elif silent and not told and set(silent) == waited_for:  # they stopped
             self._channel.blame_global(step, silent, "timed_out")
             head = first.replace(
                 ": hung, stopped or lost (or waiting itself for another rank)",
