@@ -19,7 +19,10 @@ Python; either, if it happens while the interpreter finalizes, asks for the GIL 
 finalizing interpreter, which CPython 3.11-3.13 answers with ``pthread_exit``, and the forced
 unwind through torch's C++ frames calls ``std::terminate`` (SIGABRT, "terminate called
 without an active exception"). A collective left posted by a failed step completes, with an
-error, when its peers exit a moment later: inside the drain, while Python still runs.
+error, when its peers exit a moment later: inside the drain, while Python still runs. What
+is still in flight after the drain waits for a peer that hangs; a program that ends with an
+uncaught exception then ends at once with status 1 (``_exit``), before its peer's end can
+complete that wait in a finalizing process.
 CUDA has no host callback: a recorded event is awaited either by ``synchronize()`` on a
 helper thread or by polling ``query()`` from the loop with an exponential back-off timer.
 ``ComputeWorker`` is one worker thread (a "stream": tasks run one at a time, in order), so
@@ -33,8 +36,10 @@ import asyncio
 import atexit
 import contextlib
 import functools
+import logging
 import os
 import queue
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -332,9 +337,35 @@ def after_fork_in_child(fn: Callable[[], object]) -> None:
 _threads = _DedicatedThreads()
 after_fork_in_child(_threads._after_fork)
 after_fork_in_child(_in_flight._after_fork)
+exit_risks: list[Callable[[], bool]] = []
+"""Other parts' answers to "is a thread of mine still blocked in torch's C++?" at exit (the
+channel's threads left behind: ``channels._strays``)."""
+
+
+def _exit() -> None:
+    """The program exits (``atexit``, last): wait for what is in flight (``EXIT_DRAIN_S``).
+    What still is after that waits for a peer that does not come (a hung or stopped rank
+    keeps a collective pending); the peer's exit or kill later fails it, and its callback
+    then runs while the interpreter finalizes or after (SIGABRT, or SIGSEGV in the C exit
+    handlers). When the program ends with an uncaught exception (its status is 1 then), it
+    ends here with that status instead, its output flushed: the error was printed, and the
+    status stays the program's own."""
+    done = _in_flight.drain()
+    if done and not any(risk() for risk in exit_risks):
+        return
+    last = getattr(sys, "last_value", None)  # the uncaught exception that ends the program
+    if last is None or isinstance(last, SystemExit):
+        return  # its status is not known here: leave the exit as it is
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+    os._exit(1)
+
+
 # Registered at this module's import, before any stage's hooks: ``atexit`` runs it last,
 # after the stages still open were closed (``distributed._lifetime``).
-atexit.register(_in_flight.drain)
+atexit.register(_exit)
 
 
 def run_blocking(fn: Callable[[*Ts], T], *args: *Ts, name: str | None = None) -> asyncio.Future[T]:

@@ -27,6 +27,8 @@ import threading
 import time
 from collections.abc import Iterable
 
+from .._bridges import exit_risks
+
 __all__ = ["DRAIN_S", "leave", "left"]
 
 DRAIN_S = 5.0
@@ -57,3 +59,4 @@ def _drain(limit: float = DRAIN_S) -> None:
 
 
 atexit.register(_drain)
+exit_risks.append(lambda: bool(left()))  # (see ``_bridges._exit``)

@@ -53,9 +53,14 @@ CASES = {
     2000027: "STOP rank 0 of 3 after its last message: the agreement's timeout named no rank",
     1000005: "KILL rank 0 of 4 in its last task: rank 3's agreement named no rank; -6 exits",
     1000009: "OPENKILL rank 0 of 3: rank 1 failed in new_group with gloo's untyped error",
+    3000006: "OPENKILL rank 2 of 4 (shared): rank 1 exited -6 (its shared receive, at exit)",
+    3000015: "KILL rank 0 of 4: rank 2 named rank 1, whose CLOSE said it failed by itself",
+    3000037: "HANG rank 3 of 4: rank 0 and 1 named rank 0's timeout, not rank 3's policy",
+    3000043: "STOP rank 0 of 4 (shared): ranks named rank 3's CLOSE; later -11 at exit",
 }
 """Runs that broke an invariant before the job's board (``_pulse``) and the exit drain
-(``_bridges``); each red then (docs/reliability.md, 'Fault campaign')."""
+(``_bridges``), red then (the exits: in 1 to 4 of 4 replays; docs/reliability.md, 'Fault
+campaign')."""
 
 
 @pytest.mark.distributed
