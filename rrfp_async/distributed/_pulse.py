@@ -77,6 +77,9 @@ load still beats within it)."""
 _TIMEOUT = datetime.timedelta(seconds=2)
 """A store call's timeout on the pulse's own connections."""
 
+_GIVE_UP = 6
+"""Store calls in a row that fail before a beat thread ends (about 30 s of a gone store)."""
+
 _PREFIX = "rrfp/pulse/"
 _FAILED = "rrfp/failed/"
 OPEN = "open"
@@ -155,14 +158,19 @@ class Pulse:
     def _beat(self) -> None:
         key = f"{_PREFIX}{self.rank}"
         store = None
+        failures = 0
         while not self._stop.is_set():
             try:
                 if store is None:
                     store = self._client()
                 store.add(key, 1)
-            except Exception:  # the store is gone or slow: try again at the next beat
+                failures = 0
+            except Exception:  # the store is slow or gone: try again, less and less often
                 store = None
-            self._stop.wait(self.period)
+                failures += 1
+                if failures >= _GIVE_UP:  # gone for good (its job ended): nothing to tell
+                    return
+            self._stop.wait(min(self.period * 2**failures, 8.0))
 
     def counts(self) -> list[int] | None:
         """Every rank's beats so far (0: never beat), or None when the store does not answer

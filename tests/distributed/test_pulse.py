@@ -23,10 +23,10 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 
 @pytest.fixture
 def store() -> object:
-    s = dist.TCPStore(
+    s = dist.TCPStore(  # type: ignore[attr-defined]
         "127.0.0.1", 0, 1, True, timeout=datetime.timedelta(seconds=10), wait_for_workers=False
     )
-    return dist.PrefixStore("default_pg", s)  # as init_process_group wraps it
+    return dist.PrefixStore("default_pg", s)  # type: ignore[attr-defined]  # as init_process_group wraps it
 
 
 def test_a_beating_rank_is_not_silent_and_a_stopped_beat_is(store: object) -> None:
@@ -61,7 +61,7 @@ def test_the_board_keeps_a_ranks_failure_by_step(store: object) -> None:
 
 
 def test_a_store_that_is_gone_gives_no_answer_not_a_hang() -> None:
-    s = dist.TCPStore(
+    s = dist.TCPStore(  # type: ignore[attr-defined]
         "127.0.0.1", 0, 1, True, timeout=datetime.timedelta(seconds=10), wait_for_workers=False
     )
     p = pulse.Pulse("127.0.0.1", int(s.port), rank=0, world=2)

@@ -235,6 +235,9 @@ class FakeChannel:
     def blame(self, step: int, ranks: Iterable[int]) -> None:
         self.blamed.append((step, list(ranks)))
 
+    def blame_global(self, step: int, ranks: Iterable[int], how: str) -> None:
+        self.rooted = (step, list(ranks), how)
+
     def peer_failures(self) -> dict[int, str]:
         return {}
 
@@ -256,9 +259,20 @@ class FakeDecisions:
 
 
 def _reporter(
-    channel: FakeChannel, decisions: FakeDecisions | None = None
+    channel: FakeChannel,
+    decisions: FakeDecisions | None = None,
+    *,
+    silent: list[int] | None = None,
+    notes: dict[int, str] | None = None,
 ) -> tuple[FailureReporter, list[str]]:
     dumps: list[str] = []
+
+    async def ask_silent() -> list[int] | None:
+        return silent
+
+    async def ask_notes(steps: list[int | str]) -> dict[int, str] | None:
+        return notes
+
     reporter = FailureReporter(
         channel,
         decisions,
@@ -269,6 +283,8 @@ def _reporter(
         step_timeout=7.0,
         schedule=_sched,
         dump=dumps.append,
+        silent=ask_silent,
+        notes=ask_notes,
     )
     return reporter, dumps
 
@@ -308,6 +324,39 @@ def test_a_timeout_names_the_ranks_whose_messages_did_not_come() -> None:
     assert "global 2; 1 of its 2 messages of the step missing" in text
     assert channel.blamed == [(5, [0])]
     assert dumps == ["step 5 timed out"]
+
+
+def test_a_timeout_opens_with_a_silent_rank_further_away_and_the_close_names_it() -> None:
+    """Rank 0 (global 2) is waited for; global rank 7 stopped beating: the root, named first
+    and recorded for this rank's CLOSE (red before: the message named only rank 0)."""
+    channel = FakeChannel()
+    reporter, _ = _reporter(channel, silent=[7, 3])  # (itself, 3, is never named)
+    e = rr.StepTimeoutError("watchdog")
+    reporter.tell(5, e)
+    asyncio.run(reporter.name_root(5, e))
+    first = str(e).splitlines()[0]
+    assert first.startswith("rank 1 (global 3) step 5: timed out after 7.0 s: global rank 7")
+    assert "stopped responding" in first and "this rank waited for rank 0 (global 2;" in first
+    assert channel.rooted == (5, [7], "timed_out")
+
+
+def test_a_timeout_abort_is_resolved_to_the_rank_that_failed_by_itself() -> None:
+    """A peer's ABORT of kind TIMEOUT (it waited too) is not the root: the board's note of
+    the rank that failed by itself is (red before: the peer's timeout was named)."""
+    channel = FakeChannel()
+    reporter, _ = _reporter(channel, notes={2: "StepTimeoutError: rank 0 step 5: the policy"})
+    e = rr.PeerStepError(
+        "step 5 failed on rank 9",
+        step=5,
+        origin=9,
+        cause="StepTimeoutError: waited",
+        kind=FailureKind.TIMEOUT,
+    )
+    asyncio.run(reporter.name_root(5, e))
+    first = str(e).splitlines()[0]
+    assert first.startswith("rank 1 (global 3) step 5: rank 0 (global 2) failed by itself"), first
+    assert "global rank 9 timed out waiting and told this rank" in first
+    assert channel.rooted == (5, [2], "failed")
 
 
 def test_the_stage_trace_writes_one_file_per_step(tmp_path: Path) -> None:
