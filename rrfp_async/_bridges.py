@@ -12,17 +12,7 @@ waits on the second one). A thread is reused only once idle (a parked thread cos
 hand-off, a new one a thread start), and all are daemon threads, so a dead peer never blocks
 interpreter exit. NCCL-side semantics are ``get_future``'s own (stream-ordered, see
 :func:`work_future`).
-What is still pending when the program exits is waited for, briefly (:data:`EXIT_DRAIN_S`
-in all, by an ``atexit`` hook): a torch future's callback is Python, run on the thread that
-completes the future (a gloo worker, a C++ thread), and a blocking call's thread returns into
-Python; either, if it happens while the interpreter finalizes, asks for the GIL of a
-finalizing interpreter, which CPython 3.11-3.13 answers with ``pthread_exit``, and the forced
-unwind through torch's C++ frames calls ``std::terminate`` (SIGABRT, "terminate called
-without an active exception"). A collective left posted by a failed step completes, with an
-error, when its peers exit a moment later: inside the drain, while Python still runs. What
-is still in flight after the drain waits for a peer that hangs; a program that ends with an
-uncaught exception then ends at once with status 1 (``_exit``), before its peer's end can
-complete that wait in a finalizing process.
+What is still in flight when the program exits is waited for, briefly (``_in_flight``).
 CUDA has no host callback: a recorded event is awaited either by ``synchronize()`` on a
 helper thread or by polling ``query()`` from the loop with an exponential back-off timer.
 ``ComputeWorker`` is one worker thread (a "stream": tasks run one at a time, in order), so
@@ -33,15 +23,11 @@ stream and returns only when the task's kernels have finished.
 from __future__ import annotations
 
 import asyncio
-import atexit
 import contextlib
 import functools
-import logging
 import os
 import queue
-import sys
 import threading
-import time
 from collections.abc import Callable
 from types import TracebackType
 from typing import Any, Literal, ParamSpec, Self, TypeVar, TypeVarTuple, cast
@@ -50,6 +36,7 @@ import torch
 import torch.distributed as dist
 
 from ._errors import ClosedError, InterruptedStepError
+from ._in_flight import IN_FLIGHT, in_flight, track
 from ._resources import start_thread
 
 __all__ = [
@@ -57,6 +44,7 @@ __all__ = [
     "EventMode",
     "after_fork_in_child",
     "cuda_event_future",
+    "in_flight",
     "post",
     "run_blocking",
     "torch_future",
@@ -114,102 +102,6 @@ def _copy_outcome(
         afut.set_result(value)
 
 
-EXIT_DRAIN_S = 5.0
-"""The longest the interpreter's exit waits, in all, for torch futures whose callback has not
-run and for blocking calls still running on their threads (see the module's design)."""
-
-
-_SETTLE_S = 0.25
-"""How long the exit waits, after the last operation in flight completed, for its thread to
-let go of it (see ``_InFlight.drain``)."""
-
-
-class _InFlight:
-    """What completes on a foreign thread and has not yet: counted, so that the program's
-    exit can wait for it while Python still runs (see the module's design)."""
-
-    def __init__(self) -> None:
-        self._cond = threading.Condition(threading.Lock())
-        self._futures = 0  # torch futures whose (Python) completion callback has not run
-        self._calls = 0  # blocking calls running on their dedicated threads
-
-    def _after_fork(self) -> None:  # a child process inherits none of them
-        self._cond = threading.Condition(threading.Lock())
-        self._futures = self._calls = 0
-
-    def add(self, *, future: bool) -> None:
-        with self._cond:
-            if future:
-                self._futures += 1
-            else:
-                self._calls += 1
-
-    def done(self, *, future: bool) -> None:
-        with self._cond:
-            if future:
-                self._futures -= 1
-            else:
-                self._calls -= 1
-            if self._futures <= 0 and self._calls <= 0:
-                self._cond.notify_all()
-
-    def counts(self) -> tuple[int, int]:
-        """(torch futures whose callback has not run, blocking calls still running)."""
-        with self._cond:
-            return self._futures, self._calls
-
-    def drain(self, limit: float = EXIT_DRAIN_S) -> bool:
-        """Wait up to ``limit`` s until nothing is in flight; whether nothing is. When it
-        had to wait, a moment more (``_SETTLE_S``): the thread that completed the last one
-        lets go of the operation right after (gloo frees its ``Work``, and with it tensors
-        whose Python objects it keeps: one more GIL request)."""
-        with self._cond:
-            if self._futures <= 0 and self._calls <= 0:
-                return True
-            done = self._cond.wait_for(
-                lambda: self._futures <= 0 and self._calls <= 0, timeout=max(0.0, limit)
-            )
-        if done:
-            time.sleep(_SETTLE_S)
-        return done
-
-
-_in_flight = _InFlight()
-
-
-def in_flight() -> tuple[int, int]:
-    """(torch futures bridged here whose completion callback has not run, blocking calls of
-    :func:`run_blocking` still running): what the program's exit waits for (briefly)."""
-    return _in_flight.counts()
-
-
-def track(work: Any) -> None:
-    """Count a posted collective as in flight until it completes, though nothing awaits it
-    (a failed step's agreement, posted for the peers): the program's exit waits for it (see
-    the module's design). gloo point-to-point ``Work`` has no future and is not counted:
-    its waits run on threads that are (``run_blocking``)."""
-    try:
-        fut = work.get_future()
-    except (RuntimeError, NotImplementedError):
-        return
-    if fut.done():
-        return
-    _in_flight.add(future=True)
-    fut.add_done_callback(_Count())
-
-
-class _Count:
-    """A completion callback that only counts: in flight until the future lets go of it."""
-
-    __slots__ = ()
-
-    def __call__(self, f: torch.futures.Future[Any]) -> None:
-        pass
-
-    def __del__(self) -> None:
-        _in_flight.done(future=True)
-
-
 def _bridge(fut: torch.futures.Future[T], transform: Callable[[T], U]) -> asyncio.Future[U]:
     loop = asyncio.get_running_loop()
     afut: asyncio.Future[U] = loop.create_future()
@@ -217,7 +109,7 @@ def _bridge(fut: torch.futures.Future[T], transform: Callable[[T], U]) -> asynci
         _copy_outcome(fut, afut, transform)
         return afut
 
-    _in_flight.add(future=True)
+    IN_FLIGHT.add(future=True)
     fut.add_done_callback(_Relay(loop, afut, transform))
     return afut
 
@@ -244,7 +136,7 @@ class _Relay:
         post(self._loop, _copy_outcome, f, self._afut, self._transform)
 
     def __del__(self) -> None:
-        _in_flight.done(future=True)
+        IN_FLIGHT.done(future=True)
 
 
 def _identity(value: T) -> T:
@@ -336,36 +228,6 @@ def after_fork_in_child(fn: Callable[[], object]) -> None:
 
 _threads = _DedicatedThreads()
 after_fork_in_child(_threads._after_fork)
-after_fork_in_child(_in_flight._after_fork)
-exit_risks: list[Callable[[], bool]] = []
-"""Other parts' answers to "is a thread of mine still blocked in torch's C++?" at exit (the
-channel's threads left behind: ``channels._strays``)."""
-
-
-def _exit() -> None:
-    """The program exits (``atexit``, last): wait for what is in flight (``EXIT_DRAIN_S``).
-    What still is after that waits for a peer that does not come (a hung or stopped rank
-    keeps a collective pending); the peer's exit or kill later fails it, and its callback
-    then runs while the interpreter finalizes or after (SIGABRT, or SIGSEGV in the C exit
-    handlers). When the program ends with an uncaught exception (its status is 1 then), it
-    ends here with that status instead, its output flushed: the error was printed, and the
-    status stays the program's own."""
-    done = _in_flight.drain()
-    if done and not any(risk() for risk in exit_risks):
-        return
-    last = getattr(sys, "last_value", None)  # the uncaught exception that ends the program
-    if last is None or isinstance(last, SystemExit):
-        return  # its status is not known here: leave the exit as it is
-    logging.shutdown()
-    for stream in (sys.stdout, sys.stderr):
-        with contextlib.suppress(Exception):
-            stream.flush()
-    os._exit(1)
-
-
-# Registered at this module's import, before any stage's hooks: ``atexit`` runs it last,
-# after the stages still open were closed (``distributed._lifetime``).
-atexit.register(_exit)
 
 
 def run_blocking(fn: Callable[[*Ts], T], *args: *Ts, name: str | None = None) -> asyncio.Future[T]:
@@ -401,13 +263,13 @@ def run_blocking(fn: Callable[[*Ts], T], *args: *Ts, name: str | None = None) ->
         else:
             post(loop, _resolve, afut, value)
         finally:
-            _in_flight.done(future=False)
+            IN_FLIGHT.done(future=False)
 
-    _in_flight.add(future=False)
+    IN_FLIGHT.add(future=False)
     try:
         _threads.start(_target, name if name is not None else "rrfp-blocking")
     except BaseException:
-        _in_flight.done(future=False)
+        IN_FLIGHT.done(future=False)
         raise
     return afut
 

@@ -41,6 +41,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
             "_memory",
             "_activation_model",
             "_bridges",
+            "_in_flight",
             "_rng",
             "_streams",
         ),

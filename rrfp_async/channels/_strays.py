@@ -27,7 +27,7 @@ import threading
 import time
 from collections.abc import Iterable
 
-from .._bridges import exit_risks
+from .._in_flight import exit_risks
 
 __all__ = ["DRAIN_S", "leave", "left"]
 

@@ -55,6 +55,7 @@ changes: it consumes no step number, tells nobody, and leaves a running step alo
 from __future__ import annotations
 
 import asyncio
+import functools
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 from types import TracebackType
@@ -83,7 +84,7 @@ from . import _state_dump as state_dump
 from ._control_group import ControlGroup, TorchCollectives
 from ._digest import PlanDigest
 from ._executor_hooks import EventWaitingExecutor, SeedAdoptingExecutor, executor_seed
-from ._layout import ProcessLayout, StageGroups, build_groups, pipeline_neighbors
+from ._layout import ProcessLayout, StageGroups, build_groups, name_global, pipeline_neighbors
 from ._p2p_registry import claim_p2p_group, release_p2p_group
 from ._pulse import default_store
 from ._stage_args import (
@@ -336,7 +337,7 @@ class DistributedStage:
             origin=self.channel.origin,
             silent=pulse.silent_ranks,
             notes=pulse.notes,
-            name=self._name_global,
+            name=functools.partial(name_global, layout),
             blame=self.channel.blame_global,
         )
         self.failures = FailureReporter(
@@ -358,13 +359,6 @@ class DistributedStage:
         self._loop: asyncio.AbstractEventLoop | None = None  # the loop it was opened on
         self._face: BlockingFace | None = None  # the sync face (with)
         self._p2p_key: int | None = None
-
-    def _name_global(self, g: int) -> str:
-        """A message's name of global rank ``g``: "rank 2 (global 2)" in this pipeline."""
-        for p, gg in self.layout.pipeline_peers().items():
-            if gg == g:
-                return f"rank {p} (global {g})"
-        return f"global rank {g}"
 
     @property
     def check_ties(self) -> bool:
@@ -545,7 +539,15 @@ class DistributedStage:
                 is not the event loop it was opened on (the message names both loops).
         """
         refuse_unless_open_here(self._who(), self._state, self._loop, self._running)
-        sched, s = self._resolve_step(microbatches, step, schedule, train)
+        # This step's schedule and number, checked as ``StageLoop.run_step`` resolves them
+        # (bad arguments, a step number that failed here before: refused, nothing changes).
+        loop = self.stage
+        resolved = resolve_step(
+            f"rank {loop.rank}", loop.base_schedule, microbatches, step=step, schedule=schedule,
+            train=train, next_step=self._next_step, max_microbatches=loop.max_microbatches,
+        )  # fmt: skip
+        loop.check_step_number(resolved.step)
+        sched, s = resolved.schedule, resolved.step
         # Every check passed: from here on the step counts (it runs, or fails on every rank).
         self._running = s
         self._next_step = s + 1
@@ -589,32 +591,6 @@ class DistributedStage:
             self._running = None
             if not written:
                 self.trace.write(s, sched, policy=self.stage.policy_name)
-
-    def _resolve_step(
-        self,
-        microbatches: Sequence[Any],
-        step: int | None,
-        schedule: StepSchedule | None,
-        train: bool,
-    ) -> tuple[StepSchedule, int]:
-        """This step's schedule and number, checked (as ``StageLoop.run_step`` resolves
-        them; nothing changes in this call).
-
-        Raises:
-            PlanError: Bad arguments, or a step number that failed on this rank before.
-        """
-        resolved = resolve_step(
-            f"rank {self.stage.rank}",
-            self.stage.base_schedule,
-            microbatches,
-            step=step,
-            schedule=schedule,
-            train=train,
-            next_step=self._next_step,
-            max_microbatches=self.stage.max_microbatches,
-        )
-        self.stage.check_step_number(resolved.step)
-        return resolved.schedule, resolved.step
 
     def run_step_sync(
         self,

@@ -249,7 +249,7 @@ def build_groups(
         silent = pulse.silent_ranks_sync()
         who = f"rank {layout.pp_rank} (global {layout.rank}): build_groups"
         if silent:
-            why = pulse.describe(silent, lambda g: _name_global(layout, g), broke=True)
+            why = pulse.describe(silent, lambda g: name_global(layout, g), broke=True)
             raise PeerError(f"{who}: {why}; creating the groups failed with it: {e}") from e
         raise PeerError(
             f"{who}: creating the groups failed (no rank's heartbeat stopped: a rank failed"
@@ -257,7 +257,9 @@ def build_groups(
         ) from e
 
 
-def _name_global(layout: ProcessLayout, g: int) -> str:
+def name_global(layout: ProcessLayout, g: int) -> str:
+    """How messages name global rank ``g``: "rank 2 (global 2)" in this rank's pipeline,
+    "global rank 9" elsewhere."""
     for p, gg in layout.pipeline_peers().items():
         if gg == g:
             return f"rank {p} (global {g})"

@@ -27,7 +27,7 @@ leaves a note on the same board (``rrfp/failed/<global rank>/<step>``, ``open`` 
 stage's opening): a peer whose collective then times out reads the notes of its step, and
 names that rank and its error rather than "a rank is hung".
 
-Cost: one store round trip per rank every ``PERIOD_S`` (about 50 us on loopback; a store of
+Cost: one store round trip per rank every ``PERIOD_S`` (a store of
 1,024 ranks takes about 2,000 adds a second), a thread that sleeps between them, and
 ``WINDOW_S`` added to the error of a timed-out step (the step failed already). The beat
 stops at exit (an ``atexit`` hook joins the thread while Python still runs: a thread that

@@ -1,0 +1,167 @@
+"""What completes on a foreign thread and has not yet, counted, and the program's exit, which
+waits for it.
+
+Design note: why the exit waits
+-------------------------------
+A torch future's completion callback is Python, run on the thread that completes the future
+(a gloo worker, a C++ thread), and a blocking call's thread (``_bridges.run_blocking``)
+returns into Python; either, if it happens while the interpreter finalizes, asks for the
+GIL of a finalizing interpreter, which CPython 3.11-3.13 answers with ``pthread_exit``, and
+the forced unwind through torch's C++ frames calls ``std::terminate`` (SIGABRT, "terminate
+called without an active exception"). After the callback, the same gloo thread frees the
+operation's ``Work`` and with it tensors whose Python objects it keeps: one GIL request more.
+So ``_bridges`` counts every future it bridges until the future lets go of its callback,
+and every blocking call until it returns; a collective posted for the peers and awaited by
+no one (a failed step's agreement) is counted by :func:`track`. At exit the count is waited
+for (:data:`EXIT_DRAIN_S` in all), then a moment more (:data:`_SETTLE_S`) when it had to
+wait: a collective left posted by a failed step completes, with an error, when its peers
+exit a moment later, inside the drain, while Python still runs. What is still in flight
+after the drain waits for a peer that hangs (a stopped rank keeps a collective pending); the
+peer's later end fails it while the interpreter finalizes, or in the C exit handlers
+(SIGSEGV). A program that ends with an uncaught exception (status 1) then ends at once with
+that status, its output flushed (``_exit``); any other leaves its exit as it is.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import logging
+import os
+import sys
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+__all__ = ["EXIT_DRAIN_S", "IN_FLIGHT", "InFlight", "exit_risks", "in_flight", "track"]
+
+EXIT_DRAIN_S = 5.0
+"""The longest the interpreter's exit waits, in all, for torch futures whose callback has not
+run and for blocking calls still running on their threads (see the design note)."""
+
+
+_SETTLE_S = 0.25
+"""How long the exit waits, after the last operation in flight completed, for its thread to
+let go of it (see ``InFlight.drain``)."""
+
+
+class InFlight:
+    """What completes on a foreign thread and has not yet: counted, so that the program's
+    exit can wait for it while Python still runs (see the design note)."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition(threading.Lock())
+        self._futures = 0  # torch futures whose (Python) completion callback has not run
+        self._calls = 0  # blocking calls running on their dedicated threads
+
+    def _after_fork(self) -> None:  # a child process inherits none of them
+        self._cond = threading.Condition(threading.Lock())
+        self._futures = self._calls = 0
+
+    def add(self, *, future: bool) -> None:
+        with self._cond:
+            if future:
+                self._futures += 1
+            else:
+                self._calls += 1
+
+    def done(self, *, future: bool) -> None:
+        with self._cond:
+            if future:
+                self._futures -= 1
+            else:
+                self._calls -= 1
+            if self._futures <= 0 and self._calls <= 0:
+                self._cond.notify_all()
+
+    def counts(self) -> tuple[int, int]:
+        """(torch futures whose callback has not run, blocking calls still running)."""
+        with self._cond:
+            return self._futures, self._calls
+
+    def drain(self, limit: float = EXIT_DRAIN_S) -> bool:
+        """Wait up to ``limit`` s until nothing is in flight; whether nothing is. When it
+        had to wait, a moment more (``_SETTLE_S``): the thread that completed the last one
+        lets go of the operation right after (gloo frees its ``Work``, and with it tensors
+        whose Python objects it keeps: one more GIL request)."""
+        with self._cond:
+            if self._futures <= 0 and self._calls <= 0:
+                return True
+            done = self._cond.wait_for(
+                lambda: self._futures <= 0 and self._calls <= 0, timeout=max(0.0, limit)
+            )
+        if done:
+            time.sleep(_SETTLE_S)
+        return done
+
+
+IN_FLIGHT = InFlight()
+
+
+def in_flight() -> tuple[int, int]:
+    """(torch futures bridged here whose completion callback has not run, blocking calls of
+    :func:`run_blocking` still running): what the program's exit waits for (briefly)."""
+    return IN_FLIGHT.counts()
+
+
+def track(work: Any) -> None:
+    """Count a posted collective as in flight until it completes, though nothing awaits it
+    (a failed step's agreement, posted for the peers): the program's exit waits for it (see
+    the module's design). gloo point-to-point ``Work`` has no future and is not counted:
+    its waits run on threads that are (``run_blocking``)."""
+    try:
+        fut = work.get_future()
+    except (RuntimeError, NotImplementedError):
+        return
+    if fut.done():
+        return
+    IN_FLIGHT.add(future=True)
+    fut.add_done_callback(_Count())
+
+
+class _Count:
+    """A completion callback that only counts: in flight until the future lets go of it."""
+
+    __slots__ = ()
+
+    def __call__(self, f: torch.futures.Future[Any]) -> None:
+        pass
+
+    def __del__(self) -> None:
+        IN_FLIGHT.done(future=True)
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=IN_FLIGHT._after_fork)
+exit_risks: list[Callable[[], bool]] = []
+"""Other parts' answers to "is a thread of mine still blocked in torch's C++?" at exit (the
+channel's threads left behind: ``channels._strays``)."""
+
+
+def _exit() -> None:
+    """The program exits (``atexit``, last): wait for what is in flight (``EXIT_DRAIN_S``).
+    What still is after that waits for a peer that does not come (a hung or stopped rank
+    keeps a collective pending); the peer's exit or kill later fails it, and its callback
+    then runs while the interpreter finalizes or after (SIGABRT, or SIGSEGV in the C exit
+    handlers). When the program ends with an uncaught exception (its status is 1 then), it
+    ends here with that status instead, its output flushed: the error was printed, and the
+    status stays the program's own."""
+    done = IN_FLIGHT.drain()
+    if done and not any(risk() for risk in exit_risks):
+        return
+    last = getattr(sys, "last_value", None)  # the uncaught exception that ends the program
+    if last is None or isinstance(last, SystemExit):
+        return  # its status is not known here: leave the exit as it is
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+    os._exit(1)
+
+
+# Registered at this module's import (by ``_bridges``', before any stage's hooks): ``atexit``
+# runs it last, after the stages still open were closed (``distributed._lifetime``).
+atexit.register(_exit)
