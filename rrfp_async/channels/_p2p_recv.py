@@ -14,6 +14,7 @@ from __future__ import annotations
 import ctypes
 import math
 import threading
+import time
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
@@ -57,6 +58,9 @@ from ._wire import (
 
 if TYPE_CHECKING:
     from ._p2p_device import PayloadPath
+
+_LOSS_GRACE_S = 0.5
+"""Seconds the shared receive, failed, leaves an edge's watcher to name the rank it lost."""
 
 __all__ = ["Receiver"]
 
@@ -229,7 +233,12 @@ class Receiver:
                     work.wait()
                     g = work.source_rank()
                 except Exception as e:
+                    # A broken pair can fail the receive from any source too (gloo's text
+                    # names an address): the edge's watcher names the lost rank, a moment
+                    # later on its own thread; its report goes first.
                     if not self._closing:
+                        time.sleep(_LOSS_GRACE_S)
+                    if not self._closing and self._inlet.failed is None:
                         self._fail(
                             PeerError(
                                 f"{self._names.me()}: the shared receive on the inbound"
