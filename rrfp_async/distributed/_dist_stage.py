@@ -393,7 +393,8 @@ class DistributedStage:
             self.channel.start()
         except BaseException as e:
             self._release_p2p_group()
-            await pulse.note(pulse.OPEN, e)  # (its peers' plan check then names it)
+            if isinstance(e, Exception):  # (its peers' plan check then names it)
+                await pulse.note(pulse.OPEN, e)
             raise
         self._loop = asyncio.get_running_loop()
         self._state = "open"

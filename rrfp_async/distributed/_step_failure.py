@@ -14,8 +14,11 @@ at about the same moment. The stuck rank's alone knows the cause (it fired in th
 turn: ``StepTimeoutError.policy``): its message opens with the policy, its ABORT carries
 ``FailureKind.POLICY`` (sent even when a peer's ABORT failed its step first, passed on once
 by every rank) and its CLOSE the cause ``POLICY``. A rank that timed out waiting for others
-waits a moment for that ABORT (``name_stuck_policy``) and opens its message with the
-stuck policy's rank, then says whom it waited for.
+waits a moment for that ABORT (``name_root``) and opens its message with the stuck
+policy's rank, then says whom it waited for. A stopped rank further away, one that stopped
+after its last message, and a rank that failed by itself where no message tells it are
+found on the job's board (``_pulse``), asked at the same time; a rank that fails the step
+for a waiter's ABORT (``FailureKind.TIMEOUT``) asks the same questions.
 
 Telling a failed step to the others (the ABORT, once per step) is half of "a step fails
 everywhere or nowhere" (invariant 6; see ``_dist_stage``); the end-of-step agreement
