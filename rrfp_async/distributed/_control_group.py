@@ -36,7 +36,7 @@ from ._plan_check import (
     step_check_verdict,
     step_row,
 )
-from ._pulse import OPEN, describe
+from ._pulse import OPEN, describe, no_answer
 
 __all__ = ["Collectives", "ControlGroup", "TorchCollectives"]
 
@@ -335,8 +335,8 @@ class ControlGroup:
         """What the p2p channel knows of a failure, the ranks whose heartbeat stopped, and
         the failures other ranks left for ``step`` or their opening (each waits a moment:
         asked at the same time)."""
-        origin_ask = self._origin() if self._origin is not None else _none()
-        silent_ask = self._silent() if self._silent is not None else _none()
+        origin_ask = self._origin() if self._origin is not None else no_answer()
+        silent_ask = self._silent() if self._silent is not None else no_answer()
         origin, silent = await asyncio.gather(origin_ask, silent_ask)
         # The board last: a rank that failed by itself at about this moment has posted by now.
         at_step = await self._notes([step]) if self._notes is not None else None
@@ -457,7 +457,3 @@ def _retrieve(fut: asyncio.Future[None]) -> None:
     """Retrieve a verdict's outcome (an abandoned wait must not warn)."""
     if not fut.cancelled():
         fut.exception()
-
-
-async def _none() -> None:
-    return None

@@ -59,6 +59,7 @@ __all__ = [
     "current",
     "default_store",
     "describe",
+    "no_answer",
     "note",
     "notes",
     "silent_ranks",
@@ -322,6 +323,11 @@ async def notes(steps: list[int | str]) -> dict[int, str] | None:
             return await run_blocking(pulse.notes, steps, name="rrfp-pulse-read")
     except TimeoutError:
         return None
+
+
+async def no_answer() -> None:
+    """What a question has when nobody can be asked (the callers gather it with the rest)."""
+    return None
 
 
 def silent_ranks_sync(window: float = WINDOW_S) -> list[int] | None:

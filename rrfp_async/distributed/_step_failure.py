@@ -43,7 +43,7 @@ from .._errors import (
 )
 from ..policies import StepSchedule
 from ._plan_check import failure_kind
-from ._pulse import WINDOW_S, describe
+from ._pulse import WINDOW_S, describe, no_answer
 
 __all__ = [
     "FailureChannel",
@@ -207,7 +207,7 @@ class FailureReporter:
         )
         stuck, silent_got = await asyncio.gather(
             self._channel.stuck_policy(step, wait),
-            self._silent() if self._silent is not None else _none(),
+            self._silent() if self._silent is not None else no_answer(),
         )
         # The board last: a rank that failed by itself at about this moment has posted by now.
         notes = None if stuck is not None or self._notes is None else await self._notes([step])
@@ -335,7 +335,3 @@ def failure_cause(e: BaseException) -> str:
     if notes:
         cause += " [" + "; ".join(notes) + "]"
     return cause
-
-
-async def _none() -> None:
-    return None
