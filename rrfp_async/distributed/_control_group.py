@@ -327,6 +327,10 @@ class ControlGroup:
         if silent:
             self._blame(step, silent, "timed_out")
             return f"{head}: {describe(silent, self._name, broke=False)}"
+        if silent is None:  # no pulse, or its store did not answer
+            return (
+                f"{head}: a rank is hung, stopped or lost (the job's heartbeats could not be read)"
+            )
         return f"{head}: a rank is hung, stopped or lost (no rank's heartbeat stopped)"
 
     async def _ask(

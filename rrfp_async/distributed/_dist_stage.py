@@ -386,6 +386,7 @@ class DistributedStage:
     async def __aenter__(self) -> Self:
         if self._state != "new":
             raise ClosedError(f"{self._who()}: a DistributedStage is opened once ({self._state})")
+        pulse.opened()  # (counted on every rank alike: its notes on the board are this opening's)
         self._claim_p2p_group()
         # Its heartbeat (once per process; build_groups starts it too): see ``_pulse``.
         pulse.start(default_store(), self.layout.rank, self.layout.world_size)

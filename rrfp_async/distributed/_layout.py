@@ -251,9 +251,13 @@ def build_groups(
         if silent:
             why = pulse.describe(silent, lambda g: name_global(layout, g), broke=True)
             raise PeerError(f"{who}: {why}; creating the groups failed with it: {e}") from e
+        seen = (
+            "no rank's heartbeat stopped"
+            if silent is not None
+            else "the job's heartbeats could not be read"
+        )
         raise PeerError(
-            f"{who}: creating the groups failed (no rank's heartbeat stopped: a rank failed"
-            f" or the network broke): {e}"
+            f"{who}: creating the groups failed ({seen}: a rank failed or the network broke): {e}"
         ) from e
 
 

@@ -23,9 +23,12 @@ what it knew before.
 
 A rank that fails by itself where its peers cannot see it (its stage does not open: a
 thread or a descriptor it could not have; its step fails before any message goes out) also
-leaves a note on the same board (``rrfp/failed/<global rank>/<step>``, ``open`` for the
-stage's opening): a peer whose collective then times out reads the notes of its step, and
-names that rank and its error rather than "a rank is hung".
+leaves a note on the same board (``rrfp/failed/<opening>/<global rank>/<step>``, ``open``
+for the stage's opening): a peer whose collective then times out reads the notes of its
+step, and names that rank and its error rather than "a rank is hung". ``<opening>`` counts
+the stages this process opened (``opening()``): every rank of a job opens its stages
+together, so the count is the same on all of them, and a later stage of the same job (its
+steps numbered from 0 again) never reads an earlier stage's note.
 
 Cost: one store round trip per rank every ``PERIOD_S`` (a store of
 1,024 ranks takes about 2,000 adds a second), a thread that sleeps between them, and
@@ -62,6 +65,8 @@ __all__ = [
     "no_answer",
     "note",
     "notes",
+    "opened",
+    "opening",
     "silent_ranks",
     "silent_ranks_sync",
     "start",
@@ -86,7 +91,24 @@ _FAILED = "rrfp/failed/"
 OPEN = "open"
 """The step name of a failure to open a stage, on the board."""
 
+_openings = 0
+"""Stages this process opened (``opened``): the notes' generation."""
+
 _TCPStore: Any = getattr(dist, "TCPStore", None)  # (not in torch.distributed's __all__)
+
+
+def opened() -> int:
+    """Count a stage's opening (every rank of the job counts its stages' openings alike);
+    the notes left from here on are this opening's. Returns the new count."""
+    global _openings
+    with _lock:
+        _openings += 1
+        return _openings
+
+
+def opening() -> int:
+    """The count of the stage openings so far (the notes' generation; 0 before any)."""
+    return _openings
 
 
 def default_store() -> Any:
@@ -194,7 +216,7 @@ class Pulse:
             with self._reader_lock:
                 if self._reader is None:
                     self._reader = self._client()
-                self._reader.set(f"{_FAILED}{self.rank}/{step}", first)
+                self._reader.set(f"{_FAILED}{opening()}/{self.rank}/{step}", first)
             return True
         except Exception:
             with self._reader_lock:
@@ -203,7 +225,9 @@ class Pulse:
 
     def notes(self, steps: list[int | str]) -> dict[int, str] | None:
         """The notes other ranks left for ``steps``: global rank -> the first one found, in
-        the order of ``steps``; None when the store does not answer (blocking)."""
+        the order of ``steps``, left since this process's last stage opening; None when the
+        store does not answer (blocking)."""
+        gen = opening()
         try:
             with self._reader_lock:
                 if self._reader is None:
@@ -213,7 +237,7 @@ class Pulse:
                     if r == self.rank:
                         continue
                     for st in steps:
-                        key = f"{_FAILED}{r}/{st}"
+                        key = f"{_FAILED}{gen}/{r}/{st}"
                         if self._reader.check([key]):
                             out[r] = bytes(self._reader.get(key)).decode(errors="replace")
                             break

@@ -60,6 +60,22 @@ def test_the_board_keeps_a_ranks_failure_by_step(store: object) -> None:
     assert b.notes([3]) == {}  # its own note is not news to itself
 
 
+def test_a_later_stage_of_the_job_does_not_read_an_earlier_stages_note(store: object) -> None:
+    """Each stage numbers its steps from 0: a note is the opening's it was left in (every
+    rank counts its openings alike), so step 0 of the next stage finds nothing stale."""
+    host, port = pulse._tcp_store(store) or ("", 0)
+    a = pulse.Pulse(host, port, rank=0, world=2)
+    b = pulse.Pulse(host, port, rank=1, world=2)
+    pulse.opened()
+    assert b.note(0, "RuntimeError: the first stage's step 0 failed")
+    assert a.notes([0]) == {1: "RuntimeError: the first stage's step 0 failed"}
+    before = pulse.opening()
+    assert pulse.opened() == before + 1  # the next stage opens (here: on both ranks)
+    assert a.notes([0]) == {}
+    assert b.note(0, "RuntimeError: the second stage's")
+    assert a.notes([0]) == {1: "RuntimeError: the second stage's"}
+
+
 def test_a_store_that_is_gone_gives_no_answer_not_a_hang() -> None:
     s = dist.TCPStore(  # type: ignore[attr-defined]
         "127.0.0.1", 0, 1, True, timeout=datetime.timedelta(seconds=10), wait_for_workers=False
