@@ -53,6 +53,7 @@ from typing import Any
 import torch.distributed as dist
 
 from .._bridges import after_fork_in_child, run_blocking
+from .._in_flight import exit_risks
 
 __all__ = [
     "OPEN",
@@ -376,24 +377,39 @@ def describe(ranks: list[int], name: Callable[[int], str], *, broke: bool) -> st
     )
 
 
+_EXIT_JOIN_S = 2 * _TIMEOUT.total_seconds() + 1.0
+"""How long the exit waits for the beat threads: a beat in a store call ends within two store
+timeouts (a new connection, then the add)."""
+
+_left: list[threading.Thread] = []
+"""Beat threads still in a store call after the exit's wait (see ``_stop_all``)."""
+
+
 def _stop_all() -> None:
+    """At exit: stop every beat and wait for its thread while Python still runs (a thread
+    that returns from a store call into a finalizing interpreter aborts the process, see
+    ``_in_flight``); a thread still in its call after ``_EXIT_JOIN_S`` is an exit risk."""
     with _lock:
         pulses, _all[:] = list(_all), []
     for p in pulses:
         p._stop.set()
-    deadline = time.monotonic() + 3.0
+    deadline = time.monotonic() + _EXIT_JOIN_S
     for p in pulses:
         t = p._thread
         if t is not None:
             t.join(max(0.0, deadline - time.monotonic()))
+            if t.is_alive():
+                _left.append(t)
 
 
 def _forget() -> None:  # a forked child inherits no thread
     global _current, _lock
     _current = None
     _all.clear()
+    _left.clear()
     _lock = threading.Lock()
 
 
-atexit.register(_stop_all)
+atexit.register(_stop_all)  # (runs before ``_in_flight``'s exit, registered earlier)
+exit_risks.append(lambda: any(t.is_alive() for t in _left))
 after_fork_in_child(_forget)

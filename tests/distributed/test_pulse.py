@@ -155,3 +155,25 @@ def test_describe_names_the_ranks_and_says_lost_only_when_a_connection_broke() -
     assert stopped.startswith("rank 2 (global 2) stopped responding (its heartbeat"), stopped
     lost = pulse.describe([0, 2], name, broke=True)
     assert lost.startswith("rank 0 (global 0), rank 2 (global 2) were lost ("), lost
+
+
+def test_a_beat_thread_still_in_a_store_call_at_exit_is_an_exit_risk() -> None:
+    """The exit joins the beat threads (``_stop_all``); one still in a store call after that
+    would return into a finalizing interpreter (SIGABRT): the exit is told (``exit_risks``),
+    and a program ending with an uncaught exception then ends at once with status 1."""
+    import threading
+
+    from rrfp_async._in_flight import exit_risks
+
+    release = threading.Event()
+    stuck = threading.Thread(target=release.wait, daemon=True)
+    stuck.start()
+    pulse._left.append(stuck)
+    try:
+        assert any(risk() for risk in exit_risks)
+    finally:
+        release.set()
+        stuck.join()
+    assert not pulse._left[-1].is_alive()
+    pulse._left.clear()
+    assert pulse._EXIT_JOIN_S > 2 * pulse._TIMEOUT.total_seconds()

@@ -35,6 +35,7 @@ import json
 import os
 import random
 import re
+import shutil
 import sys
 import tempfile
 import time
@@ -120,6 +121,11 @@ class Fault:
         """The ranks that must fail and exit by themselves."""
         return [r for r in range(self.world) if r != self.victim or self.kind in VICTIM_FAILS]
 
+    def ends(self) -> list[int]:
+        """The ranks whose process must end (all but a stopped victim): the run waits for
+        them, a leaving victim's exit too (it exits by itself, after its peers may have)."""
+        return [r for r in range(self.world) if r != self.victim or self.kind != "STOP"]
+
 
 @dataclasses.dataclass(kw_only=True)
 class Outcome:
@@ -142,12 +148,17 @@ def run_one(fault: Fault, workdir: Path) -> Outcome:
     args = [str(WORKER), "--victim", str(fault.victim), "--kill-or-stop", fault.kind]
     args += ["--task", fault.task, "--step", str(fault.step), "--steps", str(steps)]
     args += ["--out", str(out), "--step-timeout", str(STEP_TIMEOUT), "--trace-dir", str(traces)]
-    expected = fault.fails_by_itself()
+    expected = fault.ends()
     t0 = time.monotonic()
 
     def done(pids: dict[int, int]) -> bool:
-        # Each writes its error before it exits: all exited is the end.
-        return all(r in pids and _torchrun.state(pids[r]) == "Z" for r in expected)
+        # Each writes its error before it exits: all exited is the end. (A killed victim
+        # may die before it wrote its pid: it is not waited for then.)
+        killed = fault.kind in ("KILL", "OPENKILL")
+        return all(
+            (r in pids and _torchrun.state(pids[r]) == "Z") or (killed and r == fault.victim)
+            for r in expected
+        )
 
     exits = _torchrun.run_job(
         workdir,
@@ -262,6 +273,9 @@ def campaign(
         else:
             with tempfile.TemporaryDirectory(prefix=f"rrfp-fault-{seed}-") as d:
                 o = run_one(Fault.draw(seed), Path(d))
+                failed_dir = os.environ.get("RRFP_CAMPAIGN_KEEP_FAILED")
+                if failed_dir and o.violations:  # (a core dump, under ulimit -c, too)
+                    shutil.copytree(d, Path(failed_dir) / f"seed-{seed}", dirs_exist_ok=True)
         if echo:
             print(line(o), flush=True)
             for name, what in sorted(o.violations.items()):
