@@ -33,6 +33,7 @@ from rrfp_async.cli import (
     tp_option,
 )
 
+from ._cmd_bench_deepspeed import bench_deepspeed
 from ._cmd_bench_hf import bench_hf
 from ._cmd_bench_megatron import bench_megatron
 from ._cmd_bench_overhead import bench_overhead
@@ -50,6 +51,7 @@ bench.add_command(bench_peer)
 bench.add_command(bench_overhead)
 bench.add_command(bench_hf)
 bench.add_command(bench_megatron)
+bench.add_command(bench_deepspeed)
 
 
 @bench.command("simulator")
