@@ -208,7 +208,7 @@ def test_deepspeeds_order_is_read_from_its_own_schedule() -> None:
 
     order = deepspeed_order(2, 4)
     # DeepSpeed's 1F1B warms up with P - s forwards (Megatron's with P - s - 1).
-    assert [str(t) for t in order[0]] == "0F0 0F1 0B0 0F2 0B1 0F3 0B2 0B3".split()
-    assert [str(t) for t in order[1]] == "1F0 1B0 1F1 1B1 1F2 1B2 1F3 1B3".split()
+    assert [str(t) for t in order[0]] == ["0F0", "0F1", "0B0", "0F2", "0B1", "0F3", "0B2", "0B3"]
+    assert [str(t) for t in order[1]] == ["1F0", "1B0", "1F1", "1B1", "1F2", "1B2", "1F3", "1B3"]
     fwd = deepspeed_order(3, 2, forward_only=True)
     assert [str(t) for t in fwd[2]] == ["2F0", "2F1"]
