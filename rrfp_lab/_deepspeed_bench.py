@@ -158,6 +158,8 @@ def worker(cfg: DeepSpeedBenchConfig, out: Path) -> None:
             for m in stages[k]:
                 m.live = live
             live.begin()
+            if cfg.workload == "uniform":  # (each step's length differs: DeepSpeed's rule)
+                engines[k].reset_activation_shape()
             dist.barrier()
             t0 = time.perf_counter()
             loss = engines[k].train_batch(iter(batch))
