@@ -310,9 +310,10 @@ def summary(outcomes: list[Outcome]) -> str:
     return "\n".join(lines)
 
 
-def seeds_of(seed: int, runs: int) -> list[int]:
-    """The runs' seeds: each run's own, so a run replays alone."""
-    return [seed * 1_000_000 + k for k in range(runs)]
+def seeds_of(seed: int, runs: int, first: int = 0) -> list[int]:
+    """The runs' seeds: each run's own, so a run replays alone (``first``: the campaign's
+    runs from that one on, to split one campaign over several processes or machines)."""
+    return [seed * 1_000_000 + k for k in range(first, first + runs)]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -322,10 +323,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--jobs", type=int, default=1, help="runs at once (default 1)")
     p.add_argument("--replay", type=int, default=None, help="run this one seed only")
     p.add_argument(
+        "--first", type=int, default=0, help="start at this run of the campaign (default 0)"
+    )
+    p.add_argument(
         "--show-log", action="store_true", help="print the end of a violating run's torchrun log"
     )
     args = p.parse_args(argv)
-    seeds = [args.replay] if args.replay is not None else seeds_of(args.seed, args.runs)
+    seeds = [args.replay] if args.replay is not None else seeds_of(args.seed, args.runs, args.first)
     outcomes = campaign(seeds, jobs=args.jobs, show_log=args.show_log)
     print(summary(outcomes))
     return 1 if any(o.violations for o in outcomes) else 0
