@@ -105,13 +105,6 @@ def install(
             "step_timeout must be seconds (a number > 0), None (no watchdog) or 'group'"
             f" (the process group's own timeout), got {step_timeout!r}"
         )
-    try:
-        import deepspeed
-    except ImportError as e:
-        raise PlanError(
-            "rrfp_async.deepspeed.install(): DeepSpeed is not installed (pip install"
-            " deepspeed; see docs/compatibility.md for the versions tested)"
-        ) from e
     if sizes is not None and not isinstance(sizes, bool):
         raise PlanError(f"sizes must be True, False or None, got {sizes!r}")
     if memory_budget is not None and memory_factor is not None:
@@ -120,6 +113,13 @@ def install(
         )
     if memory_budget is not None:
         parse_memory_budgets(memory_budget)  # (raises PlanError naming a bad value)
+    try:
+        import deepspeed
+    except ImportError as e:
+        raise PlanError(
+            "rrfp_async.deepspeed.install(): DeepSpeed is not installed (pip install"
+            " deepspeed; see docs/compatibility.md for the versions tested)"
+        ) from e
     options = DeepSpeedOptions(
         policy=policy,
         hint=hint,

@@ -3,13 +3,15 @@ same microbatches, the same emulated GPU time, real processes on gloo, interleav
 
 Design note
 -----------
-Each rank builds the same ``PipelineModule`` three times (one stage per rank, each the peer
+Each rank builds the same ``PipelineModule`` four times (one stage per rank, each the peer
 benchmark's ``PeerStage``: a ``Linear`` whose forward and backward also sleep for a declared,
 seeded duration per token, emulated GPU time; see ``_peer``) and hands each to
 ``deepspeed.initialize``: DeepSpeed's own engine (its ``TrainSchedule``, 1F1B), and
 ``rrfp_async.deepspeed``'s with ``policy="strict"`` (DeepSpeed's order on the runtime) and
-with no argument (the default: readiness-first on DeepSpeed's order, within the count of
-activations DeepSpeed's order keeps). The three train on the same data and take the same
+with no argument (the default: it learns each batch's sizes, bytes and task times and plans
+a batch of varying sizes cost-aware within the bytes DeepSpeed's order holds on it), and
+with ``memory_budget=1.5`` (1.5x those bytes: speed bought with memory, reported as such).
+The four train on the same data and take the same
 optimizer steps (plain SGD), so their losses agree, which is checked.
 
 Per step every rank enters a barrier and runs one ``train_batch`` per engine, the engines
@@ -39,7 +41,9 @@ from typing import Any
 
 __all__ = ["DeepSpeedBenchConfig", "deepspeed_benchmark", "main"]
 
-ENGINES = ("deepspeed", "rr_strict", "rr_default")
+ENGINES = ("deepspeed", "rr_strict", "rr_default", "rr_bytes_1.5")
+"""DeepSpeed's engine; ours strict (DeepSpeed's order); ours with no argument; ours with
+``memory_budget=1.5`` (speed bought with memory: 1.5x the bytes DeepSpeed's order holds)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -104,6 +108,8 @@ def _engine(kind: str, cfg: DeepSpeedBenchConfig) -> Any:
         rr_ds.uninstall()
     elif kind == "rr_strict":
         rr_ds.install(policy="strict")
+    elif kind == "rr_bytes_1.5":
+        rr_ds.install(memory_budget=1.5)
     else:
         rr_ds.install()
     torch.manual_seed(0)
@@ -152,7 +158,7 @@ def worker(cfg: DeepSpeedBenchConfig, out: Path) -> None:
     deviations = 0
     for s, st in enumerate(steps):
         batch = [(x, torch.zeros(1)) for x in make_inputs(pcfg, s, st.tokens, None)]
-        order = ENGINES[s % 3 :] + ENGINES[: s % 3]
+        order = ENGINES[s % len(ENGINES) :] + ENGINES[: s % len(ENGINES)]
         for k in order:
             live = LiveBytes()
             for m in stages[k]:
@@ -173,7 +179,7 @@ def worker(cfg: DeepSpeedBenchConfig, out: Path) -> None:
             if s >= cfg.warmup_steps:
                 times[k].append(float(took))
                 peaks[k] = max(peaks[k], int(peak))
-                if k == "rr_default":
+                if k.startswith("rr_") and k != "rr_strict":
                     stats = engines[k].rrfp.last_stats
                     deviations += 0 if stats is None else stats.deviations
             losses[k].append(float(loss))

@@ -61,7 +61,7 @@ _RR_NAME = re.compile(r"(?<![\w.])rr\.([A-Za-z_]\w*(?:\.[A-Za-z_]\w*)*)")
 _PATH_EXT = (".py", ".md", ".toml", ".sh", ".txt", ".png", ".json", ".cfg")
 # The repository's own top-level entries (not what a run left beside them: out/, caches).
 # Packages of the peers whose source files the docs cite (not files of this repository).
-_PEERS = {"megatron", "torch", "torchtitan", "transformers"}
+_PEERS = {"deepspeed", "megatron", "torch", "torchtitan", "transformers"}
 _IGNORED_TOP = {"out", "build", "dist", "__pycache__"}
 _TOP = {
     p.name

@@ -299,6 +299,17 @@ def check_megatron_dropin(lines: list[str], cwd: Path) -> None:
     assert all(abs(float(m[2]) - math.log(64)) < 0.5 for m in rows), rows
 
 
+DEEPSPEED_ROW = re.compile(r"(PipelineEngine|ReadinessFirstPipelineEngine) step (\d): loss (\S+)")
+
+
+def check_deepspeed_dropin(lines: list[str], cwd: Path) -> None:
+    rows = _match_all(DEEPSPEED_ROW.pattern, lines)
+    assert [m[1] for m in rows] == ["0", "1", "2", "3"]
+    assert all(m[0] == "ReadinessFirstPipelineEngine" for m in rows), rows
+    losses = [float(m[2]) for m in rows]
+    assert all(math.isfinite(x) for x in losses) and losses[-1] < losses[0], losses
+
+
 def check_debug_slow_forward(lines: list[str], cwd: Path) -> None:
     (wrote,) = _match_all(r"wrote out/slowfw/rank\{0\.\.3\}\.log and .*", lines)
     assert "(4 processes, policy strict, 1F3 slow: 400 ms; EMULATED GPU time)" in wrote[0]
@@ -342,6 +353,7 @@ CHECKS: dict[str, tuple[Callable[[list[str], Path], None], bool, int]] = {
     "train_hf_causal_lm.py": (check_train_hf_causal_lm, True, 300),
     "torch_pipelining_dropin.py": (check_torch_pipelining_dropin, True, 240),
     "megatron_dropin.py": (check_megatron_dropin, True, 300),
+    "deepspeed_dropin.py": (check_deepspeed_dropin, True, 300),
     "debug_slow_forward.py": (check_debug_slow_forward, True, 240),
     "resume_after_kill.py": (check_resume_after_kill, True, 300),
 }

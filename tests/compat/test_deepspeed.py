@@ -212,3 +212,30 @@ def test_deepspeeds_order_is_read_from_its_own_schedule() -> None:
     assert [str(t) for t in order[1]] == ["1F0", "1B0", "1F1", "1B1", "1F2", "1B2", "1F3", "1B3"]
     fwd = deepspeed_order(3, 2, forward_only=True)
     assert [str(t) for t in fwd[2]] == ["2F0", "2F1"]
+
+
+def test_the_example_trains_as_deepspeeds_engine_does(tmp_path: Path) -> None:
+    """``examples/deepspeed_dropin.py`` (README's table) with the one line, and with
+    ``--deepspeed`` (DeepSpeed's own engine): the same losses (the example has no dropout:
+    the default learns and may reorder; within tolerance)."""
+    import re
+
+    def losses(*args: str) -> list[float]:
+        r = subprocess.run(
+            [sys.executable, str(ROOT / "examples" / "deepspeed_dropin.py"), *args],
+            cwd=tmp_path,
+            capture_output=True,
+            text=True,
+            timeout=400,
+            env={**os.environ, "PYTHONPATH": str(ROOT)},
+        )
+        assert r.returncode == 0, (r.stdout + r.stderr)[-3000:]
+        rows = re.findall(r"(\w+) step (\d): loss (\S+)", r.stdout)
+        assert [int(s) for _, s, _ in rows] == [0, 1, 2, 3], r.stdout
+        want = "PipelineEngine" if args else "ReadinessFirstPipelineEngine"
+        assert {name for name, _, _ in rows} == {want}, rows
+        return [float(x) for _, _, x in rows]
+
+    ours, theirs = losses(), losses("--deepspeed")
+    assert ours == pytest.approx(theirs, rel=1e-6, abs=1e-6)
+    assert ours[-1] < ours[0]
