@@ -10,6 +10,7 @@ other order; the layout then reads the ranks off the mesh.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -264,7 +265,12 @@ def build_groups(
 def name_global(layout: ProcessLayout, g: int) -> str:
     """How messages name global rank ``g``: "rank 2 (global 2)" in this rank's pipeline,
     "global rank 9" elsewhere."""
-    for p, gg in layout.pipeline_peers().items():
+    return name_among(layout.pipeline_peers(), g)
+
+
+def name_among(peers: Mapping[int, int], g: int) -> str:
+    """``name_global`` given this pipeline's ``{pipeline rank: global rank}``."""
+    for p, gg in peers.items():
         if gg == g:
             return f"rank {p} (global {g})"
     return f"global rank {g}"

@@ -42,6 +42,7 @@ from .._errors import (
     exception_notes,
 )
 from ..policies import StepSchedule
+from ._layout import name_among
 from ._plan_check import failure_kind
 from ._pulse import WINDOW_S, describe, no_answer
 
@@ -258,10 +259,7 @@ class FailureReporter:
 
     def _name(self, g: int) -> str:
         """A message's name of global rank ``g``: "rank 2 (global 2)" in this pipeline."""
-        return next(
-            (f"rank {r} (global {gg})" for r, gg in self._peers.items() if gg == g),
-            f"global rank {g}",
-        )
+        return name_among(self._peers, g)
 
     def _explain_timeout(self, e: StepTimeoutError, step: int) -> None:
         """Open the watchdog's message with what the step waited for: the policy of this
