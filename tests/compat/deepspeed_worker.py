@@ -211,13 +211,24 @@ def run(name: str, engine_kind: str, out: Path) -> None:
             deviations += st.deviations
             ran = [e.task for e in st.executed]
             reordered += ran != ds_order[ran[0].stage]
-    ev = engine.eval_batch(iter(items[: cfg.get("gas", 4)])).item()
+    gas = cfg.get("gas", 4)
+    ev = engine.eval_batch(iter(items[:gas])).item()
+    # eval_batch's options: the logits of the last microbatch (last stage), no DP reduce.
+    ev2, logits = engine.eval_batch(
+        iter(items[gas : 2 * gas]), return_logits=True, reduce_output="avg", bcast_loss=True
+    )
+    # A smaller global batch from now on (fewer accumulation steps), as curricula do.
+    dp = torch.distributed.get_world_size() // cfg["pp"]
+    engine.set_train_batch_size(engine.train_micro_batch_size_per_gpu() * 2 * dp)
+    losses.append(engine.train_batch(iter(data(cfg, 2))).item())
     params = {k: v.detach().float().clone() for k, v in engine.module.state_dict().items()}
     rank = torch.distributed.get_rank()
     torch.save(
         {
             "losses": losses,
             "eval": ev,
+            "eval2": float(ev2),
+            "logits": None if logits is None else logits.detach().float().clone(),
             "params": params,
             "deviations": deviations,
             "reordered": reordered,

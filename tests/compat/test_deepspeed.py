@@ -95,7 +95,11 @@ def test_strict_is_deepspeed_bit_for_bit_and_readiness_first_within_tolerance(
     assert len(ref) == len(strict) == len(ours) >= 2
     for r, (a, s, o) in enumerate(zip(ref, strict, ours, strict=True)):
         assert s["losses"] == a["losses"], (r, s["losses"], a["losses"])
-        assert s["eval"] == a["eval"], r
+        assert s["eval"] == a["eval"] and s["eval2"] == a["eval2"], r
+        assert (s["logits"] is None) == (a["logits"] is None), r
+        if a["logits"] is not None:  # (the last stage's)
+            assert torch.equal(s["logits"], a["logits"]), r
+            assert torch.allclose(o["logits"], a["logits"], rtol=0, atol=TOL), r
         assert a["params"].keys() == s["params"].keys() == o["params"].keys()
         for k, v in a["params"].items():
             assert torch.equal(s["params"][k], v), (r, k)
@@ -103,9 +107,12 @@ def test_strict_is_deepspeed_bit_for_bit_and_readiness_first_within_tolerance(
         for x, y in zip(o["losses"], a["losses"], strict=True):
             assert abs(x - y) <= TOL * max(1.0, abs(y)), (r, o["losses"], a["losses"])
         assert abs(o["eval"] - a["eval"]) <= TOL * max(1.0, abs(a["eval"])), r
+        assert abs(o["eval2"] - a["eval2"]) <= TOL * max(1.0, abs(a["eval2"])), r
         assert s["deviations"] == 0, r
-    # The model learned something: the loss moved over the steps.
-    assert ref[0]["losses"][0] != ref[0]["losses"][-1]
+    # The model learned something: the loss moved over the steps (the last one a batch of
+    # 2 microbatches, after set_train_batch_size).
+    assert ref[0]["losses"][0] != ref[0]["losses"][-2]
+    assert len(ref[0]["losses"]) == 4
 
 
 def test_the_default_learns_and_leaves_deepspeeds_order_where_forwards_vary(

@@ -174,6 +174,11 @@ def main() -> None:
         module = _RaisingLinear(at if how == "MODRAISE" else None, out)
         last = rank == world - 1
         loss = _RaisingLoss(at if how == "LOSSRAISE" else None, out) if last else None
+        # The process's first backward pays torch's one-time costs (~60 ms of a core; over
+        # 2 s seen on a 2-core machine under load, which made step 0 outlast the 5 s
+        # watchdog before any fault struck): paid here, before the job's first step.
+        module.lin(torch.ones(1, 4)).sum().backward()  # (not forward: it counts its calls)
+        module.zero_grad(set_to_none=True)
         executor = rr.TorchStageExecutor({rank: module}, loss, rank=rank)
         g = torch.Generator().manual_seed(0)
         batch = [torch.randn(3, 4, generator=g) for _ in range(MICROBATCHES)]
