@@ -206,7 +206,7 @@ def test_install_and_uninstall_switch_the_engine_deepspeed_builds() -> None:
     with pytest.raises(PlanError, match="memory_factor"):
         rr_ds.install(memory_factor=0)
     with pytest.raises(PlanError, match="step_timeout"):
-        rr_ds.install(step_timeout="forever")
+        rr_ds.install(step_timeout="forever")  # type: ignore[arg-type]
     assert not rr_ds.installed()
 
 

@@ -173,12 +173,13 @@ def test_a_forward_that_draws_random_numbers_is_seen() -> None:
         ex.begin_step(ctx, previous=None, failed=False)
         ex._dforward(Task(1, "F", 0), torch.ones(3), ctx)
         assert not ex.drew_random
-        e._exec_forward_pass = lambda k: (
-            setattr(  # type: ignore[method-assign]
-                e, "_drawn", torch.rand(1)
-            )
-            or FakeEngine._exec_forward_pass(e, k)
-        )
+        plain = e._exec_forward_pass
+
+        def drawing(k: int) -> None:  # a forward with dropout: it draws from the generator
+            torch.rand(1)
+            plain(k)
+
+        e._exec_forward_pass = drawing  # type: ignore[method-assign]
         ex._dforward(Task(1, "F", 1), torch.ones(3), ctx)
         assert ex.drew_random
     finally:
