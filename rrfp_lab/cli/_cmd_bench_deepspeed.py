@@ -6,7 +6,9 @@ import json
 
 import click
 
-from rrfp_async.cli import console, jitter_option, seed_option, stages_option, steps_option
+from rrfp_async.cli import console, stages_option, steps_option
+
+from ._emulated_options import emulated_work_options
 
 __all__ = ["bench_deepspeed"]
 
@@ -16,24 +18,7 @@ __all__ = ["bench_deepspeed"]
 @click.option("--microbatches", type=click.IntRange(min=1), default=8, show_default=True)
 @steps_option(6)
 @click.option("--warmup", type=click.IntRange(min=0), default=2, show_default=True)
-@click.option(
-    "--us-per-token",
-    type=click.FloatRange(min=0, min_open=True),
-    default=40.0,
-    show_default=True,
-    help="Emulated forward µs per token of a stage (backward 2x).",
-)
-@click.option("--hidden", type=click.IntRange(min=1), default=32, show_default=True)
-@jitter_option(help_text="Sigma of the lognormal noise on every duration (variable workload).")
-@seed_option
-@click.option(
-    "--workload",
-    "workloads",
-    type=click.Choice(["uniform", "variable"]),
-    multiple=True,
-    help="uniform (equal microbatches, no jitter) and / or variable (multimodal lengths,"
-    " jitter). Default: both, one after the other.",
-)
+@emulated_work_options(us_per_token=40.0, per="a stage", together="one after the other")
 @click.option("--json", "as_json", is_flag=True, help="Print the results as JSON.")
 def bench_deepspeed(
     stages: int,

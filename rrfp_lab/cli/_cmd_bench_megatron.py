@@ -9,7 +9,6 @@ import click
 
 from rrfp_async.cli import (
     console,
-    jitter_option,
     json_option,
     log_options,
     memory_factor_option,
@@ -17,11 +16,12 @@ from rrfp_async.cli import (
     policy_names,
     policy_option,
     progress,
-    seed_option,
     stages_option,
     steps_option,
     table,
 )
+
+from ._emulated_options import emulated_work_options
 
 __all__ = ["bench_megatron"]
 
@@ -31,24 +31,7 @@ __all__ = ["bench_megatron"]
 @microbatches_option(16)
 @steps_option(5)
 @click.option("--warmup", type=click.IntRange(min=0), default=1, show_default=True)
-@click.option(
-    "--us-per-token",
-    type=click.FloatRange(min=0, min_open=True),
-    default=2.0,
-    show_default=True,
-    help="Emulated forward µs per token of a rank's model share (backward 2x).",
-)
-@click.option("--hidden", type=click.IntRange(min=1), default=32, show_default=True)
-@jitter_option(help_text="Sigma of the lognormal noise on every duration (variable workload).")
-@seed_option
-@click.option(
-    "--workload",
-    "workloads",
-    type=click.Choice(["uniform", "variable"]),
-    multiple=True,
-    help="uniform (equal microbatches, no jitter) and / or variable (multimodal lengths,"
-    " jitter). Default: both, in the same run.",
-)
+@emulated_work_options(us_per_token=2.0, per="a rank's model share", together="in the same run")
 @policy_option("The drop-in's policy (repeatable). Default: strict and readiness_first.")
 @memory_factor_option(
     help_text="The drop-in's admission bound as a multiple of megatron's order's"
