@@ -48,7 +48,13 @@ from ..distributed import DistributedStage, LearnedBytes, LearnedDurations, buil
 from ..loop import StepStats
 from ..policies import StepSchedule
 from ._deepspeed_executor import DeepSpeedExecutor
-from ._deepspeed_peer import WHO, deepspeed_order, layout_of_engine, refuse_unsupported
+from ._deepspeed_peer import (
+    WHO,
+    deepspeed_order,
+    layout_of_engine,
+    refuse_config,
+    refuse_unsupported,
+)
 from ._megatron_learning import learns
 from ._timeouts import GROUP_TIMEOUT, StepTimeout, resolve_step_timeout
 from ._torch_learning import StepLearning, item_sizes
@@ -336,6 +342,7 @@ def engine_class() -> type:
 
         def __init__(self, *args: Any, **kwargs: Any) -> None:
             options = kwargs.pop("rrfp_options", None) or _installed_options()
+            refuse_config(kwargs.get("config_class"))
             super().__init__(*args, **kwargs)
             self.rrfp = DeepSpeedRunner(self, options)
 

@@ -19,7 +19,7 @@ from .._errors import PlanError
 from .._tasks import Task
 from ..distributed import ProcessLayout
 
-__all__ = ["WHO", "deepspeed_order", "layout_of_engine", "refuse_unsupported"]
+__all__ = ["WHO", "deepspeed_order", "layout_of_engine", "refuse_config", "refuse_unsupported"]
 
 WHO = "rrfp_async.deepspeed (the readiness-first PipelineEngine)"
 
@@ -136,4 +136,22 @@ def refuse_unsupported(engine: Any) -> None:
             f"{WHO}: pipeline.pipe_partitioned / grad_partitioned (tensor-parallel"
             " partitioned activations) are not supported: set both to false in the"
             " DeepSpeed config, or run DeepSpeed's own engine"
+        )
+
+
+def refuse_config(config: Any) -> None:
+    """Refuse, before DeepSpeed builds the engine, what its pipeline engine itself refuses
+    with a bare ``AssertionError``: ZeRO stages 2 and 3 (``config``: the
+    ``DeepSpeedConfig`` that ``deepspeed.initialize`` passes; None: nothing to check).
+
+    Raises:
+        PlanError: ZeRO stage 2 or 3, naming the stage and the fix.
+    """
+    stage = getattr(config, "zero_optimization_stage", None)
+    if isinstance(stage, int) and stage >= 2:
+        raise PlanError(
+            f"{WHO}: zero_optimization.stage {stage}: DeepSpeed's pipeline engine runs ZeRO"
+            " stages 0 and 1 only (it partitions gradients or parameters across the"
+            " data-parallel group, which the pipeline's gradient accumulation does not"
+            ' allow); set "zero_optimization": {"stage": 1} (or 0)'
         )

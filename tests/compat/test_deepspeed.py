@@ -44,7 +44,7 @@ FOUR = [
     "jitter",
     "jitter_dropout",
 ]
-ERRORS_TWO = ["patched_schedule", "dry", "gas_mismatch"]
+ERRORS_TWO = ["patched_schedule", "dry", "gas_mismatch", "zero2"]
 ERRORS_FOUR = ["tensor_parallel", "dry"]
 TOL = 1e-6
 
@@ -173,6 +173,14 @@ def test_mismatched_gradient_accumulation_steps_are_refused_on_every_rank(
     for e in got:
         assert e["type"] == "PlanError", e
         assert "rank 0 has microbatches=2; rank 1 has microbatches=4" in e["message"], e
+
+
+def test_a_zero_stage_the_pipeline_engine_refuses_is_a_plan_error(results: Path) -> None:
+    got = _errors(results, "zero2")
+    assert len(got) == 2
+    for e in got:
+        assert e["type"] == "PlanError", e
+        assert "zero_optimization.stage 2" in e["message"], e
 
 
 def test_tensor_parallel_topologies_are_refused_by_name(results: Path) -> None:
