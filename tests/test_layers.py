@@ -57,7 +57,16 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("cli", ("cli",)),
     (
         "face",
-        ("__init__", "__main__", "errors", "models", "pipelining", "megatron", "torchtitan"),
+        (
+            "__init__",
+            "__main__",
+            "errors",
+            "models",
+            "pipelining",
+            "megatron",
+            "torchtitan",
+            "deepspeed",
+        ),
     ),
 )
 
