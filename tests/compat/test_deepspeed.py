@@ -227,6 +227,15 @@ def test_deepspeeds_order_is_read_from_its_own_schedule() -> None:
     assert [str(t) for t in order[1]] == ["1F0", "1B0", "1F1", "1B1", "1F2", "1B2", "1F3", "1B3"]
     fwd = deepspeed_order(3, 2, forward_only=True)
     assert [str(t) for t in fwd[2]] == ["2F0", "2F1"]
+    # It is the runtime's own 1f1b hint, task for task (so the default byte budget, what
+    # strict 1f1b holds on the batch, is DeepSpeed's bytes).
+    from rrfp_async import StepPlan, Topology
+    from rrfp_async.policies import HINTS
+
+    for p, m in [(2, 4), (4, 3), (4, 16), (8, 32)]:
+        plan = StepPlan(topology=Topology(stages=p), microbatches=m)
+        ours = HINTS["1f1b"](plan, None)
+        assert {r: list(t) for r, t in ours.items()} == deepspeed_order(p, m)
 
 
 def test_the_example_trains_as_deepspeeds_engine_does(tmp_path: Path) -> None:
