@@ -66,6 +66,7 @@ class DeepSpeedExecutor(TorchStageExecutor):
         self._ds_additional: dict[int, Any] = {}  # ... of total_additional_losses
         self._ds_fwd: dict[int, list[Any]] = {}  # ... of fwd_outputs
         self._ds_outputs: dict[int, Any] = {}  # eval_batch(return_logits=True)'s outputs
+        self._ds_final_loss: Any = None  # the last microbatch's loss (``engine.loss`` after)
         self.drew_random = False
         """Whether a training forward drew from the global random generators (dropout):
         its state moved (see ``DeepSpeedRunner``: forwards then keep DeepSpeed's order)."""
@@ -76,6 +77,7 @@ class DeepSpeedExecutor(TorchStageExecutor):
     def begin_step(self, ctx: TaskContext, *, previous: int | None, failed: bool) -> None:
         """Start the step's per-microbatch state afresh."""
         self._ds_loaded, self.preloaded = self.preloaded, 0
+        self._ds_final_loss = None
         self._ds_loss.clear()
         self._ds_total.clear()
         self._ds_additional.clear()
@@ -141,6 +143,8 @@ class DeepSpeedExecutor(TorchStageExecutor):
                 self.drew_random = True
             if last:
                 self._ds_loss[mb] = e.loss
+                if mb == ctx.plan.microbatches - 1:
+                    self._ds_final_loss = e.loss
                 self._ds_total[mb] = e.total_loss
                 self._ds_additional[mb] = e.total_additional_losses
                 self._ds_fwd[mb] = list(e.fwd_outputs)
@@ -165,8 +169,6 @@ class DeepSpeedExecutor(TorchStageExecutor):
         with torch.enable_grad():
             e._exec_backward_pass(mb)
         e.grad_layer = None
-        if e.is_last_stage():
-            e.loss = None
         inputs = e.pipe_buffers["inputs"][mb]
         e.pipe_buffers["inputs"][mb] = None  # (DeepSpeed frees it after its SendGrad)
         if e.is_first_stage():
@@ -176,7 +178,8 @@ class DeepSpeedExecutor(TorchStageExecutor):
     def fold(self, microbatches: int) -> None:
         """Put the step's losses where DeepSpeed's own step leaves them: ``total_loss``,
         ``total_additional_losses`` and ``fwd_outputs`` summed in microbatch order (the
-        order DeepSpeed's forwards add them in), ``outputs`` of the last microbatch."""
+        order DeepSpeed's forwards add them in); ``loss`` and ``outputs`` those of the last
+        microbatch."""
         e = self.engine
         if not e.is_last_stage():
             e.fwd_outputs = []
@@ -196,6 +199,9 @@ class DeepSpeedExecutor(TorchStageExecutor):
         e.total_loss = total
         e.total_additional_losses = additional
         e.fwd_outputs = fwd
+        if self._ds_final_loss is not None:  # (DeepSpeed's slot ends on the last one's)
+            e.loss = self._ds_final_loss
+            self._ds_final_loss = None
         if self._ds_outputs:
             e.outputs = self._ds_outputs[max(self._ds_outputs)]
         self._ds_total.clear()

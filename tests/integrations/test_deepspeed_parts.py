@@ -103,6 +103,7 @@ def test_the_last_stage_keeps_each_microbatchs_loss_for_its_own_backward() -> No
     want = [float(((x * 2.0) - y).pow(2).mean()) for x, y in items]
     assert e.backward_losses == [want[2], want[0], want[1]]
     assert [float(t) for t in e.fwd_outputs] == want  # (microbatch order)
+    assert float(e.loss.detach()) == want[-1]  # DeepSpeed's slot: the last microbatch's
     total = torch.zeros(())
     for k in range(m):
         total += torch.tensor(want[k])
