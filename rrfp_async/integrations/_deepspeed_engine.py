@@ -25,7 +25,8 @@ Inside, one ``_exec_schedule`` is one ``rr.DistributedStage`` step (``DeepSpeedR
   broadcasts the loss as DeepSpeed does.
 
 A schedule the drop-in cannot honour (a ``TrainSchedule`` subclass or a patched
-``TrainSchedule.steps``, as diffusion-pipe does) is refused by name; so are tensor-parallel
+``TrainSchedule.steps``, as diffusion-pipe does) is refused by name, unless ``install`` was
+given a ``hint``: then the hint is the order, whatever the schedule's own; so are tensor-parallel
 partitioned activations and topologies with a model axis (``_deepspeed_peer``), and the
 ``DualPipeVModule`` (its engine is DeepSpeed's ``DualPipeVEngine``, which ``install``
 replaces by a refusal).
@@ -167,6 +168,10 @@ class DeepSpeedRunner:
             train = True
         elif kind is ds.InferenceSchedule and steps is _STOCK_STEPS.get(ds.InferenceSchedule):
             train = False
+        elif self.options.hint is not None and issubclass(kind, ds.TrainSchedule):
+            train = True  # (the user's hint is the order: the schedule's own is not read)
+        elif self.options.hint is not None and issubclass(kind, ds.InferenceSchedule):
+            train = False
         else:
             if kind in _STOCK_STEPS:
                 by = getattr(steps, "__qualname__", repr(steps))
@@ -177,7 +182,7 @@ class DeepSpeedRunner:
                 f"{WHO}: the engine was asked to run {what}: the drop-in runs the order of"
                 " DeepSpeed's own TrainSchedule and InferenceSchedule only. Run this"
                 " schedule on DeepSpeed's PipelineEngine (rrfp_async.deepspeed.uninstall()"
-                " before deepspeed.initialize), or give install(hint=...) its order"
+                " before deepspeed.initialize), or give its order as install(hint=...)"
             )
         e = self.engine
         m = int(pipe_schedule.micro_batches)
