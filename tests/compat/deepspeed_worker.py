@@ -247,7 +247,7 @@ def error_case(case: str, out: Path) -> None:
 
     rank = torch.distributed.get_rank()
     world = torch.distributed.get_world_size()
-    rr_ds.install(step_timeout=30)
+    rr_ds.install(step_timeout=30, hint="1f1b" if case == "patched_schedule_hint" else None)
     cfg = dict(CONFIGS["base"])
     config = ds_config(cfg)
     stock_steps = ds_schedule.TrainSchedule.steps
@@ -267,7 +267,7 @@ def error_case(case: str, out: Path) -> None:
             )
         else:
             model = build(cfg)
-        if case == "patched_schedule":
+        if case in ("patched_schedule", "patched_schedule_hint"):
 
             def steps(self: Any) -> Any:  # diffusion-pipe's kind of patch
                 yield from stock_steps(self)

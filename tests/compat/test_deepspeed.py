@@ -44,7 +44,7 @@ FOUR = [
     "jitter",
     "jitter_dropout",
 ]
-ERRORS_TWO = ["patched_schedule", "dry", "gas_mismatch", "zero2"]
+ERRORS_TWO = ["patched_schedule", "patched_schedule_hint", "dry", "gas_mismatch", "zero2"]
 ERRORS_FOUR = ["tensor_parallel", "dry"]
 TOL = 1e-6
 
@@ -151,6 +151,12 @@ def test_a_patched_train_schedule_is_refused_by_name_on_every_rank(results: Path
         assert e["type"] == "PlanError", e
         assert "TrainSchedule whose steps() was replaced" in e["message"], e
         assert "uninstall()" in e["message"]
+
+
+def test_a_patched_train_schedule_runs_when_install_gives_the_order(results: Path) -> None:
+    got = _errors(results, "patched_schedule_hint")
+    assert len(got) == 2
+    assert all(e["type"] == "none" for e in got), got
 
 
 @pytest.mark.parametrize("four", [False, True])
