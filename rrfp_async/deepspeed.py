@@ -30,10 +30,10 @@ DeepSpeed is an optional dependency: importing this module does not import it.
 
 from __future__ import annotations
 
-import math
 import threading
 from typing import Any
 
+from ._check import check_real
 from ._errors import PlanError
 from ._memory import MemoryBudget, parse_memory_budgets
 from .integrations._deepspeed_engine import (
@@ -43,7 +43,7 @@ from .integrations._deepspeed_engine import (
     set_options,
 )
 from .integrations._deepspeed_peer import deepspeed_order
-from .integrations._timeouts import GROUP_TIMEOUT, StepTimeout
+from .integrations._timeouts import GROUP_TIMEOUT, StepTimeout, resolve_step_timeout
 
 __all__ = [
     "DeepSpeedOptions",
@@ -98,13 +98,12 @@ def install(
     Raises:
         PlanError: DeepSpeed is not installed, or a bad value.
     """
-    if not _positive(memory_factor, none_ok=True):
-        raise PlanError(f"memory_factor must be a number > 0, got {memory_factor!r}")
-    if not (step_timeout == GROUP_TIMEOUT or _positive(step_timeout, none_ok=True)):
-        raise PlanError(
-            "step_timeout must be seconds (a number > 0), None (no watchdog) or 'group'"
-            f" (the process group's own timeout), got {step_timeout!r}"
-        )
+    if memory_factor is not None:
+        check_real("memory_factor", memory_factor, minimum=0.0, strict_minimum=True)
+    if isinstance(step_timeout, str):
+        resolve_step_timeout(step_timeout, None)  # (only "group"; raises naming the rest)
+    elif step_timeout is not None:
+        check_real("step_timeout", step_timeout, minimum=0.0, strict_minimum=True)
     if sizes is not None and not isinstance(sizes, bool):
         raise PlanError(f"sizes must be True, False or None, got {sizes!r}")
     if memory_budget is not None and memory_factor is not None:
@@ -159,14 +158,6 @@ def installed() -> bool:
     """Whether ``install()`` is in effect."""
     with _lock:
         return bool(_saved)
-
-
-def _positive(value: object, *, none_ok: bool) -> bool:
-    if value is None:
-        return none_ok
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        return False
-    return math.isfinite(value) and value > 0
 
 
 def _refuse_dualpipev(*args: Any, **kwargs: Any) -> Any:

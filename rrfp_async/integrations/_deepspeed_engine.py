@@ -121,6 +121,7 @@ class DeepSpeedRunner:
         )
         self._learning: StepLearning | None = None
         self._learning_m = 0
+        self._flag_group: Any = None  # (gloo: the randomness flag's all-reduce)
         self.learning_off: str | None = None
         """Why the engine stopped learning after it started (None: it did not)."""
 
@@ -249,8 +250,10 @@ class DeepSpeedRunner:
         order while the fits are not ready): its batches run DeepSpeed's order
         readiness-first (forwards in microbatch order), within DeepSpeed's count of
         activations."""
+        if self._flag_group is None:  # (a CPU flag: gloo, whatever the default backend)
+            self._flag_group = dist.new_group(backend="gloo")
         flag = torch.tensor([1 if executor.drew_random else 0], dtype=torch.int64)
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self._flag_group)
         if int(flag.item()):
             self._learns = False
             self._learning = None
