@@ -460,3 +460,30 @@ def test_the_cause_sent_to_peers_leaves_out_the_state_dump_by_its_type() -> None
     assert failure_cause(e) == (
         "RuntimeError: boom [in task 1F0; state of rank 3 (a user's own note)]"
     )
+
+
+async def test_a_collectives_timeout_says_whether_the_heartbeats_could_be_read() -> None:
+    """No rank silent: "no rank's heartbeat stopped"; no answer from the board (no pulse,
+    or its store did not answer): it says the heartbeats could not be read."""
+
+    async def nobody_silent() -> list[int] | None:
+        return []
+
+    def control(silent: Any) -> ControlGroup:
+        return ControlGroup(
+            FakeCollectives(1, _as_rank0),
+            who="rank 1 (global 1)",
+            rank=1,
+            world_size=2,
+            timeout=5.0,
+            verify_plan=True,
+            agree_steps=True,
+            digest_of=lambda s: _digest(22, default=True, rank=1),
+            adopt_seed=lambda seed: None,
+            silent=silent,
+        )
+
+    read = await control(nobody_silent)._timed_out(3, "in the end-of-step agreement")
+    assert read.endswith("a rank is hung, stopped or lost (no rank's heartbeat stopped)")
+    unread = await control(None)._timed_out(3, "in the end-of-step agreement")
+    assert unread.endswith("(the job's heartbeats could not be read)")
