@@ -40,7 +40,6 @@ import warnings
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from .._errors import PlanError
 from .._memory import MemoryBudget
@@ -121,7 +120,6 @@ class DeepSpeedRunner:
         )
         self._learning: StepLearning | None = None
         self._learning_m = 0
-        self._flag_group: Any = None  # (gloo: the randomness flag's all-reduce)
         self.learning_off: str | None = None
         """Why the engine stopped learning after it started (None: it did not)."""
 
@@ -200,11 +198,12 @@ class DeepSpeedRunner:
             if learning.reads_sizes and self.layout.rank == learning.source:
                 items = executor.preload(m)  # (the sizes of the step's inputs)
             schedule = learning.schedule(items, None)  # (a collective)
+            if learning.off is not None:
+                self._stop_learning(learning.off)
         stats = stage.run_step_sync(list(range(m)), schedule=schedule, train=train)
         self.last_stats = stats
         if learning is not None:
             learning.observe(stats, True)  # (a collective on the learning group)
-            self._check_randomness(executor)
         executor.fold(m)
         if train:
             # DeepSpeed's end of a TrainSchedule, in its order, on every rank.
@@ -236,33 +235,23 @@ class DeepSpeedRunner:
                 read=item_sizes,
                 replica=replica,
                 replicas=layout.dp,
+                draws=self._executor.draws,
             )
             self._learning_m = m
         return self._learning
 
-    def _check_randomness(self, executor: DeepSpeedExecutor) -> None:
-        """After a learning batch, on every rank (one all-reduce of a flag): whether a
-        forward on any rank drew random numbers. The learned plan may run a stage's forwards
-        in another order than DeepSpeed's (heavy microbatches first), and a forward that
-        draws from the global generators (dropout) would then draw another microbatch's
-        numbers: the result would differ from DeepSpeed's, silently. So learning stops for
-        such a model, before any batch is planned by it (the first batches run DeepSpeed's
-        order while the fits are not ready): its batches run DeepSpeed's order
-        readiness-first (forwards in microbatch order), within DeepSpeed's count of
-        activations."""
-        if self._flag_group is None:  # (a CPU flag: gloo, whatever the default backend)
-            self._flag_group = dist.new_group(backend="gloo")
-        flag = torch.tensor([1 if executor.drew_random else 0], dtype=torch.int64)
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self._flag_group)
-        if int(flag.item()):
-            self._learns = False
-            self._learning = None
-            self.learning_off = (
-                "the model draws random numbers in its training forward (dropout): its"
-                " forwards keep DeepSpeed's order, so each microbatch draws what it draws"
-                " under DeepSpeed; the learned, cost-aware plan is off"
-            )
-            warnings.warn(f"{WHO}: {self.learning_off}", RuntimeWarning, stacklevel=3)
+    def _stop_learning(self, why: str) -> None:
+        """Learning stopped on every rank alike (``StepLearning.off``: the forwards drew
+        random numbers, ``_draws``' design note): this batch and the later ones run
+        DeepSpeed's order readiness-first (forwards in microbatch order), within DeepSpeed's
+        count of activations; said once."""
+        self._learns = False
+        self._learning = None
+        self.learning_off = (
+            f"{why}: its forwards keep DeepSpeed's order, so each microbatch draws what it"
+            " draws under DeepSpeed; the learned, cost-aware plan is off"
+        )
+        warnings.warn(f"{WHO}: {self.learning_off}", RuntimeWarning, stacklevel=4)
 
     @property
     def learned_bytes(self) -> LearnedBytes | None:

@@ -34,6 +34,7 @@ from .._tasks import Task
 from ..distributed import TorchStageExecutor
 from ..loop import TaskContext
 from ._deepspeed_peer import WHO
+from ._draws import DrawWatch
 
 __all__ = ["DeepSpeedExecutor"]
 
@@ -67,9 +68,9 @@ class DeepSpeedExecutor(TorchStageExecutor):
         self._ds_fwd: dict[int, list[Any]] = {}  # ... of fwd_outputs
         self._ds_outputs: dict[int, Any] = {}  # eval_batch(return_logits=True)'s outputs
         self._ds_final_loss: Any = None  # the last microbatch's loss (``engine.loss`` after)
-        self.drew_random = False
-        """Whether a training forward drew from the global random generators (dropout):
-        its state moved (see ``DeepSpeedRunner``: forwards then keep DeepSpeed's order)."""
+        self.draws = DrawWatch()
+        """The watch of the training forwards' random draws (``_draws``: where one draws,
+        learning stops and the forwards keep DeepSpeed's order)."""
         self.preloaded = 0
         """Microbatches the runner read before the step (to read their sizes), for the next
         step: its forwards read from there on."""
@@ -126,21 +127,19 @@ class DeepSpeedExecutor(TorchStageExecutor):
             e.fwd_outputs = []
             e.total_loss = None
             e.total_additional_losses = None
-            watch = self.grad_enabled and not self.drew_random
-            before = _rng_states() if watch else None
+            watch = self.draws.forward() if self.grad_enabled else contextlib.nullcontext()
             meter = self.forward_meter
             if self.grad_enabled and meter.enabled:
                 # What the forward keeps until its backward (``_activation_meter``): its
                 # saved tensors, its received input, its output (and loss) held.
                 inputs = [t for t in tensor_leaves(e.pipe_buffers["inputs"][mb]) if t.requires_grad]
-                with meter.forward(task.stage, task.mb, e.module, inputs) as m:
+                with watch, meter.forward(task.stage, task.mb, e.module, inputs) as m:
                     e._exec_forward_pass(mb)
                     held = e.loss if last else e.pipe_buffers["outputs"][mb]
                     m.hold(tensor_leaves(held))
             else:
-                e._exec_forward_pass(mb)
-            if before is not None and not _same_states(before, _rng_states()):
-                self.drew_random = True
+                with watch:
+                    e._exec_forward_pass(mb)
             if last:
                 self._ds_loss[mb] = e.loss
                 if mb == ctx.plan.microbatches - 1:
@@ -208,19 +207,6 @@ class DeepSpeedExecutor(TorchStageExecutor):
         self._ds_additional.clear()
         self._ds_fwd.clear()
         self._ds_outputs.clear()
-
-
-def _rng_states() -> list[torch.Tensor]:
-    """The global generators' states a forward may draw from: the CPU one, and the current
-    CUDA device's where CUDA is in use (DeepSpeed's CPU accelerator: the CPU one)."""
-    states = [torch.random.get_rng_state()]
-    if torch.cuda.is_available():
-        states.append(torch.cuda.get_rng_state())
-    return states
-
-
-def _same_states(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
-    return len(a) == len(b) and all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
 
 
 def _add(total: Any, share: Any) -> Any:

@@ -22,6 +22,7 @@ from .._pytree import map_tensors, tensor_leaves
 from .._tasks import Task
 from ..distributed import TorchStageExecutor
 from ..loop import TaskContext
+from ._draws import DrawWatch, megatron_tracker_states
 from ._megatron_data import Microbatch
 from ._megatron_grad_sync import MegatronCall
 from ._megatron_peer import MegatronPeer
@@ -55,6 +56,9 @@ class MegatronExecutor(TorchStageExecutor):
         )
         self.peer = peer
         self.call: MegatronCall | None = None
+        self.draws = DrawWatch(megatron_tracker_states)
+        """The watch of the training forwards' random draws (``_draws``: where one draws,
+        learning stops and the forwards keep Megatron's order)."""
         # (stage, mb) -> (input tensor, output tensor) as Megatron's schedules keep them
         self._mstash: dict[tuple[int, int], tuple[Any, Any]] = {}
 
@@ -103,7 +107,9 @@ class MegatronExecutor(TorchStageExecutor):
         store: list[Any] = []
         # As megatron's schedules call it: the interleaved one names the chunk (vp_stage).
         extra = {"vp_stage": chunk} if call.interleaved else {}
-        with torch.set_grad_enabled(call.grad_enabled), _foreign_iterator(call, task, ctx):
+        training = call.grad_enabled and not call.forward_only
+        watch = self.draws.forward() if training else contextlib.nullcontext()
+        with torch.set_grad_enabled(call.grad_enabled), _foreign_iterator(call, task, ctx), watch:
             output_tensor, num_tokens = s.forward_step(
                 call.forward_step_func,
                 mb.iterators[chunk],

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -262,6 +263,7 @@ class MegatronForwardBackward:
             plan = schedule.plan
             durations = None if self.durations is None else self.durations(plan)
             if self._learning is not None:
+                was_off = self._learning.off
                 learned = self._learning.schedule(
                     layout=layout,
                     models=models,
@@ -271,7 +273,12 @@ class MegatronForwardBackward:
                     key=(groups.key, group),
                     data=srcs[0],
                     durations=durations,
+                    draws=executor.draws,
                 )
+                if was_off is None and self.learning_off is not None:
+                    warnings.warn(
+                        f"rrfp_async.megatron: {self.learning_off}", RuntimeWarning, stacklevel=2
+                    )
             if learned is not None:
                 schedule = learned
             elif self.activation_bytes is not None:
@@ -434,6 +441,20 @@ class MegatronForwardBackward:
         """The task times learned from the run where the function learns and no
         ``durations=`` were given, after its first training call."""
         return None if self._learning is None else self._learning.learned_durations
+
+    @property
+    def learning_off(self) -> str | None:
+        """Why the function stopped learning after it started (its training forwards draw
+        random numbers, dropout: each stage's forwards then keep Megatron's order, so each
+        microbatch draws what it draws under Megatron), or None: it learns, or never
+        did."""
+        off = None if self._learning is None else self._learning.off
+        if off is None:
+            return None
+        return (
+            f"{off}: its forwards keep Megatron's order, so each microbatch draws what it"
+            " draws under Megatron; the learned, cost-aware plan is off"
+        )
 
     def measured_bytes(self) -> dict[tuple[int, int], int]:
         """The activation bytes of the last training call's forwards on this rank,

@@ -37,6 +37,13 @@ with what differs under Megatron:
   it off. What was learned
   belongs to the model chunks it was learned on: a call with other chunks (another model)
   starts afresh, as does a call after ``close()``.
+* **Randomness**: Megatron's dropout draws from the global generators (and its CUDA RNG
+  tracker's named states) in the order the forwards run, and the learned plan may run a
+  stage's forwards in another order than Megatron's. So the forwards are watched
+  (``_draws``' design note): where any rank's training forward drew, learning stops
+  before a step is planned by it, a ``RuntimeWarning`` says so once, and every call runs
+  Megatron's order readiness-first (each stage's forwards in microbatch order: each
+  microbatch draws what it draws under Megatron).
 """
 
 from __future__ import annotations
@@ -54,6 +61,7 @@ from .._tasks import StepPlan
 from ..distributed import LearnedBytes, LearnedDurations, ProcessLayout, TorchStageExecutor
 from ..loop import StepStats
 from ..policies import StepSchedule
+from ._draws import DrawWatch
 from ._megatron_data import InOrder
 from ._torch_learning import StepLearning, item_sizes
 
@@ -133,6 +141,7 @@ class MegatronLearning:
         key: Any,
         data: InOrder,
         durations: Durations | None,
+        draws: DrawWatch | None = None,
     ) -> StepSchedule | None:
         """This training call's schedule (a collective on every rank), or None where the
         drop-in does not learn (interleaved chunks over data-parallel replicas).
@@ -146,6 +155,7 @@ class MegatronLearning:
             key: What else the fixed order depends on (the call's groups, its group size).
             data: The first chunk's data iterator, read in microbatch order.
             durations: The declared durations of the step, if any.
+            draws: The watch of the training forwards' random draws (``_draws``), if any.
         """
         if layout.dp != 1 and plan.topology.chunks > 1:
             if self._budget is not None:
@@ -175,6 +185,7 @@ class MegatronLearning:
                 read=item_sizes,
                 replica=replica,
                 replicas=layout.dp,
+                draws=draws,
             )
             self._key = full
         learning = self._learning
@@ -184,7 +195,13 @@ class MegatronLearning:
             # A dry iterator gives no sizes (the forward that finds it dry raises).
             with contextlib.suppress(PlanError):
                 items = data.peek(m)
-        return learning.schedule(items, durations)
+        got = learning.schedule(items, durations)
+        return None if learning.off is not None else got
+
+    @property
+    def off(self) -> str | None:
+        """Why learning stopped (the forwards drew random numbers), or None."""
+        return None if self._learning is None else self._learning.off
 
     def observe(self, stats: StepStats) -> None:
         """After a training call: exchange and fit what it measured (a collective)."""

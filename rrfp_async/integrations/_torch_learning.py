@@ -59,6 +59,11 @@ targets to the last, keyword inputs to every stage.
   choice of memory (``activation_bytes=``, ``memory_factor=``) or of order (a ``hint=``;
   ``policy="strict"`` without a hint keeps torch's fixed order, bit for bit) unless a
   ``memory_budget=`` asks for bytes. ``sizes=False`` switches it off.
+* **Randomness** (the drop-ins that keep the peer's random draws: ``draws=``, see
+  ``_draws``). Each rank's flag (did a training forward draw?) rides in the sizes
+  collective, which then is an all-reduce on every rank (each rank adds its flag to an
+  extra row); where any rank's forwards drew, learning stops on every rank alike before the
+  step is planned: ``off`` says why, and every later step runs the fixed order.
 
 Costs on the step's path: the broadcast (one small gloo collective before each step), the
 prediction and the plan's build, and on the steps it learns from the meter's hooks on
@@ -86,6 +91,7 @@ from .._tasks import StepPlan, Task
 from ..distributed import LearnedBytes, LearnedDurations, TorchStageExecutor
 from ..loop import StepStats
 from ..policies import StepSchedule
+from ._draws import DrawWatch
 from ._torch_step_inputs import Chunk
 
 __all__ = ["SLOTS", "SizesFn", "StepLearning", "chunk_sizes", "item_sizes"]
@@ -165,6 +171,9 @@ class StepLearning:
         replica: With auto learning, this rank's data-parallel replica (``source`` is the
             rank of stage 0 of that replica's pipeline).
         replicas: The job's data-parallel replicas (the design note: "Data parallelism").
+        draws: With auto learning, the watch of this rank's training forwards (the design
+            note: "Randomness"), or None where the forwards' draws do not depend on their
+            order (per-task random streams).
     """
 
     def __init__(
@@ -182,9 +191,16 @@ class StepLearning:
         read: Callable[[Any], list[float]] = chunk_sizes,
         replica: int = 0,
         replicas: int = 1,
+        draws: DrawWatch | None = None,
     ) -> None:
         if not 0 <= replica < replicas:
             raise PlanError(f"replica {replica} of {replicas}: 0 <= replica < replicas")
+        if draws is not None and sizes is not None:
+            raise PlanError("draws= needs auto learning (its flag rides in the sizes' collective)")
+        self._draws = draws
+        if draws is not None:
+            draws.on = True  # (this learning owns the watch now)
+        self._off: str | None = None
         self._replica, self._replicas = replica, replicas
         self._measure_all = measure_all
         self._fn = sizes
@@ -232,6 +248,12 @@ class StepLearning:
         return self._reading
 
     @property
+    def off(self) -> str | None:
+        """Why learning stopped (the forwards drew random numbers: the design note's
+        "Randomness"), or None while it is on; the same on every rank."""
+        return self._off
+
+    @property
     def learned_bytes(self) -> LearnedBytes | None:
         """The bytes learned so far (None before the first step)."""
         return self._bytes
@@ -266,8 +288,13 @@ class StepLearning:
                 )
             return [dict(f) for f in got]
         m = len(chunks)
-        table = torch.zeros((self._replicas * m, SLOTS + 1), dtype=torch.float64)
+        watch = self._draws
+        # (the last row: the ranks whose forwards drew, where they are watched)
+        rows_n = self._replicas * m + (watch is not None)
+        table = torch.zeros((rows_n, SLOTS + 1), dtype=torch.float64)
         mine = table[self._replica * m : (self._replica + 1) * m]
+        if watch is not None and watch.drew:
+            table[-1, 0] = 1.0
         if dist.get_rank() == self._source:
             try:
                 rows = [self._reader(c) for c in chunks]
@@ -283,13 +310,25 @@ class StepLearning:
             if any(any(r) for r in rows):
                 mine[:, 0] = 1.0
                 mine[:, 1:] = torch.tensor(rows, dtype=torch.float64)
-        if self._replicas == 1:
+        if self._replicas == 1 and watch is None:
             dist.broadcast(table, src=self._source, group=self._group)
         else:  # each replica's rows come from its source alone (the others add zeros)
             dist.all_reduce(table, group=self._group)
+        if watch is not None:
+            if table[-1, 0] > 0:
+                self._stop("the model draws random numbers in its training forward (dropout)")
+                return None
+            table = table[:-1]
         if not bool(table[:, 0].all()):
             return None
         return [dict(zip(_NAMES, row[1:], strict=True)) for row in table.tolist()]
+
+    def _stop(self, why: str) -> None:
+        """Stop learning for good, on every rank alike (the same collective seen)."""
+        self._off = why
+        self._reading = False
+        if self._draws is not None:
+            self._draws.on = False
 
     def schedule(self, chunks: Sequence[Any], durations: Durations | None) -> StepSchedule:
         """The schedule of a step of ``chunks`` (on every rank; the first call is a
@@ -303,10 +342,12 @@ class StepLearning:
         self._steps += 1
         # (every replica's sizes: the choices below are the same on every rank of the job)
         if every is None or (self.auto and self._budget is None and _uniform(every)):
-            if self.auto and self._budget is None and self._varying == 0:
+            if self.auto and self._budget is None and self._varying == 0 and self._off is None:
                 # Steps of one size from the start (torch's chunking of one batch): stop
                 # reading sizes, the same choice on every rank (the same broadcasts seen).
                 self._reading = self._steps < UNIFORM_START
+                if not self._reading and self._draws is not None:
+                    self._draws.on = False  # (the fixed order from now on: nothing to watch)
             self._sizes = None
             self._executor.measure_activations(self._measure_all)
             return count if durations is None else count.with_durations(durations)

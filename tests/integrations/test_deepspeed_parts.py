@@ -173,7 +173,7 @@ def test_a_forward_that_draws_random_numbers_is_seen() -> None:
         ctx = _ctx(2)
         ex.begin_step(ctx, previous=None, failed=False)
         ex._dforward(Task(1, "F", 0), torch.ones(3), ctx)
-        assert not ex.drew_random
+        assert not ex.draws.drew
         plain = e._exec_forward_pass
 
         def drawing(k: int) -> None:  # a forward with dropout: it draws from the generator
@@ -182,7 +182,7 @@ def test_a_forward_that_draws_random_numbers_is_seen() -> None:
 
         e._exec_forward_pass = drawing  # type: ignore[method-assign]
         ex._dforward(Task(1, "F", 1), torch.ones(3), ctx)
-        assert ex.drew_random
+        assert ex.draws.drew
     finally:
         ex.close()
 

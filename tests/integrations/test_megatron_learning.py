@@ -67,11 +67,13 @@ class _Reads:
         return item
 
 
-def _forward_step(log: list[str]) -> Any:
+def _forward_step(log: list[str], dropout: float = 0.0) -> Any:
     def forward_step(data_iterator: Any, model: Any) -> Any:
         _, x, y, mask = next(data_iterator)
         log.append("forward")
         out = model(x)
+        if dropout:  # (draws from the global generator in the order the forwards run)
+            out = torch.nn.functional.dropout(out, dropout, training=True)
 
         def loss_func(out: torch.Tensor) -> Any:
             loss = (((out - y) ** 2).sum(-1) * mask).sum()
@@ -83,7 +85,9 @@ def _forward_step(log: list[str]) -> Any:
     return forward_step
 
 
-def _worker(rank: int, world: int, vp: int | None, uniform: bool, pp: int = 2) -> dict[str, Any]:
+def _worker(
+    rank: int, world: int, vp: int | None, uniform: bool, pp: int = 2, dropout: float = 0.0
+) -> dict[str, Any]:
     from tests.integrations import megatron_cpu
 
     megatron_cpu.install()
@@ -107,6 +111,7 @@ def _worker(rank: int, world: int, vp: int | None, uniform: bool, pp: int = 2) -
     fb = rr_fb(step_timeout=60, measure_activations=True)
     meg = mod.get_forward_backward_func()
     steps: list[dict[str, Any]] = []
+    caught: list[str] = []
     for step in range(STEPS):
         data = _data(step, uniform, replica)
         got: dict[str, Any] = {}
@@ -115,15 +120,19 @@ def _worker(rank: int, world: int, vp: int | None, uniform: bool, pp: int = 2) -
                 mdl.zero_grad(set_to_none=True)
             log: list[str] = []
             its: Any = [_Reads(data, log) for _ in models] if vp else _Reads(data, log)
-            losses = f(
-                forward_step_func=_forward_step(log),
-                data_iterator=its,
-                model=models if vp else models[0],
-                num_microbatches=M,
-                seq_length=12,
-                micro_batch_size=mc.B,
-                forward_only=False,
-            )
+            torch.manual_seed(100 + step)  # (both schedules start from the same state)
+            with warnings.catch_warnings(record=True) as w:
+                warnings.simplefilter("always", RuntimeWarning)
+                losses = f(
+                    forward_step_func=_forward_step(log, dropout),
+                    data_iterator=its,
+                    model=models if vp else models[0],
+                    num_microbatches=M,
+                    seq_length=12,
+                    micro_batch_size=mc.B,
+                    forward_only=False,
+                )
+            caught += [str(x.message) for x in w if issubclass(x.category, RuntimeWarning)]
             got[name] = {
                 "losses": [d["lm loss"] for d in losses],
                 "grads": [p.grad.clone() for mdl in models for p in mdl.parameters()],
@@ -147,9 +156,16 @@ def _worker(rank: int, world: int, vp: int | None, uniform: bool, pp: int = 2) -
                 "order": [(t.task.kind, t.task.stage, t.task.mb) for t in stats.executed],
             }
         )
+    off = fb.learning_off
     fb.close()
     ps.destroy_model_parallel()
-    return {"rank": pp_rank, "replica": replica, "steps": steps}
+    return {
+        "rank": pp_rank,
+        "replica": replica,
+        "steps": steps,
+        "learning_off": off,
+        "warnings": [c for c in caught if "rrfp_async" in c],
+    }
 
 
 def _close(a: torch.Tensor, b: torch.Tensor, where: Any) -> None:
@@ -196,7 +212,39 @@ def test_variable_lengths_are_learned_and_planned_within_megatrons_bytes(vp: int
         log = steps[-1]["ours"]["log"]
         if r["rank"] == 0:
             assert log[: M + 1] == ["next"] * M + ["forward"], log
+        # A model that draws no random numbers learns on (nothing said), and its learned
+        # plans run the first stage's forwards out of microbatch order.
+        assert r["learning_off"] is None and not r["warnings"], r
+        if r["rank"] == 0:
+            reordered = [
+                i
+                for i, s in enumerate(steps)
+                if _forwards(s["order"]) != sorted(_forwards(s["order"]), key=lambda t: t[1])
+            ]
+            assert reordered, "no learned plan reordered the forwards"
     assert fitted_steps >= 2 * (STEPS - 3), fitted_steps
+
+
+def _forwards(order: list[tuple[str, int, int]]) -> list[tuple[int, int]]:
+    return [(v, m) for k, v, m in order if k == "F"]
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(600)
+def test_a_model_with_dropout_keeps_megatrons_forward_order_and_its_draws() -> None:
+    # The learned plan runs heavy microbatches first; a forward that draws (dropout) would
+    # then take another microbatch's mask: a result unlike megatron's, with no error. The
+    # watch stops learning before any call is planned by it, and says so once.
+    res = pooled_spawn(_worker, 2, None, False, 2, 0.2, timeout=560)
+    _check_same_results(res)
+    for r in res:
+        assert r["learning_off"] is not None and "dropout" in r["learning_off"], r
+        assert "Megatron's order" in r["learning_off"], r["learning_off"]
+        assert len(r["warnings"]) == 1 and "dropout" in r["warnings"][0], r["warnings"]
+        for i, s in enumerate(r["steps"]):
+            assert s["hint"].startswith("megatron") and s["budget"] is None, (r["rank"], i)
+            fs = _forwards(s["order"])
+            assert fs == sorted(fs, key=lambda t: t[1]), (r["rank"], i, fs)
 
 
 @pytest.mark.distributed
