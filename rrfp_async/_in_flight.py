@@ -20,12 +20,29 @@ after the drain waits for a peer that hangs (a stopped rank keeps a collective p
 peer's later end fails it while the interpreter finalizes, or in the C exit handlers
 (SIGSEGV). A program that ends with an uncaught exception (status 1) then ends at once with
 that status, its output flushed (``_exit``); any other leaves its exit as it is.
+
+Design note: the works a failed step left are never freed at exit
+------------------------------------------------------------------
+After the callback, gloo's thread drops its reference to the operation's ``Work``; where
+that is the last one, it frees the ``Work`` and the tensors in it, whose Python objects then
+need the GIL. The settle above gives it :data:`_SETTLE_S` for that, which a loaded machine
+can outlast (seen once in a fault campaign: a ``HANG`` victim's peer ended by SIGABRT, the
+core showing gloo's ``runLoop`` in ``~AsyncAllgatherWork`` asking for the GIL while
+``Py_FinalizeEx`` ran). So :func:`track` keeps a reference to each ``Work`` it counts (a step's
+agreement: a row of integers): gloo's thread never holds the last one. A later ``track``
+lets go of the works it found complete the time before (the job is running then: any thread
+may free them); at exit the ones still kept are kept for good (their list is never freed:
+the process ends without freeing them). A work that is awaited (``_bridges.work_future``)
+is not kept: its awaiter holds it, and keeping every one would hold the tensors of a step's
+last messages into the next step; one whose awaiter gave up (a timed-out wait) is freed on
+gloo's thread within the settle, as before.
 """
 
 from __future__ import annotations
 
 import atexit
 import contextlib
+import ctypes
 import logging
 import os
 import sys
@@ -36,7 +53,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["EXIT_DRAIN_S", "IN_FLIGHT", "InFlight", "exit_risks", "in_flight", "track"]
+__all__ = ["EXIT_DRAIN_S", "IN_FLIGHT", "KEPT", "InFlight", "exit_risks", "in_flight", "track"]
 
 EXIT_DRAIN_S = 5.0
 """The longest the interpreter's exit waits, in all, for torch futures whose callback has not
@@ -107,17 +124,64 @@ def in_flight() -> tuple[int, int]:
     return IN_FLIGHT.counts()
 
 
+class _Kept:
+    """The works ``track`` counted, each kept until a later ``track`` has seen it complete
+    twice (the second design note): gloo's thread never drops the last reference."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._works: list[Any] = []  # still running, or complete since the last look
+        self._seen: list[Any] = []  # complete at the last look: let go at the next
+
+    def _after_fork(self) -> None:
+        self._lock = threading.Lock()
+        self._works, self._seen = [], []
+
+    def add(self, work: Any) -> None:
+        """Keep ``work``; let go of those found complete the time before."""
+        with self._lock:
+            done = [w for w in self._works if _completed(w)]
+            gone = {id(w) for w in done}
+            self._works = [w for w in self._works if id(w) not in gone]
+            self._seen = done  # (those seen complete the time before: let go)
+            self._works.append(work)
+
+    def kept(self) -> int:
+        """How many works are kept."""
+        with self._lock:
+            return len(self._works) + len(self._seen)
+
+    def for_good(self) -> None:
+        """At exit: keep what is kept until the process ends (never freed)."""
+        with self._lock:
+            _FOREVER.append((self._works, self._seen))
+        ctypes.pythonapi.Py_IncRef(ctypes.py_object(_FOREVER))
+
+
+def _completed(work: Any) -> bool:
+    try:
+        return bool(work.is_completed())
+    except Exception:  # (a work of another kind: kept until the exit)
+        return False
+
+
+_FOREVER: list[Any] = []
+KEPT = _Kept()
+
+
 def track(work: Any) -> None:
     """Count a posted collective as in flight until it completes, though nothing awaits it
-    (a failed step's agreement, posted for the peers): the program's exit waits for it (see
-    the module's design). gloo point-to-point ``Work`` has no future and is not counted:
-    its waits run on threads that are (``run_blocking``)."""
+    (a failed step's agreement, posted for the peers): the program's exit waits for it, and
+    it is kept alive until well after it completed (see the module's design notes). gloo
+    point-to-point ``Work`` has no future and is not counted: its waits run on threads that
+    are (``run_blocking``)."""
     try:
         fut = work.get_future()
     except (RuntimeError, NotImplementedError):
         return
     if fut.done():
         return
+    KEPT.add(work)
     IN_FLIGHT.add(future=True)
     fut.add_done_callback(_Count())
 
@@ -136,6 +200,7 @@ class _Count:
 
 if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=IN_FLIGHT._after_fork)
+    os.register_at_fork(after_in_child=KEPT._after_fork)
 exit_risks: list[Callable[[], bool]] = []
 """Other parts' answers to "is a thread of mine still blocked in torch's C++?" at exit (the
 channel's threads left behind: ``channels._strays``)."""
@@ -150,6 +215,7 @@ def _exit() -> None:
     ends here with that status instead, its output flushed: the error was printed, and the
     status stays the program's own."""
     done = IN_FLIGHT.drain()
+    KEPT.for_good()
     if done and not any(risk() for risk in exit_risks):
         return
     last = getattr(sys, "last_value", None)  # the uncaught exception that ends the program
