@@ -11,8 +11,9 @@ forward that draws (dropout) would then take another microbatch's numbers, and t
 would differ from the peer's with no error. So the drop-ins watch their training forwards:
 the generators' states before and after each (the CPU one, the current CUDA device's once
 CUDA is in use, and any the peer keeps of its own: Megatron's CUDA RNG tracker's named
-states), until one moves. ``StepLearning`` folds the flag into the next step's sizes
-collective (no collective of its own) and, where any rank's forwards drew, stops planning:
+states), until one moves. ``StepLearning`` all-reduces the flag before the next step's
+sizes (one small collective while it reads sizes) and, where any rank's forwards drew, stops
+planning:
 every later step runs the peer's order, a ``RuntimeWarning`` says why once, and the
 drop-in's ``learning_off`` names the reason. The first steps of a job run the peer's order
 anyway (nothing is fitted yet), so a model that draws from its first forward never runs a

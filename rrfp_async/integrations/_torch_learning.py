@@ -60,10 +60,12 @@ targets to the last, keyword inputs to every stage.
   ``policy="strict"`` without a hint keeps torch's fixed order, bit for bit) unless a
   ``memory_budget=`` asks for bytes. ``sizes=False`` switches it off.
 * **Randomness** (the drop-ins that keep the peer's random draws: ``draws=``, see
-  ``_draws``). Each rank's flag (did a training forward draw?) rides in the sizes
-  collective, which then is an all-reduce on every rank (each rank adds its flag to an
-  extra row); where any rank's forwards drew, learning stops on every rank alike before the
-  step is planned: ``off`` says why, and every later step runs the fixed order.
+  ``_draws``). Before the sizes, one all-reduce (MAX) of three numbers on the learning
+  group: each rank's flag (did a training forward draw?) and its step's microbatch count
+  (and its negative: ranks that disagree skip the sizes, whose tables would differ in size,
+  and the step's plan check names the mistake). Where any rank's forwards drew, learning
+  stops on every rank alike before the step is planned: ``off`` says why, and every later
+  step runs the fixed order (nothing more is read or exchanged).
 
 Costs on the step's path: the broadcast (one small gloo collective before each step), the
 prediction and the plan's build, and on the steps it learns from the meter's hooks on
@@ -196,7 +198,7 @@ class StepLearning:
         if not 0 <= replica < replicas:
             raise PlanError(f"replica {replica} of {replicas}: 0 <= replica < replicas")
         if draws is not None and sizes is not None:
-            raise PlanError("draws= needs auto learning (its flag rides in the sizes' collective)")
+            raise PlanError("draws= needs auto learning (its flag is exchanged where sizes are read)")
         self._draws = draws
         if draws is not None:
             draws.on = True  # (this learning owns the watch now)
@@ -289,12 +291,19 @@ class StepLearning:
             return [dict(f) for f in got]
         m = len(chunks)
         watch = self._draws
-        # (the last row: the ranks whose forwards drew, where they are watched)
-        rows_n = self._replicas * m + (watch is not None)
-        table = torch.zeros((rows_n, SLOTS + 1), dtype=torch.float64)
+        if watch is not None:
+            # Whether any rank's forwards drew, and the step's microbatches on every rank:
+            # fixed-size, so that ranks that disagree (a plan check will say so) do not
+            # exchange tables of different sizes.
+            head = torch.tensor([1.0 if watch.drew else 0.0, m, -m], dtype=torch.float64)
+            dist.all_reduce(head, op=dist.ReduceOp.MAX, group=self._group)
+            if head[0] > 0:
+                self._stop("the model draws random numbers in its training forward (dropout)")
+                return None
+            if head[1] != -head[2]:
+                return None  # (the step's plan check fails on every rank)
+        table = torch.zeros((self._replicas * m, SLOTS + 1), dtype=torch.float64)
         mine = table[self._replica * m : (self._replica + 1) * m]
-        if watch is not None and watch.drew:
-            table[-1, 0] = 1.0
         if dist.get_rank() == self._source:
             try:
                 rows = [self._reader(c) for c in chunks]
@@ -310,15 +319,10 @@ class StepLearning:
             if any(any(r) for r in rows):
                 mine[:, 0] = 1.0
                 mine[:, 1:] = torch.tensor(rows, dtype=torch.float64)
-        if self._replicas == 1 and watch is None:
+        if self._replicas == 1:
             dist.broadcast(table, src=self._source, group=self._group)
         else:  # each replica's rows come from its source alone (the others add zeros)
             dist.all_reduce(table, group=self._group)
-        if watch is not None:
-            if table[-1, 0] > 0:
-                self._stop("the model draws random numbers in its training forward (dropout)")
-                return None
-            table = table[:-1]
         if not bool(table[:, 0].all()):
             return None
         return [dict(zip(_NAMES, row[1:], strict=True)) for row in table.tolist()]
