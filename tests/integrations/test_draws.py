@@ -138,3 +138,40 @@ def test_one_ranks_draw_stops_learning_on_every_rank_before_the_next_step() -> N
         assert all(o is not None and "dropout" in o for o in offs[2:]), r
         assert r["reading"][2:] == [False] * 4, r  # (no collective any more)
         assert not r["watch_on"], r
+
+
+def _mismatch_worker(rank: int, world: int) -> list[int]:
+    """Rank 1 plans 3 microbatches where the others plan 4 (a mismatched configuration):
+    the flag's exchange is fixed-size, and the sizes' is skipped on every rank."""
+    m = 3 if rank == 1 else 4
+    plan = StepPlan(topology=Topology(stages=world), microbatches=m)
+    ex = TorchStageExecutor({rank: torch.nn.Linear(2, 2)}, None, task_rng=False)
+    learning = StepLearning(
+        None,
+        ex,
+        plan=plan,
+        hint="breadth_first_weighted",
+        memory_budget=None,
+        learn_costs=False,
+        source=0,
+        fixed="1f1b",
+        read=item_sizes,
+        draws=DrawWatch(),
+    )
+    got = []
+    try:
+        for step in range(2):
+            items = [torch.zeros(2 + 3 * i + step, 2) for i in range(m)]
+            sched = learning.schedule(items if rank == 0 else [None] * m, None)
+            got.append(sched.plan.microbatches)
+    finally:
+        ex.close()
+    return got
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(120)
+def test_ranks_that_disagree_on_the_microbatches_do_not_exchange_tables_of_other_sizes() -> None:
+    # (red with the sizes exchanged anyway: gloo aborts the process on the size mismatch)
+    res = pooled_spawn(_mismatch_worker, 2, timeout=100)
+    assert res == [[4, 4], [3, 3]]
