@@ -198,7 +198,7 @@ class StepLearning:
         if not 0 <= replica < replicas:
             raise PlanError(f"replica {replica} of {replicas}: 0 <= replica < replicas")
         if draws is not None and sizes is not None:
-            raise PlanError("draws= needs auto learning (its flag is exchanged where sizes are read)")
+            raise PlanError("draws= needs auto learning (the flag goes where sizes are read)")
         self._draws = draws
         if draws is not None:
             draws.on = True  # (this learning owns the watch now)
