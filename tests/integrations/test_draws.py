@@ -93,12 +93,13 @@ def test_draws_need_auto_learning() -> None:
         ex.close()
 
 
-def _learning_worker(rank: int, world: int, drawer: int) -> dict[str, Any]:
-    """Each rank's learning of 6 steps of varying sizes; rank ``drawer``'s forwards draw
-    (its watch sees it at step 1), the others' do not."""
-    plan = StepPlan(topology=Topology(stages=world), microbatches=4)
+def _learning(
+    rank: int, world: int, m: int, watch: DrawWatch
+) -> tuple[TorchStageExecutor, StepLearning]:
+    """This rank's executor and auto learning of ``m``-microbatch steps (stage 0 reads the
+    sizes), its forwards watched by ``watch``."""
+    plan = StepPlan(topology=Topology(stages=world), microbatches=m)
     ex = TorchStageExecutor({rank: torch.nn.Linear(2, 2)}, None, task_rng=False)
-    watch = DrawWatch()
     learning = StepLearning(
         None,
         ex,
@@ -111,6 +112,14 @@ def _learning_worker(rank: int, world: int, drawer: int) -> dict[str, Any]:
         read=item_sizes,
         draws=watch,
     )
+    return ex, learning
+
+
+def _learning_worker(rank: int, world: int, drawer: int) -> dict[str, Any]:
+    """Each rank's learning of 6 steps of varying sizes; rank ``drawer``'s forwards draw
+    (its watch sees it at step 1), the others' do not."""
+    watch = DrawWatch()
+    ex, learning = _learning(rank, world, 4, watch)
     offs: list[str | None] = []
     reading: list[bool] = []
     try:
@@ -144,20 +153,7 @@ def _mismatch_worker(rank: int, world: int) -> list[int]:
     """Rank 1 plans 3 microbatches where the others plan 4 (a mismatched configuration):
     the flag's exchange is fixed-size, and the sizes' is skipped on every rank."""
     m = 3 if rank == 1 else 4
-    plan = StepPlan(topology=Topology(stages=world), microbatches=m)
-    ex = TorchStageExecutor({rank: torch.nn.Linear(2, 2)}, None, task_rng=False)
-    learning = StepLearning(
-        None,
-        ex,
-        plan=plan,
-        hint="breadth_first_weighted",
-        memory_budget=None,
-        learn_costs=False,
-        source=0,
-        fixed="1f1b",
-        read=item_sizes,
-        draws=DrawWatch(),
-    )
+    ex, learning = _learning(rank, world, m, DrawWatch())
     got = []
     try:
         for step in range(2):
