@@ -13,14 +13,14 @@ the generators' states before and after each (the CPU one, the current CUDA devi
 CUDA is in use, and any the peer keeps of its own: Megatron's CUDA RNG tracker's named
 states), until one moves. ``StepLearning`` all-reduces the flag before the next step's
 sizes (one small collective while it reads sizes) and, where any rank's forwards drew, stops
-planning:
-every later step runs the peer's order, a ``RuntimeWarning`` says why once, and the
-drop-in's ``learning_off`` names the reason. The first steps of a job run the peer's order
+planning: every later step runs the peer's order, a ``RuntimeWarning`` says why once, and
+the drop-in's ``learning_off`` names the reason. The first steps of a job run the peer's order
 anyway (nothing is fitted yet), so a model that draws from its first forward never runs a
 learned plan; one that starts drawing later runs learned plans until the step after.
 
-Price: one copy of the CPU generator's state (5 KB) before and after each training forward,
-and only until a draw is seen or learning is off; nothing once the watch has seen a draw.
+Price: one copy of the CPU generator's state (5 KB) before and after each training forward
+and the small all-reduce before each step whose sizes are read, while learning is on; a job
+whose steps are of one size stops reading sizes, and watching, after its first two.
 """
 
 from __future__ import annotations
