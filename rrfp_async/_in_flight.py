@@ -155,7 +155,9 @@ class _Kept:
         """At exit: keep what is kept until the process ends (never freed)."""
         with self._lock:
             _FOREVER.append((self._works, self._seen))
-        ctypes.pythonapi.Py_IncRef(ctypes.py_object(_FOREVER))
+        # One reference more than anything holds: the list outlives the interpreter's
+        # teardown (CPython: an object's id is its address).
+        ctypes.pythonapi.Py_IncRef(ctypes.c_void_p(id(_FOREVER)))
 
 
 def _completed(work: Any) -> bool:
