@@ -98,7 +98,7 @@ def _digest(seed: int, *, default: bool, rank: int = 0) -> PlanDigest:
 
 
 def _control(
-    comm: FakeCollectives, *, seed: int = 22
+    comm: FakeCollectives, *, seed: int = 22, silent: Any = None
 ) -> tuple[ControlGroup, list[int], list[tuple[int, BaseException]]]:
     adopted: list[int] = []
     aborted: list[tuple[int, BaseException]] = []
@@ -112,6 +112,7 @@ def _control(
         agree_steps=True,
         digest_of=lambda s: _digest(seed, default=True, rank=1),
         adopt_seed=adopted.append,
+        silent=silent,
     )
     return control, adopted, aborted
 
@@ -470,18 +471,7 @@ async def test_a_collectives_timeout_says_whether_the_heartbeats_could_be_read()
         return []
 
     def control(silent: Any) -> ControlGroup:
-        return ControlGroup(
-            FakeCollectives(1, _as_rank0),
-            who="rank 1 (global 1)",
-            rank=1,
-            world_size=2,
-            timeout=5.0,
-            verify_plan=True,
-            agree_steps=True,
-            digest_of=lambda s: _digest(22, default=True, rank=1),
-            adopt_seed=lambda seed: None,
-            silent=silent,
-        )
+        return _control(FakeCollectives(1, _as_rank0), silent=silent)[0]
 
     read = await control(nobody_silent)._timed_out(3, "in the end-of-step agreement")
     assert read.endswith("a rank is hung, stopped or lost (no rank's heartbeat stopped)")
